@@ -1,0 +1,123 @@
+"""The attention backend interface, backend selection and the per-step forward context.
+
+The model's attention layers do not receive metadata as arguments: the model runner sets a
+forward context once per step and each layer fetches it, which keeps the model's `forward`
+signature identical to a plain decoder's (`input_ids`, `positions`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend:
+    """Stores new K/V into the paged cache and attends through block tables.
+
+    `copy_blocks` and `swap_blocks` are plain torch here: an indexed copy is a single
+    memory-bound launch per tensor, already as fast as a custom kernel, on every device.
+    """
+
+    name: str = "base"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                meta: AttentionMetadata, scale: float) -> Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v at meta.slot_mapping."""
+        raise NotImplementedError
+
+    def copy_blocks(self, kv_caches: list[tuple[Tensor, Tensor]], src_dst: Tensor) -> None:
+        """Copy whole blocks within each layer's caches (copy-on-write). src_dst: [N, 2]."""
+        if src_dst.numel() == 0:
+            return
+        src_dst = src_dst.to(device=kv_caches[0][0].device, dtype=torch.long)
+        src, dst = src_dst[:, 0], src_dst[:, 1]
+        for k_cache, v_cache in kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    def swap_blocks(self, src: Tensor, dst: Tensor, src_to_dst: Tensor) -> None:
+        """Copy blocks between two caches, e.g. GPU <-> pinned CPU memory for preemption.
+
+        The gather happens on the source device and the scatter on the destination, so only
+        the selected blocks cross the bus.
+        """
+        if src_to_dst.numel() == 0:
+            return
+        src_to_dst = src_to_dst.to(torch.long)
+        src_ids = src_to_dst[:, 0].to(src.device)
+        dst_ids = src_to_dst[:, 1].to(dst.device)
+        blocks = src.index_select(0, src_ids)
+        dst.index_copy_(0, dst_ids, blocks.to(dst.device, non_blocking=blocks.is_pinned()))
+
+
+def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
+    """None/"auto" picks "triton" on CUDA and "torch" elsewhere.
+
+    "triton" on a CPU device runs the kernels under the Triton interpreter; TRITON_INTERPRET
+    must be set before triton compiles the kernels, so it is set here when the kernels have
+    not been imported yet.
+    """
+    device = torch.device(device)
+    if name in (None, "auto"):
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from pagedserve.attention.torch_ref import TorchRefBackend
+
+        return TorchRefBackend()
+    if name == "triton":
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"the triton attention backend does not run on {device.type}")
+        if device.type == "cpu":
+            _require_interpreter()
+        from pagedserve.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")
+
+
+def _require_interpreter() -> None:
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if any(m.startswith("pagedserve.attention.kernels") for m in sys.modules):
+        raise RuntimeError("the triton backend on CPU needs TRITON_INTERPRET=1 set before "
+                           "pagedserve.attention.kernels is imported")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+@dataclass
+class ForwardContext:
+    """What an attention layer needs for the current step besides its own KV cache."""
+
+    meta: AttentionMetadata
+    backend: AttentionBackend
+
+
+_forward_context: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(meta: AttentionMetadata,
+                        backend: AttentionBackend) -> Iterator[ForwardContext]:
+    """Make `meta` and `backend` visible to attention layers for one forward step."""
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(meta, backend)
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("no forward context: call the model inside set_forward_context()")
+    return _forward_context
