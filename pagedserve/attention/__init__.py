@@ -1,0 +1,1 @@
+"""Paged attention: metadata, backends (PyTorch reference, Triton) and the forward context."""
