@@ -1,0 +1,203 @@
+"""Per-request block tables on top of the block pool, with automatic prefix caching.
+
+The request is duck-typed: `.request_id`, `.all_token_ids` (prompt + output, growing),
+`.num_tokens`, `.num_computed_tokens`, and optionally `.cache_salt` and `.lora_id`.
+
+Extra hash keys: `lora_id` goes into every block (KV computed under another adapter differs
+everywhere); `cache_salt` only into block 0, because the chain carries it to every later
+block anyway. A request's block hashes are kept and extended incrementally, so a decode step
+hashes at most the one block that just filled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.core.block_pool import BlockPool, KVCacheBlock
+from pagedserve.core.hashing import BlockHash, get_hash_fn
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups, in tokens: `queries` looked up, `hits` found cached."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def reset(self) -> None:
+        self.requests = self.queries = self.hits = 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates and frees a request's blocks; the scheduler's only view of KV memory."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hash_algo: str = "sha256", log_stats: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.block_pool = BlockPool(num_blocks, enable_caching, get_hash_fn(hash_algo))
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def _block_hashes(self, request: Any, num_blocks: int) -> list[BlockHash]:
+        """The request's hashes, extended to cover its first `num_blocks` full blocks."""
+        hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
+        if len(hashes) >= num_blocks:
+            return hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        lora_id = getattr(request, "lora_id", None)
+        salt = getattr(request, "cache_salt", None)
+        hash_fn = self.block_pool.hash_fn
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            if i == 0:
+                extra = (lora_id, salt) if lora_id is not None or salt is not None else None
+            else:
+                extra = (lora_id,) if lora_id is not None else None
+            parent = hash_fn(parent, tokens[i * bs:(i + 1) * bs], extra)
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Any) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, in full blocks, as (blocks, num_tokens).
+
+        At most (num_tokens - 1) tokens are reused: the last prompt token must be computed
+        to get logits. Stops at the first miss (a later block cannot match without its parent).
+        """
+        if not self.enable_caching:
+            return [], 0
+        num_tokens = request.num_tokens
+        max_blocks = (num_tokens - 1) // self.block_size
+        hashes = self.req_to_block_hashes.get(request.request_id, [])
+        computed: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            if i >= len(hashes):
+                hashes = self._block_hashes(request, i + 1)
+            block = self.block_pool.get_cached_block(hashes[i])
+            if block is None:
+                break
+            computed.append(block)
+        num_hit_tokens = len(computed) * self.block_size
+        if self.log_stats:
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queries += num_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
+        return computed, num_hit_tokens
+
+    def allocate_slots(self, request: Any, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for the request's next `num_new_tokens`; return the newly taken blocks.
+
+        Call before advancing `request.num_computed_tokens`. `new_computed_blocks` is the
+        prefix hit from `get_computed_blocks` (fresh requests only). Returns None, changing
+        nothing, when the pool cannot supply the blocks; revived ref_cnt-0 hits count against
+        free capacity because touching them takes them out of the free queue. Blocks that
+        become full with known tokens (those whose KV this step writes) are cached.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be > 0, got {num_new_tokens}")
+        new_computed_blocks = new_computed_blocks or []
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        self._check_computed_blocks(request, req_blocks, new_computed_blocks,
+                                    num_new_computed_tokens)
+
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_total = num_computed + num_new_tokens
+        num_new_blocks = max(
+            0, _cdiv(num_total, self.block_size) - len(req_blocks) - len(new_computed_blocks))
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
+            return None
+
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if req_id not in self.req_to_blocks:
+            self.req_to_blocks[req_id] = req_blocks
+        req_blocks.extend(new_computed_blocks)
+        req_blocks.extend(new_blocks)
+
+        if self.enable_caching:
+            num_cached = self.num_cached_block.get(req_id, 0) + len(new_computed_blocks)
+            num_full = min(num_total, len(request.all_token_ids)) // self.block_size
+            if num_full > num_cached:
+                hashes = self._block_hashes(request, num_full)
+                self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
+            self.num_cached_block[req_id] = max(num_cached, num_full)
+        return new_blocks
+
+    def _check_computed_blocks(self, request: Any, req_blocks: list[KVCacheBlock],
+                               new_computed_blocks: list[KVCacheBlock],
+                               num_new_computed_tokens: int) -> None:
+        """Reject prefix hits that are misused or went stale (evicted since the lookup)."""
+        if num_new_computed_tokens != len(new_computed_blocks) * self.block_size:
+            raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} does not match "
+                             f"{len(new_computed_blocks)} computed blocks of {self.block_size}")
+        if not new_computed_blocks:
+            return
+        if req_blocks or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id}: computed blocks are only for a "
+                             "request that holds no blocks yet")
+        hashes = self.req_to_block_hashes.get(request.request_id, [])
+        for i, block in enumerate(new_computed_blocks):
+            if block.block_hash is None or i >= len(hashes) or block.block_hash != hashes[i]:
+                raise ValueError(f"request {request.request_id}: computed block "
+                                 f"{block.block_id} no longer holds prefix block {i}")
+
+    def free(self, request: Any) -> None:
+        """Release the request's blocks tail first; a no-op for unknown requests."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.pop(req_id, None)
+        self.req_to_block_hashes.pop(req_id, None)
+        self.num_cached_block.pop(req_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False (nothing changed) while requests hold blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    def get_slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
+        """KV slots (block_id * block_size + offset) of token positions [start, end)."""
+        blocks = self.req_to_blocks[request_id]
+        bs = self.block_size
+        if end > len(blocks) * bs or start < 0 or start > end:
+            raise ValueError(f"positions [{start}, {end}) outside the {len(blocks) * bs} "
+                             f"allocated slots of request {request_id}")
+        return [blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
+
+    def get_block_table(self, request_ids: list[str], max_blocks: int | None = None
+                        ) -> list[list[int]]:
+        """Block ids per request, padded with the null block 0 to a common width."""
+        rows = [self.get_block_ids(r) for r in request_ids]
+        width = max((len(r) for r in rows), default=0) if max_blocks is None else max_blocks
+        if any(len(r) > width for r in rows):
+            raise ValueError(f"a request holds more than max_blocks={width} blocks")
+        return [r + [0] * (width - len(r)) for r in rows]
