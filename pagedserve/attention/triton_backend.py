@@ -1,0 +1,50 @@
+"""Attention backend built on the Triton kernels (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, paged_decode,
+                                          paged_prefill, store_kv)
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one by one: nothing to fill
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class TritonBackend(AttentionBackend):
+    """store_kv, then the decode kernel on the leading decodes and the prefill kernel on the
+    rest; copy/swap are the base class's plain torch copies."""
+
+    name = "triton"
+
+    def __init__(self, decode_cfg: DecodeConfig = DecodeConfig(),
+                 prefill_cfg: PrefillConfig = PrefillConfig()):
+        self.decode_cfg = decode_cfg
+        self.prefill_cfg = prefill_cfg
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                meta: AttentionMetadata, scale: float) -> Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        nd = meta.num_decodes
+        num_seqs = meta.seq_lens.shape[0]
+        if nd > 0:
+            paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                         meta.max_seq_len, scale, out[:nd], _num_sms(q.device),
+                         self.decode_cfg)
+        if num_seqs > nd:
+            paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                          meta.query_start_loc, nd, num_seqs - nd, meta.max_query_len, scale,
+                          out, self.prefill_cfg)
+        return out
