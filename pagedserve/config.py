@@ -1,0 +1,78 @@
+"""EngineConfig: every engine option in one dataclass, with defaults and validation.
+
+Options that depend on the model or the machine (dtype "auto", max_model_len None, the KV
+budget) stay unresolved here; the engine resolves them once the model is loaded and the
+KV cache is sized, so a config can be built and validated without touching any weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+HASH_ALGOS = ("sha256", "xxhash")
+
+
+@dataclass
+class EngineConfig:
+    """Engine options; `LLMEngine.from_options(**kwargs)` builds one from keyword arguments."""
+
+    model: str | None = None  # HF folder or .gguf file; None = the default SmolLM2 GGUF
+    tokenizer: str | None = None  # defaults to what the loader reports for `model`
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    seed: int = 0  # seeds the global generator used by unseeded random sampling
+    # KV cache
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for K and V of all layers; None = measured
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory the engine may use
+    cpu_kv_cache_fraction: float = 0.25  # CPU: fraction of available RAM for the KV cache
+    cpu_kv_cache_cap: int = 2 << 30  # CPU: never take more than this by default
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    # scheduling
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's limit, capped by the KV cache
+    preemption_mode: str = "recompute"  # "swap" is reserved for the GPU issue
+    # execution
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    enforce_eager: bool = True  # CUDA graphs are a later issue; CPU always runs eager
+
+    def __post_init__(self) -> None:
+        self._check_choice("dtype", DTYPES)
+        self._check_choice("attention_backend", ATTENTION_BACKENDS)
+        self._check_choice("preemption_mode", PREEMPTION_MODES)
+        self._check_choice("prefix_caching_hash_algo", HASH_ALGOS)
+        if self.preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' is not implemented yet; use 'recompute'")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
+            raise ValueError("cpu_kv_cache_fraction must be in (0, 1], "
+                             f"got {self.cpu_kv_cache_fraction}")
+
+    def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
+        if getattr(self, name) not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_options(cls, **options) -> EngineConfig:
+        """Build from keyword options, rejecting unknown names with the list of valid ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid: {sorted(known)}")
+        return cls(**options)

@@ -1,0 +1,1 @@
+"""The engine: scheduler, model runner, sampler, detokenizer and LLMEngine."""

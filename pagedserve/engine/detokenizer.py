@@ -1,0 +1,80 @@
+"""Incremental detokenization and stop strings.
+
+Decoding each new token on its own breaks multi-byte characters and the tokenizer's
+spacing rules, and re-decoding the whole output every step costs O(n^2). Instead each
+request keeps a small window: `prefix_offset..read_offset` are tokens already turned into
+text, decoded again only as context; the new text is what decoding the window up to the
+newest token adds. A trailing U+FFFD means an unfinished UTF-8 sequence, so we wait.
+
+Stop strings are searched only in the region the new text could complete, and the last
+(longest stop - 1) characters are held back from streaming until the request finishes, so
+a streamed delta is never contradicted by a later truncation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded as context for the first output token
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: object
+    prompt_token_ids: list[int]
+    stop_strings: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = self.prompt_token_ids[-_CONTEXT_TOKENS:]
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.output_text = ""
+        self.num_streamed_chars = 0
+        self._holdback = max((len(s) for s in self.stop_strings), default=1) - 1
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Add tokens; return the stop string that matched (text is truncated there) or None."""
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            previous_len = len(self.output_text)
+            self.output_text += self._decode_new()
+            stop = self._find_stop(previous_len)
+            if stop is not None:
+                return stop
+        return None
+
+    def _decode_new(self) -> str:
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset],
+                             skip_special_tokens=skip)
+        full_text = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return full_text[len(prefix_text):]
+
+    def _find_stop(self, previous_len: int) -> str | None:
+        """Earliest stop string that the text added since `previous_len` completes."""
+        best: tuple[int, str] | None = None
+        for stop in self.stop_strings:
+            index = self.output_text.find(stop, max(0, previous_len - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self.output_text = self.output_text[:end]
+        return stop
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet streamed; while running, keep back what might begin a stop string."""
+        end = len(self.output_text) if finished else max(
+            self.num_streamed_chars, len(self.output_text) - self._holdback)
+        delta = self.output_text[self.num_streamed_chars:end]
+        self.num_streamed_chars = end
+        return delta

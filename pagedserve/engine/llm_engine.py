@@ -1,0 +1,289 @@
+"""LLMEngine: add_request / step / abort_request over scheduler, runner and detokenizer.
+
+Single-threaded by design: a server funnels every call through one loop thread. A request
+with n > 1 fans out into n child requests (`<id>#<i>`) whose seeds are derived from the
+parent's (seed + i). All children are queued together, so they are usually admitted in
+the same step: the KV cache manager indexes a block as soon as the step that writes it is
+scheduled, and the attention backends write a step's K/V before attending, so children
+after the first hit the first child's prompt blocks in the prefix cache and share them
+(only the last, partial block and the generated tokens are per child).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.engine.outputs import (
+    CompletionOutput, EngineStats, Logprob, RequestOutput, SampleLogprobs)
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.model.loader import load_model, load_tokenizer
+
+
+@dataclass
+class _ChildState:
+    """Output-side state of one sample: its text, logprobs and what was already reported."""
+
+    request: Request
+    index: int
+    parent_id: str
+    detokenizer: IncrementalDetokenizer
+    logprobs: SampleLogprobs | None
+    cumulative_logprob: float | None
+    num_reported_tokens: int = 0
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_ChildState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.request.is_finished for c in self.children)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        device = resolve_device(config.device)
+        model, self.model_config, tokenizer_source = load_model(
+            config.model, resolve_dtype(config.dtype, device), device)
+        self.tokenizer = load_tokenizer(config.tokenizer or tokenizer_source)
+        self.model_runner = ModelRunner(config, model, self.model_config, device)
+        num_blocks = self.model_runner.determine_num_blocks()
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            config.prefix_caching_hash_algo)
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        self.max_model_len = self._resolve_max_model_len(num_blocks)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._parents: dict[str, _ParentState] = {}
+        self._children: dict[str, _ChildState] = {}
+        self._aborted_outputs: list[RequestOutput] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options) -> LLMEngine:
+        return cls(EngineConfig.from_options(model=model, **options))
+
+    def _resolve_max_model_len(self, num_blocks: int) -> int:
+        """The model's limit, or the user's if lower; never more than the cache can hold, so
+        any single admitted request can always run to completion alone."""
+        model_limit = self.model_config.max_model_len
+        wanted = self.config.max_model_len or model_limit
+        if wanted > model_limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's limit of {model_limit}")
+        return min(wanted, (num_blocks - 1) * self.config.block_size)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue; raises ValueError (taking no block) when the request is bad."""
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        max_tokens = self._check_lengths(len(token_ids), params)
+        parent = _ParentState(request_id, prompt, token_ids)
+        arrival = time.time() if arrival_time is None else arrival_time
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(child_id, token_ids, child_params, max_tokens,
+                              self.eos_token_ids, arrival)
+            parent.children.append(self._child_state(request, index, request_id))
+        taken = [c.request.request_id for c in parent.children
+                 if c.request.request_id in self._children]
+        if taken:
+            raise ValueError(f"request id(s) {taken} are already in use")
+        self._parents[request_id] = parent
+        for child in parent.children:
+            self._children[child.request.request_id] = child
+            self.scheduler.add_request(child.request)
+
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None
+                          ) -> list[int]:
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        token_ids = [int(t) for t in prompt_token_ids]
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return token_ids
+
+    def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Returns max_tokens resolved against max_model_len."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens but max_model_len is "
+                             f"{limit}: it must leave room for at least one new token")
+        if params.max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens "
+                             f"({params.max_tokens}) exceeds max_model_len={limit}")
+        return params.max_tokens
+
+    def _child_state(self, request: Request, index: int, parent_id: str) -> _ChildState:
+        params = request.sampling_params
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.stop_strings,
+            params.include_stop_str_in_output, params.skip_special_tokens)
+        wants_logprobs = params.logprobs is not None
+        return _ChildState(request, index, parent_id, detokenizer, [] if wants_logprobs else None,
+                           0.0 if wants_logprobs else None)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Finish requests at once, freeing their blocks; the next step() reports them."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            parent = self._parents.get(request_id)
+            if parent is None:
+                continue
+            running = [c.request.request_id for c in parent.children
+                       if not c.request.is_finished]
+            self.scheduler.finish_requests(running, RequestStatus.FINISHED_ABORTED)
+            self._aborted_outputs.append(self._make_output(parent))
+            self._drop(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._aborted_outputs)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample; return outputs of requests that progressed."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return outputs
+        runner_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager)
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
+        progressed = self.scheduler.update_from_output(scheduler_output, sampled)
+        rows = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+        touched: dict[str, None] = {}  # ordered set of parent ids
+        now = time.time()
+        for request in progressed:
+            child = self._children[request.request_id]
+            self._process_token(child, runner_output, rows[request.request_id], now)
+            touched[child.parent_id] = None
+        for parent_id in touched:
+            parent = self._parents[parent_id]
+            outputs.append(self._make_output(parent))
+            if parent.finished:
+                self._drop(parent)
+        return outputs
+
+    def _process_token(self, child: _ChildState, runner_output: ModelRunnerOutput, row: int,
+                       now: float) -> None:
+        request = child.request
+        token = request.output_token_ids[-1]
+        self.generation_tokens_total += 1
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+            self.prompt_tokens_total += request.num_prompt_tokens
+        if child.logprobs is not None:
+            self._append_logprobs(child, runner_output, row, token)
+        stop = child.detokenizer.update([token])
+        if stop is not None and not request.is_finished:
+            request.stop_reason = stop
+            self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _append_logprobs(self, child: _ChildState, runner_output: ModelRunnerOutput, row: int,
+                         token: int) -> None:
+        lp = runner_output.logprobs
+        k = child.request.sampling_params.logprobs
+        ids = lp.top_token_ids[row, :k].tolist()
+        values = lp.top_logprobs[row, :k].tolist()
+        entry = {t: Logprob(v, rank + 1, self.tokenizer.decode([t]))
+                 for rank, (t, v) in enumerate(zip(ids, values))}
+        sampled_logprob = float(lp.sampled_logprobs[row])
+        entry.setdefault(token, Logprob(sampled_logprob, int(lp.sampled_ranks[row]),
+                                        self.tokenizer.decode([token])))
+        child.logprobs.append(entry)
+        child.cumulative_logprob += sampled_logprob
+
+    def _make_output(self, parent: _ParentState) -> RequestOutput:
+        completions = [self._completion(child) for child in parent.children]
+        first = parent.children[0].request
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids, outputs=completions,
+            finished=parent.finished, metrics=first.metrics,
+            num_cached_tokens=first.metrics.num_cached_tokens)
+
+    def _completion(self, child: _ChildState) -> CompletionOutput:
+        request = child.request
+        reason = request.finish_reason
+        token_ids = list(request.output_token_ids)
+        delta_ids = token_ids[child.num_reported_tokens:]
+        child.num_reported_tokens = len(token_ids)
+        return CompletionOutput(
+            index=child.index, text=child.detokenizer.output_text, token_ids=token_ids,
+            cumulative_logprob=child.cumulative_logprob,
+            logprobs=list(child.logprobs) if child.logprobs is not None else None,
+            finish_reason=reason.value if reason is not None else None,
+            stop_reason=request.stop_reason,
+            text_delta=child.detokenizer.take_delta(request.is_finished),
+            token_ids_delta=delta_ids)
+
+    def _drop(self, parent: _ParentState) -> None:
+        self._parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self._children.pop(child.request.request_id, None)
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        stats = self.kv_cache_manager.prefix_cache_stats
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_gpu_blocks=self.num_blocks)

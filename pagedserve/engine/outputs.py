@@ -1,0 +1,63 @@
+"""What the engine hands back: RequestOutput, CompletionOutput, Logprob, EngineStats.
+
+`text` and `token_ids` are cumulative (what an offline caller wants); `text_delta` and
+`token_ids_delta` hold only what is new since this request's previous output (what a
+streaming consumer wants), so neither side has to diff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.engine.request import RequestMetrics
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# one dict per generated token: token id -> Logprob (the top ones plus the sampled one)
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of non-null blocks in use
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_gpu_blocks: int = 0

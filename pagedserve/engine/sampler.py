@@ -1,0 +1,185 @@
+"""Sampler: picks one token per sampling sequence, vectorized over the batch.
+
+Order of operations (vLLM v1's): penalties on the raw logits, greedy argmax, then for
+random rows temperature, min-p, top-k, top-p and a draw. The draw uses the exponential
+race (argmax of p / q with q ~ Exp(1)), which is equivalent to multinomial sampling but
+lets each seeded row fill its own noise from its own generator: a seeded request gets the
+same tokens whatever else shares its batch. Logprobs are those of the raw model
+distribution, before any processing, as the OpenAI API reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pagedserve.engine.request import Request
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling tensors for one step; rows follow the runner's sampling order."""
+
+    all_greedy: bool
+    greedy_mask: Tensor | None  # bool [S]; None when all rows are greedy
+    temperature: Tensor | None  # float32 [S]; greedy rows hold 1.0
+    min_p: Tensor | None  # float32 [S]; None when no row uses it
+    top_k: Tensor | None  # int64 [S]; 0 = off; None when no row uses it
+    top_p: Tensor | None  # float32 [S]; None when no row uses it
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    repetition_penalty: Tensor | None  # float32 [S]; None when no row uses penalties
+    presence_penalty: Tensor | None
+    frequency_penalty: Tensor | None
+    prompt_token_ids: Tensor | None  # int64 [S, P] padded with vocab_size
+    output_token_ids: Tensor | None  # int64 [S, O] padded with vocab_size
+    max_num_logprobs: int | None  # None when no row asked for logprobs
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Request], vocab_size: int,
+                      device: torch.device) -> SamplingMetadata:
+        params = [r.sampling_params for r in requests]
+        all_greedy = all(p.is_greedy for p in params)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        meta = cls(all_greedy=all_greedy, greedy_mask=None, temperature=None, min_p=None,
+                   top_k=None, top_p=None, generators={}, repetition_penalty=None,
+                   presence_penalty=None, frequency_penalty=None, prompt_token_ids=None,
+                   output_token_ids=None, max_num_logprobs=max(logprobs) if logprobs else None)
+        if not all_greedy:
+            meta._set_random(requests, device)
+        if any(p.needs_penalties for p in params):
+            meta._set_penalties(requests, vocab_size, device)
+        return meta
+
+    def _set_random(self, requests: Sequence[Request], device: torch.device) -> None:
+        params = [r.sampling_params for r in requests]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self.greedy_mask = column([p.is_greedy for p in params], torch.bool)
+        self.temperature = column([p.temperature if not p.is_greedy else 1.0 for p in params],
+                                  torch.float32)
+        if any(p.min_p > 0 for p in params):
+            self.min_p = column([p.min_p for p in params], torch.float32)
+        if any(p.top_k > 0 for p in params):
+            self.top_k = column([p.top_k for p in params], torch.int64)
+        if any(p.top_p < 1.0 for p in params):
+            self.top_p = column([p.top_p for p in params], torch.float32)
+        self.generators = {i: r.generator for i, r in enumerate(requests)
+                           if r.generator is not None and not r.sampling_params.is_greedy}
+
+    def _set_penalties(self, requests: Sequence[Request], vocab_size: int,
+                       device: torch.device) -> None:
+        params = [r.sampling_params for r in requests]
+        self.repetition_penalty = torch.tensor([p.repetition_penalty for p in params],
+                                               dtype=torch.float32, device=device)
+        self.presence_penalty = torch.tensor([p.presence_penalty for p in params],
+                                             dtype=torch.float32, device=device)
+        self.frequency_penalty = torch.tensor([p.frequency_penalty for p in params],
+                                              dtype=torch.float32, device=device)
+        self.prompt_token_ids = _pad([r.prompt_token_ids for r in requests], vocab_size, device)
+        self.output_token_ids = _pad([r.output_token_ids for r in requests], vocab_size, device)
+
+
+def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.as_tensor(row, dtype=torch.int64)
+    return out.to(device)
+
+
+@dataclass
+class LogprobsTensors:
+    top_token_ids: Tensor  # int64 [S, k]
+    top_logprobs: Tensor  # float32 [S, k]
+    sampled_logprobs: Tensor  # float32 [S]
+    sampled_ranks: Tensor  # int64 [S]; 1 = the most likely token
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: Tensor  # int64 [S]
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        if meta.repetition_penalty is not None:
+            logits = apply_penalties(logits, meta)
+        tokens = logits.argmax(-1)
+        if not meta.all_greedy:
+            random_tokens = self._sample_random(logits, meta)
+            tokens = torch.where(meta.greedy_mask, tokens, random_tokens)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs)
+        return SamplerOutput(tokens, logprobs)
+
+    def _sample_random(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        logits = logits / meta.temperature.unsqueeze(1)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, generator in meta.generators.items():
+            own = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
+            noise[row] = own.to(probs.device)
+        return (probs / noise).argmax(-1)
+
+
+def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Repetition (prompt + output, divide positive / multiply negative logits), then
+    frequency (count in output) and presence (seen in output) subtracted."""
+    num_rows, vocab = logits.shape
+    output_counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    output_counts.scatter_add_(1, meta.output_token_ids,
+                               torch.ones_like(meta.output_token_ids, dtype=logits.dtype))
+    output_counts = output_counts[:, :vocab]
+    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, meta.prompt_token_ids, True)
+    seen = seen[:, :vocab] | (output_counts > 0)
+    rep = meta.repetition_penalty.unsqueeze(1).expand_as(logits)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - meta.frequency_penalty.unsqueeze(1) * output_counts
+    return logits - meta.presence_penalty.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(-1)
+    threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """One ascending sort serves both masks. top-k keeps values >= the k-th largest;
+    top-p keeps the smallest head of the sorted distribution whose mass reaches top_p."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def gather_logprobs(logprobs: Tensor, tokens: Tensor, k: int) -> LogprobsTensors:
+    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > sampled.unsqueeze(1)).sum(-1) + 1
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (
+        logprobs[:, :0], tokens[:, None][:, :0])
+    return LogprobsTensors(top_ids, top_logprobs, sampled, ranks)

@@ -1,0 +1,107 @@
+"""LLM: the offline API (generate / chat) a vLLM user already knows.
+
+It adds every prompt to one LLMEngine up front and steps until all are done, so the whole
+batch is continuously batched; results come back in input order whatever order they
+finish in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+
+Message = dict[str, str]
+PromptInput = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.llm_engine = LLMEngine.from_options(model=model, **engine_options)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_ids.append(self._add(prompt, p))
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            self.llm_engine.step()  # drain the abort outputs
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[Message],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Render with the tokenizer's template, then tokenize without adding special tokens
+        again (the template already wrote them)."""
+        return encode_chat(self.llm_engine.tokenizer, conversation, add_generation_prompt)
+
+    def _add(self, prompt: PromptInput, params: SamplingParams) -> str:
+        request_id = f"llm-{self._counter}"
+        self._counter += 1
+        if isinstance(prompt, str):
+            self.llm_engine.add_request(request_id, prompt, params)
+        else:
+            self.llm_engine.add_request(request_id, None, params, prompt_token_ids=list(prompt))
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        engine = self.llm_engine
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def encode_chat(tokenizer, conversation: list[Message], add_generation_prompt: bool = True
+                ) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template; use generate()")
+    text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _as_prompt_list(prompts) -> list[PromptInput]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # a single token-id list
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params
