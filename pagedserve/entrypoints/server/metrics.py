@@ -1,0 +1,108 @@
+"""Prometheus metrics of the server: engine state, token counters and request latencies.
+
+Engine-wide numbers (queue lengths, KV usage, prefix-cache and token totals) are owned by the
+engine; the engine loop thread hands us a fresh `EngineStats` snapshot after every step and a
+custom collector exposes the latest one at scrape time, so the HTTP side never touches the
+engine. Latency histograms are observed once per finished request from the loop thread's own
+monotonic clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+PREFIX = "pagedserve_"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                 5.0)
+
+
+@dataclass
+class RequestTiming:
+    """Seconds from arrival at the server; TPOT is the mean gap after the first token."""
+
+    ttft: float | None
+    e2e: float
+    num_output_tokens: int
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.num_output_tokens - 1)
+
+
+class _EngineStatsCollector:
+    """Exposes the latest engine snapshot; counters are the engine's running totals."""
+
+    _GAUGES = (
+        ("num_requests_running", "num_running", "Requests in the running batch."),
+        ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+        ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks held by requests "
+         "(1 = full); cached blocks nobody holds do not count."),
+    )
+    _COUNTERS = (
+        ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix "
+         "cache."),
+        ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+        ("num_preemptions", "num_preemptions", "Requests preempted to free KV blocks."),
+        ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
+        ("generation_tokens", "generation_tokens_total", "Tokens generated."),
+    )
+
+    def __init__(self) -> None:
+        self.stats: Any = None
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.stats
+        for name, attr, doc in self._GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=_get(stats, attr))
+        for name, attr, doc in self._COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=_get(stats, attr))
+
+
+def _get(stats: Any, attr: str) -> float:
+    return float(getattr(stats, attr, 0) or 0) if stats is not None else 0.0
+
+
+class ServerMetrics:
+    """One registry per server (not the global one), so tests can run several servers."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._engine = _EngineStatsCollector()
+        self.registry.register(self._engine)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds",
+                              "Mean time between output tokens after the first.",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "Time from arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter(PREFIX + "request_finished", "Requests finished, by reason.",
+                                ["finish_reason"], registry=self.registry)
+
+    def update_engine_stats(self, stats: Any) -> None:
+        """Called from the engine loop thread; a plain reference swap, read at scrape time."""
+        self._engine.stats = stats
+
+    def observe_request(self, timing: RequestTiming, finish_reason: str) -> None:
+        self.finished.labels(finish_reason=finish_reason).inc()
+        if finish_reason == "abort":
+            return  # an aborted request's latency says nothing about serving speed
+        if timing.ttft is not None:
+            self.ttft.observe(timing.ttft)
+        if timing.tpot is not None:
+            self.tpot.observe(timing.tpot)
+        self.e2e.observe(timing.e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
