@@ -1,0 +1,55 @@
+"""Shared helpers for core tests: a minimal duck-typed request and an invariant checker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.kv_cache_manager import KVCacheManager
+
+
+@dataclass
+class FakeRequest:
+    """What KVCacheManager reads from a request; the engine's Request has the same fields."""
+
+    request_id: str
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    lora_id: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def check_pool_invariants(pool: BlockPool) -> None:
+    """I1, I3's index side, and exact counts; raises AssertionError on any violation."""
+    free = pool.free_block_queue.get_all_free_blocks()
+    free_ids = [b.block_id for b in free]
+    assert len(free_ids) == len(set(free_ids)), "a block is twice in the free queue"
+    assert pool.free_block_queue.num_free_blocks == len(free)
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    assert 0 not in free_ids and pool.null_block.block_hash is None
+    free_set = set(free_ids)
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt >= 0
+        assert (block.ref_cnt == 0) == (block.block_id in free_set), f"I1 broken: {block}"
+        if block.block_hash is not None:
+            assert pool.cached_block_hash_to_block[block.block_hash] is block
+    for block_hash, block in pool.cached_block_hash_to_block.items():
+        assert block.block_hash == block_hash
+
+
+def check_manager_invariants(mgr: KVCacheManager) -> None:
+    """Pool invariants plus: every ref_cnt equals the number of block tables holding it."""
+    check_pool_invariants(mgr.block_pool)
+    holders = [0] * mgr.block_pool.num_blocks
+    for blocks in mgr.req_to_blocks.values():
+        ids = [b.block_id for b in blocks]
+        assert len(ids) == len(set(ids)), "a block appears twice in one block table"
+        for i in ids:
+            holders[i] += 1
+    assert holders[0] == 0, "the null block was handed to a request"
+    for block in mgr.block_pool.blocks[1:]:
+        assert block.ref_cnt == holders[block.block_id], f"leaked or over-freed: {block}"

@@ -1,0 +1,57 @@
+import pytest
+
+from pagedserve.core import hashing
+from pagedserve.core.hashing import get_hash_fn, hash_block_tokens, set_hash_algo
+
+
+@pytest.fixture(params=["sha256", "xxhash"])
+def hash_fn(request):
+    return get_hash_fn(request.param)
+
+
+def test_chained_hash_separates_same_block_under_different_parents(hash_fn):
+    ab = hash_fn(None, [1, 2])
+    xy = hash_fn(None, [7, 8])
+    assert hash_fn(ab, [3, 4]) != hash_fn(xy, [3, 4])
+    assert hash_fn(ab, [3, 4]) == hash_fn(hash_fn(None, [1, 2]), [3, 4])
+
+
+def test_extra_keys_never_share(hash_fn):
+    keys = [None, (None, "tenant-a"), (None, "tenant-b"), (1, None), (2, None), (1,), ("1",)]
+    hashes = {hash_fn(None, [5, 6, 7], k) for k in keys}
+    assert len(hashes) == len(keys)
+
+
+def test_serialization_is_unambiguous(hash_fn):
+    # token boundaries, negative and large ids and the extra-keys boundary all matter
+    cases = [[1, 2], [1, 2, 0], [258], [0, 1], [2**40], [-1], [1]]
+    assert len({hash_fn(None, c) for c in cases}) == len(cases)
+    assert hash_fn(None, [1], (2,)) != hash_fn(None, [1, 2])
+
+
+def test_parent_from_another_algorithm_is_rejected():
+    sha_parent = get_hash_fn("sha256")(None, [1])
+    with pytest.raises(ValueError):
+        get_hash_fn("xxhash")(sha_parent, [2])
+    with pytest.raises(ValueError):
+        get_hash_fn("md5")
+
+
+def test_seed_makes_hashes_reproducible_and_changes_the_root():
+    saved = (hashing._default_algo, hashing._root_seed)
+    try:
+        set_hash_algo("sha256", seed=7)
+        first = hash_block_tokens(None, [1, 2, 3])
+        set_hash_algo("sha256", seed=7)
+        assert hash_block_tokens(None, [1, 2, 3]) == first
+        set_hash_algo("sha256", seed=8)
+        assert hash_block_tokens(None, [1, 2, 3]) != first
+        set_hash_algo("sha256")
+        random_root = hash_block_tokens(None, [1, 2, 3])
+        set_hash_algo("sha256")
+        assert hash_block_tokens(None, [1, 2, 3]) != random_root
+        set_hash_algo("xxhash", seed=7)
+        fast = hash_block_tokens(None, [1, 2, 3])
+        assert isinstance(fast, bytes) and len(fast) == 16
+    finally:
+        hashing._default_algo, hashing._root_seed = saved
