@@ -68,8 +68,8 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
         vs.append(v_step)
         slots.append(step_slots)
         q_lens.append(L - first_new)
-        expected.append(dense_causal(qf.double(), kf.double(), vf.double(),
-                                     head_dim ** -0.5)[first_new:])
+        expected.append(dense_causal(qf[first_new:].double(), kf.double(), vf.double(),
+                                     head_dim ** -0.5))
     num_decodes = sum(1 for _, n in seqs if n == 1)
     assert all(n == 1 for _, n in seqs[:num_decodes]), "decodes must come first"
     query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
@@ -90,12 +90,13 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
 
 
 def dense_causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Naive attention over one contiguous sequence: q [L, Hq, D], k/v [L, Hkv, D]."""
+    """Naive attention of the last n positions q [n, Hq, D] of one contiguous sequence,
+    k/v [L, Hkv, D]: query i sits at position L - n + i."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    L = q.shape[0]
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    n, L = q.shape[0], k.shape[0]
+    causal = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
     scores = scores.masked_fill(~causal, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

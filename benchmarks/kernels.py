@@ -1,0 +1,368 @@
+"""Paged attention kernels on a CUDA GPU: correctness in bf16/fp16, then timings.
+
+    PYTHONPATH=. python benchmarks/kernels.py --out DIR [--sweep]
+
+Measures, in one run: device-to-device copy bandwidth (the ceiling), paged decode v1 / v2 /
+dispatch against torch SDPA on contiguous K/V and the naive paged path (gather + SDPA) at
+Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, block 16),
+v1 vs v2 by context length, paged prefill against SDPA's flash path on causal shapes, and
+copy_blocks / swap_blocks bandwidth. --sweep also times launch configurations. Writes
+DIR/kernels.json (docs/results format) and DIR/kernels_raw.json; prints tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, paged_decode,
+                                          paged_decode_v1, paged_decode_v2, paged_prefill,
+                                          use_v2)
+from pagedserve.attention.torch_ref import TorchRefBackend
+from pagedserve.attention.triton_backend import TritonBackend
+from tests.attention.paged_case import make_case
+
+HQ, HKV, D, BS, DTYPE = 16, 8, 128, 16, torch.bfloat16
+DECODE_SHAPES = [(1, 1024), (1, 8192), (1, 32768), (16, 2048), (64, 1024), (64, 4096),
+                 (256, 1024), (32, 16384)]
+PREFILL_SHAPES = [(1, 1024), (1, 4096), (4, 2048), (1, 8192), (8, 1024)]
+
+
+def bench_us(fn) -> float:
+    """Median over repeats; do_bench flushes L2 between calls, so small KV is read from HBM."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+# ---------------------------------------------------------------- correctness
+def check_correctness() -> list[dict]:
+    """Triton backend vs the PyTorch reference on the GPU, production tile sizes."""
+    rows = []
+    seqs = [(0, 1), (15, 1), (700, 1), (3000, 1), (0, 300), (100, 37), (1000, 129)]
+    combos = [(torch.bfloat16, hq, hkv, hd, bs)
+              for hq, hkv in ((16, 16), (16, 8), (32, 8), (32, 4))
+              for hd, bs in ((64, 16), (128, 16), (128, 32))]
+    combos += [(torch.float16, 16, 8, 128, 16), (torch.float16, 32, 4, 64, 32)]
+    for dtype, hq, hkv, head_dim, block_size in combos:
+        seed = torch.seed() % 2**31
+        case = make_case(seqs, hq, hkv, head_dim, block_size, dtype=dtype, seed=seed,
+                         prefix_hit_rows=2, device="cuda")
+        ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
+        ref = TorchRefBackend().forward(case.q, case.k, case.v, ref_k, ref_v,
+                                        case.meta, case.scale)
+        out = TritonBackend().forward(case.q, case.k, case.v, case.k_cache,
+                                      case.v_cache, case.meta, case.scale)
+        m = case.meta
+        v2 = torch.full_like(case.q[:4], float("nan"))
+        paged_decode_v2(case.q[:4], case.k_cache, case.v_cache, m.block_tables,
+                        m.seq_lens, m.max_seq_len, case.scale, v2,
+                        DecodeConfig(partition=256))
+        expected = case.expected.cuda()
+        rel = lambda x, y: float((x.double() - y).norm() / y.norm())  # noqa: E731
+        row = {"dtype": str(dtype), "hq": hq, "hkv": hkv, "head_dim": head_dim,
+               "block_size": block_size, "seed": seed,
+               "rel_err_vs_dense": rel(out, expected),
+               "rel_err_vs_torch_ref": rel(out, ref.double()),
+               "rel_err_v2_vs_dense": rel(v2, expected[:4]),
+               "nan": bool(out.isnan().any() or v2.isnan().any())}
+        rows.append(row)
+    worst = max(max(r["rel_err_vs_dense"], r["rel_err_v2_vs_dense"]) for r in rows)
+    ok = worst < 1e-2 and not any(r["nan"] for r in rows)
+    log(f"correctness: {len(rows)} cases, worst rel err {worst:.2e}, {'OK' if ok else 'FAIL'}")
+    if not ok:
+        for r in rows:
+            log(r)
+    return rows
+
+
+# ---------------------------------------------------------------- ceilings
+def copy_bandwidth() -> float:
+    """Bytes read + written per second for a 1 GiB device-to-device copy."""
+    x = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    us = bench_us(lambda: y.copy_(x))
+    bw = 2 * x.numel() * x.element_size() / (us * 1e-6)
+    log(f"copy bandwidth: {bw / 1e12:.3f} TB/s")
+    return bw
+
+
+# ---------------------------------------------------------------- decode
+class DecodeSetup:
+    """Random paged KV (blocks shuffled across the pool) plus the same K/V contiguous."""
+
+    def __init__(self, batch: int, context: int):
+        self.batch, self.context = batch, context
+        nb = context // BS
+        total = batch * nb
+        self.k_cache = torch.randn(total + 1, BS, HKV, D, device="cuda", dtype=DTYPE)
+        self.v_cache = torch.randn_like(self.k_cache)
+        ids = torch.randperm(total, device="cuda").int() + 1
+        self.block_tables = ids.view(batch, nb).contiguous()
+        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch, HQ, D, device="cuda", dtype=DTYPE)
+        self.out = torch.empty_like(self.q)
+        self.scale = D ** -0.5
+        self.kv_bytes = 2 * batch * context * HKV * D * self.k_cache.element_size()
+
+    def contiguous_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.gather(self.k_cache).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
+        v = self.gather(self.v_cache).transpose(1, 2).contiguous()
+        return k, v
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        return cache[self.block_tables.long()].view(self.batch, self.context, HKV, D)
+
+    def v1(self, cfg: DecodeConfig):
+        return lambda: paged_decode_v1(self.q, self.k_cache, self.v_cache, self.block_tables,
+                                       self.seq_lens, self.scale, self.out, cfg)
+
+    def v2(self, cfg: DecodeConfig):
+        return lambda: paged_decode_v2(self.q, self.k_cache, self.v_cache, self.block_tables,
+                                       self.seq_lens, self.context, self.scale, self.out, cfg)
+
+    def dispatch(self, cfg: DecodeConfig, num_sms: int):
+        return lambda: paged_decode(self.q, self.k_cache, self.v_cache, self.block_tables,
+                                    self.seq_lens, self.context, self.scale, self.out,
+                                    num_sms, cfg)
+
+    def grouped_q(self) -> torch.Tensor:
+        """[B, Hkv, G, D]: a GQA group's query heads as rows of one KV head, so SDPA reads
+        each K/V row once, like our kernel (enable_gqa may fall back to the math path)."""
+        return self.q.view(self.batch, HKV, HQ // HKV, D)
+
+    def sdpa(self, k: torch.Tensor, v: torch.Tensor):
+        q = self.grouped_q()
+        return lambda: F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+
+    def gather_sdpa(self):
+        q = self.grouped_q()
+
+        def run():
+            k = self.gather(self.k_cache).transpose(1, 2)
+            v = self.gather(self.v_cache).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        return run
+
+
+def sweep_decode(cfgs: list[DecodeConfig], shapes, version: str) -> dict:
+    """Best config per shape; returns {shape: (us, cfg)} and logs all."""
+    best = {}
+    for batch, context in shapes:
+        s = DecodeSetup(batch, context)
+        for cfg in cfgs:
+            if version == "v2" and cfg.partition >= context:
+                continue
+            us = bench_us(s.v1(cfg) if version == "v1" else s.v2(cfg))
+            log(f"  sweep {version} b={batch} ctx={context} {asdict(cfg)}: {us:.1f} us")
+            if (batch, context) not in best or us < best[(batch, context)][0]:
+                best[(batch, context)] = (us, cfg)
+        del s
+        torch.cuda.empty_cache()
+    return best
+
+
+def decode_table(cfg: DecodeConfig, copy_bw: float, num_sms: int) -> list[dict]:
+    rows = []
+    for batch, context in DECODE_SHAPES:
+        s = DecodeSetup(batch, context)
+        ref = torch.empty_like(s.out)
+        k, v = s.contiguous_kv()
+        ref.copy_(s.sdpa(k, v)().reshape(batch, HQ, D))
+        times = {"v1": bench_us(s.v1(cfg))}
+        err_v1 = float((s.out.float() - ref.float()).norm() / ref.float().norm())
+        times["v2"] = bench_us(s.v2(cfg))
+        err_v2 = float((s.out.float() - ref.float()).norm() / ref.float().norm())
+        times["dispatch"] = bench_us(s.dispatch(cfg, num_sms))
+        times["sdpa_contiguous"] = bench_us(s.sdpa(k, v))
+        del k, v
+        times["gather_sdpa"] = bench_us(s.gather_sdpa())
+        choice = "v2" if use_v2(batch, HKV, context, num_sms, cfg) else "v1"
+        for kernel, us in times.items():
+            rows.append({"kernel": kernel, "batch": batch, "context": context, "us": us,
+                         "gb_per_s": s.kv_bytes / (us * 1e-6) / 1e9,
+                         "pct_copy_bw": 100 * s.kv_bytes / (us * 1e-6) / copy_bw,
+                         **({"choice": choice} if kernel == "dispatch" else {})})
+        log(f"decode b={batch:4d} ctx={context:6d} | " + " ".join(
+            f"{k}={t:8.1f}us" for k, t in times.items())
+            + f" | err v1 {err_v1:.1e} v2 {err_v2:.1e} | dispatch->{choice}")
+        del s
+        torch.cuda.empty_cache()
+    return rows
+
+
+def v1_vs_v2(cfg: DecodeConfig, copy_bw: float) -> list[dict]:
+    rows = []
+    for batch in (1, 8, 32):
+        for context in (512, 1024, 2048, 4096, 8192, 16384, 32768):
+            s = DecodeSetup(batch, context)
+            t1, t2 = bench_us(s.v1(cfg)), bench_us(s.v2(cfg))
+            rows.append({"batch": batch, "context": context, "v1_us": t1, "v2_us": t2,
+                         "v1_over_v2": t1 / t2,
+                         "v1_pct_copy_bw": 100 * s.kv_bytes / (t1 * 1e-6) / copy_bw,
+                         "v2_pct_copy_bw": 100 * s.kv_bytes / (t2 * 1e-6) / copy_bw})
+            log(f"v1vsv2 b={batch:3d} ctx={context:6d} v1={t1:8.1f}us v2={t2:8.1f}us "
+                f"speedup={t1 / t2:.2f}")
+            del s
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------- prefill
+class PrefillSetup:
+    """batch fresh prompts of `length` tokens (prefix 0), paged with shuffled blocks."""
+
+    def __init__(self, batch: int, length: int, prefix: int = 0):
+        self.batch, self.length, self.prefix = batch, length, prefix
+        seq_len = prefix + length
+        nb = triton.cdiv(seq_len, BS)
+        self.k_cache = torch.randn(batch * nb + 1, BS, HKV, D, device="cuda", dtype=DTYPE)
+        self.v_cache = torch.randn_like(self.k_cache)
+        ids = torch.randperm(batch * nb, device="cuda").int() + 1
+        self.block_tables = ids.view(batch, nb).contiguous()
+        self.seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+        self.qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * length
+        self.q = torch.randn(batch * length, HQ, D, device="cuda", dtype=DTYPE)
+        self.out = torch.empty_like(self.q)
+        self.scale = D ** -0.5
+        # causal FLOPs: 4 * D per visible (query, key) pair
+        pairs = batch * (length * prefix + length * (length + 1) / 2)
+        self.flops = 4 * D * HQ * pairs
+
+    def paged(self, cfg: PrefillConfig):
+        return lambda: paged_prefill(self.q, self.k_cache, self.v_cache, self.block_tables,
+                                     self.seq_lens, self.qsl, 0, self.batch, self.length,
+                                     self.scale, self.out, cfg)
+
+    def sdpa_flash(self):
+        """The same prompts contiguous, through SDPA's flash backend (no prefix support)."""
+        q = self.q.view(self.batch, self.length, HQ, D).transpose(1, 2)
+        kv = self.k_cache[self.block_tables.long()].view(self.batch, -1, HKV, D)
+        k = kv.repeat_interleave(HQ // HKV, dim=2).transpose(1, 2).contiguous()
+        v = k.clone()
+
+        def run():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                      scale=self.scale)
+        return run
+
+
+def prefill_table(cfgs: list[PrefillConfig]) -> tuple[list[dict], PrefillConfig]:
+    rows, totals = [], {cfg: 0.0 for cfg in cfgs}
+    for batch, length in PREFILL_SHAPES:
+        s = PrefillSetup(batch, length)
+        t_sdpa = bench_us(s.sdpa_flash())
+        per_cfg = {cfg: bench_us(s.paged(cfg)) for cfg in cfgs}
+        for cfg, us in per_cfg.items():
+            totals[cfg] += us / t_sdpa
+            log(f"  prefill b={batch} len={length} {asdict(cfg)}: {us:.1f} us")
+        best_cfg = min(per_cfg, key=per_cfg.get)
+        rows.append({"kernel": "sdpa_flash_causal", "batch": batch, "context": length,
+                     "us": t_sdpa, "tflops": s.flops / (t_sdpa * 1e-6) / 1e12,
+                     "pct_copy_bw": None})
+        rows.append({"kernel": "prefill", "batch": batch, "context": length,
+                     "us": per_cfg[cfgs[0]], "tflops": s.flops / (per_cfg[cfgs[0]] * 1e-6)
+                     / 1e12, "pct_copy_bw": None, "config": asdict(cfgs[0]),
+                     "best_config": asdict(best_cfg), "best_us": per_cfg[best_cfg]})
+        log(f"prefill b={batch} len={length}: sdpa flash {t_sdpa:.1f} us, paged (default) "
+            f"{per_cfg[cfgs[0]]:.1f} us ({per_cfg[cfgs[0]] / t_sdpa:.2f}x), best "
+            f"{per_cfg[best_cfg]:.1f} us {asdict(best_cfg)}")
+        del s
+        torch.cuda.empty_cache()
+    # chunked prefill: a 1024-token chunk after a cached prefix (SDPA has no such path)
+    for prefix in (1024, 7168):
+        s = PrefillSetup(1, 1024, prefix)
+        us = bench_us(s.paged(cfgs[0]))
+        rows.append({"kernel": "prefill_chunk", "batch": 1, "context": prefix + 1024,
+                     "us": us, "tflops": s.flops / (us * 1e-6) / 1e12, "pct_copy_bw": None})
+        log(f"chunked prefill prefix={prefix} chunk=1024: {us:.1f} us "
+            f"{s.flops / (us * 1e-6) / 1e12:.0f} TFLOP/s")
+    log("prefill configs, mean time / sdpa: " + "; ".join(
+        f"{asdict(c)}={t / len(PREFILL_SHAPES):.2f}" for c, t in totals.items()))
+    return rows, min(totals, key=totals.get)
+
+
+# ---------------------------------------------------------------- copy / swap
+def cache_ops(copy_bw: float) -> list[dict]:
+    backend = TorchRefBackend()
+    num_blocks, n = 8192, 1024
+    caches = [(torch.randn(num_blocks, BS, HKV, D, device="cuda", dtype=DTYPE),
+               torch.randn(num_blocks, BS, HKV, D, device="cuda", dtype=DTYPE))]
+    perm = torch.randperm(num_blocks, device="cuda")
+    pairs = torch.stack([perm[:n], perm[n:2 * n]], 1)
+    block_bytes = BS * HKV * D * 2
+    us = bench_us(lambda: backend.copy_blocks(caches, pairs))
+    moved = 2 * 2 * n * block_bytes  # K and V, read + write
+    rows = [{"kernel": "copy_blocks", "batch": n, "context": None, "us": us,
+             "pct_copy_bw": 100 * moved / (us * 1e-6) / copy_bw}]
+    host = torch.empty(n, BS, HKV, D, dtype=DTYPE).pin_memory()
+    to_host = torch.stack([perm[:n].cpu(), torch.arange(n)], 1)
+    us_swap = bench_us(lambda: backend.swap_blocks(caches[0][0], host, to_host))
+    rows.append({"kernel": "swap_blocks_to_host", "batch": n, "context": None, "us": us_swap,
+                 "gb_per_s": n * block_bytes / (us_swap * 1e-6) / 1e9, "pct_copy_bw": None})
+    log(f"copy_blocks {n} blocks: {us:.1f} us ({rows[0]['pct_copy_bw']:.0f}% of copy bw); "
+        f"swap to pinned host: {rows[1]['gb_per_s']:.1f} GB/s")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--sweep", action="store_true", help="also time launch configs")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    device = f"{props.name}, torch {torch.__version__}, triton {triton.__version__}"
+    date = datetime.date.today().isoformat()
+    num_sms = props.multi_processor_count
+    log(device, date, f"{num_sms} SMs")
+    raw: dict = {"device": device, "date": date}
+    raw["correctness"] = check_correctness()
+    copy_bw = copy_bandwidth()
+    raw["copy_bw_bytes_per_s"] = copy_bw
+    cfg = DecodeConfig()
+    if args.sweep:
+        cfgs = [replace(cfg, block_n=bn, num_warps=w, num_stages=st)
+                for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+        best = sweep_decode(cfgs, [(64, 4096), (256, 1024), (32, 16384)], "v1")
+        raw["sweep_v1"] = {f"{k}": (us, asdict(c)) for k, (us, c) in best.items()}
+        v2cfgs = [replace(cfg, partition=p, block_n=bn, num_warps=w)
+                  for p in (256, 512, 1024) for bn in (32, 64) for w in (4, 8)]
+        best2 = sweep_decode(v2cfgs, [(1, 32768), (1, 8192), (16, 2048)], "v2")
+        raw["sweep_v2"] = {f"{k}": (us, asdict(c)) for k, (us, c) in best2.items()}
+    rows = decode_table(cfg, copy_bw, num_sms)
+    raw["v1_vs_v2"] = v1_vs_v2(cfg, copy_bw)
+    prefill_cfgs = [PrefillConfig()]
+    if args.sweep:
+        prefill_cfgs += [PrefillConfig(128, 64, 4, 3), PrefillConfig(128, 128, 8, 2),
+                         PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 32, 4, 4),
+                         PrefillConfig(64, 128, 4, 2)]
+    prefill_rows, best_prefill = prefill_table(prefill_cfgs)
+    raw["best_prefill_config"] = asdict(best_prefill)
+    rows += prefill_rows + cache_ops(copy_bw)
+    for r in rows:
+        r.update(device=device, date=date, decode_config=asdict(cfg))
+    raw["rows"] = rows
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, "kernels_raw.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    log("\nkernel               batch context      us   %copyBW")
+    for r in rows:
+        pct = "" if r["pct_copy_bw"] is None else f"{r['pct_copy_bw']:7.1f}"
+        log(f"{r['kernel']:20s} {r['batch']!s:>5} {r['context']!s:>7} {r['us']:9.1f} {pct}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
