@@ -76,12 +76,8 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = ()) -> Fa
 
 
 def _max_model_len(engine: Any) -> int:
-    """The engine's resolved context limit (the model's, capped by the KV cache)."""
-    for owner in (engine.config, engine.model_config):
-        value = getattr(owner, "max_model_len", None)
-        if value:
-            return int(value)
-    raise ValueError("the engine reports no max_model_len")
+    """The engine's resolved context limit (the model's, capped by what the KV cache holds)."""
+    return int(engine.max_model_len)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -115,12 +115,7 @@ class OpenAIServing:
             return list(self.tokenizer.encode(prompt))
         if not prompt:
             raise bad_request("prompt must not be empty", param="prompt")
-        vocab = len(self.tokenizer)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
-                              param="prompt")
-        return list(prompt)
+        return list(prompt)  # the engine checks the ids against the vocabulary
 
     def _apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -171,13 +166,13 @@ class OpenAIServing:
     async def _submit(self, requests: list[_EngineRequest],
                       req: _SamplingRequest) -> list[AsyncIterator[Any]]:
         """Add every engine request; if one is refused, abort the ones already added."""
-        salt = req.cache_salt if req.cache_salt is not None else req.user
         extra = {}
-        if salt is not None:
-            if not self.supports_cache_salt:
-                raise bad_request("cache_salt/user isolation is not supported by this engine",
-                                  param="cache_salt")
-            extra["cache_salt"] = salt
+        if self.supports_cache_salt:
+            salt = req.cache_salt if req.cache_salt is not None else req.user
+            if salt is not None:
+                extra["cache_salt"] = salt
+        elif req.cache_salt is not None:  # `user` alone is then only informative, as at OpenAI
+            raise bad_request("cache_salt is not supported by this engine", param="cache_salt")
         streams = []
         try:
             for r in requests:
