@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from pagedserve.core.hashing import BlockHash, HashFn, get_hash_fn
+from pagedserve.core.hashing import BlockHash, BlockHasher, get_hash_fn
 
 
 @dataclass(eq=False, slots=True)
@@ -144,7 +144,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 hash_fn: HashFn | None = None, enable_events: bool = False) -> None:
+                 hash_fn: BlockHasher | None = None, enable_events: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks

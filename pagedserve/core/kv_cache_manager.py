@@ -67,21 +67,19 @@ class KVCacheManager:
     def _block_hashes(self, request: Any, num_blocks: int) -> list[BlockHash]:
         """The request's hashes, extended to cover its first `num_blocks` full blocks."""
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
-        if len(hashes) >= num_blocks:
+        start = len(hashes)
+        if start >= num_blocks:
             return hashes
-        tokens = request.all_token_ids
-        bs = self.block_size
         lora_id = getattr(request, "lora_id", None)
         salt = getattr(request, "cache_salt", None)
-        hash_fn = self.block_pool.hash_fn
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_blocks):
-            if i == 0:
-                extra = (lora_id, salt) if lora_id is not None or salt is not None else None
-            else:
-                extra = (lora_id,) if lora_id is not None else None
-            parent = hash_fn(parent, tokens[i * bs:(i + 1) * bs], extra)
-            hashes.append(parent)
+        rest = (lora_id,) if lora_id is not None else None
+        extras = [rest] * (num_blocks - start)
+        if start == 0 and (lora_id is not None or salt is not None):
+            extras[0] = (lora_id, salt)
+        bs = self.block_size
+        hashes.extend(self.block_pool.hash_fn.chain(
+            hashes[-1] if hashes else None, request.all_token_ids[start * bs:num_blocks * bs],
+            bs, extras))
         return hashes
 
     def get_computed_blocks(self, request: Any) -> tuple[list[KVCacheBlock], int]:
@@ -93,13 +91,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         num_tokens = request.num_tokens
-        max_blocks = (num_tokens - 1) // self.block_size
-        hashes = self.req_to_block_hashes.get(request.request_id, [])
+        # hash every full block now: the ones past a miss are cached by allocate_slots anyway
+        hashes = self._block_hashes(request, num_tokens // self.block_size)
         computed: list[KVCacheBlock] = []
-        for i in range(max_blocks):
-            if i >= len(hashes):
-                hashes = self._block_hashes(request, i + 1)
-            block = self.block_pool.get_cached_block(hashes[i])
+        for block_hash in hashes[:(num_tokens - 1) // self.block_size]:
+            block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             computed.append(block)
