@@ -55,3 +55,20 @@ def test_seed_makes_hashes_reproducible_and_changes_the_root():
         assert isinstance(fast, bytes) and len(fast) == 16
     finally:
         hashing._default_algo, hashing._root_seed = saved
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+def test_chain_equals_block_by_block_hashing(algo):
+    hasher = get_hash_fn(algo)
+    tokens = list(range(100, 112))
+    extras = [(3, "salt"), (3,), (3,)]
+    expected, parent = [], None
+    for i, extra in enumerate(extras):
+        parent = hasher(parent, tokens[i * 4:(i + 1) * 4], extra)
+        expected.append(parent)
+    assert hasher.chain(None, tokens, 4, extras) == expected
+    assert hasher.chain(expected[0], tokens[4:], 4, extras[1:]) == expected[1:]
+    with pytest.raises(ValueError, match="not 2 blocks"):
+        hasher.chain(None, tokens, 4, extras[:2])
+    with pytest.raises(ValueError, match="64-bit"):
+        hasher(None, [2**70])
