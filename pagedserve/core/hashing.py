@@ -27,6 +27,7 @@ import xxhash
 BlockHash = bytes | int
 """Opaque; equal content and ancestry give equal hashes. Ours are always `bytes`."""
 
+
 def _root_from_seed(seed: int | None) -> bytes:
     if seed is None:
         return os.urandom(32)

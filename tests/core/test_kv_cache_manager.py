@@ -139,8 +139,7 @@ def test_allocate_returns_none_without_side_effects_when_short():
              [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
              dict(pool.cached_block_hash_to_block))
     assert before == after and mgr.get_block_ids("b") == []
-    # without the hit's revival the same request would have fit: 5 blocks of 17 tokens
-    # need 5 free; we had 4 -> correct refusal. After the holder leaves it fits.
+    # once the holder leaves, the 5 free blocks are enough
     mgr.free(holder)
     _, _, new = admit(mgr, req)
     assert new is not None and len(mgr.get_block_ids("b")) == 5
