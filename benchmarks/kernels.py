@@ -15,8 +15,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
+import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import torch
@@ -34,12 +37,40 @@ from tests.attention.paged_case import make_case
 HQ, HKV, D, BS, DTYPE = 16, 8, 128, 16, torch.bfloat16
 DECODE_SHAPES = [(1, 1024), (1, 8192), (1, 32768), (16, 2048), (64, 1024), (64, 4096),
                  (256, 1024), (32, 16384)]
+ROTATE_BYTES = 256 * 2**20  # 5x the H100's 50 MB L2
 PREFILL_SHAPES = [(1, 1024), (1, 4096), (4, 2048), (1, 8192), (8, 1024)]
 
 
 def bench_us(fn) -> float:
-    """Median over repeats; do_bench flushes L2 between calls, so small KV is read from HBM."""
+    """Eager time per call, L2 flushed between calls (do_bench), Python launch cost included."""
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def graph_us(fns: list[Callable[[], object]], reps: int = 30) -> float:
+    """GPU time per call: the calls captured back to back in one CUDA graph (as the engine
+    runs decode), median replay time over len(fns). Each fn touches different memory, so
+    rotating through them keeps the KV from being served by L2."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) * 1e3 / len(fns)
 
 
 def log(*args) -> None:
@@ -100,60 +131,63 @@ def copy_bandwidth() -> float:
 
 # ---------------------------------------------------------------- decode
 class DecodeSetup:
-    """Random paged KV (blocks shuffled across the pool) plus the same K/V contiguous."""
+    """Random paged KV (blocks shuffled across the pool) for `copies` independent batches, so
+    a timing can rotate through >= ROTATE_BYTES of KV; plus the same K/V contiguous."""
 
     def __init__(self, batch: int, context: int):
         self.batch, self.context = batch, context
+        self.kv_bytes = 2 * batch * context * HKV * D * 2
+        self.copies = max(1, math.ceil(ROTATE_BYTES / self.kv_bytes))
+        total_seqs = batch * self.copies
         nb = context // BS
-        total = batch * nb
-        self.k_cache = torch.randn(total + 1, BS, HKV, D, device="cuda", dtype=DTYPE)
+        self.k_cache = torch.randn(total_seqs * nb + 1, BS, HKV, D, device="cuda", dtype=DTYPE)
         self.v_cache = torch.randn_like(self.k_cache)
-        ids = torch.randperm(total, device="cuda").int() + 1
-        self.block_tables = ids.view(batch, nb).contiguous()
-        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        self.q = torch.randn(batch, HQ, D, device="cuda", dtype=DTYPE)
+        ids = torch.randperm(total_seqs * nb, device="cuda").int() + 1
+        self.block_tables = ids.view(total_seqs, nb).contiguous()
+        self.seq_lens = torch.full((total_seqs,), context, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(total_seqs, HQ, D, device="cuda", dtype=DTYPE)
         self.out = torch.empty_like(self.q)
         self.scale = D ** -0.5
-        self.kv_bytes = 2 * batch * context * HKV * D * self.k_cache.element_size()
 
-    def contiguous_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.gather(self.k_cache).transpose(1, 2).contiguous()  # [B, Hkv, L, D]
-        v = self.gather(self.v_cache).transpose(1, 2).contiguous()
-        return k, v
+    def rotated(self, make: Callable[[slice], Callable[[], object]]) -> list:
+        return [make(slice(r * self.batch, (r + 1) * self.batch)) for r in range(self.copies)]
 
-    def gather(self, cache: torch.Tensor) -> torch.Tensor:
-        return cache[self.block_tables.long()].view(self.batch, self.context, HKV, D)
+    def gather(self, cache: torch.Tensor, p: slice) -> torch.Tensor:
+        rows = cache[self.block_tables[p].long()]
+        return rows.view(self.batch, self.context, HKV, D).transpose(1, 2)  # [B, Hkv, L, D]
 
-    def v1(self, cfg: DecodeConfig):
-        return lambda: paged_decode_v1(self.q, self.k_cache, self.v_cache, self.block_tables,
-                                       self.seq_lens, self.scale, self.out, cfg)
-
-    def v2(self, cfg: DecodeConfig):
-        return lambda: paged_decode_v2(self.q, self.k_cache, self.v_cache, self.block_tables,
-                                       self.seq_lens, self.context, self.scale, self.out, cfg)
-
-    def dispatch(self, cfg: DecodeConfig, num_sms: int):
-        return lambda: paged_decode(self.q, self.k_cache, self.v_cache, self.block_tables,
-                                    self.seq_lens, self.context, self.scale, self.out,
-                                    num_sms, cfg)
-
-    def grouped_q(self) -> torch.Tensor:
+    def grouped_q(self, p: slice) -> torch.Tensor:
         """[B, Hkv, G, D]: a GQA group's query heads as rows of one KV head, so SDPA reads
         each K/V row once, like our kernel (enable_gqa may fall back to the math path)."""
-        return self.q.view(self.batch, HKV, HQ // HKV, D)
+        return self.q[p].view(self.batch, HKV, HQ // HKV, D)
 
-    def sdpa(self, k: torch.Tensor, v: torch.Tensor):
-        q = self.grouped_q()
-        return lambda: F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+    def v1(self, cfg: DecodeConfig) -> list:
+        return self.rotated(lambda p: lambda: paged_decode_v1(
+            self.q[p], self.k_cache, self.v_cache, self.block_tables[p], self.seq_lens[p],
+            self.scale, self.out[p], cfg))
 
-    def gather_sdpa(self):
-        q = self.grouped_q()
+    def v2(self, cfg: DecodeConfig) -> list:
+        return self.rotated(lambda p: lambda: paged_decode_v2(
+            self.q[p], self.k_cache, self.v_cache, self.block_tables[p], self.seq_lens[p],
+            self.context, self.scale, self.out[p], cfg))
 
-        def run():
-            k = self.gather(self.k_cache).transpose(1, 2)
-            v = self.gather(self.v_cache).transpose(1, 2)
-            return F.scaled_dot_product_attention(q, k, v, scale=self.scale)
-        return run
+    def dispatch(self, num_sms: int) -> list:
+        return self.rotated(lambda p: lambda: paged_decode(
+            self.q[p], self.k_cache, self.v_cache, self.block_tables[p], self.seq_lens[p],
+            self.context, self.scale, self.out[p], num_sms))
+
+    def sdpa(self, k: torch.Tensor, v: torch.Tensor) -> list:
+        return self.rotated(lambda p: lambda: F.scaled_dot_product_attention(
+            self.grouped_q(p), k[p], v[p], scale=self.scale))
+
+    def gather_sdpa(self) -> list:
+        return self.rotated(lambda p: lambda: F.scaled_dot_product_attention(
+            self.grouped_q(p), self.gather(self.k_cache, p), self.gather(self.v_cache, p),
+            scale=self.scale))
+
+    def rel_err(self, ref: torch.Tensor) -> float:
+        out = self.out[: self.batch].float()
+        return float((out - ref.float()).norm() / ref.float().norm())
 
 
 def sweep_decode(cfgs: list[DecodeConfig], shapes, version: str) -> dict:
@@ -164,7 +198,7 @@ def sweep_decode(cfgs: list[DecodeConfig], shapes, version: str) -> dict:
         for cfg in cfgs:
             if version == "v2" and cfg.partition >= context:
                 continue
-            us = bench_us(s.v1(cfg) if version == "v1" else s.v2(cfg))
+            us = graph_us(s.v1(cfg) if version == "v1" else s.v2(cfg))
             log(f"  sweep {version} b={batch} ctx={context} {asdict(cfg)}: {us:.1f} us")
             if (batch, context) not in best or us < best[(batch, context)][0]:
                 best[(batch, context)] = (us, cfg)
@@ -177,43 +211,52 @@ def decode_table(cfg: DecodeConfig, copy_bw: float, num_sms: int) -> list[dict]:
     rows = []
     for batch, context in DECODE_SHAPES:
         s = DecodeSetup(batch, context)
-        ref = torch.empty_like(s.out)
-        k, v = s.contiguous_kv()
-        ref.copy_(s.sdpa(k, v)().reshape(batch, HQ, D))
-        times = {"v1": bench_us(s.v1(cfg))}
-        err_v1 = float((s.out.float() - ref.float()).norm() / ref.float().norm())
-        times["v2"] = bench_us(s.v2(cfg))
-        err_v2 = float((s.out.float() - ref.float()).norm() / ref.float().norm())
-        times["dispatch"] = bench_us(s.dispatch(cfg, num_sms))
-        times["sdpa_contiguous"] = bench_us(s.sdpa(k, v))
+        whole = slice(0, batch * s.copies)
+        k, v = s.gather(s.k_cache, whole).contiguous(), s.gather(s.v_cache, whole).contiguous()
+        times = {"sdpa_contiguous": graph_us(s.sdpa(k, v))}
+        ref = s.out[:batch].clone()
+        ref.copy_(s.sdpa(k, v)[0]().reshape(batch, HQ, D))
         del k, v
-        times["gather_sdpa"] = bench_us(s.gather_sdpa())
-        choice = "v2" if use_v2(batch, HKV, context, num_sms, cfg) else "v1"
+        times["v1"] = graph_us(s.v1(cfg))
+        err = {"v1": s.rel_err(ref)}
+        s.out.fill_(float("nan"))
+        times["v2"] = graph_us(s.v2(cfg))
+        err["v2"] = s.rel_err(ref)
+        times["dispatch"] = graph_us(s.dispatch(num_sms))
+        times["dispatch_eager"] = bench_us(s.dispatch(num_sms)[0])
+        times["gather_sdpa"] = graph_us(s.gather_sdpa())
+        choice = "v2" if use_v2(batch, HKV, context, num_sms) else "v1"
         for kernel, us in times.items():
             rows.append({"kernel": kernel, "batch": batch, "context": context, "us": us,
                          "gb_per_s": s.kv_bytes / (us * 1e-6) / 1e9,
                          "pct_copy_bw": 100 * s.kv_bytes / (us * 1e-6) / copy_bw,
-                         **({"choice": choice} if kernel == "dispatch" else {})})
+                         **({"choice": choice} if kernel.startswith("dispatch") else {})})
         log(f"decode b={batch:4d} ctx={context:6d} | " + " ".join(
-            f"{k}={t:8.1f}us" for k, t in times.items())
-            + f" | err v1 {err_v1:.1e} v2 {err_v2:.1e} | dispatch->{choice}")
+            f"{k}={t:7.1f}us" for k, t in times.items())
+            + f" | err v1 {err['v1']:.1e} v2 {err['v2']:.1e} | dispatch->{choice}")
+        assert max(err.values()) < 1e-2, err
         del s
         torch.cuda.empty_cache()
     return rows
 
 
-def v1_vs_v2(cfg: DecodeConfig, copy_bw: float) -> list[dict]:
+def v1_vs_v2(copy_bw: float, partitions: list[int]) -> list[dict]:
     rows = []
-    for batch in (1, 8, 32):
-        for context in (512, 1024, 2048, 4096, 8192, 16384, 32768):
+    for batch in (1, 4, 8, 16, 32, 64):
+        for context in (1024, 2048, 4096, 8192, 16384, 32768):
+            if batch * context > 64 * 16384:
+                continue
             s = DecodeSetup(batch, context)
-            t1, t2 = bench_us(s.v1(cfg)), bench_us(s.v2(cfg))
-            rows.append({"batch": batch, "context": context, "v1_us": t1, "v2_us": t2,
-                         "v1_over_v2": t1 / t2,
-                         "v1_pct_copy_bw": 100 * s.kv_bytes / (t1 * 1e-6) / copy_bw,
-                         "v2_pct_copy_bw": 100 * s.kv_bytes / (t2 * 1e-6) / copy_bw})
-            log(f"v1vsv2 b={batch:3d} ctx={context:6d} v1={t1:8.1f}us v2={t2:8.1f}us "
-                f"speedup={t1 / t2:.2f}")
+            row = {"batch": batch, "context": context, "v1_us": graph_us(s.v1(DecodeConfig()))}
+            for part in partitions:
+                if part < context:
+                    row[f"v2_p{part}_us"] = graph_us(s.v2(DecodeConfig(partition=part)))
+            v2_best = min((t for k, t in row.items() if k.startswith("v2")), default=None)
+            row["v1_over_best_v2"] = row["v1_us"] / v2_best if v2_best else None
+            row["v1_pct_copy_bw"] = 100 * s.kv_bytes / (row["v1_us"] * 1e-6) / copy_bw
+            rows.append(row)
+            log("v1vsv2 " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                     for k, v in row.items()))
             del s
             torch.cuda.empty_cache()
     return rows
@@ -263,8 +306,8 @@ def prefill_table(cfgs: list[PrefillConfig]) -> tuple[list[dict], PrefillConfig]
     rows, totals = [], {cfg: 0.0 for cfg in cfgs}
     for batch, length in PREFILL_SHAPES:
         s = PrefillSetup(batch, length)
-        t_sdpa = bench_us(s.sdpa_flash())
-        per_cfg = {cfg: bench_us(s.paged(cfg)) for cfg in cfgs}
+        t_sdpa = graph_us([s.sdpa_flash()])
+        per_cfg = {cfg: graph_us([s.paged(cfg)]) for cfg in cfgs}
         for cfg, us in per_cfg.items():
             totals[cfg] += us / t_sdpa
             log(f"  prefill b={batch} len={length} {asdict(cfg)}: {us:.1f} us")
@@ -284,7 +327,7 @@ def prefill_table(cfgs: list[PrefillConfig]) -> tuple[list[dict], PrefillConfig]
     # chunked prefill: a 1024-token chunk after a cached prefix (SDPA has no such path)
     for prefix in (1024, 7168):
         s = PrefillSetup(1, 1024, prefix)
-        us = bench_us(s.paged(cfgs[0]))
+        us = graph_us([s.paged(cfgs[0])])
         rows.append({"kernel": "prefill_chunk", "batch": 1, "context": prefix + 1024,
                      "us": us, "tflops": s.flops / (us * 1e-6) / 1e12, "pct_copy_bw": None})
         log(f"chunked prefill prefix={prefix} chunk=1024: {us:.1f} us "
@@ -296,24 +339,39 @@ def prefill_table(cfgs: list[PrefillConfig]) -> tuple[list[dict], PrefillConfig]
 
 # ---------------------------------------------------------------- copy / swap
 def cache_ops(copy_bw: float) -> list[dict]:
-    backend = TorchRefBackend()
+    """copy_blocks (torch vs Triton) on one layer; swap_blocks both ways, checked."""
     num_blocks, n = 8192, 1024
     caches = [(torch.randn(num_blocks, BS, HKV, D, device="cuda", dtype=DTYPE),
                torch.randn(num_blocks, BS, HKV, D, device="cuda", dtype=DTYPE))]
     perm = torch.randperm(num_blocks, device="cuda")
     pairs = torch.stack([perm[:n], perm[n:2 * n]], 1)
     block_bytes = BS * HKV * D * 2
-    us = bench_us(lambda: backend.copy_blocks(caches, pairs))
     moved = 2 * 2 * n * block_bytes  # K and V, read + write
-    rows = [{"kernel": "copy_blocks", "batch": n, "context": None, "us": us,
-             "pct_copy_bw": 100 * moved / (us * 1e-6) / copy_bw}]
+    rows = []
+    for name, backend in (("copy_blocks_torch", TorchRefBackend()),
+                          ("copy_blocks_triton", TritonBackend())):
+        us = graph_us([lambda: backend.copy_blocks(caches, pairs)])
+        rows.append({"kernel": name, "batch": n, "context": None, "us": us,
+                     "pct_copy_bw": 100 * moved / (us * 1e-6) / copy_bw})
+    check = caches[0][0].clone()
+    TritonBackend().copy_blocks(caches, pairs)
+    TorchRefBackend().copy_blocks([(check, check)], pairs)
+    assert torch.equal(check, caches[0][0]), "copy_blocks kernel differs from torch"
     host = torch.empty(n, BS, HKV, D, dtype=DTYPE).pin_memory()
-    to_host = torch.stack([perm[:n].cpu(), torch.arange(n)], 1)
-    us_swap = bench_us(lambda: backend.swap_blocks(caches[0][0], host, to_host))
-    rows.append({"kernel": "swap_blocks_to_host", "batch": n, "context": None, "us": us_swap,
-                 "gb_per_s": n * block_bytes / (us_swap * 1e-6) / 1e9, "pct_copy_bw": None})
-    log(f"copy_blocks {n} blocks: {us:.1f} us ({rows[0]['pct_copy_bw']:.0f}% of copy bw); "
-        f"swap to pinned host: {rows[1]['gb_per_s']:.1f} GB/s")
+    to_host = torch.stack([perm[:n].cpu(), torch.randperm(n)], 1)
+    swap = TorchRefBackend().swap_blocks
+    us_out = bench_us(lambda: swap(caches[0][0], host, to_host))
+    assert torch.equal(host[to_host[:, 1]], caches[0][0][perm[:n]].cpu()), "swap out"
+    back = torch.stack([to_host[:, 1], perm[2 * n:3 * n].cpu()], 1)
+    us_in = bench_us(lambda: swap(host, caches[0][0], back))
+    assert torch.equal(caches[0][0][perm[2 * n:3 * n]].cpu(), host[to_host[:, 1]]), "swap in"
+    for name, us in (("swap_blocks_out", us_out), ("swap_blocks_in", us_in)):
+        rows.append({"kernel": name, "batch": n, "context": None, "us": us,
+                     "gb_per_s": n * block_bytes / (us * 1e-6) / 1e9, "pct_copy_bw": None})
+    log("cache ops: " + "; ".join(f"{r['kernel']} {r['us']:.1f} us "
+                                  f"{r.get('gb_per_s') or r['pct_copy_bw']:.1f}"
+                                  f"{' GB/s' if 'gb_per_s' in r else '% copy bw'}"
+                                  for r in rows))
     return rows
 
 
@@ -334,20 +392,20 @@ def main() -> None:
     cfg = DecodeConfig()
     if args.sweep:
         cfgs = [replace(cfg, block_n=bn, num_warps=w, num_stages=st)
-                for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-        best = sweep_decode(cfgs, [(64, 4096), (256, 1024), (32, 16384)], "v1")
+                for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
+        best = sweep_decode(cfgs, [(64, 4096), (256, 1024), (32, 16384), (16, 2048)], "v1")
         raw["sweep_v1"] = {f"{k}": (us, asdict(c)) for k, (us, c) in best.items()}
-        v2cfgs = [replace(cfg, partition=p, block_n=bn, num_warps=w)
-                  for p in (256, 512, 1024) for bn in (32, 64) for w in (4, 8)]
+        v2cfgs = [replace(cfg, partition=p, block_n=bn, num_stages=st)
+                  for p in (256, 512, 1024) for bn in (32, 64) for st in (2, 3)]
         best2 = sweep_decode(v2cfgs, [(1, 32768), (1, 8192), (16, 2048)], "v2")
         raw["sweep_v2"] = {f"{k}": (us, asdict(c)) for k, (us, c) in best2.items()}
     rows = decode_table(cfg, copy_bw, num_sms)
-    raw["v1_vs_v2"] = v1_vs_v2(cfg, copy_bw)
+    raw["v1_vs_v2"] = v1_vs_v2(copy_bw, [256, 512, 1024] if args.sweep else [cfg.partition])
     prefill_cfgs = [PrefillConfig()]
     if args.sweep:
-        prefill_cfgs += [PrefillConfig(128, 64, 4, 3), PrefillConfig(128, 128, 8, 2),
-                         PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 32, 4, 4),
-                         PrefillConfig(64, 128, 4, 2)]
+        prefill_cfgs += [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2),
+                         PrefillConfig(64, 64, 4, 4), PrefillConfig(64, 64, 8, 3),
+                         PrefillConfig(64, 32, 4, 3)]
     prefill_rows, best_prefill = prefill_table(prefill_cfgs)
     raw["best_prefill_config"] = asdict(best_prefill)
     rows += prefill_rows + cache_ops(copy_bw)

@@ -43,18 +43,30 @@ class AttentionBackend:
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     def swap_blocks(self, src: Tensor, dst: Tensor, src_to_dst: Tensor) -> None:
-        """Copy blocks between two caches, e.g. GPU <-> pinned CPU memory for preemption.
+        """Copy blocks between two caches, e.g. GPU <-> CPU memory for preemption by swapping.
 
-        The gather happens on the source device and the scatter on the destination, so only
-        the selected blocks cross the bus.
+        The gather happens where the source lives and the scatter where the destination
+        lives, so only the selected blocks cross the bus, through a pinned staging buffer:
+        a copy from pageable memory ran at 1 GB/s on the H100 machine.
         """
         if src_to_dst.numel() == 0:
             return
         src_to_dst = src_to_dst.to(torch.long)
         src_ids = src_to_dst[:, 0].to(src.device)
         dst_ids = src_to_dst[:, 1].to(dst.device)
-        blocks = src.index_select(0, src_ids)
-        dst.index_copy_(0, dst_ids, blocks.to(dst.device, non_blocking=blocks.is_pinned()))
+        if src.device == dst.device:
+            dst.index_copy_(0, dst_ids, src.index_select(0, src_ids))
+            return
+        shape = (src_ids.numel(), *src.shape[1:])
+        if src.device.type == "cpu":  # swap in: gather into pinned memory, then upload
+            staged = torch.empty(shape, dtype=src.dtype, pin_memory=True)
+            torch.index_select(src, 0, src_ids, out=staged)
+            dst.index_copy_(0, dst_ids, staged.to(dst.device, non_blocking=True))
+            return
+        staged = torch.empty(shape, dtype=src.dtype, pin_memory=True)  # swap out
+        staged.copy_(src.index_select(0, src_ids), non_blocking=True)
+        torch.cuda.current_stream(src.device).synchronize()
+        dst.index_copy_(0, dst_ids, staged.to(dst.dtype))
 
 
 def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from pagedserve.attention.backend import AttentionBackend
-from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, paged_decode,
-                                          paged_prefill, store_kv)
+from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, copy_blocks,
+                                          paged_decode, paged_prefill, store_kv)
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -22,7 +22,7 @@ def _num_sms(device: torch.device) -> int:
 
 class TritonBackend(AttentionBackend):
     """store_kv, then the decode kernel on the leading decodes and the prefill kernel on the
-    rest; copy/swap are the base class's plain torch copies."""
+    rest; copy_blocks is a Triton kernel, swap_blocks the base class's staged torch copy."""
 
     name = "triton"
 
@@ -48,3 +48,6 @@ class TritonBackend(AttentionBackend):
                           meta.query_start_loc, nd, num_seqs - nd, meta.max_query_len, scale,
                           out, self.prefill_cfg)
         return out
+
+    def copy_blocks(self, kv_caches: list[tuple[Tensor, Tensor]], src_dst: Tensor) -> None:
+        copy_blocks(kv_caches, src_dst)

@@ -103,9 +103,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
 class PrefillConfig:
     """Launch parameters; defaults are the H100 choice from benchmarks/kernels.py."""
 
-    block_m: int = 128
+    block_m: int = 64
     block_n: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
 
 
