@@ -1,14 +1,17 @@
 """The FastAPI app, its routes, and the `serve` command line (`add_serve_args`, `run_server`).
 
-Shutdown order on SIGINT/SIGTERM (uvicorn's handling): stop accepting connections, give
-in-flight requests `--graceful-timeout` seconds to finish, cancel the rest (each cancelled
-handler aborts its engine request), then the lifespan hook stops the engine loop, which
+Shutdown on SIGINT/SIGTERM: uvicorn stops accepting connections and waits for in-flight
+requests; after `--graceful-timeout` seconds we abort the ones still running in the engine, so
+each client gets a last chunk with finish_reason "abort" and `[DONE]` (or a complete JSON
+body) instead of a cut connection. Handlers still alive a few seconds later are cancelled by
+uvicorn (and abort their requests), then the lifespan hook stops the engine loop, which
 aborts anything left so every block is returned before the process exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -120,7 +123,28 @@ def run_server(args: argparse.Namespace) -> None:
     name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
     aliases = (args.model,) if args.model else ()
     app = build_app(engine, name, aliases)
+    # uvicorn cancels handlers still running after its own timeout; ours fires first and
+    # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_timeout)
+                            timeout_graceful_shutdown=args.graceful_timeout + _CANCEL_AFTER_S)
+    server = _Server(config, app.state.async_engine, args.graceful_timeout)
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run()
+        server.run()
+
+
+_CANCEL_AFTER_S = 5.0  # after the abort, how long handlers get to send their last bytes
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: in-flight requests get `grace` seconds, then are aborted."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, grace: float) -> None:
+        super().__init__(config)
+        self._async_engine, self._grace = async_engine, grace
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self._grace, self._async_engine.finish_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()

@@ -116,7 +116,13 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Abort silently: for a consumer that is gone and wants no more outputs."""
         self._commands.put(("abort", request_id))
+
+    def finish_all(self) -> None:
+        """Abort every in-flight request but still deliver its final ("abort") output, so
+        handlers end their responses properly; used when a graceful shutdown runs out of time."""
+        self._commands.put(("finish_all",))
 
     # ---- the loop thread -------------------------------------------------------------------
 
@@ -150,6 +156,8 @@ class AsyncEngine:
                 self._add(command[1])
             elif kind == "abort":
                 self._abort(command[1])
+            elif kind == "finish_all":
+                self.engine.abort_request(list(self._streams))
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
