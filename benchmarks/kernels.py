@@ -6,7 +6,7 @@ Measures, in one run: device-to-device copy bandwidth (the ceiling), paged decod
 dispatch against torch SDPA on contiguous K/V and the naive paged path (gather + SDPA) at
 Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, block 16),
 v1 vs v2 by context length, paged prefill against SDPA's flash path on causal shapes, and
-copy_blocks / swap_blocks bandwidth. --sweep also times launch configurations. Writes
+copy_blocks / swap_blocks bandwidth. --sweep also times decode launch configurations. Writes
 DIR/kernels.json (docs/results format) and DIR/kernels_raw.json; prints tables.
 """
 
@@ -154,7 +154,7 @@ class DecodeSetup:
 
     def gather(self, cache: torch.Tensor, p: slice) -> torch.Tensor:
         rows = cache[self.block_tables[p].long()]
-        return rows.view(self.batch, self.context, HKV, D).transpose(1, 2)  # [B, Hkv, L, D]
+        return rows.view(-1, self.context, HKV, D).transpose(1, 2)  # [B, Hkv, L, D]
 
     def grouped_q(self, p: slice) -> torch.Tensor:
         """[B, Hkv, G, D]: a GQA group's query heads as rows of one KV head, so SDPA reads
@@ -240,14 +240,16 @@ def decode_table(cfg: DecodeConfig, copy_bw: float, num_sms: int) -> list[dict]:
     return rows
 
 
-def v1_vs_v2(copy_bw: float, partitions: list[int]) -> list[dict]:
+def v1_vs_v2(copy_bw: float, partitions: list[int], num_sms: int) -> list[dict]:
     rows = []
     for batch in (1, 4, 8, 16, 32, 64):
         for context in (1024, 2048, 4096, 8192, 16384, 32768):
             if batch * context > 64 * 16384:
                 continue
             s = DecodeSetup(batch, context)
-            row = {"batch": batch, "context": context, "v1_us": graph_us(s.v1(DecodeConfig()))}
+            row = {"batch": batch, "context": context, "v1_us": graph_us(s.v1(DecodeConfig())),
+                   "dispatch_us": graph_us(s.dispatch(num_sms)),
+                   "dispatch_choice": "v2" if use_v2(batch, HKV, context, num_sms) else "v1"}
             for part in partitions:
                 if part < context:
                     row[f"v2_p{part}_us"] = graph_us(s.v2(DecodeConfig(partition=part)))
@@ -378,7 +380,7 @@ def cache_ops(copy_bw: float) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--sweep", action="store_true", help="also time launch configs")
+    parser.add_argument("--sweep", action="store_true", help="also time decode launch configs")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     device = f"{props.name}, torch {torch.__version__}, triton {triton.__version__}"
@@ -400,12 +402,10 @@ def main() -> None:
         best2 = sweep_decode(v2cfgs, [(1, 32768), (1, 8192), (16, 2048)], "v2")
         raw["sweep_v2"] = {f"{k}": (us, asdict(c)) for k, (us, c) in best2.items()}
     rows = decode_table(cfg, copy_bw, num_sms)
-    raw["v1_vs_v2"] = v1_vs_v2(copy_bw, [256, 512, 1024] if args.sweep else [cfg.partition])
-    prefill_cfgs = [PrefillConfig()]
-    if args.sweep:
-        prefill_cfgs += [PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2),
-                         PrefillConfig(64, 64, 4, 4), PrefillConfig(64, 64, 8, 3),
-                         PrefillConfig(64, 32, 4, 3)]
+    raw["v1_vs_v2"] = v1_vs_v2(copy_bw, [256, 512, 1024], num_sms)
+    prefill_cfgs = [PrefillConfig(), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2),
+                    PrefillConfig(64, 64, 4, 4), PrefillConfig(64, 64, 8, 3),
+                    PrefillConfig(64, 32, 4, 3)]
     prefill_rows, best_prefill = prefill_table(prefill_cfgs)
     raw["best_prefill_config"] = asdict(best_prefill)
     rows += prefill_rows + cache_ops(copy_bw)

@@ -13,8 +13,9 @@ import torch
 
 from pagedserve.attention import torch_ref
 from pagedserve.attention.backend import get_attention_backend
-from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, paged_decode_v1,
-                                          paged_decode_v2, paged_prefill, store_kv, use_v2)
+from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, choose_partition,
+                                          paged_decode, paged_decode_v1, paged_decode_v2,
+                                          paged_prefill, store_kv, use_v2)
 from pagedserve.attention.triton_backend import TritonBackend
 from tests.attention.paged_case import make_case
 
@@ -50,8 +51,8 @@ def test_store_kv_matches_reference_and_skips_minus_one(dtype, block_size):
 
 
 def decode_case(num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
-    return make_case([(c, 1) for c in DECODE_CTX], num_heads, num_kv_heads, head_dim, block_size,
-                     dtype=dtype, seed=seed)
+    return make_case([(c, 1) for c in DECODE_CTX], num_heads, num_kv_heads, head_dim,
+                     block_size, dtype=dtype, seed=seed)
 
 
 def run_decode(version, case, cfg=SMALL_DECODE):
@@ -132,10 +133,26 @@ def test_triton_backend_selectable_on_cpu():
 
 
 def test_dispatch_splits_only_long_contexts_that_underfill_the_gpu():
-    cfg = DecodeConfig()
-    assert use_v2(1, 8, 32768, 132, cfg)
-    assert not use_v2(1, 8, cfg.partition, 132, cfg)  # nothing to split
-    assert not use_v2(64, 8, 4096, 132, cfg)  # 512 programs already fill 132 SMs
+    assert use_v2(1, 8, 32768, 132)
+    assert not use_v2(1, 8, 512, 132)  # two partitions at most: nothing worth splitting
+    assert not use_v2(64, 8, 4096, 132)  # 512 programs already make ~4 waves
+    # enough programs for two per SM, with as few partitions as possible
+    assert choose_partition(1, 8, 32768, 132) == 512
+    assert choose_partition(16, 8, 2048, 132) == 512
+    assert choose_partition(1, 8, 4096, 132) == 256
+
+
+def test_dispatched_decode_matches_reference():
+    seed = fresh_seed()
+    case = make_case([(1500, 1), (700, 1)], 8, 2, 32, 16, seed=seed)
+    store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = torch.full_like(case.q, float("nan"))
+    m = case.meta
+    assert use_v2(2, 2, m.max_seq_len, num_sms=132)
+    paged_decode(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, m.max_seq_len,
+                 case.scale, out, 132, DecodeConfig(block_n=64))
+    torch.testing.assert_close(out.double(), case.expected, atol=1e-5, rtol=1e-5,
+                               msg=f"seed {seed}")
 
 
 def test_copy_blocks_kernel_matches_torch():

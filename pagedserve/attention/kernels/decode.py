@@ -12,7 +12,7 @@ the GPU's SMs: long contexts at small batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -148,9 +148,9 @@ class DecodeConfig:
     """Launch parameters; defaults are the H100 choice from benchmarks/kernels.py."""
 
     block_n: int = 64  # context positions per inner tile
-    partition: int = 512  # v2: context positions per partition (a multiple of block_n)
+    partition: int = 512  # v2 called directly; `paged_decode` picks one per batch instead
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 def _group_pad(group: int) -> int:
@@ -201,19 +201,34 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     return out
 
 
-def use_v2(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-           cfg: DecodeConfig = DecodeConfig()) -> bool:
-    """Split over partitions only when v1's (sequence, KV head) programs cannot fill the SMs
-    and the context is long enough to split; the threshold is measured on the H100
-    (docs/bench_kernels.md)."""
-    return max_seq_len > 2 * cfg.partition and num_seqs * num_kv_heads < num_sms
+PARTITIONS = (1024, 512, 256)  # multiples of block_n
+
+
+def use_v2(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> bool:
+    """Split over partitions when v1's (sequence, KV head) programs make less than two waves
+    on the SMs and there are at least two partitions to split into. Measured on the H100
+    (docs/bench_kernels.md): v2 wins by up to 10x at batch 1, ties at ~2 waves, and loses a
+    little (the reduce pass, the partials' traffic) beyond."""
+    return num_seqs * num_kv_heads < 2 * num_sms and max_seq_len > 2 * PARTITIONS[-1]
+
+
+def choose_partition(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                     num_sms: int) -> int:
+    """The largest partition that still yields two programs per SM: fewer partitions mean
+    less partial-result traffic, but each SM needs a couple of programs to hide latency."""
+    for partition in PARTITIONS:
+        if num_seqs * num_kv_heads * triton.cdiv(max_seq_len, partition) >= 2 * num_sms:
+            return partition
+    return PARTITIONS[-1]
 
 
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                  seq_lens: Tensor, max_seq_len: int, scale: float, out: Tensor, num_sms: int,
                  cfg: DecodeConfig = DecodeConfig()) -> Tensor:
-    """v1 or v2, by `use_v2`."""
-    if use_v2(q.shape[0], k_cache.shape[2], max_seq_len, num_sms, cfg):
+    """v1 or v2 (with a partition sized to the batch), by `use_v2`."""
+    num_seqs, num_kv_heads = q.shape[0], k_cache.shape[2]
+    if use_v2(num_seqs, num_kv_heads, max_seq_len, num_sms):
+        partition = choose_partition(num_seqs, num_kv_heads, max_seq_len, num_sms)
         return paged_decode_v2(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                               scale, out, cfg)
+                               scale, out, replace(cfg, partition=partition))
     return paged_decode_v1(q, k_cache, v_cache, block_tables, seq_lens, scale, out, cfg)
