@@ -63,12 +63,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra_args: str) -> Server:
+def start_server(*extra_args: str, stderr=None) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.server", "--port", str(port),
            "--kv-cache-memory", str(KV_CACHE_BYTES), "--log-level", "warning", *extra_args]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=stderr)
     server = Server(proc, f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
