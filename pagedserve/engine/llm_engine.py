@@ -27,6 +27,8 @@ from pagedserve.engine.outputs import (
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.decoder import Decoder
 from pagedserve.model.loader import load_model, load_tokenizer
 
 
@@ -67,14 +69,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+@dataclass
+class LoadedModel:
+    """Weights, their config and tokenizer; shareable by several engines (read-only)."""
+
+    model: Decoder
+    model_config: ModelConfig
+    tokenizer: object
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> LoadedModel:
+        device = resolve_device(config.device)
+        model, model_config, tokenizer_source = load_model(
+            config.model, resolve_dtype(config.dtype, device), device)
+        return cls(model, model_config, load_tokenizer(config.tokenizer or tokenizer_source))
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """`loaded` lets tests and benchmarks build engines with other KV budgets or
+        scheduling options over one copy of the weights instead of reloading them."""
         self.config = config
         torch.manual_seed(config.seed)
-        device = resolve_device(config.device)
-        model, self.model_config, tokenizer_source = load_model(
-            config.model, resolve_dtype(config.dtype, device), device)
-        self.tokenizer = load_tokenizer(config.tokenizer or tokenizer_source)
+        self.loaded = loaded = loaded or LoadedModel.load(config)
+        model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, \
+            loaded.tokenizer
+        device = next(model.parameters()).device
         self.model_runner = ModelRunner(config, model, self.model_config, device)
         num_blocks = self.model_runner.determine_num_blocks()
         self.kv_cache_manager = KVCacheManager(

@@ -116,12 +116,18 @@ class ModelRunner:
         """Allocate per-layer K and V per the layout contract and bind them to the layers."""
         mc = self.model_config
         shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = []
-        for attention in self.model.attention_layers():
-            k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(mc.num_layers)]
+        self._bind_kv_cache()
+
+    def _bind_kv_cache(self) -> None:
+        """Point the attention layers at our caches (a model may be shared by engines)."""
+        layers = self.model.attention_layers()
+        if layers[0].k_cache is self.kv_caches[0][0]:
+            return
+        for attention, (k_cache, v_cache) in zip(layers, self.kv_caches):
             attention.k_cache, attention.v_cache = k_cache, v_cache
-            self.kv_caches.append((k_cache, v_cache))
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -170,6 +176,7 @@ class ModelRunner:
     def execute_model(self, output: SchedulerOutput,
                       kv_cache_manager: KVCacheManager) -> ModelRunnerOutput:
         inputs = self.prepare_inputs(output, kv_cache_manager)
+        self._bind_kv_cache()
         with set_forward_context(inputs.meta, self.backend):
             hidden = self.model(inputs.input_ids, inputs.positions)
         if not inputs.sampling_requests:

@@ -24,6 +24,13 @@ class LLM:
         self.llm_engine = LLMEngine.from_options(model=model, **engine_options)
         self._counter = 0
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (e.g. one built over shared weights)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine, llm._counter = engine, 0
+        return llm
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
