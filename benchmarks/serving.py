@@ -1,8 +1,8 @@
-"""Online serving benchmark: streaming requests to a running pagedserve (or any OpenAI) server.
+"""Online serving benchmark: streaming requests to a running pagedserve server.
 
 Requests arrive as a Poisson process at `--request-rate` per second (`inf`: all at once;
-`--max-concurrency` caps how many are in flight) and stream from `/v1/completions` with `ignore_eos`, so every request produces exactly
-`--max-tokens` tokens. Per request we time, on the client:
+`--max-concurrency` caps how many are in flight) and stream from `/v1/completions` with
+`ignore_eos`, so every request produces exactly `--max-tokens` tokens. Per request we time, on the client:
   TTFT  time to the first streamed token
   TPOT  (latency - TTFT) / (output tokens - 1): the mean decode pace a user sees
   ITL   every gap between two streamed chunks (a chunk may carry more than one token)

@@ -191,9 +191,7 @@ class AsyncEngine:
             stream.deliver(output)
             if output.finished:
                 del self._streams[output.request_id]
-                reasons = {c.finish_reason for c in output.outputs if c.finish_reason}
-                self._record_finish(stream, "length" if reasons == {"length"} else
-                                    next(iter(reasons - {"length"}), "stop"))
+                self._record_finish(stream, _finish_reason(output))
 
     def _record_finish(self, stream: _Stream, reason: str) -> None:
         done = time.monotonic()
@@ -227,3 +225,9 @@ def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(exc)
+
+
+def _finish_reason(output: Any) -> str:
+    """One label per request for the metrics: the "worst" reason over its n choices."""
+    reasons = {c.finish_reason for c in output.outputs}
+    return next((r for r in ("abort", "stop") if r in reasons), "length")

@@ -32,7 +32,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -57,7 +57,7 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
-    def _check_common(self) -> _SamplingRequest:
+    def _check_common(self) -> SamplingRequest:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP:
             raise ValueError(f"stop: at most {MAX_STOP} stop strings are allowed")
@@ -70,7 +70,7 @@ class _SamplingRequest(BaseModel):
         return self
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -116,7 +116,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -32,7 +32,7 @@ from pagedserve.entrypoints.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
     CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails,
-    TopLogprob, UsageInfo, _SamplingRequest, random_id)
+    TopLogprob, UsageInfo, SamplingRequest, random_id)
 
 _DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks that its client is there
 
@@ -130,7 +130,7 @@ class OpenAIServing:
         # the template already wrote every special token, BOS included
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _sampling_params(self, req: _SamplingRequest, num_prompt_tokens: int,
+    def _sampling_params(self, req: SamplingRequest, num_prompt_tokens: int,
                          max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
@@ -164,7 +164,7 @@ class OpenAIServing:
             raise bad_request(str(exc)) from exc
 
     async def _submit(self, requests: list[_EngineRequest],
-                      req: _SamplingRequest) -> list[AsyncIterator[Any]]:
+                      req: SamplingRequest) -> list[AsyncIterator[Any]]:
         """Add every engine request; if one is refused, abort the ones already added."""
         extra = {}
         if self.supports_cache_salt:
