@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+
 import httpx
 import pytest
 
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import LLM
 from tests.server.conftest import MODEL_NAME
@@ -13,6 +16,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "system", "content": "You are a terse assistant."},
         {"role": "user", "content": "Name three primary colors."}]
 MAX_TOKENS = 12
+BLOCK_SIZE = 16  # the engine's default
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +191,30 @@ def test_metrics_after_requests(server, client):
     assert m["pagedserve_e2e_request_latency_seconds_count"] > 0
     assert m["pagedserve_num_requests_waiting"] == 0
     assert "pagedserve_num_preemptions_total" in m
+
+
+LONG_PROMPT = "Paged attention stores the KV cache in fixed-size blocks. " * 8
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    first = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=2)
+    again = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=2)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 32
+    # every full block but the one holding the last prompt token comes from the cache
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (again.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+@pytest.mark.skipif("cache_salt" not in inspect.signature(LLMEngine.add_request).parameters,
+                    reason="LLMEngine.add_request takes no cache_salt yet")
+def test_cache_salt_and_user_isolate_the_prefix_cache(client):
+    def cached(**extra) -> int:
+        resp = client.completions.create(model=MODEL_NAME, prompt="Tenant data. " + LONG_PROMPT,
+                                         max_tokens=1, extra_body=extra)
+        return resp.usage.prompt_tokens_details.cached_tokens
+
+    cached(cache_salt="tenant-a")
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(user="tenant-c") == 0  # `user` salts the cache when cache_salt is absent
+    assert cached(user="tenant-c") > 0
