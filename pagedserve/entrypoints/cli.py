@@ -236,20 +236,24 @@ def bench_pagedserve(engine, prompts: list[list[int]], params) -> BenchResult:
                        hits / queries if queries else 0.0)
 
 
-def bench_transformers(model_path: str | None, prompts: list[list[int]], tokenizer, params,
-                       dtype) -> BenchResult:
-    """transformers' batched greedy/sampled `generate` over the same prompts (left padding)."""
+def load_transformers(model_path: str | None, dtype):
+    """The same checkpoint through transformers (GGUF files are dequantized by it)."""
     from pathlib import Path
 
-    import torch
     from transformers import AutoModelForCausalLM
 
     from pagedserve.model.loader import default_model_path
 
     path = Path(model_path) if model_path else default_model_path()
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    model = AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, dtype=dtype,
-                                                 **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent if kwargs else path, dtype=dtype,
+                                                **kwargs).eval()
+
+
+def bench_transformers(model, prompts: list[list[int]], tokenizer, params) -> BenchResult:
+    """transformers' batched `generate` over the same prompts (left padding, one batch)."""
+    import torch
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -268,8 +272,7 @@ def bench_transformers(model_path: str | None, prompts: list[list[int]], tokeniz
     eos = set() if params.ignore_eos else {tokenizer.eos_token_id}
     out_tokens = 0
     for row in out[:, width:].tolist():
-        stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        out_tokens += stop
+        out_tokens += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
     return BenchResult("transformers", len(prompts), out_tokens, elapsed, len(prompts) / elapsed,
                        out_tokens / elapsed)
 
@@ -291,6 +294,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from pagedserve.engine.sampling_params import SamplingParams
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = _build_engine(args)
     prompts = bench_prompts(args, engine.tokenizer)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
@@ -298,14 +303,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"device {engine.model_runner.device}, torch threads {torch.get_num_threads()}, "
           f"{len(prompts)} {args.dataset} prompts (mean {sum(map(len, prompts)) / len(prompts):.0f}"
           f" tokens) x {args.output_len} new tokens, {engine.num_blocks} KV blocks")
-    results = [bench_pagedserve(engine, prompts, params)]
-    _print_result(results[0])
-    if args.compare_transformers:
-        dtype = engine.model_runner.dtype
-        results.append(bench_transformers(args.model, prompts, engine.tokenizer, params, dtype))
-        _print_result(results[1])
-        speedup = results[0].output_tokens_per_s / results[1].output_tokens_per_s
-        print(f"speedup (output tok/s): {speedup:.2f}x")
+    peer = load_transformers(args.model, engine.model_runner.dtype) \
+        if args.compare_transformers else None
+    results, speedups = [], []
+    for round_ in range(args.repeat):  # alternate the engines: load on a shared box drifts
+        if args.repeat > 1:
+            print(f"-- round {round_ + 1}/{args.repeat}")
+        ours = bench_pagedserve(engine, prompts, params)
+        _print_result(ours)
+        results.append(ours)
+        if peer is not None:
+            theirs = bench_transformers(peer, prompts, engine.tokenizer, params)
+            _print_result(theirs)
+            results.append(theirs)
+            speedups.append(ours.output_tokens_per_s / theirs.output_tokens_per_s)
+            print(f"speedup (output tok/s): {speedups[-1]:.2f}x")
+    if len(speedups) > 1:
+        print(f"median speedup over {len(speedups)} rounds: "
+              f"{sorted(speedups)[len(speedups) // 2]:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)
@@ -356,6 +371,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                        help="generate exactly --output-len tokens (default) or stop at eos")
     bench.add_argument("--compare-transformers", action="store_true", help="also run "
                        "transformers' batched generate on the same model and prompts")
+    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads for both "
+                       "engines (default: torch's choice, one per core)")
+    bench.add_argument("--repeat", type=int, default=1, help="rounds, alternating the "
+                       "engines; prints the median speedup")
     bench.add_argument("--seed", type=int, default=None, help="prompt and sampling seed")
     bench.add_argument("--output-json", default=None, help="write the results here")
     add_engine_args(bench)
