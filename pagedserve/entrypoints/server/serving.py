@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.entrypoints.llm import encode_chat
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.entrypoints.server.errors import (SERVER_ERROR, APIError, bad_request,
                                                   model_not_found)
@@ -59,7 +60,7 @@ class OpenAIServing:
 
     # ---- endpoints -------------------------------------------------------------------------
 
-    async def create_completion(self, req: CompletionRequest, raw: Request):
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         base_id = random_id("cmpl")
         prompts = req.prompts()
@@ -82,7 +83,7 @@ class OpenAIServing:
                      for i, out in enumerate(finals) for c in out.outputs],
             usage=_usage(finals)).model_dump())
 
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         base_id = random_id("chatcmpl")
         token_ids = self._apply_chat_template(req)
@@ -118,17 +119,13 @@ class OpenAIServing:
         return list(prompt)  # the engine checks the ids against the vocabulary
 
     def _apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions")
+        """The same rendering as `LLM.chat`, so the server and the offline API agree."""
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
-        except Exception as exc:  # template errors (e.g. role order) are the client's input
+            return encode_chat(self.tokenizer, messages, req.add_generation_prompt)
+        except Exception as exc:  # no template, or one that rejects the roles' order
             raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
-        # the template already wrote every special token, BOS included
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _sampling_params(self, req: SamplingRequest, num_prompt_tokens: int,
                          max_tokens: int | None, logprobs: int | None) -> SamplingParams:
