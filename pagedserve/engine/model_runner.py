@@ -101,7 +101,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             num_decodes=0, num_decode_tokens=0,
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            # every logical block maps to the null block: reads are valid, nothing is written
+            block_tables=torch.zeros((1, -(-num_tokens // self.block_size)), dtype=torch.int32,
+                                     device=self.device),
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
             max_query_len=num_tokens, max_seq_len=num_tokens)
