@@ -65,7 +65,9 @@ def free_port() -> int:
 
 def start_server(*extra_args: str, stderr=None) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedserve.entrypoints.server", "--port", str(port),
+    # exactly what `pagedserve serve ...` runs
+    cmd = [sys.executable, "-c", "from pagedserve.entrypoints.cli import main; "
+           "raise SystemExit(main())", "serve", "--port", str(port),
            "--kv-cache-memory", str(KV_CACHE_BYTES), "--log-level", "warning", *extra_args]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=stderr)
