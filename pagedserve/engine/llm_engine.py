@@ -131,8 +131,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue; raises ValueError (taking no block) when the request is bad."""
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Validate and queue; raises ValueError (taking no block) when the request is bad.
+
+        `cache_salt` isolates the prefix cache: requests share cached blocks only when their
+        salts are equal (it is hashed into the first block, so it reaches the whole chain).
+        """
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -148,7 +152,7 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(child_id, token_ids, child_params, max_tokens,
-                              self.eos_token_ids, arrival)
+                              self.eos_token_ids, arrival, cache_salt=cache_salt)
             parent.children.append(self._child_state(request, index, request_id))
         taken = [c.request.request_id for c in parent.children
                  if c.request.request_id in self._children]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import inspect
 
 import httpx
 import pytest
 
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import LLM
 from tests.server.conftest import MODEL_NAME
@@ -205,8 +203,6 @@ def test_repeated_prompt_reports_cached_tokens(client):
     assert cached == (again.usage.prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
-@pytest.mark.skipif("cache_salt" not in inspect.signature(LLMEngine.add_request).parameters,
-                    reason="LLMEngine.add_request takes no cache_salt yet")
 def test_cache_salt_and_user_isolate_the_prefix_cache(client):
     def cached(**extra) -> int:
         resp = client.completions.create(model=MODEL_NAME, prompt="Tenant data. " + LONG_PROMPT,

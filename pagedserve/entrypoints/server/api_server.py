@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import logging
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -40,8 +39,7 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = ()) -> Fa
     async_engine = AsyncEngine(engine, ServerMetrics())
     max_model_len = _max_model_len(engine)
     serving = OpenAIServing(
-        async_engine, model_name, aliases, engine.tokenizer, max_model_len,
-        supports_cache_salt="cache_salt" in inspect.signature(engine.add_request).parameters)
+        async_engine, model_name, aliases, engine.tokenizer, max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

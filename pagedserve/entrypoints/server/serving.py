@@ -50,13 +50,12 @@ class OpenAIServing:
     """Turns protocol requests into engine requests and engine outputs into responses."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, accepted_names: Iterable[str],
-                 tokenizer: Any, max_model_len: int, supports_cache_salt: bool) -> None:
+                 tokenizer: Any, max_model_len: int) -> None:
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *accepted_names}
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.supports_cache_salt = supports_cache_salt
 
     # ---- endpoints -------------------------------------------------------------------------
 
@@ -163,13 +162,7 @@ class OpenAIServing:
     async def _submit(self, requests: list[_EngineRequest],
                       req: SamplingRequest) -> list[AsyncIterator[Any]]:
         """Add every engine request; if one is refused, abort the ones already added."""
-        extra = {}
-        if self.supports_cache_salt:
-            salt = req.cache_salt if req.cache_salt is not None else req.user
-            if salt is not None:
-                extra["cache_salt"] = salt
-        elif req.cache_salt is not None:  # `user` alone is then only informative, as at OpenAI
-            raise bad_request("cache_salt is not supported by this engine", param="cache_salt")
+        extra = {"cache_salt": req.cache_salt if req.cache_salt is not None else req.user}
         streams = []
         try:
             for r in requests:
