@@ -36,18 +36,19 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's limit, capped by the KV cache
-    preemption_mode: str = "recompute"  # "swap" is reserved for the GPU issue
+    # "recompute" frees a preempted request's blocks and recomputes its KV on readmission;
+    # "swap" copies them to pinned CPU memory (swap_space bytes) and back
+    preemption_mode: str = "recompute"
+    swap_space: int = 4 << 30  # bytes of CPU memory for swapped-out blocks ("swap" mode)
     # execution
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    enforce_eager: bool = True  # CUDA graphs are a later issue; CPU always runs eager
+    enforce_eager: bool = False  # CUDA: True skips CUDA graphs for decode; CPU is always eager
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
         self._check_choice("preemption_mode", PREEMPTION_MODES)
         self._check_choice("prefix_caching_hash_algo", HASH_ALGOS)
-        if self.preemption_mode == "swap":
-            raise ValueError("preemption_mode='swap' is not implemented yet; use 'recompute'")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -55,6 +56,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

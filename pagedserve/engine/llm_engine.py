@@ -103,7 +103,13 @@ class LLMEngine:
         self.model_runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.max_model_len = self._resolve_max_model_len(num_blocks)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len)
+        num_cpu_blocks = 0
+        if config.preemption_mode == "swap":
+            num_cpu_blocks = config.swap_space // self.model_runner.block_bytes
+            self.model_runner.initialize_swap_space(num_cpu_blocks)
+        self.model_runner.setup(self.max_model_len)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len,
+                                   num_cpu_blocks)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -1,16 +1,19 @@
 """ModelRunner: owns the device tensors (weights, KV cache) and turns a SchedulerOutput into
 sampled tokens.
 
-Per step it builds every input tensor in one go with numpy (no per-token Python loop): on a
-2-core CPU the decode step of a 135M model takes tens of milliseconds, so input preparation
-must stay far below that. Only the last token of each request whose chunk reaches the end of
-its known tokens goes through the LM head and the sampler.
+Per step it builds every input in one go with numpy (no per-token Python loop) into
+persistent host buffers, uploaded without blocking (`input_batch.py`): input preparation
+must stay far below a step's GPU time. Only the last token of each request whose chunk
+reaches the end of its known tokens goes through the LM head and the sampler. On CUDA,
+decode-only steps replay a captured graph (`cuda_graphs.py`); the only host-device sync of
+a step is reading the sampled tokens.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -20,6 +23,8 @@ from pagedserve.attention.backend import get_attention_backend, set_forward_cont
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.cuda_graphs import DecodeGraphs
+from pagedserve.engine.input_batch import BlockTableRows, StepBuffers
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pagedserve.engine.scheduler import SchedulerOutput
@@ -41,6 +46,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: Tensor  # rows of the hidden states that get sampled
     sampling_requests: list[Request]
+    graph_size: int | None  # the captured decode graph that runs this step, if any
 
 
 class ModelRunner:
@@ -55,6 +61,7 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, device)
         self.sampler = Sampler()
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
+        self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
 
     # -- KV cache sizing and allocation ---------------------------------------------------
 
@@ -111,7 +118,8 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device)
         with torch.inference_mode(), set_forward_context(meta, self.backend):
             hidden = self.model(ids, positions)
-            self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+            logits = self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+            self.sampler(logits, _random_sampling_meta(logits))  # its temporaries count too
         self.kv_caches = []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -131,56 +139,132 @@ class ModelRunner:
         for attention, (k_cache, v_cache) in zip(layers, self.kv_caches):
             attention.k_cache, attention.v_cache = k_cache, v_cache
 
+    def initialize_swap_space(self, num_cpu_blocks: int) -> None:
+        """CPU copies of the per-layer caches for preemption by swapping; pinned on CUDA so
+        the copies are DMA transfers (pageable memory ran at 1 GB/s on the H100 machine)."""
+        mc = self.model_config
+        shape = (num_cpu_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        pin = self.device.type == "cuda"
+        self.cpu_kv_caches = [(torch.empty(shape, dtype=self.dtype, pin_memory=pin),
+                               torch.empty(shape, dtype=self.dtype, pin_memory=pin))
+                              for _ in range(mc.num_layers)]
+
+    def setup(self, max_model_len: int) -> None:
+        """Allocate the step buffers and, on CUDA unless enforce_eager, capture the decode
+        graphs. Called once the KV cache is allocated and max_model_len is known."""
+        config = self.config
+        max_blocks = -(-max_model_len // self.block_size)
+        self.buffers = StepBuffers(max(config.max_num_batched_tokens, config.max_num_seqs),
+                                   config.max_num_seqs, max_blocks, self.device)
+        self.block_rows = BlockTableRows(max_blocks, capacity=2 * config.max_num_seqs)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._bind_kv_cache()
+            self.graphs = DecodeGraphs(self.model, self.backend, self.buffers,
+                                       config.max_num_seqs, max_model_len)
+            self.graphs.capture()
+
     # -- one step ---------------------------------------------------------------------------
 
     def prepare_inputs(self, output: SchedulerOutput,
                        kv_cache_manager: KVCacheManager) -> StepInputs:
+        """Fill the host buffers with numpy, queue their uploads; no host-device sync."""
         requests = [r for r, _ in output.scheduled]
-        num_new = np.fromiter((n for _, n in output.scheduled), dtype=np.int64,
-                              count=len(requests))
+        num_seqs = len(requests)
+        num_new = np.fromiter((n for _, n in output.scheduled), dtype=np.int64, count=num_seqs)
         num_computed = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64,
-                                   count=len(requests))
+                                   count=num_seqs)
         seq_lens = num_computed + num_new
-        query_start_loc = np.zeros(len(requests) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start_loc[1:])
-        req_index = np.repeat(np.arange(len(requests)), num_new)
-        positions = (np.arange(query_start_loc[-1]) - query_start_loc[req_index]
-                     + num_computed[req_index])
+        num_tokens = int(num_new.sum())
+        graph_size = None
+        if self.graphs is not None and output.num_decodes == num_seqs:
+            graph_size = self.graphs.padded_size(num_seqs)
+        rows = num_seqs if graph_size is None else graph_size  # padded rows for a graph
+        token_rows = num_tokens if graph_size is None else rows  # a graph's rows: 1 token each
 
-        token_ids: list[int] = []
-        for request, start, n in zip(requests, num_computed.tolist(), num_new.tolist()):
-            token_ids.extend(request.all_token_ids[start:start + n])
-        block_rows = [kv_cache_manager.get_block_ids(r.request_id) for r in requests]
-        block_tables = np.zeros((len(requests), max(map(len, block_rows))), dtype=np.int32)
-        for i, row in enumerate(block_rows):
-            block_tables[i, :len(row)] = row
+        b = self.buffers
+        b.wait_for_uploads()
+        query_start_loc = b.query_start_loc.np[:rows + 1]
+        query_start_loc[0] = 0
+        np.cumsum(num_new, out=query_start_loc[1:num_seqs + 1])
+        query_start_loc[num_seqs + 1:] = num_tokens + np.arange(1, rows - num_seqs + 1)
+        req_index = np.repeat(np.arange(num_seqs), num_new)
+        positions = b.positions.np[:token_rows]
+        positions[:num_tokens] = (np.arange(num_tokens) - query_start_loc[req_index]
+                                  + num_computed[req_index])
+        positions[num_tokens:] = 0
+        computed = num_computed.tolist()
+        if num_tokens == num_seqs:  # decodes: the one token each request has not computed
+            token_ids = [r.all_token_ids[c] for r, c in zip(requests, computed)]
+        else:
+            token_ids = list(chain.from_iterable(
+                r.all_token_ids[c:c + n] for r, c, n in zip(requests, computed,
+                                                             num_new.tolist())))
+        b.input_ids.np[:num_tokens] = token_ids
+        b.input_ids.np[num_tokens:token_rows] = 0
+
+        table_rows = self.block_rows.rows([r.request_id for r in requests],
+                                          kv_cache_manager.req_to_blocks)
+        block_tables = b.block_tables.np
+        np.take(self.block_rows.table, table_rows, axis=0, out=block_tables[:num_seqs])
+        block_tables[num_seqs:rows] = 0
         bs = self.block_size
-        slot_mapping = block_tables[req_index, positions // bs].astype(np.int64) * bs + positions % bs
+        token_pos = positions[:num_tokens]
+        slot_mapping = b.slot_mapping.np
+        slot_mapping[:num_tokens] = (block_tables[req_index, token_pos // bs].astype(np.int64)
+                                     * bs + token_pos % bs)
+        slot_mapping[num_tokens:token_rows] = -1
+        b.seq_lens.np[:num_seqs] = seq_lens
+        b.seq_lens.np[num_seqs:rows] = 1
 
         samples = seq_lens == np.fromiter((r.num_tokens for r in requests), dtype=np.int64,
-                                          count=len(requests))
-        device = self.device
-        meta = AttentionMetadata(
+                                          count=num_seqs)
+        sample_rows = query_start_loc[1:num_seqs + 1][samples] - 1
+        b.logits_indices.np[:len(sample_rows)] = sample_rows
+        meta = AttentionMetadata(  # what an eager forward reads; a graph reads the buffers
             num_decodes=output.num_decodes, num_decode_tokens=output.num_decodes,
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            slot_mapping=b.slot_mapping.upload(token_rows),
+            block_tables=b.block_tables.upload(rows),
+            seq_lens=b.seq_lens.upload(rows),
+            query_start_loc=b.query_start_loc.upload(rows + 1),
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
-        return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            positions=torch.from_numpy(positions).to(device),
+        inputs = StepInputs(
+            input_ids=b.input_ids.upload(token_rows),
+            positions=b.positions.upload(token_rows),
             meta=meta,
-            logits_indices=torch.from_numpy(query_start_loc[1:][samples] - 1).to(device),
-            sampling_requests=[r for r, s in zip(requests, samples.tolist()) if s])
+            logits_indices=b.logits_indices.upload(len(sample_rows)),
+            sampling_requests=[r for r, s in zip(requests, samples.tolist()) if s],
+            graph_size=graph_size)
+        b.mark_uploaded()
+        return inputs
+
+    def swap(self, output: SchedulerOutput) -> None:
+        """Block copies the scheduler asked for, before this step's forward pass."""
+        if output.blocks_to_swap_out:
+            pairs = torch.tensor(output.blocks_to_swap_out, dtype=torch.int64)
+            for (k, v), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_kv_caches):
+                self.backend.swap_blocks(k, k_cpu, pairs)
+                self.backend.swap_blocks(v, v_cpu, pairs)
+        if output.blocks_to_swap_in:
+            pairs = torch.tensor(output.blocks_to_swap_in, dtype=torch.int64)
+            for (k, v), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_kv_caches):
+                self.backend.swap_blocks(k_cpu, k, pairs)
+                self.backend.swap_blocks(v_cpu, v, pairs)
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput,
                       kv_cache_manager: KVCacheManager) -> ModelRunnerOutput:
+        self.block_rows.release(output.finished_req_ids)
+        self.swap(output)
+        if not output.scheduled:
+            return ModelRunnerOutput([], [], None)
         inputs = self.prepare_inputs(output, kv_cache_manager)
         self._bind_kv_cache()
-        with set_forward_context(inputs.meta, self.backend):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        if inputs.graph_size is not None:
+            hidden = self.graphs.replay(inputs.graph_size)
+        else:
+            with set_forward_context(inputs.meta, self.backend):
+                hidden = self.model(inputs.input_ids, inputs.positions)
         if not inputs.sampling_requests:
             return ModelRunnerOutput([], [], None)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -189,8 +273,19 @@ class ModelRunner:
         sampled = self.sampler(logits, sampling_meta)
         return ModelRunnerOutput(
             req_ids=[r.request_id for r in inputs.sampling_requests],
-            sampled_token_ids=sampled.sampled_token_ids.tolist(),
+            sampled_token_ids=sampled.sampled_token_ids.tolist(),  # the step's one sync
             logprobs=_to_cpu(sampled.logprobs))
+
+
+def _random_sampling_meta(logits: Tensor) -> SamplingMetadata:
+    """Every row sampled at temperature 1: the sampler's most memory-hungry common path."""
+    rows = logits.shape[0]
+    ones = torch.ones(rows, dtype=torch.float32, device=logits.device)
+    return SamplingMetadata(
+        all_greedy=False, greedy_mask=torch.zeros(rows, dtype=torch.bool, device=logits.device),
+        temperature=ones, min_p=None, top_k=None, top_p=None, generators={},
+        repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        prompt_token_ids=None, output_token_ids=None, max_num_logprobs=None)
 
 
 def _to_cpu(logprobs: LogprobsTensors | None) -> LogprobsTensors | None:

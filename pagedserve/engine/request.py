@@ -78,6 +78,14 @@ class Request:
         seed = self.sampling_params.seed
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
+    def generator_for(self, device: torch.device) -> torch.Generator | None:
+        """The seeded generator on `device`, made there on first use: noise drawn where the
+        logits live costs no copy and no host synchronisation. Seeded draws therefore repeat
+        per device type, not across CPU and CUDA."""
+        if self.generator is not None and self.generator.device.type != device.type:
+            self.generator = torch.Generator(device).manual_seed(self.sampling_params.seed)
+        return self.generator
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

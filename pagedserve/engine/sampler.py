@@ -57,7 +57,7 @@ class SamplingMetadata:
         params = [r.sampling_params for r in requests]
 
         def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         self.greedy_mask = column([p.is_greedy for p in params], torch.bool)
         self.temperature = column([p.temperature if not p.is_greedy else 1.0 for p in params],
@@ -68,20 +68,29 @@ class SamplingMetadata:
             self.top_k = column([p.top_k for p in params], torch.int64)
         if any(p.top_p < 1.0 for p in params):
             self.top_p = column([p.top_p for p in params], torch.float32)
-        self.generators = {i: r.generator for i, r in enumerate(requests)
+        self.generators = {i: r.generator_for(device) for i, r in enumerate(requests)
                            if r.generator is not None and not r.sampling_params.is_greedy}
 
     def _set_penalties(self, requests: Sequence[Request], vocab_size: int,
                        device: torch.device) -> None:
         params = [r.sampling_params for r in requests]
-        self.repetition_penalty = torch.tensor([p.repetition_penalty for p in params],
-                                               dtype=torch.float32, device=device)
-        self.presence_penalty = torch.tensor([p.presence_penalty for p in params],
-                                             dtype=torch.float32, device=device)
-        self.frequency_penalty = torch.tensor([p.frequency_penalty for p in params],
-                                              dtype=torch.float32, device=device)
+
+        def column(values):
+            return to_device(torch.tensor(values, dtype=torch.float32), device)
+
+        self.repetition_penalty = column([p.repetition_penalty for p in params])
+        self.presence_penalty = column([p.presence_penalty for p in params])
+        self.frequency_penalty = column([p.frequency_penalty for p in params])
         self.prompt_token_ids = _pad([r.prompt_token_ids for r in requests], vocab_size, device)
         self.output_token_ids = _pad([r.output_token_ids for r in requests], vocab_size, device)
+
+
+def to_device(cpu: Tensor, device: torch.device) -> Tensor:
+    """Copy through pinned memory without waiting: a copy from pageable memory to a GPU
+    blocks the host until the stream has drained, a sync in the middle of the step."""
+    if device.type != "cuda":
+        return cpu.to(device)
+    return cpu.pin_memory().to(device, non_blocking=True)
 
 
 def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> Tensor:
@@ -89,7 +98,7 @@ def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> Tenso
     out = torch.full((len(rows), width), pad, dtype=torch.int64)
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.as_tensor(row, dtype=torch.int64)
-    return out.to(device)
+    return to_device(out, device)
 
 
 @dataclass
@@ -128,10 +137,9 @@ class Sampler:
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         probs = logits.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
-        for row, generator in meta.generators.items():
-            own = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
-            noise[row] = own.to(probs.device)
+        noise = torch.empty_like(probs).exponential_()  # one launch for all unseeded rows
+        for row, generator in meta.generators.items():  # seeded rows: their own stream
+            noise[row].exponential_(generator=generator)
         return (probs / noise).argmax(-1)
 
 

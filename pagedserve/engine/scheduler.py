@@ -5,10 +5,13 @@ not computed yet (`num_tokens - num_computed_tokens`), a whole prompt, a prefill
 the one token sampled last step. Each step spends `max_num_batched_tokens` first on running
 requests, in admission order, then on waiting ones, so prefill chunks mix with decodes.
 
-When the pool runs dry the most recently admitted running request is preempted by
-recompute: its blocks are freed tail first (so its prompt prefix stays cached longest),
-it restarts from zero computed tokens at the front of the waiting queue, and the prefix
-cache usually hands most of its work back on readmission.
+When the pool runs dry the most recently admitted running request is preempted and goes
+to the front of the waiting queue. By recompute (the default) its blocks are freed tail
+first (so its prompt prefix stays cached longest) and it restarts from zero computed
+tokens; the prefix cache usually hands most of its work back on readmission. By swap its
+computed blocks are first copied to CPU swap space (`swap.py`), and on readmission the
+blocks the prefix cache no longer holds are copied back instead of recomputed; a request
+that does not fit in the swap space falls back to recompute.
 """
 
 from __future__ import annotations
@@ -21,15 +24,23 @@ from dataclasses import dataclass, field
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.swap import SwappedRequest, SwapSpace
 
 
 @dataclass
 class SchedulerOutput:
-    """This step's work: (request, num_new_tokens) with decodes (one token) first."""
+    """This step's work: (request, num_new_tokens) with decodes (one token) first.
+
+    The runner performs the block copies before the forward pass: swap-outs read GPU blocks
+    that this step may hand to other requests, swap-ins fill blocks this step attends to.
+    """
 
     scheduled: list[tuple[Request, int]]
     num_decodes: int
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    finished_req_ids: list[str] = field(default_factory=list)  # since the last step
 
     @property
     def total_num_tokens(self) -> int:
@@ -37,12 +48,13 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int) -> None:
+                 max_model_len: int, num_cpu_blocks: int = 0) -> None:
+        """`num_cpu_blocks`: the swap space, used when config.preemption_mode is "swap"."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -51,6 +63,11 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the tail is preempted first
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.block_size = kv_cache_manager.block_size
+        self.swap_space = SwapSpace(num_cpu_blocks) if config.preemption_mode == "swap" else None
+        self.swapped: dict[str, SwappedRequest] = {}
+        self._step_output: SchedulerOutput | None = None  # the output being built
+        self._finished_ids: list[str] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -63,8 +80,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
+        out = self._step_output = SchedulerOutput([], 0, finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        scheduled, preempted = out.scheduled, out.preempted
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -77,8 +95,9 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
-        num_decodes = sum(1 for _, n in scheduled if n == 1)
-        return SchedulerOutput(scheduled, num_decodes, preempted)
+        out.num_decodes = sum(1 for _, n in scheduled if n == 1)
+        self._step_output = None
+        return out
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              preempted: list[Request]) -> bool:
@@ -92,6 +111,8 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        if self.swap_space is not None and request.num_computed_tokens > 0:
+            self._swap_out(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -99,24 +120,55 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _swap_out(self, request: Request) -> None:
+        """Reserve CPU blocks for the request's computed KV and queue the copy; without room,
+        the request is simply recomputed."""
+        num_blocks = -(-request.num_computed_tokens // self.block_size)
+        cpu_ids = self.swap_space.allocate(num_blocks)
+        if cpu_ids is None:
+            return
+        gpu_ids = self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks]
+        self._step_output.blocks_to_swap_out.extend(zip(gpu_ids, cpu_ids))
+        self.swapped[request.request_id] = SwappedRequest(cpu_ids, request.num_computed_tokens)
+
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         now = time.time()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, blocks, num_hit) is None:
+            swapped = self.swapped.get(request.request_id)
+            # tokens whose KV is present before this step: prefix hits, then swapped-in blocks
+            num_ready = max(num_hit, swapped.num_computed_tokens) if swapped else num_hit
+            num_new = min(request.num_tokens - num_ready, budget)
+            if self.kv_cache_manager.allocate_slots(
+                    request, num_ready - num_hit + num_new, blocks, num_hit) is None:
                 break
             self.waiting.popleft()
+            if swapped is not None:
+                self._swap_in(request, swapped, num_hit)
             if request.status == RequestStatus.WAITING:
                 request.metrics.num_cached_tokens = num_hit
                 request.metrics.first_scheduled_time = now
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens = num_ready
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
         return budget
+
+    def _swap_in(self, request: Request, swapped: SwappedRequest, num_hit: int) -> None:
+        """Queue the copy back of the blocks that the prefix hit did not already provide."""
+        gpu_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        last = -(-swapped.num_computed_tokens // self.block_size)
+        self._step_output.blocks_to_swap_in.extend(
+            (swapped.cpu_block_ids[i], gpu_ids[i]) for i in range(num_hit // self.block_size,
+                                                                   last))
+        self._release_swap(request)
+
+    def _release_swap(self, request: Request) -> None:
+        swapped = self.swapped.pop(request.request_id, None)
+        if swapped is not None:
+            self.swap_space.free(swapped.cpu_block_ids)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, int]) -> list[Request]:
@@ -153,5 +205,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.kv_cache_manager.free(request)
+        self._release_swap(request)
+        self._finished_ids.append(request.request_id)
         self.requests.pop(request.request_id, None)
         request.metrics.finished_time = time.time()
