@@ -45,6 +45,19 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
+    def update_at_once(self, new_token_ids: list[int]) -> None:
+        """The text `update` would build token by token, from two decode calls instead of two
+        per token; for requests without stop strings whose caller only reads the final text
+        (offline generation: at batch 256, decoding every token was ~5 ms of every step).
+        A trailing unfinished UTF-8 sequence is left out, as `update` holds it back."""
+        skip = self.skip_special_tokens
+        context = self.token_ids[self.prefix_offset:self.read_offset]
+        prefix_text = self.tokenizer.decode(context, skip_special_tokens=skip)
+        full_text = self.tokenizer.decode(context + new_token_ids, skip_special_tokens=skip)
+        self.token_ids.extend(new_token_ids)
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.output_text += full_text[len(prefix_text):].rstrip("\ufffd")
+
     def _decode_new(self) -> str:
         decode = self.tokenizer.decode
         skip = self.skip_special_tokens

@@ -43,6 +43,7 @@ class _ChildState:
     logprobs: SampleLogprobs | None
     cumulative_logprob: float | None
     num_reported_tokens: int = 0
+    detokenize_at_end: bool = False  # final-only and no stop strings: text decoded once
 
 
 @dataclass
@@ -50,6 +51,7 @@ class _ParentState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    final_only: bool = False  # report only the finished output (offline generation)
     children: list[_ChildState] = field(default_factory=list)
 
     @property
@@ -137,11 +139,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    final_only: bool = False) -> None:
         """Validate and queue; raises ValueError (taking no block) when the request is bad.
 
         `cache_salt` isolates the prefix cache: requests share cached blocks only when their
         salts are equal (it is hashed into the first block, so it reaches the whole chain).
+        `final_only`: step() reports the request only once it has finished, and its text is
+        decoded once at the end unless stop strings need it token by token; per-token output
+        work is what limits a GPU step at large batch.
         """
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -149,7 +155,7 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
         max_tokens = self._check_lengths(len(token_ids), params)
-        parent = _ParentState(request_id, prompt, token_ids)
+        parent = _ParentState(request_id, prompt, token_ids, final_only)
         arrival = time.time() if arrival_time is None else arrival_time
         for index in range(params.n):
             child_params = params
@@ -159,7 +165,9 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(child_id, token_ids, child_params, max_tokens,
                               self.eos_token_ids, arrival, cache_salt=cache_salt)
-            parent.children.append(self._child_state(request, index, request_id))
+            child = self._child_state(request, index, request_id)
+            child.detokenize_at_end = final_only and not params.stop_strings
+            parent.children.append(child)
         taken = [c.request.request_id for c in parent.children
                  if c.request.request_id in self._children]
         if taken:
@@ -243,6 +251,8 @@ class LLMEngine:
             touched[child.parent_id] = None
         for parent_id in touched:
             parent = self._parents[parent_id]
+            if parent.final_only and not parent.finished:
+                continue
             outputs.append(self._make_output(parent))
             if parent.finished:
                 self._drop(parent)
@@ -258,6 +268,10 @@ class LLMEngine:
             self.prompt_tokens_total += request.num_prompt_tokens
         if child.logprobs is not None:
             self._append_logprobs(child, runner_output, row, token)
+        if child.detokenize_at_end:
+            if request.is_finished:
+                child.detokenizer.update_at_once(request.output_token_ids)
+            return
         stop = child.detokenizer.update([token])
         if stop is not None and not request.is_finished:
             request.stop_reason = stop

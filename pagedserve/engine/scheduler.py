@@ -66,6 +66,8 @@ class Scheduler:
         self.block_size = kv_cache_manager.block_size
         self.swap_space = SwapSpace(num_cpu_blocks) if config.preemption_mode == "swap" else None
         self.swapped: dict[str, SwappedRequest] = {}
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
         self._step_output: SchedulerOutput | None = None  # the output being built
         self._finished_ids: list[str] = []
 
@@ -129,6 +131,7 @@ class Scheduler:
             return
         gpu_ids = self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks]
         self._step_output.blocks_to_swap_out.extend(zip(gpu_ids, cpu_ids))
+        self.num_blocks_swapped_out += num_blocks
         self.swapped[request.request_id] = SwappedRequest(cpu_ids, request.num_computed_tokens)
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
@@ -160,9 +163,10 @@ class Scheduler:
         """Queue the copy back of the blocks that the prefix hit did not already provide."""
         gpu_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         last = -(-swapped.num_computed_tokens // self.block_size)
+        first = num_hit // self.block_size
         self._step_output.blocks_to_swap_in.extend(
-            (swapped.cpu_block_ids[i], gpu_ids[i]) for i in range(num_hit // self.block_size,
-                                                                   last))
+            (swapped.cpu_block_ids[i], gpu_ids[i]) for i in range(first, last))
+        self.num_blocks_swapped_in += max(0, last - first)
         self._release_swap(request)
 
     def _release_swap(self, request: Request) -> None:

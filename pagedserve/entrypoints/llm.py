@@ -68,9 +68,10 @@ class LLM:
         request_id = f"llm-{self._counter}"
         self._counter += 1
         if isinstance(prompt, str):
-            self.llm_engine.add_request(request_id, prompt, params)
+            self.llm_engine.add_request(request_id, prompt, params, final_only=True)
         else:
-            self.llm_engine.add_request(request_id, None, params, prompt_token_ids=list(prompt))
+            self.llm_engine.add_request(request_id, None, params, prompt_token_ids=list(prompt),
+                                        final_only=True)
         return request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
