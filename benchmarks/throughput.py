@@ -1,21 +1,30 @@
 """Offline throughput on a GPU: pagedserve against the roofline and transformers, one run.
 
-Workloads (random prompt token ids, `ignore_eos`, seed 0):
-  A       256 requests, prompt and output lengths uniform in [100, 1024] (nano-vllm's workload)
-  B       A's prompts with 512 output tokens each; also run through transformers'
-          continuous batching (`generate_batch`) on the same weights when `--peer` is given
-  prefix  256 requests sharing a 2,048-token system prompt (+64 own tokens, 128 out),
-          prefix caching on vs off
-  preempt A under a KV budget small enough to force preemptions: recompute vs swap
+Workloads (random prompt token ids, `ignore_eos`, temperature 0.6, seed 0):
+  A        256 requests, prompt and output lengths uniform in [100, 1024] (nano-vllm's)
+  B        A's prompts with 512 output tokens each; with --peer also through transformers'
+           continuous batching (`generate_batch`) on the same weights
+  prefix   256 requests sharing a 2,048-token system prompt (+64 own tokens, 128 out):
+           throughput and TTFT with prefix caching on vs off
+  preempt  A under a KV budget that forces preemptions: recompute vs swap (prefix caching
+           off, so a recomputed request really recomputes)
+  profile  torch.profiler over 10 decode steps at batch 256: GPU time per kernel family
+
+Every run records the step-time breakdown (scheduler, input preparation, forward + sampling
++ the wait for the sampled tokens, output processing) from wrappers around the engine's
+methods. The roofline is the bytes a decode step must read (weights once, every active
+request's KV) summed over the workload, over the device-to-device copy bandwidth measured
+in the same run.
 
     python benchmarks/throughput.py --config benchmarks/configs/qwen3-0.6b.json \
-        --workloads A,B,prefix --peer --out docs/results/throughput.json
+        --workloads A,B,prefix,preempt,profile --peer --out docs/results/throughput.json
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import random
 import statistics
@@ -29,9 +38,13 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import torch  # noqa: E402
 
-from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve import SamplingParams  # noqa: E402
+from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
+from pagedserve.entrypoints.llm import LLM  # noqa: E402
 
 NUM_REQUESTS = 256
+TEMPERATURE = 0.6
 
 
 def workload_prompts(seed: int = 0, vocab: int = 10_000) -> tuple[list[list[int]], list[int]]:
@@ -43,17 +56,87 @@ def workload_prompts(seed: int = 0, vocab: int = 10_000) -> tuple[list[list[int]
     return prompts, out_lens
 
 
-def run_pagedserve(llm: LLM, prompts: list[list[int]], out_lens: list[int]) -> dict:
-    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in out_lens]
+def prefix_prompts(seed: int = 1, vocab: int = 10_000) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab) for _ in range(2048)]
+    return [system + [rng.randrange(vocab) for _ in range(64)] for _ in range(NUM_REQUESTS)]
+
+
+class StepTimer:
+    """Per-step wall times of the engine's parts, by wrapping its methods (no syncs added)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.steps: list[dict] = []
+        self._current: dict = {}
+        runner, scheduler = engine.model_runner, engine.scheduler
+        self._wrapped = [(scheduler, "schedule"), (runner, "prepare_inputs"),
+                         (runner, "execute_model"), (engine, "step")]
+        for (obj, name), key in zip(self._wrapped, ("schedule", "prepare", "execute", "step")):
+            self._wrap(obj, name, key)
+
+    def restore(self) -> None:
+        """Drop the instance-level wrappers: the class methods show through again."""
+        for obj, name in self._wrapped:
+            delattr(obj, name)
+
+    def _wrap(self, obj, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            if key == "step":
+                self._current = {}
+            t0 = time.perf_counter()
+            result = inner(*args, **kwargs)
+            self._current[key] = time.perf_counter() - t0
+            if key == "schedule":
+                self._current["batch"] = len(result.scheduled)
+                self._current["decodes"] = result.num_decodes
+            if key == "step" and "execute" in self._current:
+                self.steps.append(self._current)
+            return result
+
+        setattr(obj, name, timed)
+
+    def summary(self, batch: int | None = None) -> dict:
+        """Mean ms per part over all steps, and over pure-decode steps at `batch` if given."""
+        def mean_ms(steps, key):
+            return round(1e3 * statistics.mean(s.get(key, 0.0) for s in steps), 3)
+
+        def parts(steps):
+            out = {k: mean_ms(steps, k) for k in ("schedule", "prepare", "execute", "step")}
+            out["forward_sample_wait"] = round(out["execute"] - out["prepare"], 3)
+            out["output_processing"] = round(out["step"] - out["schedule"] - out["execute"], 3)
+            out["steps"] = len(steps)
+            return out
+
+        result = {"all_steps": parts(self.steps)}
+        if batch is not None:
+            at = [s for s in self.steps if s["batch"] == batch and s["decodes"] == batch]
+            if at:
+                result[f"decode_batch_{batch}"] = parts(at)
+        return result
+
+
+def run_pagedserve(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int],
+                   breakdown_batch: int | None = NUM_REQUESTS) -> dict:
+    llm = LLM.from_engine(engine)
+    params = [SamplingParams(temperature=TEMPERATURE, max_tokens=n, ignore_eos=True)
+              for n in out_lens]
+    timer = StepTimer(engine)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    timer.restore()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
-    return {"seconds": seconds, "output_tokens": tokens, "output_tok_per_s": tokens / seconds,
-            "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft)}
+    return {"seconds": round(seconds, 3), "output_tokens": tokens,
+            "output_tok_per_s": round(tokens / seconds, 1),
+            "ttft_mean_s": round(statistics.mean(ttft), 3),
+            "ttft_p50_s": round(statistics.median(ttft), 3),
+            "preemptions": engine.scheduler.num_preemptions,
+            "step_ms": timer.summary(breakdown_batch)}
 
 
 def run_transformers(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -73,68 +156,169 @@ def run_transformers(model_dir: str, prompts: list[list[int]], max_new_tokens: i
     tokens = sum(len(r.generated_tokens) for r in results.values())
     del model
     torch.cuda.empty_cache()
-    return {"seconds": seconds, "output_tokens": tokens, "output_tok_per_s": tokens / seconds}
+    return {"seconds": round(seconds, 3), "output_tokens": tokens,
+            "output_tok_per_s": round(tokens / seconds, 1)}
 
 
-def prefix_prompts(seed: int = 1, vocab: int = 10_000) -> list[list[int]]:
-    rng = random.Random(seed)
-    system = [rng.randrange(vocab) for _ in range(2048)]
-    return [system + [rng.randrange(vocab) for _ in range(64)] for _ in range(NUM_REQUESTS)]
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times[3:])
 
 
-def make_llm(model_dir: str, **options) -> LLM:
-    opts = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384)
-    opts.update(options)
-    llm = LLM(model=model_dir, **opts)
-    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
-    return llm
+def roofline(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int],
+             bandwidth: float) -> dict:
+    """Output tok/s if every decode step only read the weights once and each active
+    request's KV once, at the measured copy bandwidth (prefill is not counted)."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model_runner.model.parameters())
+    kv_per_token = engine.model_runner.block_bytes // engine.config.block_size
+    kv_bytes = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, out_lens)) * kv_per_token
+    total = weight_bytes * max(out_lens) + kv_bytes
+    seconds = total / bandwidth
+    return {"copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+            "bytes_read_GB": round(total / 1e9, 1), "seconds": round(seconds, 3),
+            "output_tok_per_s": round(sum(out_lens) / seconds, 1)}
 
 
-def record(rows: list[dict], workload: str, engine: str, result: dict, **extra) -> None:
-    row = {"workload": workload, "engine": engine, **extra, **result,
-           "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat()}
-    rows.append(row)
-    print(json.dumps(row), flush=True)
+def profile_decode(engine: LLMEngine, prompts: list[list[int]], path: Path) -> dict:
+    """Profile 10 steps at batch 256 (all admitted, past their prefills)."""
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=200, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"prof{i}", None, params, prompt_token_ids=ids)
+    while len(engine.scheduler.waiting) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    engine.abort_request([f"prof{i}" for i in range(len(prompts))])
+    engine.step()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+    path.write_text(table)
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    return {"steps": 10, "wall_ms_per_step": round(wall * 100, 3),
+            "gpu_busy_ms_per_step": round(gpu_us / 1e4, 3), "table": path.name}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, model_dir: str) -> None:
+        self.args = args
+        self.model_dir = model_dir
+        self.loaded = LoadedModel.load(EngineConfig(model=model_dir))
+        self.rows: list[dict] = []
+        self.extra: dict = {}
+
+    def engine(self, **options) -> LLMEngine:
+        opts = dict(model=self.model_dir, max_model_len=4096, max_num_seqs=256,
+                    max_num_batched_tokens=16384, enforce_eager=self.args.eager)
+        opts.update(options)
+        t0 = time.perf_counter()
+        engine = LLMEngine(EngineConfig(**opts), self.loaded)
+        LLM.from_engine(engine).generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=16,
+                                         ignore_eos=True), use_tqdm=False)
+        self.extra.setdefault("engine_start_s", []).append(round(time.perf_counter() - t0, 2))
+        return engine
+
+    def record(self, workload: str, engine: str, result: dict, **extra) -> None:
+        row = {"workload": workload, "engine": engine, **extra, **result,
+               "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat()}
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        self.save()
+
+    def save(self) -> None:
+        if self.args.out:
+            self.args.out.parent.mkdir(parents=True, exist_ok=True)
+            self.args.out.write_text(json.dumps(self.rows, indent=1) + "\n")
+        if self.args.extra_out:
+            self.args.extra_out.write_text(json.dumps(self.extra, indent=1) + "\n")
+
+
+def release(engine) -> None:
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF folder; default: a random checkpoint from --config")
     parser.add_argument("--config", default="benchmarks/configs/qwen3-0.6b.json")
-    parser.add_argument("--workloads", default="A,B,prefix")
+    parser.add_argument("--workloads", default="A,B,prefix,preempt,profile")
     parser.add_argument("--peer", action="store_true", help="run transformers on workload B")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--preempt-kv-gib", type=float, default=8.0,
+                        help="KV budget of the preemption runs")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--extra-out", type=Path, help="roofline, engine sizes, profile")
     args = parser.parse_args()
 
     model_dir = args.model
     if model_dir is None:
-        from make_checkpoint import make_checkpoint  # noqa: PLC0415 (benchmarks/ script)
+        import importlib.util  # noqa: PLC0415 (this folder is off sys.path, see above)
+        spec = importlib.util.spec_from_file_location(
+            "make_checkpoint", Path(__file__).with_name("make_checkpoint.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        make_checkpoint = module.make_checkpoint
         model_dir = tempfile.mkdtemp(prefix="pagedserve-ckpt-")
-        make_checkpoint(Path(args.config), Path(model_dir), torch.bfloat16, 0, "auto")
+        make_checkpoint(Path(args.config), Path(model_dir), torch.bfloat16, 0, "bytes")
 
     workloads = args.workloads.split(",")
     prompts, out_lens = workload_prompts()
-    rows: list[dict] = []
-    llm = make_llm(model_dir, enforce_eager=args.eager)
+    bench = Bench(args, model_dir)
+    engine = bench.engine()
+    bench.extra["num_gpu_blocks"] = engine.num_blocks
+    bench.extra["roofline_A"] = roofline(engine, prompts, out_lens, copy_bandwidth())
+    bench.extra["roofline_B"] = roofline(engine, prompts, [512] * NUM_REQUESTS,
+                                         bench.extra["roofline_A"]["copy_bandwidth_GBps"] * 1e9)
+    print(json.dumps(bench.extra), flush=True)
     if "A" in workloads:
-        record(rows, "A", "pagedserve", run_pagedserve(llm, prompts, out_lens))
+        bench.record("A", "pagedserve", run_pagedserve(engine, prompts, out_lens))
     if "B" in workloads:
-        record(rows, "B", "pagedserve", run_pagedserve(llm, prompts, [512] * NUM_REQUESTS))
+        bench.record("B", "pagedserve", run_pagedserve(engine, prompts, [512] * NUM_REQUESTS))
+    if "profile" in workloads:
+        path = (args.extra_out.parent if args.extra_out else Path(".")) / "profile_b256.txt"
+        bench.extra["profile_b256"] = profile_decode(engine, prompts, path)
+        bench.save()
     if "prefix" in workloads:
         p = prefix_prompts()
         for caching in (True, False):
-            llm.llm_engine.reset_prefix_cache()
-            llm.llm_engine.scheduler.kv_cache_manager.enable_caching = caching
-            record(rows, "prefix", "pagedserve", run_pagedserve(llm, p, [128] * NUM_REQUESTS),
-                   prefix_caching=caching)
-    del llm
-    torch.cuda.empty_cache()
+            engine.kv_cache_manager.reset_prefix_cache()
+            engine.kv_cache_manager.enable_caching = caching
+            bench.record("prefix", "pagedserve",
+                         run_pagedserve(engine, p, [128] * NUM_REQUESTS), prefix_caching=caching)
+        engine.kv_cache_manager.enable_caching = True
+    release(engine)
+    if "preempt" in workloads:
+        for mode in ("recompute", "swap"):
+            engine = bench.engine(kv_cache_memory=int(args.preempt_kv_gib * (1 << 30)),
+                                  preemption_mode=mode, swap_space=16 << 30,
+                                  enable_prefix_caching=False)
+            result = run_pagedserve(engine, prompts, out_lens, breakdown_batch=None)
+            result["blocks_swapped_out"] = engine.scheduler.num_blocks_swapped_out
+            bench.record("A-preempt", "pagedserve", result, preemption_mode=mode,
+                         kv_cache_gib=args.preempt_kv_gib)
+            release(engine)
     if "B" in workloads and args.peer:
-        record(rows, "B", "transformers", run_transformers(model_dir, prompts, 512))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        bench.record("B", "transformers", run_transformers(model_dir, prompts, 512))
 
 
 if __name__ == "__main__":
