@@ -6,6 +6,7 @@ and the engine (KV sizing, max length, stop tokens) never look at a checkpoint f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,18 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def to_json(self) -> str:
+        """Every field as JSON (the dtype by name), for caches that skip re-reading a checkpoint."""
+        fields = dataclasses.asdict(self)
+        fields["dtype"] = str(self.dtype).removeprefix("torch.")
+        return json.dumps(fields, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        fields = json.loads(text)
+        fields["dtype"] = _as_dtype(fields["dtype"])
+        return cls(**fields)
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> ModelConfig:

@@ -6,19 +6,39 @@ builds, and logits can be compared with it exactly.
 
 llama.cpp's converter permutes the rows of Q and K of llama-arch models (it stores RoPE pairs
 interleaved, HF stores them as two halves); we undo that. Qwen2/Qwen3 files are not permuted.
+
+Reading a GGUF is slow in Python (the reader parses every one of the ~50k vocabulary entries
+into numpy objects, then we dequantize every tensor), so the result of a first load is cached
+under `cache_root()`: the config and the float32 weights as safetensors, and (see
+`loader.load_tokenizer`) transformers' converted tokenizer. An entry is keyed by the file's
+path, size and mtime, so an edited or replaced file misses; it is written to a temporary
+folder and renamed into place, so a reader sees a whole entry or none; and an entry that fails
+to read is deleted and rebuilt from the GGUF, never trusted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from pagedserve.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# Bump when what an entry holds changes meaning (names, layout, dequantization), to miss old ones.
+CACHE_VERSION = 1
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -125,6 +145,103 @@ def iter_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str,
 
 
 def open_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Config and HF-named float32 weights, from the cache when it holds this file's."""
+    entry = cache_entry(path, "weights")
+    if entry is not None:
+        cached = _read_cached_weights(entry)
+        if cached is not None:
+            return cached
     reader = GGUFReader(path)
     config = read_config(reader, path)
-    return config, iter_weights(reader, config)
+    weights = iter_weights(reader, config)
+    if entry is not None:
+        weights = _cache_when_done(weights, config, entry)
+    return config, weights
+
+
+# -- cache of converted GGUF files ------------------------------------------------------------
+
+
+def cache_root() -> Path | None:
+    """`$PAGEDSERVE_CACHE`, else ~/.cache/pagedserve; `PAGEDSERVE_CACHE=0` turns caching off."""
+    value = os.environ.get("PAGEDSERVE_CACHE")
+    if value == "0":
+        return None
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "pagedserve"
+
+
+def cache_entry(path: str | Path, kind: str) -> Path | None:
+    """Where the `kind` ("weights" or "tokenizer") converted from this GGUF file lives."""
+    root = cache_root()
+    if root is None:
+        return None
+    path = Path(path).resolve()
+    stat = path.stat()
+    identity = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|v{CACHE_VERSION}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return root / f"{path.stem}-{key}" / kind
+
+
+def write_cache_entry(entry: Path, fill: Callable[[Path], object]) -> None:
+    """Let `fill` write into a fresh temporary folder, then rename it to `entry` in one step.
+
+    A failure (read-only or full disk, another process renaming its copy first) only costs
+    the cache: it is logged and the caller goes on with what it already has in memory.
+    """
+    tmp = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+        fill(tmp)
+        os.rename(tmp, entry)
+    except OSError as e:
+        logger.warning("could not write the GGUF cache entry %s: %s", entry, e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def drop_cache_entry(entry: Path, error: Exception) -> None:
+    logger.warning("ignoring unreadable GGUF cache entry %s (%s); rebuilding it", entry, error)
+    shutil.rmtree(entry, ignore_errors=True)
+
+
+def _read_cached_weights(
+    entry: Path,
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]] | None:
+    if not entry.is_dir():
+        return None
+    try:
+        config = ModelConfig.from_json((entry / "config.json").read_text())
+        # safe_open checks the header against the file size: a truncated file fails here.
+        with safe_open(entry / "model.safetensors", framework="pt") as f:
+            names = list(f.keys())
+    except Exception as e:  # any unreadable entry is a miss, whatever the parser raised
+        drop_cache_entry(entry, e)
+        return None
+    return config, _iter_cached_weights(entry / "model.safetensors", names)
+
+
+def _iter_cached_weights(file: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    with safe_open(file, framework="pt") as f:
+        for name in names:
+            yield name, f.get_tensor(name)
+
+
+def _cache_when_done(
+    weights: Iterator[tuple[str, torch.Tensor]], config: ModelConfig, entry: Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the weights through, keeping them; once all were consumed, write the entry.
+
+    A load that stops early (a bad tensor) leaves no entry behind.
+    """
+    kept = {}
+    for name, tensor in weights:
+        kept[name] = tensor
+        yield name, tensor
+
+    def fill(folder: Path) -> None:
+        save_file(kept, folder / "model.safetensors")
+        (folder / "config.json").write_text(config.to_json())
+
+    write_cache_entry(entry, fill)

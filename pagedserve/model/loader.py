@@ -128,10 +128,25 @@ def load_model(
 
 
 def load_tokenizer(tokenizer_source: str | Path):
-    """transformers tokenizer (with chat template) for a folder or a .gguf file."""
+    """transformers tokenizer (with chat template) for a folder or a .gguf file.
+
+    Converting a GGUF vocabulary takes seconds, so the converted tokenizer is saved in the
+    GGUF cache (see `pagedserve.model.gguf`) and later loads read that folder instead.
+    """
     from transformers import AutoTokenizer
 
     source = Path(tokenizer_source)
-    if source.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    return AutoTokenizer.from_pretrained(source)
+    if source.suffix != ".gguf":
+        return AutoTokenizer.from_pretrained(source)
+    from pagedserve.model.gguf import cache_entry, drop_cache_entry, write_cache_entry
+
+    entry = cache_entry(source, "tokenizer")
+    if entry is not None and entry.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(entry)
+        except Exception as e:  # any unreadable entry is a miss, whatever the parser raised
+            drop_cache_entry(entry, e)
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    if entry is not None:
+        write_cache_entry(entry, tokenizer.save_pretrained)
+    return tokenizer
