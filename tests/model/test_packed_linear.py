@@ -1,0 +1,51 @@
+"""`PackedWeight`: oneDNN-prepacked CPU float32 linears agree with F.linear at every row count,
+follow writes to the weight, and leave autograd and other dtypes to F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.model.decoder import Linear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(96, 200, bias=bias).requires_grad_(False)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        out = layer(x)
+    assert layer.packed._packed is not None  # the packed path ran
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_follows_weight_writes():
+    torch.manual_seed(0)
+    layer = Linear(32, 48, bias=False).requires_grad_(False)
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        before = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), -2.0 * before, atol=1e-5, rtol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.zeros(48, 32), requires_grad=False)
+        assert not layer(x).any()
+
+
+def test_autograd_and_other_dtypes_take_f_linear():
+    layer = Linear(8, 8)
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()  # the packed op has no backward
+    assert x.grad is not None and layer.weight.grad is not None
+    assert layer.packed._packed is None
+    half = Linear(8, 8).to(torch.bfloat16).requires_grad_(False)
+    with torch.inference_mode():
+        y = half(torch.randn(3, 8, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and half.packed._packed is None
