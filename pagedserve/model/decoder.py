@@ -41,8 +41,8 @@ class PackedWeight:
     float32 accumulation are the same; only the summation order differs, so results differ
     from `F.linear` in the last bits (tests hold logits to transformers' within 5e-4 and greedy
     tokens exactly). The copy costs the weight's memory once more. It is rebuilt when the
-    weight is written (version counter) or replaced; anything else (GPU, other dtypes, autograd)
-    takes `F.linear`.
+    weight is written (version counter) or replaced; anything else (GPU, other dtypes, autograd,
+    weights made under inference mode) takes `F.linear`.
     """
 
     def __init__(self) -> None:
@@ -55,7 +55,7 @@ class PackedWeight:
     ) -> torch.Tensor:
         if not _ONEDNN or torch.is_grad_enabled() or x.device.type != "cpu" or (
             x.dtype != torch.float32 or weight.dtype != torch.float32
-        ):
+        ) or weight.is_inference():  # no version counter: writes could not be noticed
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
         if weight is not self._source or key != self._key:

@@ -35,7 +35,8 @@ def test_follows_weight_writes():
         layer.weight.mul_(-2.0)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), -2.0 * before, atol=1e-5, rtol=1e-5)
-        layer.weight = torch.nn.Parameter(torch.zeros(48, 32), requires_grad=False)
+    layer.weight = torch.nn.Parameter(torch.zeros(48, 32), requires_grad=False)
+    with torch.inference_mode():
         assert not layer(x).any()
 
 
@@ -49,3 +50,8 @@ def test_autograd_and_other_dtypes_take_f_linear():
     with torch.inference_mode():
         y = half(torch.randn(3, 8, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16 and half.packed._packed is None
+    with torch.inference_mode():  # a weight made here has no version counter to watch
+        made_here = Linear(8, 8)
+        torch.testing.assert_close(made_here(x.detach()), F.linear(x.detach(), made_here.weight,
+                                                                   made_here.bias))
+    assert made_here.packed._packed is None
