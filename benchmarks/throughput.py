@@ -144,7 +144,7 @@ def run_transformers(model_dir: str, prompts: list[list[int]], max_new_tokens: i
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa_paged").cuda().eval()
+        model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa").cuda().eval()
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
     model.generate_batch(prompts[:4], generation_config=gen, max_new_tokens=8)  # warm-up
@@ -251,8 +251,8 @@ class Bench:
             self.args.extra_out.write_text(json.dumps(self.extra, indent=1) + "\n")
 
 
-def release(engine) -> None:
-    del engine
+def release() -> None:
+    """Return the memory of engines the caller has dropped (KV cache, graph pools)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -306,7 +306,8 @@ def main() -> None:
             bench.record("prefix", "pagedserve",
                          run_pagedserve(engine, p, [128] * NUM_REQUESTS), prefix_caching=caching)
         engine.kv_cache_manager.enable_caching = True
-    release(engine)
+    del engine
+    release()
     if "preempt" in workloads:
         for mode in ("recompute", "swap"):
             engine = bench.engine(kv_cache_memory=int(args.preempt_kv_gib * (1 << 30)),
@@ -316,7 +317,8 @@ def main() -> None:
             result["blocks_swapped_out"] = engine.scheduler.num_blocks_swapped_out
             bench.record("A-preempt", "pagedserve", result, preemption_mode=mode,
                          kv_cache_gib=args.preempt_kv_gib)
-            release(engine)
+            del engine
+            release()
     if "B" in workloads and args.peer:
         bench.record("B", "transformers", run_transformers(model_dir, prompts, 512))
 
