@@ -60,6 +60,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        action="store_false", help="disable automatic prefix caching")
     group.add_argument("--attention-backend", default="auto", choices=["auto", "torch",
                        "triton"], help="auto = triton on CUDA, the PyTorch reference elsewhere")
+    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                       help="when the KV cache is full: recompute a preempted request's KV, "
+                       "or swap its blocks to CPU memory")
+    group.add_argument("--swap-space", type=_size, default=4 << 30, help="CPU bytes for "
+                       "swapped-out blocks (--preemption-mode swap)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode steps eagerly instead of as CUDA graphs")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -80,7 +87,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) ->
 def engine_options(args: argparse.Namespace) -> dict:
     names = ("model", "dtype", "device", "kv_cache_memory", "gpu_memory_utilization",
              "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-             "enable_prefix_caching", "attention_backend")
+             "enable_prefix_caching", "attention_backend", "preemption_mode", "swap_space",
+             "enforce_eager")
     options = {name: getattr(args, name) for name in names}
     if getattr(args, "seed", None) is not None:
         options["seed"] = args.seed
