@@ -25,7 +25,11 @@ from pagedserve.attention.metadata import AttentionMetadata
 
 @dataclass
 class StepPlan:
-    """Index tensors derived once per step from its AttentionMetadata, shared by all layers."""
+    """Index tensors derived once per step from its AttentionMetadata, shared by all layers.
+
+    Cached on the metadata object, so it assumes one object per step: a runner that updated
+    one metadata object's tensors in place between steps would need to drop `_torch_ref_plan`.
+    """
 
     store_rows: Tensor | None  # rows of k/v that have a slot; None: all of them
     store_slots: Tensor  # int64 [rows]: their flat cache slots
