@@ -3,7 +3,8 @@
 Workloads (random prompt token ids, `ignore_eos`, temperature 0.6, seed 0):
   A        256 requests, prompt and output lengths uniform in [100, 1024] (nano-vllm's)
   B        A's prompts with 512 output tokens each; with --peer also through transformers'
-           continuous batching (`generate_batch`) on the same weights
+           continuous batching (`generate_batch`) on the same weights, after pagedserve's
+           runs, stopped at --peer-deadline seconds and then recorded as partial
   prefix   256 requests sharing a 2,048-token system prompt (+64 own tokens, 128 out):
            throughput and TTFT with prefix caching on vs off
   preempt  A under a KV budget that forces preemptions: recompute vs swap (prefix caching
@@ -26,6 +27,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -139,25 +141,121 @@ def run_pagedserve(engine: LLMEngine, prompts: list[list[int]], out_lens: list[i
             "step_ms": timer.summary(breakdown_batch)}
 
 
-def run_transformers(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """transformers' own continuous batching (`generate_batch`), bf16, same weights."""
+def run_transformers(model_dir: str, prompts: list[list[int]], max_new_tokens: int,
+                     deadline_s: float = 300.0) -> dict:
+    """transformers' own continuous batching (`generate_batch`), bf16, same weights.
+
+    `generate_batch` runs in a worker thread; the manager it creates is captured (a wrapper
+    around `model.init_continuous_batching`) so that its results are counted as they arrive.
+    The clock starts when the requests are submitted (after the manager's set-up and warm-up)
+    and stops at the last finished request. If the batch has not finished `deadline_s` after
+    submission, the row is marked partial: tokens are those of the finished requests plus
+    those generated so far by the requests in flight (read from the manager's scheduler),
+    over the time since submission; the caller must then exit without joining the worker.
+    """
+    import inspect
+    import threading
+
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa").cuda().eval()
+        model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa").to(device).eval()
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
-    model.generate_batch(prompts[:4], generation_config=gen, max_new_tokens=8)  # warm-up
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    results = model.generate_batch(prompts, generation_config=gen)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(r.generated_tokens) for r in results.values())
-    del model
-    torch.cuda.empty_cache()
+    extra = {}
+    if "progress_bar" in inspect.signature(model.generate_batch).parameters:
+        extra["progress_bar"] = False
+    model.generate_batch(prompts[:4], generation_config=gen, max_new_tokens=8, **extra)  # warm-up
+
+    state = {"t0": None, "t_last": None, "finished": 0, "tokens": 0, "manager": None,
+             "error": None, "results": None}
+    lock = threading.Lock()
+    init = model.init_continuous_batching
+
+    def capture(*args, **kwargs):
+        manager = init(*args, **kwargs)
+        state["manager"] = manager
+        for name in ("add_requests", "add_request"):
+            submit = getattr(manager, name)
+
+            def timed_submit(*a, _submit=submit, **k):
+                if state["t0"] is None:
+                    state["t0"] = time.perf_counter()
+                return _submit(*a, **k)
+
+            setattr(manager, name, timed_submit)
+        get_result = manager.get_result
+
+        def counted_get_result(*a, **k):
+            result = get_result(*a, **k)
+            done = result is not None and (not hasattr(result, "is_finished")
+                                           or result.is_finished())
+            if done:
+                with lock:
+                    state["finished"] += 1
+                    state["tokens"] += len(getattr(result, "generated_tokens", None) or ())
+                    state["t_last"] = time.perf_counter()
+            return result
+
+        manager.get_result = counted_get_result
+        return manager
+
+    model.init_continuous_batching = capture
+
+    def work():
+        try:
+            state["results"] = model.generate_batch(prompts, generation_config=gen, **extra)
+        except BaseException as error:  # noqa: BLE001 (reported in the row)
+            state["error"] = repr(error)
+
+    worker = threading.Thread(target=work, daemon=True, name="generate_batch")
+    started = time.perf_counter()
+    worker.start()
+    while worker.is_alive():
+        worker.join(timeout=1.0)
+        # from the submission; at most 60 s more from the start (the manager's set-up)
+        now = time.perf_counter()
+        if int(now - started) % 30 == 0:
+            print(f"generate_batch: {now - started:.0f} s, {state['finished']} finished",
+                  flush=True)
+        if now - (state["t0"] or started) > deadline_s or now - started > deadline_s + 60:
+            break
+    now = time.perf_counter()
+    if state["t0"] is None:
+        if state["error"] is not None:
+            raise RuntimeError(f"generate_batch failed: {state['error']}")
+        state["t0"] = started
+    if state["results"] and not state["tokens"]:  # results never went through get_result
+        with lock:
+            outputs = list(state["results"].values())
+            state["finished"] = len(outputs)
+            state["tokens"] = sum(len(r.generated_tokens) for r in outputs)
+            state["t_last"] = now
+    with lock:
+        finished, finished_tokens, t_last = state["finished"], state["tokens"], state["t_last"]
+    partial = worker.is_alive() or finished < len(prompts)
+    row = {"partial": partial, "requests_finished": finished, "requests": len(prompts),
+           "max_new_tokens": max_new_tokens, "attn_implementation": "paged|sdpa"}
+    if partial:
+        in_flight = 0
+        scheduler = getattr(getattr(state["manager"], "batch_processor", None), "scheduler", None)
+        for _ in range(10):  # the manager's thread may resize the dict while we read it
+            try:
+                active = list(getattr(scheduler, "active_requests", {}).values())
+                in_flight = sum(len(s.generated_tokens) for s in active)
+                break
+            except RuntimeError:
+                continue
+        seconds = now - state["t0"]
+        tokens = finished_tokens + in_flight
+        row.update(deadline_s=deadline_s, finished_tokens=finished_tokens,
+                   in_flight_tokens=in_flight, error=state["error"])
+    else:
+        seconds = t_last - state["t0"]
+        tokens = finished_tokens
     return {"seconds": round(seconds, 3), "output_tokens": tokens,
-            "output_tok_per_s": round(tokens / seconds, 1)}
+            "output_tok_per_s": round(tokens / seconds, 1), **row}
 
 
 def copy_bandwidth() -> float:
@@ -263,6 +361,9 @@ def main() -> None:
     parser.add_argument("--config", default="benchmarks/configs/qwen3-0.6b.json")
     parser.add_argument("--workloads", default="A,B,prefix,preempt,profile")
     parser.add_argument("--peer", action="store_true", help="run transformers on workload B")
+    parser.add_argument("--peer-deadline", type=float, default=300.0,
+                        help="seconds after submission at which an unfinished peer run is "
+                             "recorded as partial")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--preempt-kv-gib", type=float, default=8.0,
                         help="KV budget of the preemption runs")
@@ -320,7 +421,18 @@ def main() -> None:
             del engine
             release()
     if "B" in workloads and args.peer:
-        bench.record("B", "transformers", run_transformers(model_dir, prompts, 512))
+        peer = run_transformers(model_dir, prompts, 512, args.peer_deadline)
+        bench.record("B", "transformers", peer)
+        mine = [r for r in bench.rows if r["workload"] == "B" and r["engine"] == "pagedserve"]
+        if mine and peer["output_tok_per_s"] > 0:
+            bench.extra["B_ratio_vs_transformers"] = round(
+                mine[-1]["output_tok_per_s"] / peer["output_tok_per_s"], 2)
+            bench.save()
+            print(json.dumps({"B_ratio_vs_transformers": bench.extra["B_ratio_vs_transformers"]}),
+                  flush=True)
+        if peer["partial"]:  # transformers' generation thread is still running: do not join it
+            sys.stdout.flush()
+            os._exit(0)
 
 
 if __name__ == "__main__":
