@@ -37,7 +37,7 @@ class PackedWeight:
     Why: at decode batch sizes (1 to a few dozen rows) MKL's sgemm behind `F.linear` re-lays
     out the weight on every call, so every decode step reads all the weights twice. On the
     2-core dev box one decode step's 120 layer GEMMs took 60 ms with `F.linear` and 43 ms with
-    packed weights, the LM head 24 ms and 9 ms (docs/bench_engine.md). The products and the
+    packed weights, the LM head 24 ms and 9 ms (docs/benchmarks.md). The products and the
     float32 accumulation are the same; only the summation order differs, so results differ
     from `F.linear` in the last bits (tests hold logits to transformers' within 5e-4 and greedy
     tokens exactly). The copy costs the weight's memory once more. It is rebuilt when the

@@ -207,7 +207,7 @@ PARTITIONS = (1024, 512, 256)  # multiples of block_n
 def use_v2(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> bool:
     """Split over partitions when v1's (sequence, KV head) programs make less than two waves
     on the SMs and there are at least two partitions to split into. Measured on the H100
-    (docs/bench_kernels.md): v2 wins by up to 13x at batch 1, ties at ~2 waves, and loses
+    (docs/benchmarks.md): v2 wins by up to 13x at batch 1, ties at ~2 waves, and loses
     1-3% (the reduce pass, the partials' traffic) beyond."""
     return num_seqs * num_kv_heads < 2 * num_sms and max_seq_len > 2 * PARTITIONS[-1]
 
