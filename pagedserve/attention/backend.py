@@ -8,6 +8,7 @@ signature identical to a plain decoder's (`input_ids`, `positions`).
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,19 +19,19 @@ from torch import Tensor
 from pagedserve.attention.metadata import AttentionMetadata
 
 
-class AttentionBackend:
+class AttentionBackend(ABC):
     """Stores new K/V into the paged cache and attends through block tables.
 
-    `copy_blocks` and `swap_blocks` are plain torch here: an indexed copy is a single
-    memory-bound launch per tensor, already as fast as a custom kernel, on every device.
+    `copy_blocks` and `swap_blocks` are plain torch here, correct on every device; a backend
+    overrides them where a kernel is faster (the Triton backend's copy_blocks).
     """
 
     name: str = "base"
 
+    @abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, scale: float) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v at meta.slot_mapping."""
-        raise NotImplementedError
 
     def copy_blocks(self, kv_caches: list[tuple[Tensor, Tensor]], src_dst: Tensor) -> None:
         """Copy whole blocks within each layer's caches (copy-on-write). src_dst: [N, 2]."""

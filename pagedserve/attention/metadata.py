@@ -7,7 +7,8 @@ built once per step, not once per layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -29,6 +30,9 @@ class AttentionMetadata:
     query_start_loc: Tensor  # int32 [num_seqs + 1]: cumulative new tokens per sequence
     max_query_len: int
     max_seq_len: int
+    # per-step tensors a backend derives from the fields above once and every layer reuses;
+    # valid for this object only, which is why the runner builds a fresh one each step
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -27,8 +27,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 class StepPlan:
     """Index tensors derived once per step from its AttentionMetadata, shared by all layers.
 
-    Cached on the metadata object, so it assumes one object per step: a runner that updated
-    one metadata object's tensors in place between steps would need to drop `_torch_ref_plan`.
+    Kept in `meta.derived`, which lives exactly as long as the step's metadata.
     """
 
     store_rows: Tensor | None  # rows of k/v that have a slot; None: all of them
@@ -40,9 +39,9 @@ class StepPlan:
     @classmethod
     def of(cls, meta: AttentionMetadata, block_size: int) -> StepPlan:
         """The plan cached on `meta` (built on the first call of the step)."""
-        plan = getattr(meta, "_torch_ref_plan", None)
+        plan = meta.derived.get("torch_ref")
         if plan is None or plan.block_size != block_size:
-            plan = meta._torch_ref_plan = cls.build(meta, block_size)
+            plan = meta.derived["torch_ref"] = cls.build(meta, block_size)
         return plan
 
     @classmethod
