@@ -10,7 +10,10 @@ q/k/v, Qwen3 normalises q and k per head before RoPE, Llama-3 rescales RoPE freq
 Q/K/V and gate/up are fused into one matmul each (fewer, larger GEMMs: less per-layer Python and
 kernel-launch overhead); the loader fills the fused weights shard by shard.
 
-Numerics follow transformers op for op (RMSNorm in float32, RoPE tables in float32 cast to the
+The residual stream is carried apart from the sublayers' outputs (`h, residual`), so each
+residual add is fused into the RMSNorm that follows it. The elementwise work (norms, RoPE,
+SiLU) goes through `ops`: eager PyTorch on the CPU, a few Triton kernels on CUDA. Numerics
+follow transformers op for op (RMSNorm in float32, RoPE tables in float32 cast to the
 activation dtype) so greedy tokens match it. The one exception is the matmul kernel on the CPU
 at float32: see `PackedWeight`.
 """
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.backend import get_forward_context
+from pagedserve.model import ops
 from pagedserve.model.config import ModelConfig
 
 
@@ -84,12 +88,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 (bf16 sums of squares lose too much), cast back, then scale.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + x), residual + x), the sum written into `residual`; see
+        `ops.fused_add_rms_norm`."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -115,9 +119,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables for every position up to max_model_len, built once per device and dtype.
+    """cos/sin tables [max_model_len, D] for every position, built once per device and dtype.
 
-    A forward pass only indexes the table by `positions` (one gather), instead of recomputing
+    A forward pass only indexes them by position (`ops.rotate_qk_`), instead of recomputing
     trigonometry per step. The sin table is stored sign-folded so that
     rotate_half(x) * sin == roll(x, D/2) * sin_signed, saving a negation and a concat per layer.
     """
@@ -134,20 +138,14 @@ class RotaryEmbedding:
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
 
-    def __call__(
-        self, positions: torch.Tensor, dtype: torch.dtype
+    def tables(
+        self, device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) [max_model_len, D] on `device` in `dtype`."""
         tables = self._tables
-        if tables is None or tables[0].device != positions.device or tables[0].dtype != dtype:
-            tables = self._tables = self._build(positions.device, dtype)
-        cos, sin = tables
-        # [T, 1, D]: broadcast over heads.
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by its token's position (NeoX half-split layout, as in HF)."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+        if tables is None or tables[0].device != device or tables[0].dtype != dtype:
+            tables = self._tables = self._build(device, dtype)
+        return tables
 
 
 class Attention(nn.Module):
@@ -169,18 +167,18 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         T = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
         if self.q_norm is None:
-            # q and k are adjacent heads of one tensor: rotate them in one go.
-            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)
-            q, k = qk.split([hq, hkv], dim=1)
+            ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv)
         else:
-            q = apply_rope(self.q_norm(qkv[:, :hq]), cos, sin)
-            k = apply_rope(self.k_norm(qkv[:, hq : hq + hkv]), cos, sin)
-        v = qkv[:, hq + hkv :]
+            ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv, self.q_norm.weight,
+                           self.k_norm.weight, self.q_norm.eps)
+        q, k, v = qkv.split([hq, hkv, hkv], dim=1)
         ctx = get_forward_context()
         out = ctx.backend.forward(
             q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale
@@ -197,8 +195,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -209,9 +206,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's MLP output, not yet added to `residual` (None before the
+        first layer, where h is the embedding). Returns this layer's (MLP output, residual)."""
+        x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, positions, cos, sin),
+                                                    residual)
+        return self.mlp(x), residual
 
 
 class Decoder(nn.Module):
@@ -254,10 +262,11 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] for a flat batch of tokens -> final hidden states [T, H]."""
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
+        cos, sin = self.rotary.tables(h.device, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, cos, sin)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] (usually one row per sequence) -> logits [S, vocab] in the model's

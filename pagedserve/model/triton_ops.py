@@ -1,0 +1,161 @@
+"""Triton kernels for the decoder's elementwise work: one launch where eager PyTorch needs many.
+
+A decode step at batch 256 spends most of its non-GEMM time launching tiny elementwise kernels
+(an RMSNorm in float32 with casts is ~6 launches, RoPE with `torch.roll` ~4). Each kernel here
+reads its inputs once and writes its outputs once:
+
+- `rms_norm`: optional residual add (written back in place) then RMSNorm, one program per row.
+- `rotate_qk_`: Qwen3's per-head q/k RMSNorm and RoPE, in place on the fused QKV output, one
+  program per (token, group of heads); the cos/sin rows are read by position inside the kernel.
+- `silu_and_mul`: silu(gate) * up over the fused gate/up output.
+
+Numerics are those of the eager path in `ops.py` (and of transformers): math in float32, and a
+rounding to the activation dtype wherever eager PyTorch would produce a tensor of that dtype
+(`_round`), so bf16 results agree bit for bit except for the order of a norm's sum of squares.
+The kernels run on CUDA and, under TRITON_INTERPRET=1, on the CPU (tests/kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """x rounded to `dtype` (nearest even) and back to float32: where eager PyTorch would store
+    an intermediate tensor in the activation dtype. A no-op at float32."""
+    return x.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, eps,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x + res, dtype)  # the residual stream is stored in the activation dtype
+        tl.store(res_ptr + row * stride_res + offs, x.to(dtype), mask=mask)
+    var = tl.sum(x * x, axis=0) / N
+    y = _round(x * tl.rsqrt(var + eps), dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (y * w).to(dtype, fp_downcast_rounding="rtne"),
+             mask=mask)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float,
+             residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x [T, N] (plus residual [T, N], updated in place to residual + x) -> (RMSNorm of the
+    sum, the sum). Without a residual the sum is x itself."""
+    assert x.stride(-1) == 1 and weight.is_contiguous(), "rows must be contiguous"
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    num_rows, n = x.shape
+    if num_rows > 0:
+        block = triton.next_power_of_2(n)
+        if residual is not None:
+            assert residual.shape == x.shape and residual.stride(-1) == 1
+        res = x if residual is None else residual  # an unused pointer when there is none
+        _rms_norm_kernel[(num_rows,)](
+            x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps,
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block))
+    return out, x if residual is None else residual
+
+
+@triton.jit
+def _rotate_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, stride_tok, eps,
+                      NUM_Q: tl.constexpr, NUM_ROT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF_PAD)
+    d_mask = d < HALF
+    mask = (heads < NUM_ROT)[:, None] & d_mask[None, :]
+    dtype = qkv_ptr.dtype.element_ty
+    # The two halves of each head: RoPE (NeoX layout) rotates element i with i + D/2.
+    lo = qkv_ptr + token * stride_tok + heads[:, None] * HEAD_DIM + d[None, :]
+    x1 = tl.load(lo, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(lo + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+        inv = tl.rsqrt(var + eps)[:, None]
+        is_q = (heads < NUM_Q)[:, None]
+        w1 = tl.where(is_q, tl.load(q_w_ptr + d, mask=d_mask, other=0.0)[None, :],
+                      tl.load(k_w_ptr + d, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_w_ptr + HALF + d, mask=d_mask, other=0.0)[None, :],
+                      tl.load(k_w_ptr + HALF + d, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
+        x1 = _round(_round(x1 * inv, dtype) * w1, dtype)
+        x2 = _round(_round(x2 * inv, dtype) * w2, dtype)
+    # Row `pos` of the tables: cos is [cos, cos], sin is sign-folded [-sin, sin] (decoder.py).
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + HALF + d, mask=d_mask,
+                  other=0.0).to(tl.float32)[None, :]
+    # transformers: x * cos + rotate_half(x) * sin, each product rounded to the activation dtype.
+    out1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
+    out2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)
+    tl.store(lo, out1.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(lo + HALF, out2.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int,
+               num_kv_heads: int, q_weight: Tensor | None, k_weight: Tensor | None,
+               eps: float) -> None:
+    """In place on qkv [T, Hq + 2 Hkv, D]: RMSNorm each q and k head (when weights are given),
+    then rotate it by its token's position. cos/sin: [max_positions, D] tables (decoder.py);
+    positions must be below max_positions (not checked: no host sync)."""
+    num_tokens, _, head_dim = qkv.shape
+    assert qkv.stride(2) == 1 and qkv.stride(1) == head_dim, "each head must be contiguous"
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == head_dim
+    if num_tokens == 0:
+        return
+    num_rot = num_q_heads + num_kv_heads
+    half_pad = triton.next_power_of_2(head_dim // 2)
+    # ~2K elements per half-tile: all 24 q/k heads of Qwen3-0.6B (D=128) in two programs.
+    block_h = min(triton.next_power_of_2(num_rot), max(1, 2048 // half_pad))
+    has_norm = q_weight is not None
+    if has_norm:
+        assert k_weight is not None and q_weight.is_contiguous() and k_weight.is_contiguous()
+    grid = (num_tokens, triton.cdiv(num_rot, block_h))
+    _rotate_qk_kernel[grid](
+        qkv, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
+        qkv.stride(0), eps, NUM_Q=num_q_heads, NUM_ROT=num_rot, HEAD_DIM=head_dim,
+        HALF_PAD=half_pad, BLOCK_H=block_h, HAS_NORM=has_norm, num_warps=4)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, N: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + N + cols, mask=mask, other=0.0).to(tl.float32)
+    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # F.silu's output tensor
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype, fp_downcast_rounding="rtne"),
+             mask=mask)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I]."""
+    assert gate_up.stride(-1) == 1, "rows must be contiguous"
+    num_rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows > 0:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block,
+            num_warps=_num_warps(block))
+    return out
+
+
+def _num_warps(block: int) -> int:
+    """One warp per 256 elements of a row (8 bf16 per thread), between 1 and 8 warps."""
+    return min(8, max(1, block // 256))
