@@ -5,9 +5,11 @@ group as rows of one tile, so each KV block is read from memory once for the who
 and keeps a running max and sum (online softmax) so scores are never materialized.
 
 v2 also splits each sequence's context into partitions handled by separate programs, which
-write a partial (max, sum-exp, unnormalized output) per query head; a reduce kernel merges them
-by rescaling with exp(max_p - max). It wins when (sequences x KV heads) is too small to fill
-the GPU's SMs: long contexts at small batch.
+write a partial (max, sum-exp, unnormalized output) per query head; the partials are merged by
+rescaling with exp(max_p - max). It wins when (sequences x KV heads) is too small to fill the
+GPU's SMs: long contexts at small batch. The merge runs in the same launch: each program
+bumps an arrival counter for its (sequence, KV head) and the last to arrive merges, so no
+second launch waits for the whole grid to drain (at batch 1 that wait was ~15% of the time).
 """
 
 from __future__ import annotations
@@ -86,61 +88,83 @@ def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qk_sca
 
 
 @triton.jit
-def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, max_ptr, sum_ptr, part_ptr, bt_ptr, seq_lens_ptr,
-                      qk_scale, stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
-                      stride_bts, max_parts, NUM_HEADS: tl.constexpr,
-                      PARTITION: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+def _merge_partitions(max_ptr, sum_ptr, part_ptr, out_ptr, seq, kv_head, num_parts, max_parts,
+                      stride_os, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                      GROUP_P2: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Merge a GQA group's per-partition partials into the output, rescaling each by
+    exp2(max_p - running max). The partials were written by other programs of this launch, so
+    they are read from L2 (.cg): this SM's L1 may hold nothing valid for them."""
+    offs_g = tl.arange(0, GROUP_P2)
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    base = (seq * NUM_HEADS + heads) * max_parts  # [G]
+    m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for p0 in range(0, num_parts, CHUNK):
+        idx = base[:, None] + p0 + offs_c[None, :]  # [G, C]
+        mask = g_mask[:, None] & (p0 + offs_c < num_parts)[None, :]
+        m = tl.load(max_ptr + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(sum_ptr + idx, mask=mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(part_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                       mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        m_new = tl.where(g_mask, m_new, 0.0)  # padded heads: keep exp2 finite
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new[:, None])
+        total = total * alpha + tl.sum(w * l, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part, 1)
+        m_run = m_new
+    out = acc / tl.where(g_mask, total, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, arrivals_ptr,
+                      bt_ptr, seq_lens_ptr, qk_scale, partition, max_parts,
+                      stride_qs, stride_qh, stride_os, stride_oh,
+                      stride_kb, stride_kt, stride_kh, stride_bts,
+                      NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION
+    start = part * partition
     if start >= seq_len:
         return
-    end = tl.minimum(start + PARTITION, seq_len)
+    end = tl.minimum(start + partition, seq_len)
     q, heads, g_mask = _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
                                      GROUP, GROUP_PAD, HEAD_DIM)
     m_i, l_i, acc = _attend_range(q, k_ptr, v_ptr, bt_ptr + seq * stride_bts, kv_head, start,
                                   end, qk_scale, stride_kb, stride_kt, stride_kh,
                                   GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
-    # partial buffers are [S, Hq, max_parts] and [S, Hq, max_parts, D]
-    idx = (seq * NUM_HEADS + heads) * max_parts + part
-    tl.store(max_ptr + idx, m_i, mask=g_mask)
-    tl.store(sum_ptr + idx, l_i, mask=g_mask)
     offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(part_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(max_ptr, sum_ptr, part_ptr, out_ptr, seq_lens_ptr,
-                          stride_os, stride_oh, max_parts, NUM_HEADS: tl.constexpr,
-                          PARTS_PAD: tl.constexpr,
-                          PARTITION: tl.constexpr, CHUNK: tl.constexpr,
-                          HEAD_DIM: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = tl.cdiv(seq_len, PARTITION)
-    base = (seq * NUM_HEADS + head) * max_parts
-    offs_p = tl.arange(0, PARTS_PAD)
-    m_all = tl.load(max_ptr + base + offs_p, mask=offs_p < num_parts, other=float("-inf"))
-    m_max = tl.max(m_all, 0)
-    offs_d = tl.arange(0, HEAD_DIM)
-    total = 0.0
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for p0 in range(0, num_parts, CHUNK):
-        offs_c = p0 + tl.arange(0, CHUNK)
-        c_mask = offs_c < num_parts
-        m = tl.load(max_ptr + base + offs_c, mask=c_mask, other=float("-inf"))
-        l = tl.load(sum_ptr + base + offs_c, mask=c_mask, other=0.0)
-        w = tl.where(c_mask, tl.exp2(m - m_max), 0.0)
-        total += tl.sum(w * l, 0)
-        part = tl.load(part_ptr + (base + offs_c)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=c_mask[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d,
-             (acc / total).to(out_ptr.dtype.element_ty))
+    num_parts = tl.cdiv(seq_len, partition)
+    if num_parts == 1:  # a short sequence of the batch: nothing to merge
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # partial buffers are [S, Hq, max_parts] and [S, Hq, max_parts, D]
+        idx = (seq * NUM_HEADS + heads) * max_parts + part
+        tl.store(max_ptr + idx, m_i, mask=g_mask)
+        tl.store(sum_ptr + idx, l_i, mask=g_mask)
+        tl.store(part_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=g_mask[:, None])
+        # Every thread's partial stores happen before the barrier, the barrier before the
+        # counter's release: the program that sees the last arrival sees every partial.
+        tl.debug_barrier()
+        counter = arrivals_ptr + seq * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_parts - 1:
+            _merge_partitions(max_ptr, sum_ptr, part_ptr, out_ptr, seq, kv_head, num_parts,
+                              max_parts, stride_os, stride_oh, NUM_HEADS, GROUP, GROUP_P2,
+                              MERGE_CHUNK, HEAD_DIM)
+            tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
 
 
 @dataclass(frozen=True)
@@ -176,7 +200,10 @@ def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     seq_lens: Tensor, max_seq_len: int, scale: float, out: Tensor,
                     cfg: DecodeConfig = DecodeConfig()) -> Tensor:
-    """Like v1, split over partitions of cfg.partition positions; max_seq_len sizes the grid."""
+    """Like v1, split over partitions of cfg.partition positions; max_seq_len sizes the grid.
+
+    One launch: the last partition of each (sequence, KV head) to finish merges the partials.
+    Launches on one device must be stream-ordered (they share the arrival counters)."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -186,19 +213,39 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                         device=q.device)
     parts = torch.empty(num_seqs, num_heads, max_parts, head_dim, dtype=torch.float32,
                         device=q.device)
+    group_p2 = triton.next_power_of_2(group)
     _decode_v2_kernel[(num_seqs, num_kv_heads, max_parts)](
-        q, k_cache, v_cache, stats[0], stats[1], parts, block_tables, seq_lens, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), max_parts, NUM_HEADS=num_heads,
-        PARTITION=cfg.partition, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
+        q, k_cache, v_cache, out, stats[0], stats[1], parts,
+        _arrival_counters(num_seqs * num_kv_heads, q.device), block_tables, seq_lens,
+        scale * LOG2E, cfg.partition, max_parts, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group,
+        GROUP_PAD=_group_pad(group), GROUP_P2=group_p2,
+        MERGE_CHUNK=max(2, MERGE_ROWS // group_p2), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
-    parts_pad = triton.next_power_of_2(max_parts)
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        stats[0], stats[1], parts, out, seq_lens, out.stride(0), out.stride(1), max_parts,
-        NUM_HEADS=num_heads, PARTS_PAD=parts_pad,
-        PARTITION=cfg.partition, CHUNK=min(parts_pad, 16), HEAD_DIM=head_dim, num_warps=4)
     return out
+
+
+MERGE_ROWS = 32  # partial rows (query heads x partitions) a merge step loads at once
+
+_ARRIVALS: dict[torch.device, list[Tensor]] = {}
+
+
+def _arrival_counters(n: int, device: torch.device) -> Tensor:
+    """>= n int32 zeros that v2 counts finished partitions in; each launch leaves them zero.
+
+    Kept per device so a CUDA graph adds no memset; a grown buffer does not free the old
+    one, which captured graphs still point at. A buffer first needed while a graph is being
+    captured is zeroed by a memset that the graph records, not at once, so it serves only
+    that graph and is not kept for eager calls."""
+    bufs = _ARRIVALS.setdefault(device, [])
+    if bufs and bufs[-1].numel() >= n:
+        return bufs[-1]
+    buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        bufs.append(buf)
+    return buf
 
 
 PARTITIONS = (1024, 512, 256)  # multiples of block_n

@@ -1,0 +1,82 @@
+"""Split-KV decode (v2) in one launch, under TRITON_INTERPRET=1 (conftest), against the dense
+float64 reference.
+
+v2's last partition of each (sequence, KV head) to arrive merges every partial, so these
+cases make many partitions (several merge chunks), mix sequences of one partition (merged
+nowhere: written directly) with long ones, use GQA ratios 1-8 and a non-power-of-two one,
+NaN-filled caches with null-block padding, and NaN-poisoned outputs. The arrival counters
+must be left zero: CUDA-graph replays rely on it.
+"""
+
+import pytest
+import torch
+
+from pagedserve.attention.kernels import DecodeConfig, paged_decode_v2, store_kv
+from pagedserve.attention.kernels.decode import MERGE_ROWS, _arrival_counters
+from tests.attention.paged_case import make_case
+
+# (context, 1 new token): 1 to 17 partitions of 16, crossing block and partition edges
+RAGGED = [(0, 1), (14, 1), (15, 1), (47, 1), (130, 1), (255, 1), (270, 1)]
+TINY = DecodeConfig(block_n=16, partition=16)
+
+
+def fresh_seed() -> int:
+    return torch.seed() % 2**31
+
+
+def decode_v2(case, cfg: DecodeConfig) -> torch.Tensor:
+    """Store the step's K/V, then v2 into a NaN-poisoned output."""
+    store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = torch.full_like(case.q, float("nan"))
+    m = case.meta
+    paged_decode_v2(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
+                    m.max_seq_len, case.scale, out, cfg)
+    return out
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2), (8, 2), (8, 1), (6, 2)])
+def test_v2_merges_many_partitions(num_heads, num_kv_heads):
+    seed = fresh_seed()
+    case = make_case(RAGGED, num_heads, num_kv_heads, 16, 16, seed=seed)
+    group_p2 = 1 << (num_heads // num_kv_heads - 1).bit_length()
+    parts = -(-271 // TINY.partition)
+    assert group_p2 == 1 or parts > MERGE_ROWS // group_p2, "must take several merge chunks"
+    out = decode_v2(case, TINY)
+    torch.testing.assert_close(out.double(), case.expected, atol=1e-5, rtol=1e-5,
+                               msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("block_size,partition", [(16, 32), (32, 64)])
+def test_v2_grid_sized_past_the_longest_sequence(block_size, partition):
+    """The engine captures v2 with max_seq_len = max_model_len: programs past a sequence's end
+    must neither write nor be counted as arrivals."""
+    seed = fresh_seed()
+    case = make_case(RAGGED[::2], 4, 2, 16, block_size, seed=seed)
+    store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = torch.full_like(case.q, float("nan"))
+    m = case.meta
+    paged_decode_v2(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
+                    4 * m.max_seq_len, case.scale, out, DecodeConfig(block_n=16,
+                                                                     partition=partition))
+    torch.testing.assert_close(out.double(), case.expected, atol=1e-5, rtol=1e-5,
+                               msg=f"seed {seed}")
+
+
+def test_v2_leaves_arrival_counters_zero_for_the_next_launch():
+    seed = fresh_seed()
+    case = make_case(RAGGED, 4, 2, 16, 16, seed=seed)
+    first = decode_v2(case, TINY)
+    counters = _arrival_counters(len(RAGGED) * 2, case.q.device)
+    assert not counters.any(), "a replayed launch would merge at the wrong arrival"
+    second = decode_v2(case, TINY)
+    torch.testing.assert_close(second, first, atol=0, rtol=0, msg=f"seed {seed}")
+    torch.testing.assert_close(first.double(), case.expected, atol=1e-5, rtol=1e-5,
+                               msg=f"seed {seed}")
+
+
+def test_v2_fp16_head_dim_128():
+    seed = fresh_seed()
+    case = make_case(RAGGED[-3:], 8, 2, 128, 16, dtype=torch.float16, seed=seed)
+    out = decode_v2(case, DecodeConfig(block_n=32, partition=64))
+    torch.testing.assert_close(out.double(), case.expected, atol=3e-3, rtol=3e-3,
+                               msg=f"seed {seed}")
