@@ -1,0 +1,198 @@
+"""Fused Triton sampling: greedy and plain temperature rows in one pass over the logits.
+
+The torch path upcasts the logits to float32 and walks them about eight times (divide,
+softmax, noise, divide, argmaxes). Here each program reads its slice of a row once, in the
+model's dtype, and keeps a running best score and index per tile lane. A random row is
+sampled with the Gumbel-max trick, argmax(logits / T + G) with G = -log(-log(U)), which
+picks token i with probability softmax(logits / T)_i; greedy rows skip the noise.
+
+Noise comes from Philox, counter based, so no noise tensor exists and a token's noise is a
+pure function of (seed, stream, token id): key = the row's 64-bit seed, counter = (token // 4,
+stream low 32 bits, stream high 32 bits, 0), and the four outputs of one Philox call serve
+four consecutive tokens. The draw therefore does not depend on the tile size, on how a row
+is split over programs, or on the other rows of the batch. The caller picks (seed, stream):
+a seeded request uses its own seed and the index of the token being sampled.
+
+Rows are split over programs so that small batches still fill the GPU; a second tiny kernel
+reduces each row's per-split winners. Ties go to the lowest token id (torch.argmax's rule)
+and a NaN logit counts as +inf, so a broken row gives the lowest NaN's id, as torch.argmax
+does unless the row also holds an earlier +inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra import libdevice
+
+LOG2E = tl.constexpr(1.4426950408889634)
+_TOKEN_SENTINEL = tl.constexpr(2**31 - 1)  # above every token id: never a real row's minimum
+
+
+@dataclass(frozen=True)
+class SamplingKernelConfig:
+    block: int = 2048  # tokens per tile: a power of two, at least 4
+    num_warps: int = 8
+    programs_per_sm: int = 4  # splits rows until about this many programs per SM run
+    philox_rounds: int = 10  # Philox4x32-10, the standard strength
+
+
+DEFAULT_CONFIG = SamplingKernelConfig()
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    """log2; on the GPU the one-instruction approximation (2^-22 relative error), which is
+    all the noise needs, the interpreter has no libdevice."""
+    if FAST:
+        return libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _gumbel2(seed, stream_lo, stream_hi, groups, ROUNDS: tl.constexpr, FAST: tl.constexpr):
+    """Gumbel noise in base 2, -log2(-log2(U)) = log2(e) * G - const, [GROUPS, 4] for tokens
+    groups * 4 + lane. The uniforms are the top 24 bits of Philox outputs centred in their
+    bins: strictly inside (0, 1), so both logs stay finite and no token can win by an
+    overflowing draw."""
+    zero = groups * 0
+    r0, r1, r2, r3 = tl.philox(seed, groups, zero + stream_lo, zero + stream_hi, zero, ROUNDS)
+    lane = tl.arange(0, 4)[None, :]
+    bits = tl.where(lane == 0, r0[:, None],
+                    tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
+    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return -_log2(-_log2(uniform, FAST), FAST)
+
+
+@triton.jit
+def _tile_scores(row_ptr, start, vocab, noisy, scale, seed, stream_lo, stream_hi,
+                 GROUPS: tl.constexpr, ROUNDS: tl.constexpr, FAST: tl.constexpr):
+    """Scores and token ids [GROUPS, 4] of tokens [start, start + 4 * GROUPS); tokens past the
+    vocabulary score -inf, NaN scores +inf. A random row scores logits * log2(e) / T plus
+    base-2 Gumbel noise: log2(e) times the natural-base score less a constant, same argmax."""
+    tokens = start + tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    x = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
+    if noisy:
+        groups = (start // 4 + tl.arange(0, GROUPS)).to(tl.uint32)
+        x = x * scale + _gumbel2(seed, stream_lo, stream_hi, groups, ROUNDS, FAST)
+    return tl.where(x != x, float("inf"), x), tokens
+
+
+@triton.jit
+def _best_of(scores, tokens):
+    """(max score, lowest token id holding it) of a block of candidates."""
+    best = tl.max(scores)
+    return best, tl.min(tl.where(scores == best, tokens, _TOKEN_SENTINEL))
+
+
+@triton.jit
+def _sample_split_kernel(logits_ptr, stride_row, vocab, split_len, temperature_ptr, greedy_ptr,
+                         philox_ptr, part_score_ptr, part_token_ptr,
+                         ALL_GREEDY: tl.constexpr, GROUPS: tl.constexpr, ROUNDS: tl.constexpr,
+                         FAST: tl.constexpr):
+    """One program per (row, split): the winner of tokens [split * split_len, + split_len)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    start = split * split_len
+    end = tl.minimum(start + split_len, vocab)
+    if ALL_GREEDY:
+        noisy: tl.constexpr = False
+        scale, seed, stream_lo, stream_hi = 1.0, 0, 0, 0  # unused without noise
+    else:
+        noisy = tl.load(greedy_ptr + row) == 0
+        scale = LOG2E / tl.load(temperature_ptr + row)
+        seed = tl.load(philox_ptr + 2 * row)
+        stream = tl.load(philox_ptr + 2 * row + 1)
+        stream_lo = (stream & 0xFFFFFFFF).to(tl.uint32)
+        stream_hi = (stream >> 32).to(tl.uint32)
+    # the first tile seeds the running state, so an all -inf slice still names a real token
+    best, best_token = _tile_scores(row_ptr, start, vocab, noisy, scale, seed, stream_lo,
+                                    stream_hi, GROUPS, ROUNDS, FAST)
+    for tile in range(start + 4 * GROUPS, end, 4 * GROUPS):
+        scores, tokens = _tile_scores(row_ptr, tile, vocab, noisy, scale, seed, stream_lo,
+                                      stream_hi, GROUPS, ROUNDS, FAST)
+        better = scores > best  # strict: an equal score keeps the earlier (lower) token
+        best = tl.where(better, scores, best)
+        best_token = tl.where(better, tokens, best_token)
+    score, token = _best_of(best, best_token)
+    num_splits = tl.num_programs(1)
+    tl.store(part_score_ptr + row * num_splits + split, score)
+    tl.store(part_token_ptr + row * num_splits + split, token)
+
+
+@triton.jit
+def _reduce_splits_kernel(part_score_ptr, part_token_ptr, out_ptr, num_splits,
+                          SPLITS: tl.constexpr):
+    """One program per row: the winner among its splits (ordered by token id)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, SPLITS)
+    mask = offs < num_splits
+    scores = tl.load(part_score_ptr + row * num_splits + offs, mask=mask, other=float("-inf"))
+    tokens = tl.load(part_token_ptr + row * num_splits + offs, mask=mask, other=_TOKEN_SENTINEL)
+    _, token = _best_of(scores, tokens)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one by one: fewer is faster
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_rows: int, vocab: int, device: torch.device,
+                      config: SamplingKernelConfig = DEFAULT_CONFIG) -> int:
+    """Split rows only while there are fewer programs than the GPU wants; never more splits
+    than tiles, so each split holds at least one whole tile."""
+    tiles = triton.cdiv(vocab, config.block)
+    wanted = triton.cdiv(config.programs_per_sm * _sm_count(device), max(num_rows, 1))
+    return max(1, min(tiles, wanted))
+
+
+def fused_sample(logits: Tensor, temperature: Tensor | None, greedy_mask: Tensor | None,
+                 philox: Tensor | None, config: SamplingKernelConfig = DEFAULT_CONFIG,
+                 num_splits: int | None = None) -> Tensor:
+    """Sampled token ids, int64 [S], from logits [S, V] of any float dtype.
+
+    temperature (float32 [S]), greedy_mask (bool [S]) and philox (int64 [S, 2]: seed, stream)
+    describe the rows; all three None means every row is greedy. A row with greedy_mask set
+    takes the argmax and ignores its temperature and philox entries.
+    """
+    num_rows, vocab = logits.shape
+    all_greedy = temperature is None
+    if all_greedy != (greedy_mask is None) or all_greedy != (philox is None):
+        raise ValueError("temperature, greedy_mask and philox must be given together")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, vocab, logits.device, config)
+    tiles_per_split = triton.cdiv(triton.cdiv(vocab, config.block), num_splits)
+    split_len = tiles_per_split * config.block
+    num_splits = triton.cdiv(vocab, split_len)  # no empty split
+    part_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    part_token = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    if all_greedy:  # never read: any tensor stands in for the pointers
+        temperature = greedy_mask = philox = part_score
+    _sample_split_kernel[(num_rows, num_splits)](
+        logits, logits.stride(0), vocab, split_len, temperature, greedy_mask, philox,
+        part_score, part_token, ALL_GREEDY=all_greedy, GROUPS=config.block // 4,
+        ROUNDS=config.philox_rounds, FAST=logits.is_cuda and not _interpreting(),
+        num_warps=config.num_warps)
+    _reduce_splits_kernel[(num_rows,)](part_score, part_token, out, num_splits,
+                                       SPLITS=triton.next_power_of_2(num_splits))
+    return out
