@@ -25,9 +25,9 @@ from torch import Tensor
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
-    """x rounded to `dtype` (nearest even) and back to float32: where eager PyTorch would store
-    an intermediate tensor in the activation dtype. A no-op at float32."""
-    return x.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    """x rounded to `dtype` and back to float32: where eager PyTorch would store an
+    intermediate tensor in the activation dtype. A no-op at float32."""
+    return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -45,8 +45,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, strid
     var = tl.sum(x * x, axis=0) / N
     y = _round(x * tl.rsqrt(var + eps), dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (y * w).to(dtype, fp_downcast_rounding="rtne"),
-             mask=mask)
+    tl.store(out_ptr + row * stride_out + offs, (y * w).to(dtype), mask=mask)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float,
@@ -100,8 +99,8 @@ def _rotate_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, stri
     # transformers: x * cos + rotate_half(x) * sin, each product rounded to the activation dtype.
     out1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
     out2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)
-    tl.store(lo, out1.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
-    tl.store(lo + HALF, out2.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(lo, out1.to(dtype), mask=mask)
+    tl.store(lo + HALF, out2.to(dtype), mask=mask)
 
 
 def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int,
@@ -139,8 +138,7 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, N: tl.cons
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + N + cols, mask=mask, other=0.0).to(tl.float32)
     act = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # F.silu's output tensor
-    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype, fp_downcast_rounding="rtne"),
-             mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:

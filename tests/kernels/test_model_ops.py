@@ -3,9 +3,9 @@ under TRITON_INTERPRET=1 (conftest), then the whole decoder with one set and the
 
 Fresh seeds each run (printed on failure), ragged token counts, head_dim 64 and 128, GQA ratios
 1-8, positions up to the last row of the RoPE table. bf16 runs too: the interpreter truncates
-float32 -> bf16 where the GPU rounds to nearest even, so `exact_bf16` makes it round like the
-GPU (and like PyTorch); bf16 results must then equal the eager path's bit for bit, except where
-a norm's sum of squares is added up in another order (at most one bf16 step, rarely).
+float32 -> bf16 where the GPU (and PyTorch) rounds to nearest even, so `exact_bf16` makes it
+round; bf16 results must then equal the eager path's bit for bit, except where a norm's sum of
+squares is added up in another order or exp differs in its last bit (one bf16 step, rarely).
 """
 
 from __future__ import annotations
