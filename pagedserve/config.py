@@ -43,6 +43,10 @@ class EngineConfig:
     # execution
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False  # CUDA: True skips CUDA graphs for decode; CPU is always eager
+    # schedule and launch step N+1 before waiting for step N's tokens, so the CPU work of a
+    # step overlaps the GPU's; None = on for CUDA, off for the CPU (which runs a step
+    # synchronously: there is nothing to overlap)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)

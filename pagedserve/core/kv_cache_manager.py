@@ -142,12 +142,24 @@ class KVCacheManager:
 
         if self.enable_caching:
             num_cached = self.num_cached_block.get(req_id, 0) + len(new_computed_blocks)
-            num_full = min(num_total, len(request.all_token_ids)) // self.block_size
-            if num_full > num_cached:
-                hashes = self._block_hashes(request, num_full)
-                self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
-            self.num_cached_block[req_id] = max(num_cached, num_full)
+            self.num_cached_block[req_id] = num_cached
+            self.cache_blocks(request, num_total)
         return new_blocks
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        """Cache the request's blocks that its first `num_tokens` fill with known tokens
+        (`all_token_ids`). A block whose last slot is scheduled before its token is known
+        (async scheduling) is left out; the caller calls again once the token is known."""
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_cached = self.num_cached_block.get(req_id, 0)
+        num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
+        if num_full > num_cached:
+            hashes = self._block_hashes(request, num_full)
+            self.block_pool.cache_full_blocks(self.req_to_blocks[req_id], hashes, num_cached,
+                                              num_full)
+            self.num_cached_block[req_id] = num_full
 
     def _check_computed_blocks(self, request: Any, req_blocks: list[KVCacheBlock],
                                new_computed_blocks: list[KVCacheBlock],

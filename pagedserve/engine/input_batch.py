@@ -63,6 +63,9 @@ class StepBuffers:
         self.query_start_loc = staged((max_seqs + 1,), torch.int32)
         self.logits_indices = staged((max_seqs,), torch.int64)
         self.block_tables = staged((max_seqs, max_blocks_per_seq), torch.int32)
+        # async scheduling: input_ids rows whose token is a row of the last sampled tokens
+        self.placeholder_rows = staged((max_seqs,), torch.int64)
+        self.placeholder_sources = staged((max_seqs,), torch.int64)
         # The host buffers are rewritten every step: wait for the last step's copies first.
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 

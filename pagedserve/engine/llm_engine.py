@@ -7,6 +7,14 @@ the same step: the KV cache manager indexes a block as soon as the step that wri
 scheduled, and the attention backends write a step's K/V before attending, so children
 after the first hit the first child's prompt blocks in the prefix cache and share them
 (only the last, partial block and the generated tokens are per child).
+
+With async scheduling (`EngineConfig.async_scheduling`) a step schedules and launches the
+next model step before it waits for the tokens of the one in flight, then processes those
+(stop checks, detokenization, outputs) while the GPU runs the new one: the GPU's queue always
+holds a step, and the CPU work of a step is hidden behind the GPU's. Requests are scheduled
+with placeholders for the tokens in flight (see scheduler.py). While any request uses
+penalties (which read the output tokens on the host), the step in flight is completed before
+the next one is scheduled.
 """
 
 from __future__ import annotations
@@ -21,12 +29,12 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingRunnerOutput
 from pagedserve.engine.outputs import (
     CompletionOutput, EngineStats, Logprob, RequestOutput, SampleLogprobs)
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.loader import load_model, load_tokenizer
@@ -119,6 +127,10 @@ class LLMEngine:
         self._parents: dict[str, _ParentState] = {}
         self._children: dict[str, _ChildState] = {}
         self._aborted_outputs: list[RequestOutput] = []
+        self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
+        self._num_penalized = 0  # unfinished requests with penalties: no overlap while > 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -176,6 +188,8 @@ class LLMEngine:
         for child in parent.children:
             self._children[child.request.request_id] = child
             self.scheduler.add_request(child.request)
+        if params.needs_penalties:
+            self._num_penalized += params.n
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None
                           ) -> list[int]:
@@ -229,17 +243,37 @@ class LLMEngine:
             self._drop(parent)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents) or bool(self._aborted_outputs)
+        """True while a step is in flight too: its results must be collected (or dropped)."""
+        return bool(self._parents) or bool(self._aborted_outputs) or self._in_flight is not None
 
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample; return outputs of requests that progressed."""
+        """Schedule and launch a model step; return the outputs of requests that progressed.
+
+        Synchronous: the outputs of the step just launched. Async: those of the step that
+        was in flight, processed while the new one runs.
+        """
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self._in_flight is not None and self._num_penalized:
+            previous, self._in_flight = self._in_flight, None
+            outputs += self._complete(*previous)
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            return outputs
-        runner_output = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager)
+        step = None
+        if not scheduler_output.is_empty:
+            step = (scheduler_output, self.model_runner.execute_model(
+                scheduler_output, self.kv_cache_manager))
+        if self.async_scheduling:  # complete the step in flight, leave the new one running
+            step, self._in_flight = self._in_flight, step
+        if step is not None:
+            outputs += self._complete(*step)
+        return outputs
+
+    def _complete(self, scheduler_output: SchedulerOutput,
+                  pending: PendingRunnerOutput) -> list[RequestOutput]:
+        """Wait for a step's tokens, hand them to the scheduler, build the outputs."""
+        outputs = []
+        runner_output = pending.result()
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         progressed = self.scheduler.update_from_output(scheduler_output, sampled)
         rows = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
@@ -319,6 +353,8 @@ class LLMEngine:
         self._parents.pop(parent.request_id, None)
         for child in parent.children:
             self._children.pop(child.request.request_id, None)
+        if parent.children[0].request.sampling_params.needs_penalties:
+            self._num_penalized -= len(parent.children)
 
     # -- introspection ------------------------------------------------------------------------
 

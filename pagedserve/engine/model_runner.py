@@ -4,9 +4,15 @@ sampled tokens.
 Per step it builds every input in one go with numpy (no per-token Python loop) into
 persistent host buffers, uploaded without blocking (`input_batch.py`): input preparation
 must stay far below a step's GPU time. Only the last token of each request whose chunk
-reaches the end of its known tokens goes through the LM head and the sampler. On CUDA,
-decode-only steps replay a captured graph (`cuda_graphs.py`); the only host-device sync of
-a step is reading the sampled tokens.
+reaches the end of its scheduled tokens goes through the LM head and the sampler. On CUDA,
+decode-only steps replay a captured graph (`cuda_graphs.py`).
+
+Nothing in a step waits for the GPU: the sampled tokens come back through a non-blocking
+copy to pinned memory and an event (`PendingRunnerOutput`), so the engine can schedule and
+launch the next step before it waits for them (async scheduling). A token scheduled before
+it was known (a placeholder, see `request.py`) is the one the previous step sampled for the
+same request: the runner keeps that step's sampled tensor and its rows, and copies the token
+into the step's input ids on the device.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.input_batch import BlockTableRows, StepBuffers
 from pagedserve.engine.request import Request
-from pagedserve.engine.sampler import LogprobsTensors, Sampler, SamplingMetadata
+from pagedserve.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -37,6 +43,45 @@ class ModelRunnerOutput:
     req_ids: list[str]  # requests that sampled this step, in row order
     sampled_token_ids: list[int]
     logprobs: LogprobsTensors | None  # rows follow req_ids
+
+
+class PendingRunnerOutput:
+    """A step's sampled tokens (and logprobs) on their way to the host.
+
+    On CUDA they are copied without blocking into pinned memory, followed by an event:
+    `result()` waits for that event only, not for whatever steps were queued after this one.
+    On the CPU the step has already run and the tensors are the results.
+    """
+
+    def __init__(self, req_ids: list[str], sampled: SamplerOutput | None) -> None:
+        self.req_ids = req_ids
+        self._tokens = _to_host(sampled.sampled_token_ids) if sampled is not None else None
+        self._logprobs = None
+        if sampled is not None and sampled.logprobs is not None:
+            lp = sampled.logprobs
+            self._logprobs = LogprobsTensors(
+                _to_host(lp.top_token_ids), _to_host(lp.top_logprobs),
+                _to_host(lp.sampled_logprobs), _to_host(lp.sampled_ranks))
+        self._ready = None
+        if sampled is not None and sampled.sampled_token_ids.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the copies (the engine's only wait on the GPU) and return the tokens."""
+        if self._tokens is None:
+            return ModelRunnerOutput([], [], None)
+        if self._ready is not None:
+            self._ready.synchronize()
+        return ModelRunnerOutput(self.req_ids, self._tokens.tolist(), self._logprobs)
+
+
+def _to_host(tensor: Tensor) -> Tensor:
+    """Queue a copy into pinned memory (reused through torch's caching host allocator)."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 @dataclass
@@ -62,6 +107,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
+        # the last step's sampled tokens on the device, and each sampling request's row
+        self._last_sampled: Tensor | None = None
+        self._last_sampled_rows: dict[str, int] = {}
 
     # -- KV cache sizing and allocation ---------------------------------------------------
 
@@ -180,8 +228,7 @@ class ModelRunner:
         requests = [r for r, _ in output.scheduled]
         num_seqs = len(requests)
         num_new = np.fromiter((n for _, n in output.scheduled), dtype=np.int64, count=num_seqs)
-        num_computed = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64,
-                                   count=num_seqs)
+        num_computed = np.array(output.num_computed_tokens, dtype=np.int64)
         seq_lens = num_computed + num_new
         num_tokens = int(num_new.sum())
         graph_size = None
@@ -201,14 +248,13 @@ class ModelRunner:
         positions[:num_tokens] = (np.arange(num_tokens) - query_start_loc[req_index]
                                   + num_computed[req_index])
         positions[num_tokens:] = 0
-        computed = num_computed.tolist()
-        if num_tokens == num_seqs:  # decodes: the one token each request has not computed
-            token_ids = [r.all_token_ids[c] for r, c in zip(requests, computed)]
-        else:
-            token_ids = list(chain.from_iterable(
-                r.all_token_ids[c:c + n] for r, c, n in zip(requests, computed,
-                                                             num_new.tolist())))
-        b.input_ids.np[:num_tokens] = token_ids
+        num_known = np.fromiter((r.num_tokens for r in requests), dtype=np.int64,
+                                count=num_seqs)
+        # a chunk that ends past the known tokens ends on a placeholder (only ever one)
+        placeholders = np.flatnonzero(seq_lens > num_known)
+        placeholder_rows = query_start_loc[placeholders + 1] - 1
+        self._fill_known_input_ids(requests, num_computed, np.minimum(seq_lens, num_known),
+                                   placeholder_rows, num_tokens)
         b.input_ids.np[num_tokens:token_rows] = 0
 
         table_rows = self.block_rows.rows([r.request_id for r in requests],
@@ -225,8 +271,7 @@ class ModelRunner:
         b.seq_lens.np[:num_seqs] = seq_lens
         b.seq_lens.np[num_seqs:rows] = 1
 
-        samples = seq_lens == np.fromiter((r.num_tokens for r in requests), dtype=np.int64,
-                                          count=num_seqs)
+        samples = np.array(output.samples, dtype=bool)
         sample_rows = query_start_loc[1:num_seqs + 1][samples] - 1
         b.logits_indices.np[:len(sample_rows)] = sample_rows
         meta = AttentionMetadata(  # what an eager forward reads; a graph reads the buffers
@@ -241,10 +286,48 @@ class ModelRunner:
             positions=b.positions.upload(token_rows),
             meta=meta,
             logits_indices=b.logits_indices.upload(len(sample_rows)),
-            sampling_requests=[r for r, s in zip(requests, samples.tolist()) if s],
+            sampling_requests=[r for r, s in zip(requests, output.samples) if s],
             graph_size=graph_size)
+        if len(placeholders):
+            self._copy_last_sampled(inputs.input_ids,
+                                    [requests[i].request_id for i in placeholders.tolist()],
+                                    placeholder_rows)
         b.mark_uploaded()
         return inputs
+
+    def _fill_known_input_ids(self, requests: list[Request], starts: np.ndarray,
+                              ends: np.ndarray, placeholder_rows: np.ndarray,
+                              num_tokens: int) -> None:
+        """Write tokens [start, end) of each request into the host input ids around the
+        placeholder rows, which the device copy fills. An async decode step at steady state
+        is all placeholders and reads no token here."""
+        input_ids = self.buffers.input_ids.np[:num_tokens]
+        if len(placeholder_rows) == num_tokens:
+            return
+        starts, ends = starts.tolist(), ends.tolist()
+        if num_tokens == len(requests):  # one token each
+            known = [r.all_token_ids[c] for r, c, e in zip(requests, starts, ends) if c < e]
+        else:
+            known = list(chain.from_iterable(
+                r.all_token_ids[c:e] for r, c, e in zip(requests, starts, ends)))
+        if len(placeholder_rows):
+            mask = np.ones(num_tokens, dtype=bool)
+            mask[placeholder_rows] = False
+            input_ids[mask] = known
+        else:
+            input_ids[:] = known
+
+    def _copy_last_sampled(self, input_ids: Tensor, request_ids: list[str],
+                           rows: np.ndarray) -> None:
+        """Queue the copy of the previous step's sampled tokens into the placeholder rows of
+        the device input ids: no host sync, the previous step may still be running."""
+        b = self.buffers
+        count = len(request_ids)
+        b.placeholder_rows.np[:count] = rows
+        b.placeholder_sources.np[:count] = [self._last_sampled_rows[r] for r in request_ids]
+        sources = b.placeholder_sources.upload(count)
+        tokens = self._last_sampled.index_select(0, sources).to(input_ids.dtype)
+        input_ids.index_copy_(0, b.placeholder_rows.upload(count), tokens)
 
     def swap(self, output: SchedulerOutput) -> None:
         """Block copies the scheduler asked for, before this step's forward pass."""
@@ -261,28 +344,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput,
-                      kv_cache_manager: KVCacheManager) -> ModelRunnerOutput:
+                      kv_cache_manager: KVCacheManager) -> PendingRunnerOutput:
+        """Queue the step on the device; the tokens come from the result's `result()`."""
         self.block_rows.release(output.finished_req_ids)
         self.swap(output)
-        if not output.scheduled:
-            return ModelRunnerOutput([], [], None)
-        inputs = self.prepare_inputs(output, kv_cache_manager)
+        sampled, req_ids = None, []
+        if output.scheduled:
+            inputs = self.prepare_inputs(output, kv_cache_manager)
+            hidden = self._forward(inputs)
+            if inputs.sampling_requests:
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                sampling_meta = SamplingMetadata.from_requests(
+                    inputs.sampling_requests, logits.shape[1], self.device)
+                sampled = self.sampler(logits, sampling_meta)
+                req_ids = [r.request_id for r in inputs.sampling_requests]
+        self._last_sampled = sampled.sampled_token_ids if sampled is not None else None
+        self._last_sampled_rows = dict(zip(req_ids, range(len(req_ids))))
+        return PendingRunnerOutput(req_ids, sampled)
+
+    def _forward(self, inputs: StepInputs) -> Tensor:
         self._bind_kv_cache()
         if inputs.graph_size is not None:
-            hidden = self.graphs.replay(inputs.graph_size)
-        else:
-            with set_forward_context(inputs.meta, self.backend):
-                hidden = self.model(inputs.input_ids, inputs.positions)
-        if not inputs.sampling_requests:
-            return ModelRunnerOutput([], [], None)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        sampling_meta = SamplingMetadata.from_requests(
-            inputs.sampling_requests, logits.shape[1], self.device)
-        sampled = self.sampler(logits, sampling_meta)
-        return ModelRunnerOutput(
-            req_ids=[r.request_id for r in inputs.sampling_requests],
-            sampled_token_ids=sampled.sampled_token_ids.tolist(),  # the step's one sync
-            logprobs=_to_cpu(sampled.logprobs))
+            return self.graphs.replay(inputs.graph_size)
+        with set_forward_context(inputs.meta, self.backend):
+            return self.model(inputs.input_ids, inputs.positions)
 
 
 def _random_sampling_meta(logits: Tensor) -> SamplingMetadata:
@@ -294,11 +379,3 @@ def _random_sampling_meta(logits: Tensor) -> SamplingMetadata:
         temperature=ones, min_p=None, top_k=None, top_p=None, generators={},
         repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
         prompt_token_ids=None, output_token_ids=None, max_num_logprobs=None)
-
-
-def _to_cpu(logprobs: LogprobsTensors | None) -> LogprobsTensors | None:
-    if logprobs is None:
-        return None
-    return LogprobsTensors(*(t.cpu() for t in (logprobs.top_token_ids, logprobs.top_logprobs,
-                                                 logprobs.sampled_logprobs,
-                                                 logprobs.sampled_ranks)))

@@ -3,6 +3,12 @@
 The scheduler owns `Request` objects. The KV cache manager reads them duck-typed
 (`request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`,
 `lora_id`), so the attribute names here are part of that contract.
+
+`num_computed_tokens` counts the tokens whose KV a scheduled step computes: the scheduler
+advances it when it schedules the step, not when the step returns. A step that samples adds
+an output *placeholder* (`num_output_placeholders`) that its sampled token replaces when it
+arrives; with async scheduling the next step is scheduled before that, as if the token
+existed, so `all_token_ids` (the known tokens) can trail the scheduled ones by one or two.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # sampled tokens scheduled but not arrived yet
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

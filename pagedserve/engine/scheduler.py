@@ -12,6 +12,14 @@ tokens; the prefix cache usually hands most of its work back on readmission. By 
 computed blocks are first copied to CPU swap space (`swap.py`), and on readmission the
 blocks the prefix cache no longer holds are copied back instead of recomputed; a request
 that does not fit in the swap space falls back to recompute.
+
+Scheduling a step advances `num_computed_tokens` at once and gives every request whose chunk
+reaches its end an output placeholder (see `request.py`), so the next step can be scheduled
+before this one's tokens are back (async scheduling): a placeholder is scheduled as if the
+token existed, and the runner reads it from the previous step's sampled tokens on the
+device. A request that will have reached max_tokens (or max_model_len) once its placeholders
+arrive is not scheduled again. A request finished when its token arrives (a stop) may still
+have a step in flight: that step's token is dropped.
 """
 
 from __future__ import annotations
@@ -31,12 +39,17 @@ from pagedserve.engine.swap import SwappedRequest, SwapSpace
 class SchedulerOutput:
     """This step's work: (request, num_new_tokens) with decodes (one token) first.
 
+    `num_computed_tokens[i]` is where scheduled request i's chunk starts (the request's own
+    counter already includes the chunk) and `samples[i]` says whether the chunk reaches the
+    end of the request's scheduled tokens, so that the step samples its next token.
     The runner performs the block copies before the forward pass: swap-outs read GPU blocks
     that this step may hand to other requests, swap-ins fill blocks this step attends to.
     """
 
     scheduled: list[tuple[Request, int]]
     num_decodes: int
+    num_computed_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
@@ -88,19 +101,44 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            index += 1
+            if request.num_output_placeholders and self._ends_in_flight(request):
+                continue
+            num_new = min(request.num_tokens + request.num_output_placeholders
+                          - request.num_computed_tokens, budget)
             if not self._holds_its_slot(request, num_new) and not self._allocate_or_preempt(
                     request, num_new, preempted):
                 break
             scheduled.append((request, num_new))
             budget -= num_new
-            index += 1
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
-        out.num_decodes = sum(1 for _, n in scheduled if n == 1)
+        self._advance(out)
         self._step_output = None
         return out
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Its tokens in flight take it to max_tokens or max_model_len: no step can use it."""
+        pending = request.num_output_placeholders
+        return (request.num_output_tokens + pending >= request.max_tokens
+                or request.num_tokens + pending >= self.max_model_len)
+
+    @staticmethod
+    def _advance(out: SchedulerOutput) -> None:
+        """Count the scheduled chunks as computed, and a placeholder for each that samples."""
+        computed, samples = out.num_computed_tokens, out.samples
+        num_decodes = 0
+        for request, num_new in out.scheduled:
+            start = request.num_computed_tokens
+            computed.append(start)
+            end = request.num_computed_tokens = start + num_new
+            sample = end == request.num_tokens + request.num_output_placeholders
+            if sample:
+                request.num_output_placeholders += 1
+            samples.append(sample)
+            num_decodes += num_new == 1
+        out.num_decodes = num_decodes
 
     def _holds_its_slot(self, request: Request, num_new: int) -> bool:
         """A decode whose token lands inside its last block, neither starting a block (which
@@ -184,20 +222,26 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish and free stopped requests.
+        """Put the sampled tokens in place of their placeholders; finish and free stopped
+        requests. A request that finished while the step was in flight drops its token.
 
         Returns the requests that received a token this step.
         """
         progressed = []
-        for request, num_new in output.scheduled:
-            request.num_computed_tokens += num_new
-            token = sampled.get(request.request_id)
-            if token is None:
+        for (request, _), sample in zip(output.scheduled, output.samples):
+            if not sample or request.is_finished:
                 continue
-            request.append_output_token(token)
+            request.num_output_placeholders -= 1
+            request.append_output_token(sampled[request.request_id])
             progressed.append(request)
             if request.check_stop(self.max_model_len):
                 self._finish(request)
+            elif (request.num_tokens % self.block_size == 0
+                  and request.num_computed_tokens >= request.num_tokens
+                  and request.status == RequestStatus.RUNNING):
+                # the token completes a block that a step already in flight computes: it
+                # could not be cached at scheduling, as its last token was unknown
+                self.kv_cache_manager.cache_blocks(request, request.num_tokens)
         return progressed
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -208,14 +252,16 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request in self.waiting:
-                self.waiting.remove(request)
             request.status = status
             self._finish(request)
 
     def _finish(self, request: Request) -> None:
+        """Also for a waiting request: one preempted while its token was in flight can stop
+        when the token arrives."""
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         self._release_swap(request)
         self._finished_ids.append(request.request_id)

@@ -24,8 +24,7 @@ def request(i: int, prompt_len: int, max_tokens: int = 8, first_token: int = 0) 
 
 def run_step(scheduler: Scheduler):
     out = scheduler.schedule()
-    sampled = {r.request_id: 7 for r, n in out.scheduled
-               if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {r.request_id: 7 for (r, _), s in zip(out.scheduled, out.samples) if s}
     scheduler.update_from_output(out, sampled)
     return out
 
