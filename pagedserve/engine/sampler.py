@@ -6,6 +6,13 @@ race (argmax of p / q with q ~ Exp(1)), which is equivalent to multinomial sampl
 lets each seeded row fill its own noise from its own generator: a seeded request gets the
 same tokens whatever else shares its batch. Logprobs are those of the raw model
 distribution, before any processing, as the OpenAI API reports them.
+
+On CUDA, greedy and plain temperature rows go through one fused Triton kernel
+(`sampling_kernel.py`) that reads the logits once in the model's dtype; rows with top-k,
+top-p or min-p take the torch path (on the whole batch, then selected), and penalties are
+applied before either. Which path a row takes depends only on its own parameters, so a
+seeded request keeps drawing from one noise source whatever its batch. Seeded draws repeat
+per device type and path, not across them. The CPU always takes the torch path.
 """
 
 from __future__ import annotations
@@ -18,6 +25,18 @@ from torch import Tensor
 
 from pagedserve.engine.request import Request
 
+try:
+    from pagedserve.engine.sampling_kernel import fused_sample
+except ImportError:  # no Triton: the torch path serves every row
+    fused_sample = None
+
+_SEED_MASK = 2**63 - 1  # Philox takes a 64-bit key; int64 holds the low 63 bits of any seed
+_UNSEEDED_STREAM = 2**32  # unseeded rows' streams: a Philox counter word seeded rows never use
+
+
+def fused_sampling_available(device: torch.device) -> bool:
+    return fused_sample is not None and device.type == "cuda"
+
 
 @dataclass
 class SamplingMetadata:
@@ -29,38 +48,45 @@ class SamplingMetadata:
     min_p: Tensor | None  # float32 [S]; None when no row uses it
     top_k: Tensor | None  # int64 [S]; 0 = off; None when no row uses it
     top_p: Tensor | None  # float32 [S]; None when no row uses it
-    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded torch-path row
     repetition_penalty: Tensor | None  # float32 [S]; None when no row uses penalties
     presence_penalty: Tensor | None
     frequency_penalty: Tensor | None
     prompt_token_ids: Tensor | None  # int64 [S, P] padded with vocab_size
     output_token_ids: Tensor | None  # int64 [S, O] padded with vocab_size
     max_num_logprobs: int | None  # None when no row asked for logprobs
+    # fused path only (None otherwise, and when all rows are greedy):
+    philox: Tensor | None = None  # int64 [S, 2]: each row's noise (seed, stream)
+    filtered_mask: Tensor | None = None  # bool [S]: rows left to the torch path; None if none
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request], vocab_size: int,
-                      device: torch.device) -> SamplingMetadata:
+                      device: torch.device, fused: bool | None = None) -> SamplingMetadata:
+        """`fused` builds the fused kernel's inputs; None: when the device can run it."""
         params = [r.sampling_params for r in requests]
-        all_greedy = all(p.is_greedy for p in params)
+        greedy = [p.is_greedy for p in params]
+        all_greedy = all(greedy)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         meta = cls(all_greedy=all_greedy, greedy_mask=None, temperature=None, min_p=None,
                    top_k=None, top_p=None, generators={}, repetition_penalty=None,
                    presence_penalty=None, frequency_penalty=None, prompt_token_ids=None,
                    output_token_ids=None, max_num_logprobs=max(logprobs) if logprobs else None)
         if not all_greedy:
-            meta._set_random(requests, device)
+            meta._set_random(requests, greedy, device,
+                             fused_sampling_available(device) if fused is None else fused)
         if any(p.needs_penalties for p in params):
             meta._set_penalties(requests, vocab_size, device)
         return meta
 
-    def _set_random(self, requests: Sequence[Request], device: torch.device) -> None:
+    def _set_random(self, requests: Sequence[Request], greedy: list[bool],
+                    device: torch.device, fused: bool) -> None:
         params = [r.sampling_params for r in requests]
 
         def column(values, dtype):
             return to_device(torch.tensor(values, dtype=dtype), device)
 
-        self.greedy_mask = column([p.is_greedy for p in params], torch.bool)
-        self.temperature = column([p.temperature if not p.is_greedy else 1.0 for p in params],
+        self.greedy_mask = column(greedy, torch.bool)
+        self.temperature = column([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                                   torch.float32)
         if any(p.min_p > 0 for p in params):
             self.min_p = column([p.min_p for p in params], torch.float32)
@@ -68,8 +94,17 @@ class SamplingMetadata:
             self.top_k = column([p.top_k for p in params], torch.int64)
         if any(p.top_p < 1.0 for p in params):
             self.top_p = column([p.top_p for p in params], torch.float32)
-        self.generators = {i: r.generator_for(device) for i, r in enumerate(requests)
-                           if r.generator is not None and not r.sampling_params.is_greedy}
+        torch_rows = range(len(requests))
+        if fused:
+            self.philox = to_device(philox_rows(requests), device)
+            torch_rows = []
+            if any(t is not None for t in (self.min_p, self.top_k, self.top_p)):
+                # greedy rows have these filters off (SamplingParams resets them)
+                filtered = [p.min_p > 0 or p.top_k > 0 or p.top_p < 1.0 for p in params]
+                self.filtered_mask = column(filtered, torch.bool)
+                torch_rows = [i for i, f in enumerate(filtered) if f]
+        self.generators = {i: requests[i].generator_for(device) for i in torch_rows
+                           if requests[i].generator is not None and not greedy[i]}
 
     def _set_penalties(self, requests: Sequence[Request], vocab_size: int,
                        device: torch.device) -> None:
@@ -83,6 +118,26 @@ class SamplingMetadata:
         self.frequency_penalty = column([p.frequency_penalty for p in params])
         self.prompt_token_ids = _pad([r.prompt_token_ids for r in requests], vocab_size, device)
         self.output_token_ids = _pad([r.output_token_ids for r in requests], vocab_size, device)
+
+
+def philox_rows(requests: Sequence[Request]) -> Tensor:
+    """The fused kernel's (seed, stream) per row, int64 [S, 2] on the host.
+
+    A seeded row: its own seed and the number of tokens it has generated, i.e. the index of
+    the token being drawn, so its draws depend on nothing else in the batch and repeat after
+    a preemption. Unseeded rows share one seed drawn per step from torch's default generator
+    (torch.manual_seed makes a run repeatable, as on the torch path) and take distinct
+    streams by row, in a stream range no seeded row reaches.
+    """
+    rows = torch.empty(len(requests), 2, dtype=torch.int64)
+    rows[:, 0] = int(torch.randint(_SEED_MASK, (1,)))
+    torch.arange(_UNSEEDED_STREAM, _UNSEEDED_STREAM + len(requests), out=rows[:, 1])
+    seeded = [(i, r.sampling_params.seed & _SEED_MASK, r.num_output_tokens)
+              for i, r in enumerate(requests) if r.sampling_params.seed is not None]
+    if seeded:
+        index, seeds, streams = zip(*seeded)
+        rows[list(index)] = torch.tensor([seeds, streams], dtype=torch.int64).T
+    return rows
 
 
 def to_device(cpu: Tensor, device: torch.device) -> Tensor:
@@ -116,19 +171,45 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self, use_triton: bool | None = None) -> None:
+        """use_triton: None picks the fused kernel for CUDA logits when Triton imports;
+        True forces it (CPU logits need TRITON_INTERPRET=1); False keeps to torch."""
+        if use_triton and fused_sample is None:
+            raise ValueError("use_triton=True needs Triton, which did not import")
+        self.use_triton = use_triton
+
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
+        fused = self._takes_fused_path(logits, meta)
+        if not fused or meta.max_num_logprobs is not None or meta.repetition_penalty is not None:
+            logits = logits.float()  # one copy serves logprobs, penalties and the torch path
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
         if meta.repetition_penalty is not None:
             logits = apply_penalties(logits, meta)
-        tokens = logits.argmax(-1)
-        if not meta.all_greedy:
-            random_tokens = self._sample_random(logits, meta)
-            tokens = torch.where(meta.greedy_mask, tokens, random_tokens)
+        tokens = self._sample_fused(logits, meta) if fused else self._sample_torch(logits, meta)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs)
         return SamplerOutput(tokens, logprobs)
+
+    def _takes_fused_path(self, logits: Tensor, meta: SamplingMetadata) -> bool:
+        """Metadata built without the kernel's inputs (no philox) keeps to torch."""
+        enabled = self.use_triton
+        if enabled is None:
+            enabled = fused_sample is not None and logits.is_cuda
+        return enabled and (meta.all_greedy or meta.philox is not None)
+
+    def _sample_fused(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        tokens = fused_sample(logits, meta.temperature, meta.greedy_mask, meta.philox)
+        if meta.filtered_mask is not None:
+            tokens = torch.where(meta.filtered_mask, self._sample_random(logits.float(), meta),
+                                 tokens)
+        return tokens
+
+    def _sample_torch(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        tokens = logits.argmax(-1)
+        if not meta.all_greedy:
+            tokens = torch.where(meta.greedy_mask, tokens, self._sample_random(logits, meta))
+        return tokens
 
     def _sample_random(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         logits = logits / meta.temperature.unsqueeze(1)

@@ -14,9 +14,13 @@ is split over programs, or on the other rows of the batch. The caller picks (see
 a seeded request uses its own seed and the index of the token being sampled.
 
 Rows are split over programs so that small batches still fill the GPU; a second tiny kernel
-reduces each row's per-split winners. Ties go to the lowest token id (torch.argmax's rule)
-and a NaN logit counts as +inf, so a broken row gives the lowest NaN's id, as torch.argmax
-does unless the row also holds an earlier +inf.
+reduces each row's per-split winners. Greedy rows follow torch.argmax exactly: a NaN wins
+over +inf, +inf over any number, and ties go to the lowest token id. Random rows use the same
+order on their noisy scores, so a NaN or +inf logit is always the draw: a broken row gives a
+repeatable token instead of a plausible-looking sample.
+
+Random scores are kept in base 2 (logits * log2(e) / T plus base-2 Gumbel noise): log2(e)
+times the natural score less a constant, so the same argmax, with one fast lg2 per log.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 LOG2E = tl.constexpr(1.4426950408889634)
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 _TOKEN_SENTINEL = tl.constexpr(2**31 - 1)  # above every token id: never a real row's minimum
 
 
@@ -58,30 +63,38 @@ def _log2(x, FAST: tl.constexpr):
 
 @triton.jit
 def _gumbel2(seed, stream_lo, stream_hi, groups, ROUNDS: tl.constexpr, FAST: tl.constexpr):
-    """Gumbel noise in base 2, -log2(-log2(U)) = log2(e) * G - const, [GROUPS, 4] for tokens
-    groups * 4 + lane. The uniforms are the top 24 bits of Philox outputs centred in their
-    bins: strictly inside (0, 1), so both logs stay finite and no token can win by an
-    overflowing draw."""
+    """Gumbel noise in base 2, -log2(log2(e) * E) with E ~ Exp(1), [GROUPS, 4] for tokens
+    groups * 4 + lane; log2(e) times a natural Gumbel draw less a constant.
+
+    V is the top 23 bits of a Philox output centred in its bin, exact in float32 and strictly
+    inside (0, 1), and E = -ln(1 - V), so every log stays finite. The largest noise comes
+    from the smallest E, where 1 - V is within 2^-7 of 1 and the fast log2 (absolute error
+    2^-22 there) could even flip the sign: that range takes the series V + V^2/2 + V^3/3,
+    exact to float32."""
     zero = groups * 0
     r0, r1, r2, r3 = tl.philox(seed, groups, zero + stream_lo, zero + stream_hi, zero, ROUNDS)
     lane = tl.arange(0, 4)[None, :]
     bits = tl.where(lane == 0, r0[:, None],
                     tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
-    uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    return -_log2(-_log2(uniform, FAST), FAST)
+    v = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    series = v * (1.0 + v * (0.5 + v * (1.0 / 3.0))) * LOG2E
+    exponential2 = tl.where(v < 1.0 / 128.0, series, -_log2(1.0 - v, FAST))
+    return -_log2(exponential2, FAST)
 
 
 @triton.jit
 def _tile_scores(row_ptr, start, vocab, noisy, scale, seed, stream_lo, stream_hi,
                  GROUPS: tl.constexpr, ROUNDS: tl.constexpr, FAST: tl.constexpr):
     """Scores and token ids [GROUPS, 4] of tokens [start, start + 4 * GROUPS); tokens past the
-    vocabulary score -inf, NaN scores +inf. A random row scores logits * log2(e) / T plus
+    vocabulary score -inf. torch.argmax's order: NaN scores +inf and +inf the largest float,
+    so NaN beats +inf, which beats every finite score. A random row scores logits * log2(e) / T plus
     base-2 Gumbel noise: log2(e) times the natural-base score less a constant, same argmax."""
     tokens = start + tl.arange(0, GROUPS)[:, None] * 4 + tl.arange(0, 4)[None, :]
     x = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
     if noisy:
         groups = (start // 4 + tl.arange(0, GROUPS)).to(tl.uint32)
         x = x * scale + _gumbel2(seed, stream_lo, stream_hi, groups, ROUNDS, FAST)
+    x = tl.where(x == float("inf"), FLOAT32_MAX, x)
     return tl.where(x != x, float("inf"), x), tokens
 
 
