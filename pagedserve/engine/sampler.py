@@ -123,21 +123,27 @@ class SamplingMetadata:
 def philox_rows(requests: Sequence[Request]) -> Tensor:
     """The fused kernel's (seed, stream) per row, int64 [S, 2] on the host.
 
-    A seeded row: its own seed and the number of tokens it has generated, i.e. the index of
-    the token being drawn, so its draws depend on nothing else in the batch and repeat after
-    a preemption. Unseeded rows share one seed drawn per step from torch's default generator
+    A seeded row: its own seed and the index of the token being drawn, so its draws depend
+    on nothing else in the batch and repeat after a preemption. That index counts the tokens
+    generated and those still in flight before this one: the scheduler has already given
+    this step's token a placeholder (`request.py`), and with async scheduling the previous
+    step's token may not have arrived yet. Unseeded rows share one seed drawn per step from torch's default generator
     (torch.manual_seed makes a run repeatable, as on the torch path) and take distinct
     streams by row, in a stream range no seeded row reaches.
     """
     rows = torch.empty(len(requests), 2, dtype=torch.int64)
     rows[:, 0] = int(torch.randint(_SEED_MASK, (1,)))
     torch.arange(_UNSEEDED_STREAM, _UNSEEDED_STREAM + len(requests), out=rows[:, 1])
-    seeded = [(i, r.sampling_params.seed & _SEED_MASK, r.num_output_tokens)
+    seeded = [(i, r.sampling_params.seed & _SEED_MASK, _drawn_token_index(r))
               for i, r in enumerate(requests) if r.sampling_params.seed is not None]
     if seeded:
         index, seeds, streams = zip(*seeded)
         rows[list(index)] = torch.tensor([seeds, streams], dtype=torch.int64).T
     return rows
+
+
+def _drawn_token_index(request: Request) -> int:
+    return request.num_output_tokens + max(request.num_output_placeholders - 1, 0)
 
 
 def to_device(cpu: Tensor, device: torch.device) -> Tensor:
@@ -192,10 +198,15 @@ class Sampler:
         return SamplerOutput(tokens, logprobs)
 
     def _takes_fused_path(self, logits: Tensor, meta: SamplingMetadata) -> bool:
-        """Metadata built without the kernel's inputs (no philox) keeps to torch."""
+        """Metadata built without the kernel's inputs (no philox) keeps to torch; metadata
+        built with them holds generators for the torch-path rows only, so it needs the
+        kernel."""
         enabled = self.use_triton
         if enabled is None:
             enabled = fused_sample is not None and logits.is_cuda
+        if meta.philox is not None and not enabled:
+            raise ValueError("sampling metadata built for the fused kernel "
+                             "(from_requests(fused=True)) reached a sampler without it")
         return enabled and (meta.all_greedy or meta.philox is not None)
 
     def _sample_fused(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:

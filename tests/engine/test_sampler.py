@@ -9,7 +9,7 @@ import torch
 
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import (
-    Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p)
+    Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p, philox_rows)
 from pagedserve.engine.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -146,6 +146,63 @@ def test_sampling_follows_the_distribution():
     expected[:3] = (logits[0, :3] / 0.8).softmax(-1)
     assert counts[3:].sum() == 0
     torch.testing.assert_close(counts / 4000, expected, atol=0.03, rtol=0)
+
+
+CPU = torch.device("cpu")
+
+
+def test_cpu_metadata_has_no_fused_inputs():
+    requests = [make_request(0, temperature=1.0, seed=3), make_request(1, temperature=0.5)]
+    meta = SamplingMetadata.from_requests(requests, VOCAB, CPU)
+    assert meta.philox is None and meta.filtered_mask is None
+    assert set(meta.generators) == {0}  # every seeded random row draws from its generator
+
+
+def test_fused_metadata_marks_torch_rows_and_keeps_their_generators_only():
+    requests = [make_request(0, temperature=0.0),
+                make_request(1, temperature=1.0, seed=3),
+                make_request(2, temperature=1.0, seed=4, top_k=5),
+                make_request(3, temperature=0.7, top_p=0.9),
+                make_request(4, temperature=0.7, min_p=0.1, seed=8),
+                make_request(5, temperature=0.7)]
+    meta = SamplingMetadata.from_requests(requests, VOCAB, CPU, fused=True)
+    assert meta.filtered_mask.tolist() == [False, False, True, True, True, False]
+    assert set(meta.generators) == {2, 4}  # rows 1 and 5 take the kernel's Philox noise
+    assert meta.philox.shape == (6, 2)
+    plain = [make_request(i, temperature=1.0, seed=i) for i in range(2)]
+    assert SamplingMetadata.from_requests(plain, VOCAB, CPU, fused=True).filtered_mask is None
+    with pytest.raises(ValueError, match="fused kernel"):
+        Sampler(use_triton=False)(torch.zeros(6, VOCAB), meta)
+
+
+def test_philox_rows_seeded_by_request_unseeded_by_step():
+    requests = [make_request(0, temperature=1.0, seed=-1, output=(5, 6, 7)),
+                make_request(1, temperature=1.0),
+                make_request(2, temperature=0.0),
+                make_request(3, temperature=1.0, seed=2**63 + 9)]  # int64 keeps 63 bits
+    torch.manual_seed(0)
+    rows = philox_rows(requests)
+    assert rows[0].tolist() == [2**63 - 1, 3]  # seed -1 wraps; stream = index of the token
+    assert rows[3].tolist() == [9, 0]
+    unseeded = rows[[1, 2]]
+    assert unseeded[0, 0] == unseeded[1, 0]  # one seed per step ...
+    assert unseeded[:, 1].tolist() == [2**32 + 1, 2**32 + 2]  # ... and a stream per row
+    again = philox_rows(requests)
+    assert again[1, 0] != rows[1, 0] and torch.equal(again[[0, 3]], rows[[0, 3]])
+    torch.manual_seed(0)
+    assert torch.equal(philox_rows(requests), rows)
+
+
+def test_philox_stream_is_the_drawn_tokens_index_with_tokens_in_flight():
+    """Sync: this step's placeholder only. Async: the previous step's token is in flight
+    too, so one fewer token has arrived; the index of the token drawn is the same."""
+    request = make_request(0, temperature=1.0, seed=1, output=(5, 6, 7))
+    assert philox_rows([request])[0, 1] == 3
+    request.num_output_placeholders = 1
+    assert philox_rows([request])[0, 1] == 3
+    lagging = make_request(1, temperature=1.0, seed=1, output=(5, 6))
+    lagging.num_output_placeholders = 2
+    assert philox_rows([lagging])[0, 1] == 3
 
 
 @pytest.mark.parametrize("bad", [
