@@ -165,12 +165,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_rows: int, vocab: int, device: torch.device,
+def choose_num_splits(num_rows: int, vocab: int, num_sms: int,
                       config: SamplingKernelConfig = DEFAULT_CONFIG) -> int:
     """Split rows only while there are fewer programs than the GPU wants; never more splits
     than tiles, so each split holds at least one whole tile."""
     tiles = triton.cdiv(vocab, config.block)
-    wanted = triton.cdiv(config.programs_per_sm * _sm_count(device), max(num_rows, 1))
+    wanted = triton.cdiv(config.programs_per_sm * num_sms, max(num_rows, 1))
     return max(1, min(tiles, wanted))
 
 
@@ -193,7 +193,7 @@ def fused_sample(logits: Tensor, temperature: Tensor | None, greedy_mask: Tensor
     if num_rows == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(num_rows, vocab, logits.device, config)
+        num_splits = choose_num_splits(num_rows, vocab, _sm_count(logits.device), config)
     tiles_per_split = triton.cdiv(triton.cdiv(vocab, config.block), num_splits)
     split_len = tiles_per_split * config.block
     num_splits = triton.cdiv(vocab, split_len)  # no empty split

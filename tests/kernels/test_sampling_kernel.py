@@ -14,7 +14,8 @@ import torch
 
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, apply_penalties
-from pagedserve.engine.sampling_kernel import SamplingKernelConfig, fused_sample
+from pagedserve.engine.sampling_kernel import (SamplingKernelConfig, choose_num_splits,
+                                               fused_sample)
 from pagedserve.engine.sampling_params import SamplingParams
 
 SMALL = SamplingKernelConfig(block=16)
@@ -221,6 +222,14 @@ def test_draws_do_not_depend_on_tiles_or_splits():
     results = [fused_sample(logits, *batch, config, splits) for config, splits in TILINGS]
     for result in results[1:]:
         assert torch.equal(result, results[0]), f"seed {seed}"
+
+
+def test_rows_split_until_the_gpu_is_full_but_never_below_a_tile():
+    vocab = 151936  # 75 tiles of 2048
+    assert choose_num_splits(256, vocab, num_sms=132) == 3  # 768 programs for 528 wanted
+    assert choose_num_splits(1024, vocab, num_sms=132) == 1
+    assert choose_num_splits(1, vocab, num_sms=132) == 75  # one tile each
+    assert choose_num_splits(8, 100, num_sms=132) == 1
 
 
 def test_rejects_partial_row_parameters():
