@@ -1,12 +1,13 @@
 """Paged attention kernels on a CUDA GPU: correctness in bf16/fp16, then timings.
 
-    PYTHONPATH=. python benchmarks/kernels.py --out DIR [--sweep]
+    PYTHONPATH=. python benchmarks/kernels.py --out DIR [--sweep v1 v2]
+                                              [--only decode prefill cache]
 
 Measures, in one run: device-to-device copy bandwidth (the ceiling), paged decode v1 / v2 /
 dispatch against torch SDPA on contiguous K/V and the naive paged path (gather + SDPA) at
 Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, block 16),
 v1 vs v2 by context length, paged prefill against SDPA's flash path on causal shapes, and
-copy_blocks / swap_blocks bandwidth. --sweep also times decode launch configurations. Writes
+copy_blocks / swap_blocks bandwidth. --sweep also times v1's / v2's launch configurations. Writes
 DIR/kernels.json (docs/results format) and DIR/kernels_raw.json; prints tables.
 """
 
@@ -29,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, paged_decode,
                                           paged_decode_v1, paged_decode_v2, paged_prefill,
-                                          use_v2)
+                                          store_kv, use_v2)
 from pagedserve.attention.torch_ref import TorchRefBackend
 from pagedserve.attention.triton_backend import TritonBackend
 from tests.attention.paged_case import make_case
@@ -39,6 +40,7 @@ DECODE_SHAPES = [(1, 1024), (1, 8192), (1, 32768), (16, 2048), (64, 1024), (64, 
                  (256, 1024), (32, 16384)]
 ROTATE_BYTES = 256 * 2**20  # 5x the H100's 50 MB L2
 PREFILL_SHAPES = [(1, 1024), (1, 4096), (4, 2048), (1, 8192), (8, 1024)]
+PARTS = ["decode", "prefill", "cache"]
 
 
 def bench_us(fn) -> float:
@@ -109,6 +111,7 @@ def check_correctness() -> list[dict]:
                "rel_err_v2_vs_dense": rel(v2, expected[:4]),
                "nan": bool(out.isnan().any() or v2.isnan().any())}
         rows.append(row)
+    rows.append(v2_graph_replays())
     worst = max(max(r["rel_err_vs_dense"], r["rel_err_v2_vs_dense"]) for r in rows)
     ok = worst < 1e-2 and not any(r["nan"] for r in rows)
     log(f"correctness: {len(rows)} cases, worst rel err {worst:.2e}, {'OK' if ok else 'FAIL'}")
@@ -116,6 +119,38 @@ def check_correctness() -> list[dict]:
         for r in rows:
             log(r)
     return rows
+
+
+def v2_graph_replays(replays: int = 4) -> dict:
+    """v2 captured in a CUDA graph as the engine runs it (grid sized for a longer context than
+    any sequence), replayed into NaN-poisoned outputs: every replay must match, which needs
+    the arrival counters left zero by the launch before; then one eager call after them."""
+    seed = torch.seed() % 2**31
+    case = make_case([(9000, 1), (300, 1), (16, 1), (4000, 1)], HQ, HKV, D, BS, dtype=DTYPE,
+                     seed=seed, device="cuda")
+    m = case.meta
+    store_kv(case.k, case.v, case.k_cache, case.v_cache, m.slot_mapping)
+    out = torch.full_like(case.q, float("nan"))
+    run = lambda: paged_decode_v2(case.q, case.k_cache, case.v_cache,  # noqa: E731
+                                  m.block_tables, m.seq_lens, 16384, case.scale, out,
+                                  DecodeConfig(partition=512))
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    expected = case.expected.cuda()
+    errs = []
+    for _ in range(replays):
+        out.fill_(float("nan"))
+        graph.replay()
+        errs.append(float((out.double() - expected).norm() / expected.norm()))
+    out.fill_(float("nan"))
+    run()
+    errs.append(float((out.double() - expected).norm() / expected.norm()))
+    return {"dtype": str(DTYPE), "hq": HQ, "hkv": HKV, "head_dim": D, "block_size": BS,
+            "seed": seed, "case": f"v2 in a CUDA graph, {replays} replays then eager",
+            "rel_err_vs_dense": max(errs), "rel_err_vs_torch_ref": None,
+            "rel_err_v2_vs_dense": max(errs), "nan": bool(math.isnan(sum(errs)))}
 
 
 # ---------------------------------------------------------------- ceilings
@@ -380,7 +415,10 @@ def cache_ops(copy_bw: float) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--sweep", action="store_true", help="also time decode launch configs")
+    parser.add_argument("--sweep", nargs="+", choices=["v1", "v2"], default=[],
+                        help="also time these decode kernels' launch configs")
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=PARTS,
+                        help="measure these parts only (correctness and copy bw always run)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     device = f"{props.name}, torch {torch.__version__}, triton {triton.__version__}"
@@ -392,23 +430,31 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     raw["copy_bw_bytes_per_s"] = copy_bw
     cfg = DecodeConfig()
-    if args.sweep:
+    if "v1" in args.sweep:
         cfgs = [replace(cfg, block_n=bn, num_warps=w, num_stages=st)
                 for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
         best = sweep_decode(cfgs, [(64, 4096), (256, 1024), (32, 16384), (16, 2048)], "v1")
         raw["sweep_v1"] = {f"{k}": (us, asdict(c)) for k, (us, c) in best.items()}
-        v2cfgs = [replace(cfg, partition=p, block_n=bn, num_stages=st)
-                  for p in (256, 512, 1024) for bn in (32, 64) for st in (2, 3)]
-        best2 = sweep_decode(v2cfgs, [(1, 32768), (1, 8192), (16, 2048)], "v2")
+    if "v2" in args.sweep:
+        v2cfgs = [replace(cfg, partition=p, block_n=bn, num_warps=w, num_stages=st)
+                  for p in (256, 512, 1024, 2048)
+                  for bn, w, st in ((64, 4, 3), (64, 4, 2), (32, 4, 3), (64, 8, 3),
+                                    (128, 8, 3), (128, 4, 2))]
+        best2 = sweep_decode(v2cfgs, [(1, 32768), (1, 8192), (4, 32768), (16, 2048)], "v2")
         raw["sweep_v2"] = {f"{k}": (us, asdict(c)) for k, (us, c) in best2.items()}
-    rows = decode_table(cfg, copy_bw, num_sms)
-    raw["v1_vs_v2"] = v1_vs_v2(copy_bw, [256, 512, 1024], num_sms)
-    prefill_cfgs = [PrefillConfig(), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2),
-                    PrefillConfig(64, 64, 4, 4), PrefillConfig(64, 64, 8, 3),
-                    PrefillConfig(64, 32, 4, 3)]
-    prefill_rows, best_prefill = prefill_table(prefill_cfgs)
-    raw["best_prefill_config"] = asdict(best_prefill)
-    rows += prefill_rows + cache_ops(copy_bw)
+    rows = []
+    if "decode" in args.only:
+        rows += decode_table(cfg, copy_bw, num_sms)
+        raw["v1_vs_v2"] = v1_vs_v2(copy_bw, [256, 512, 1024, 2048], num_sms)
+    if "prefill" in args.only:
+        prefill_cfgs = [PrefillConfig(), PrefillConfig(128, 64, 8, 3),
+                        PrefillConfig(128, 128, 8, 2), PrefillConfig(64, 64, 4, 4),
+                        PrefillConfig(64, 64, 8, 3), PrefillConfig(64, 32, 4, 3)]
+        prefill_rows, best_prefill = prefill_table(prefill_cfgs)
+        raw["best_prefill_config"] = asdict(best_prefill)
+        rows += prefill_rows
+    if "cache" in args.only:
+        rows += cache_ops(copy_bw)
     for r in rows:
         r.update(device=device, date=date, decode_config=asdict(cfg))
     raw["rows"] = rows

@@ -9,7 +9,7 @@ write a partial (max, sum-exp, unnormalized output) per query head; the partials
 rescaling with exp(max_p - max). It wins when (sequences x KV heads) is too small to fill the
 GPU's SMs: long contexts at small batch. The merge runs in the same launch: each program
 bumps an arrival counter for its (sequence, KV head) and the last to arrive merges, so no
-second launch waits for the whole grid to drain (at batch 1 that wait was ~15% of the time).
+second launch waits for the whole grid to drain (H100, batch 1 x 32k: 58.5 -> 55.2 us).
 """
 
 from __future__ import annotations
@@ -227,7 +227,10 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     return out
 
 
-MERGE_ROWS = 32  # partial rows (query heads x partitions) a merge step loads at once
+# Partial rows (query heads x partitions) one merge step loads: each step is a round trip to
+# L2 at the end of the grid (H100, batch 1 x 32k at 512-token partitions: 32 rows took
+# ~1 us more than 64); 64 adds no registers to the 4-warp kernel.
+MERGE_ROWS = 64
 
 _ARRIVALS: dict[torch.device, list[Tensor]] = {}
 
@@ -255,7 +258,7 @@ def use_v2(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> 
     """Split over partitions when v1's (sequence, KV head) programs make less than two waves
     on the SMs and there are at least two partitions to split into. Measured on the H100
     (docs/benchmarks.md): v2 wins by up to 13x at batch 1, ties at ~2 waves, and loses
-    1-3% (the reduce pass, the partials' traffic) beyond."""
+    1-4% (the merge, the partials' traffic) beyond."""
     return num_seqs * num_kv_heads < 2 * num_sms and max_seq_len > 2 * PARTITIONS[-1]
 
 
