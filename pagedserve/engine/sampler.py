@@ -127,13 +127,13 @@ def philox_rows(requests: Sequence[Request]) -> Tensor:
     on nothing else in the batch and repeat after a preemption. That index counts the tokens
     generated and those still in flight before this one: the scheduler has already given
     this step's token a placeholder (`request.py`), and with async scheduling the previous
-    step's token may not have arrived yet. Unseeded rows share one seed drawn per step from torch's default generator
-    (torch.manual_seed makes a run repeatable, as on the torch path) and take distinct
-    streams by row, in a stream range no seeded row reaches.
+    step's token may not have arrived yet. Unseeded rows share one seed drawn per step from
+    torch's default generator (torch.manual_seed makes a run repeatable, as on the torch
+    path) and take distinct streams by row, in a stream range no seeded row reaches.
     """
     rows = torch.empty(len(requests), 2, dtype=torch.int64)
     rows[:, 0] = int(torch.randint(_SEED_MASK, (1,)))
-    torch.arange(_UNSEEDED_STREAM, _UNSEEDED_STREAM + len(requests), out=rows[:, 1])
+    rows[:, 1] = torch.arange(_UNSEEDED_STREAM, _UNSEEDED_STREAM + len(requests))
     seeded = [(i, r.sampling_params.seed & _SEED_MASK, _drawn_token_index(r))
               for i, r in enumerate(requests) if r.sampling_params.seed is not None]
     if seeded:
