@@ -17,25 +17,33 @@ per device type and path, not across them. The CPU always takes the torch path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import Tensor
 
 from pagedserve.engine.request import Request
 
-try:
-    from pagedserve.engine.sampling_kernel import fused_sample
-except ImportError:  # no Triton: the torch path serves every row
-    fused_sample = None
-
 _SEED_MASK = 2**63 - 1  # Philox takes a 64-bit key; int64 holds the low 63 bits of any seed
 _UNSEEDED_STREAM = 2**32  # unseeded rows' streams: a Philox counter word seeded rows never use
 
 
+@cache
+def _fused_sample() -> Callable[..., Tensor] | None:
+    """The kernel entry, imported on first need: a CPU run never pays for Triton, and the
+    interpreter tests can set TRITON_INTERPRET before the kernels are jitted. None without
+    Triton: the torch path then serves every row."""
+    try:
+        from pagedserve.engine.sampling_kernel import fused_sample
+    except ImportError:
+        return None
+    return fused_sample
+
+
 def fused_sampling_available(device: torch.device) -> bool:
-    return fused_sample is not None and device.type == "cuda"
+    return device.type == "cuda" and _fused_sample() is not None
 
 
 @dataclass
@@ -180,7 +188,7 @@ class Sampler:
     def __init__(self, use_triton: bool | None = None) -> None:
         """use_triton: None picks the fused kernel for CUDA logits when Triton imports;
         True forces it (CPU logits need TRITON_INTERPRET=1); False keeps to torch."""
-        if use_triton and fused_sample is None:
+        if use_triton and _fused_sample() is None:
             raise ValueError("use_triton=True needs Triton, which did not import")
         self.use_triton = use_triton
 
@@ -203,14 +211,14 @@ class Sampler:
         kernel."""
         enabled = self.use_triton
         if enabled is None:
-            enabled = fused_sample is not None and logits.is_cuda
+            enabled = fused_sampling_available(logits.device)
         if meta.philox is not None and not enabled:
             raise ValueError("sampling metadata built for the fused kernel "
                              "(from_requests(fused=True)) reached a sampler without it")
         return enabled and (meta.all_greedy or meta.philox is not None)
 
     def _sample_fused(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        tokens = fused_sample(logits, meta.temperature, meta.greedy_mask, meta.philox)
+        tokens = _fused_sample()(logits, meta.temperature, meta.greedy_mask, meta.philox)
         if meta.filtered_mask is not None:
             tokens = torch.where(meta.filtered_mask, self._sample_random(logits.float(), meta),
                                  tokens)
