@@ -307,3 +307,24 @@ def test_fused_sampler_unseeded_rows_follow_torch_manual_seed():
     assert fused_step(requests, logits).sampled_token_ids.tolist() == first
     assert second != first  # a fresh step seed per step
     assert len(set(first + second)) > 2  # rows of one step draw independently
+
+
+def test_fused_sampler_hands_the_kernel_model_dtype_logits_unless_float32_is_needed(
+        monkeypatch):
+    """The point of the kernel is one read of the bf16 logits: no float32 copy first, unless
+    logprobs or penalties need one."""
+    from pagedserve.engine import sampler as sampler_module
+
+    kernel, seen = sampler_module._fused_sample(), []
+
+    def recording_kernel(logits, *args):
+        seen.append(logits.dtype)
+        return kernel(logits, *args)
+
+    monkeypatch.setattr(sampler_module, "_fused_sample", lambda: recording_kernel)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(6)).bfloat16()
+    fused_step([make_request(0, temperature=0.8), make_request(1, temperature=0.0)], logits)
+    fused_step([make_request(0, temperature=0.8, logprobs=1)], logits[:1])
+    fused_step([make_request(0, temperature=0.8, presence_penalty=0.5, output=(3,))],
+               logits[:1])
+    assert seen == [torch.bfloat16, torch.float32, torch.float32]
