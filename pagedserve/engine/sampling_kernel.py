@@ -47,6 +47,10 @@ class SamplingKernelConfig:
     programs_per_sm: int = 4  # splits rows until about this many programs per SM run
     philox_rounds: int = 10  # Philox4x32-10, the standard strength
 
+    def __post_init__(self) -> None:
+        if self.block < 4 or self.block & (self.block - 1):
+            raise ValueError(f"block must be a power of two >= 4, got {self.block}")
+
 
 DEFAULT_CONFIG = SamplingKernelConfig()
 

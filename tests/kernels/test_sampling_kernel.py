@@ -232,10 +232,13 @@ def test_rows_split_until_the_gpu_is_full_but_never_below_a_tile():
     assert choose_num_splits(8, 100, num_sms=132) == 1
 
 
-def test_rejects_partial_row_parameters():
+def test_rejects_partial_row_parameters_and_bad_tiles():
     temperature, greedy, philox = random_batch([1.0], [(0, 0)])
     with pytest.raises(ValueError, match="together"):
         fused_sample(torch.zeros(1, 8), temperature, greedy, None)
+    for block in (2, 48):
+        with pytest.raises(ValueError, match="power of two"):
+            SamplingKernelConfig(block=block)
 
 
 # -- the Sampler on its fused path -----------------------------------------------------------
