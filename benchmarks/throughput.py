@@ -12,10 +12,13 @@ Workloads (random prompt token ids, `ignore_eos`, temperature 0.6, seed 0):
   profile  torch.profiler over 10 decode steps at batch 256: GPU time per kernel family
 
 Every run records the step-time breakdown (scheduler, input preparation, forward + sampling
-+ the wait for the sampled tokens, output processing) from wrappers around the engine's
-methods. The roofline is the bytes a decode step must read (weights once, every active
-request's KV) summed over the workload, over the device-to-device copy bandwidth measured
-in the same run.
+launch, the wait for the sampled tokens, output processing) from wrappers around the engine's
+methods, and how much of it the GPU overlaps: CUDA events around each launched step give the
+GPU's time per step and its idle gaps between steps (with async scheduling, on by default on
+CUDA, the CPU prepares step N+1 while the GPU runs step N, so the gaps should vanish).
+--compare-sync reruns workload A with async scheduling off. The roofline is the bytes a
+decode step must read (weights once, every active request's KV) summed over the workload,
+over the device-to-device copy bandwidth measured in the same run.
 
     python benchmarks/throughput.py --config benchmarks/configs/qwen3-0.6b.json \
         --workloads A,B,prefix,preempt,profile --peer --out docs/results/throughput.json
@@ -65,15 +68,24 @@ def prefix_prompts(seed: int = 1, vocab: int = 10_000) -> list[list[int]]:
 
 
 class StepTimer:
-    """Per-step wall times of the engine's parts, by wrapping its methods (no syncs added)."""
+    """Per-step wall times of the engine's parts, by wrapping its methods (no syncs added).
+
+    One engine step schedules and launches a model step, then waits for the tokens of the
+    step it completes (with async scheduling the one launched by the previous call) and
+    processes them; the parts of a call sum to its wall time. CUDA events recorded around
+    each launch time the GPU's side without a sync: from the start event to the end event
+    is the step's GPU time, from one step's end event to the next one's start event is time
+    the GPU had nothing queued (a start event completes only once all earlier work is done).
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[dict] = []
         self._current: dict = {}
         runner, scheduler = engine.model_runner, engine.scheduler
         self._wrapped = [(scheduler, "schedule"), (runner, "prepare_inputs"),
-                         (runner, "execute_model"), (engine, "step")]
-        for (obj, name), key in zip(self._wrapped, ("schedule", "prepare", "execute", "step")):
+                         (runner, "execute_model"), (engine, "_complete"), (engine, "step")]
+        keys = ("schedule", "prepare", "execute", "complete", "step")
+        for (obj, name), key in zip(self._wrapped, keys):
             self._wrap(obj, name, key)
 
     def restore(self) -> None:
@@ -87,17 +99,53 @@ class StepTimer:
         def timed(*args, **kwargs):
             if key == "step":
                 self._current = {}
+            if key == "execute" and torch.cuda.is_available():
+                self._current["gpu_start"] = _timing_event()
             t0 = time.perf_counter()
             result = inner(*args, **kwargs)
-            self._current[key] = time.perf_counter() - t0
+            self._current[key] = self._current.get(key, 0.0) + time.perf_counter() - t0
             if key == "schedule":
                 self._current["batch"] = len(result.scheduled)
                 self._current["decodes"] = result.num_decodes
-            if key == "step" and "execute" in self._current:
+            if key == "execute":
+                if "gpu_start" in self._current:
+                    self._current["gpu_end"] = _timing_event()
+                self._wrap_wait(result)
+            if key == "step" and ("execute" in self._current or "complete" in self._current):
                 self.steps.append(self._current)
             return result
 
         setattr(obj, name, timed)
+
+    def _wrap_wait(self, pending) -> None:
+        """Time the wait for the tokens, whichever later engine step it happens in."""
+        wait = pending.result
+
+        def timed_wait():
+            t0 = time.perf_counter()
+            result = wait()
+            self._current["wait"] = self._current.get("wait", 0.0) + time.perf_counter() - t0
+            return result
+
+        pending.result = timed_wait
+
+    def gpu_times(self, steps: list[dict]) -> tuple[float, float] | None:
+        """Mean GPU ms per launched step and mean idle ms before it (call after a sync)."""
+        launched = [s for s in self.steps if "gpu_end" in s]
+        if not launched:
+            return None
+        busy, idle = [], []
+        previous_end = None
+        wanted = {id(s) for s in steps}
+        for s in launched:
+            if id(s) in wanted:
+                busy.append(s["gpu_start"].elapsed_time(s["gpu_end"]))
+                if previous_end is not None:
+                    idle.append(max(0.0, previous_end.elapsed_time(s["gpu_start"])))
+            previous_end = s["gpu_end"]
+        if not busy:
+            return None
+        return statistics.mean(busy), statistics.mean(idle) if idle else 0.0
 
     def summary(self, batch: int | None = None) -> dict:
         """Mean ms per part over all steps, and over pure-decode steps at `batch` if given."""
@@ -105,18 +153,33 @@ class StepTimer:
             return round(1e3 * statistics.mean(s.get(key, 0.0) for s in steps), 3)
 
         def parts(steps):
-            out = {k: mean_ms(steps, k) for k in ("schedule", "prepare", "execute", "step")}
-            out["forward_sample_wait"] = round(out["execute"] - out["prepare"], 3)
-            out["output_processing"] = round(out["step"] - out["schedule"] - out["execute"], 3)
+            out = {k: mean_ms(steps, k)
+                   for k in ("schedule", "prepare", "execute", "wait", "complete", "step")}
+            out["launch"] = round(out.pop("execute") - out["prepare"], 3)
+            out["forward_sample_wait"] = round(out["launch"] + out["wait"], 3)
+            out["output_processing"] = round(out.pop("complete") - out["wait"], 3)
+            out["cpu"] = round(out["schedule"] + out["prepare"] + out["launch"]
+                               + out["output_processing"], 3)
+            gpu = self.gpu_times(steps)
+            if gpu is not None:
+                out["gpu_step"], out["gpu_idle_before_step"] = (round(t, 3) for t in gpu)
+                out["gpu_busy_fraction"] = round(gpu[0] / (gpu[0] + gpu[1]), 3)
             out["steps"] = len(steps)
             return out
 
         result = {"all_steps": parts(self.steps)}
         if batch is not None:
-            at = [s for s in self.steps if s["batch"] == batch and s["decodes"] == batch]
+            at = [s for s in self.steps if s.get("batch") == batch
+                  and s.get("decodes") == batch]
             if at:
                 result[f"decode_batch_{batch}"] = parts(at)
         return result
+
+
+def _timing_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def run_pagedserve(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int],
@@ -138,6 +201,7 @@ def run_pagedserve(engine: LLMEngine, prompts: list[list[int]], out_lens: list[i
             "ttft_mean_s": round(statistics.mean(ttft), 3),
             "ttft_p50_s": round(statistics.median(ttft), 3),
             "preemptions": engine.scheduler.num_preemptions,
+            "async_scheduling": engine.async_scheduling,
             "step_ms": timer.summary(breakdown_batch)}
 
 
@@ -365,6 +429,8 @@ def main() -> None:
                         help="seconds after submission at which an unfinished peer run is "
                              "recorded as partial")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="also run workload A with async scheduling off")
     parser.add_argument("--preempt-kv-gib", type=float, default=8.0,
                         help="KV budget of the preemption runs")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
@@ -420,6 +486,11 @@ def main() -> None:
                          kv_cache_gib=args.preempt_kv_gib)
             del engine
             release()
+    if "A" in workloads and args.compare_sync:
+        engine = bench.engine(async_scheduling=False)
+        bench.record("A", "pagedserve", run_pagedserve(engine, prompts, out_lens))
+        del engine
+        release()
     if "B" in workloads and args.peer:
         peer = run_transformers(model_dir, prompts, 512, args.peer_deadline)
         bench.record("B", "transformers", peer)
