@@ -51,6 +51,7 @@ class _ChildState:
     logprobs: SampleLogprobs | None
     cumulative_logprob: float | None
     num_reported_tokens: int = 0
+    final_only: bool = False  # its parent is reported only once finished
     detokenize_at_end: bool = False  # final-only and no stop strings: text decoded once
 
 
@@ -178,6 +179,7 @@ class LLMEngine:
             request = Request(child_id, token_ids, child_params, max_tokens,
                               self.eos_token_ids, arrival, cache_salt=cache_salt)
             child = self._child_state(request, index, request_id)
+            child.final_only = final_only
             child.detokenize_at_end = final_only and not params.stop_strings
             parent.children.append(child)
         taken = [c.request.request_id for c in parent.children
@@ -274,15 +276,19 @@ class LLMEngine:
         """Wait for a step's tokens, hand them to the scheduler, build the outputs."""
         outputs = []
         runner_output = pending.result()
-        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-        progressed = self.scheduler.update_from_output(scheduler_output, sampled)
-        rows = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
-        touched: dict[str, None] = {}  # ordered set of parent ids
+        req_ids = runner_output.req_ids
+        progressed = self.scheduler.update_from_output(
+            scheduler_output, dict(zip(req_ids, runner_output.sampled_token_ids)))
+        rows = (dict(zip(req_ids, range(len(req_ids))))
+                if runner_output.logprobs is not None else {})
+        self.generation_tokens_total += len(progressed)
+        touched: dict[str, None] = {}  # ordered set of the parent ids to report
         now = time.time()
         for request in progressed:
             child = self._children[request.request_id]
-            self._process_token(child, runner_output, rows[request.request_id], now)
-            touched[child.parent_id] = None
+            self._process_token(child, runner_output, rows, now)
+            if not child.final_only or request.is_finished:
+                touched[child.parent_id] = None
         for parent_id in touched:
             parent = self._parents[parent_id]
             if parent.final_only and not parent.finished:
@@ -292,16 +298,17 @@ class LLMEngine:
                 self._drop(parent)
         return outputs
 
-    def _process_token(self, child: _ChildState, runner_output: ModelRunnerOutput, row: int,
-                       now: float) -> None:
+    def _process_token(self, child: _ChildState, runner_output: ModelRunnerOutput,
+                       rows: dict[str, int], now: float) -> None:
+        """Per token per request: logprobs, text, stop strings. `rows`: the runner output's
+        row of each request, built only when the step returned logprobs."""
         request = child.request
         token = request.output_token_ids[-1]
-        self.generation_tokens_total += 1
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
             self.prompt_tokens_total += request.num_prompt_tokens
         if child.logprobs is not None:
-            self._append_logprobs(child, runner_output, row, token)
+            self._append_logprobs(child, runner_output, rows[request.request_id], token)
         if child.detokenize_at_end:
             if request.is_finished:
                 child.detokenizer.update_at_once(request.output_token_ids)

@@ -248,7 +248,7 @@ class ModelRunner:
         positions[:num_tokens] = (np.arange(num_tokens) - query_start_loc[req_index]
                                   + num_computed[req_index])
         positions[num_tokens:] = 0
-        num_known = np.fromiter((r.num_tokens for r in requests), dtype=np.int64,
+        num_known = np.fromiter((len(r.all_token_ids) for r in requests), dtype=np.int64,
                                 count=num_seqs)
         # a chunk that ends past the known tokens ends on a placeholder (only ever one)
         placeholders = np.flatnonzero(seq_lens > num_known)

@@ -44,6 +44,8 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
@@ -107,7 +109,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= _FIRST_FINISHED  # read per request per step: no enum property
 
     @property
     def finish_reason(self) -> FinishReason | None:

@@ -102,10 +102,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             index += 1
-            if request.num_output_placeholders and self._ends_in_flight(request):
+            num_pending = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids)  # known tokens
+            if num_pending and self._ends_in_flight(request, num_tokens, num_pending):
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders
-                          - request.num_computed_tokens, budget)
+            num_new = min(num_tokens + num_pending - request.num_computed_tokens, budget)
             if not self._holds_its_slot(request, num_new) and not self._allocate_or_preempt(
                     request, num_new, preempted):
                 break
@@ -118,11 +119,10 @@ class Scheduler:
         self._step_output = None
         return out
 
-    def _ends_in_flight(self, request: Request) -> bool:
+    def _ends_in_flight(self, request: Request, num_tokens: int, num_pending: int) -> bool:
         """Its tokens in flight take it to max_tokens or max_model_len: no step can use it."""
-        pending = request.num_output_placeholders
-        return (request.num_output_tokens + pending >= request.max_tokens
-                or request.num_tokens + pending >= self.max_model_len)
+        return (len(request.output_token_ids) + num_pending >= request.max_tokens
+                or num_tokens + num_pending >= self.max_model_len)
 
     @staticmethod
     def _advance(out: SchedulerOutput) -> None:
@@ -133,7 +133,7 @@ class Scheduler:
             start = request.num_computed_tokens
             computed.append(start)
             end = request.num_computed_tokens = start + num_new
-            sample = end == request.num_tokens + request.num_output_placeholders
+            sample = end == len(request.all_token_ids) + request.num_output_placeholders
             if sample:
                 request.num_output_placeholders += 1
             samples.append(sample)
@@ -228,16 +228,17 @@ class Scheduler:
         Returns the requests that received a token this step.
         """
         progressed = []
+        block_size, max_model_len = self.block_size, self.max_model_len
         for (request, _), sample in zip(output.scheduled, output.samples):
             if not sample or request.is_finished:
                 continue
             request.num_output_placeholders -= 1
             request.append_output_token(sampled[request.request_id])
             progressed.append(request)
-            if request.check_stop(self.max_model_len):
+            num_tokens = len(request.all_token_ids)
+            if request.check_stop(max_model_len):
                 self._finish(request)
-            elif (request.num_tokens % self.block_size == 0
-                  and request.num_computed_tokens >= request.num_tokens
+            elif (num_tokens % block_size == 0 and request.num_computed_tokens >= num_tokens
                   and request.status == RequestStatus.RUNNING):
                 # the token completes a block that a step already in flight computes: it
                 # could not be cached at scheduling, as its last token was unknown
