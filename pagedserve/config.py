@@ -60,6 +60,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError("async_scheduling must be True, False or None (auto), "
+                             f"got {self.async_scheduling!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

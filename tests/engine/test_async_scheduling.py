@@ -252,3 +252,11 @@ def test_scheduler_places_tokens_in_flight_and_caches_blocks_once_known():
     assert request.output_token_ids == [9, 4] and request.num_output_placeholders == 0
     scheduler.finish_requests("r", request.status.FINISHED_ABORTED)
     assert manager.get_num_free_blocks() == 15
+
+
+def test_async_scheduling_defaults_off_on_the_cpu_and_is_validated(loaded):
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32",
+                                    kv_cache_memory=1 << 20), loaded)
+    assert EngineConfig().async_scheduling is None and engine.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling="yes")
