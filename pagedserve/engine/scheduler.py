@@ -242,7 +242,7 @@ class Scheduler:
                   and request.status == RequestStatus.RUNNING):
                 # the token completes a block that a step already in flight computes: it
                 # could not be cached at scheduling, as its last token was unknown
-                self.kv_cache_manager.cache_blocks(request, request.num_tokens)
+                self.kv_cache_manager.cache_blocks(request, num_tokens)
         return progressed
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
