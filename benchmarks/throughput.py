@@ -16,7 +16,9 @@ launch, the wait for the sampled tokens, output processing) from wrappers around
 methods, and how much of it the GPU overlaps: CUDA events around each launched step give the
 GPU's time per step and its idle gaps between steps (with async scheduling, on by default on
 CUDA, the CPU prepares step N+1 while the GPU runs step N, so the gaps should vanish).
---compare-sync reruns workload A with async scheduling off. The roofline is the bytes a
+--sync runs every engine with async scheduling off (run it as a second process for the
+comparison: a second engine in one process would size its KV cache from what the first one
+left free). The roofline is the bytes a
 decode step must read (weights once, every active request's KV) summed over the workload,
 over the device-to-device copy bandwidth measured in the same run.
 
@@ -389,7 +391,8 @@ class Bench:
 
     def engine(self, **options) -> LLMEngine:
         opts = dict(model=self.model_dir, max_model_len=4096, max_num_seqs=256,
-                    max_num_batched_tokens=16384, enforce_eager=self.args.eager)
+                    max_num_batched_tokens=16384, enforce_eager=self.args.eager,
+                    async_scheduling=False if self.args.sync else None)
         opts.update(options)
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(**opts), self.loaded)
@@ -413,8 +416,12 @@ class Bench:
             self.args.extra_out.write_text(json.dumps(self.extra, indent=1) + "\n")
 
 
-def release() -> None:
-    """Return the memory of engines the caller has dropped (KV cache, graph pools)."""
+def release(loaded: LoadedModel) -> None:
+    """Return the memory of engines the caller has dropped (KV cache, graph pools). The shared
+    model's attention layers still point at the last engine's KV cache: unbind it first, or
+    the next engine sizes its cache from what is left (and preempts all the time)."""
+    for attention in loaded.model.attention_layers():
+        attention.k_cache = attention.v_cache = torch.empty(0)
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -429,8 +436,8 @@ def main() -> None:
                         help="seconds after submission at which an unfinished peer run is "
                              "recorded as partial")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--compare-sync", action="store_true",
-                        help="also run workload A with async scheduling off")
+    parser.add_argument("--sync", action="store_true",
+                        help="async scheduling off for every engine of the run")
     parser.add_argument("--preempt-kv-gib", type=float, default=8.0,
                         help="KV budget of the preemption runs")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
@@ -474,7 +481,7 @@ def main() -> None:
                          run_pagedserve(engine, p, [128] * NUM_REQUESTS), prefix_caching=caching)
         engine.kv_cache_manager.enable_caching = True
     del engine
-    release()
+    release(bench.loaded)
     if "preempt" in workloads:
         for mode in ("recompute", "swap"):
             engine = bench.engine(kv_cache_memory=int(args.preempt_kv_gib * (1 << 30)),
@@ -485,12 +492,7 @@ def main() -> None:
             bench.record("A-preempt", "pagedserve", result, preemption_mode=mode,
                          kv_cache_gib=args.preempt_kv_gib)
             del engine
-            release()
-    if "A" in workloads and args.compare_sync:
-        engine = bench.engine(async_scheduling=False)
-        bench.record("A", "pagedserve", run_pagedserve(engine, prompts, out_lens))
-        del engine
-        release()
+            release(bench.loaded)
     if "B" in workloads and args.peer:
         peer = run_transformers(model_dir, prompts, 512, args.peer_deadline)
         bench.record("B", "transformers", peer)
