@@ -109,7 +109,9 @@ def _best_of(scores, tokens):
     return best, tl.min(tl.where(scores == best, tokens, _TOKEN_SENTINEL))
 
 
-@triton.jit
+# Arguments that change with the batch are not specialised on (Triton would otherwise compile
+# a variant per divisibility class of each value, seconds of JIT in the middle of a run).
+@triton.jit(do_not_specialize=["split_len"])
 def _sample_split_kernel(logits_ptr, stride_row, vocab, split_len, temperature_ptr, greedy_ptr,
                          philox_ptr, part_score_ptr, part_token_ptr,
                          ALL_GREEDY: tl.constexpr, GROUPS: tl.constexpr, ROUNDS: tl.constexpr,
@@ -145,7 +147,7 @@ def _sample_split_kernel(logits_ptr, stride_row, vocab, split_len, temperature_p
     tl.store(part_token_ptr + row * num_splits + split, token)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(part_score_ptr, part_token_ptr, out_ptr, num_splits,
                           SPLITS: tl.constexpr):
     """One program per row: the winner among its splits (ordered by token id)."""
@@ -210,6 +212,9 @@ def fused_sample(logits: Tensor, temperature: Tensor | None, greedy_mask: Tensor
         part_score, part_token, ALL_GREEDY=all_greedy, GROUPS=config.block // 4,
         ROUNDS=config.philox_rounds, FAST=logits.is_cuda and not _interpreting(),
         num_warps=config.num_warps)
+    # SPLITS covers the most splits this vocabulary can have, not this batch's count: one
+    # compiled variant for every batch size
+    max_splits = triton.cdiv(vocab, config.block)
     _reduce_splits_kernel[(num_rows,)](part_score, part_token, out, num_splits,
-                                       SPLITS=triton.next_power_of_2(num_splits))
+                                       SPLITS=triton.next_power_of_2(max_splits))
     return out

@@ -40,7 +40,8 @@ def _key_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, tile, seq_len, stride_kb, strid
     return offs_n, k, v
 
 
-@triton.jit
+# first_seq (the step's number of decodes) changes every step: no variant per value class
+@triton.jit(do_not_specialize=["first_seq"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, qk_scale,
                     first_seq, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_bts,
