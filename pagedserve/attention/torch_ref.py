@@ -1,10 +1,9 @@
 """Pure-PyTorch paged attention: the reference for the kernels and the CPU engine's backend.
 
 Decodes are vectorized over the batch because on the CPU the decode step dominates throughput:
-one `index_select` per cache gathers every decode's context rows, then two batched matmuls with
-the query heads of a GQA group stacked as rows do all sequences and heads. (SDPA's CPU kernel
-took ~2.8x longer on these one-query shapes, measured on the 2-core box.) Prefills run one
-SDPA per sequence with a mask that shifts the causal diagonal by the cached prefix length.
+one `index_select` per cache gathers every decode's context rows, then one SDPA call with a
+padding mask does all sequences and heads. Prefills run one SDPA per sequence with a mask that
+shifts the causal diagonal by the cached prefix length.
 
 Every layer of a step sees the same metadata, so the index tensors derived from it (which rows
 to store, which cache rows each decode reads, the padding mask) are built by the first layer
@@ -34,7 +33,7 @@ class StepPlan:
     store_rows: Tensor | None  # rows of k/v that have a slot; None: all of them
     store_slots: Tensor  # int64 [rows]: their flat cache slots
     decode_slots: Tensor | None  # int64 [num_decodes, L]: flat cache row of each context token
-    decode_pad: Tensor | None  # bool [num_decodes, 1, 1, L]: True past the sequence's end
+    decode_mask: Tensor | None  # bool [num_decodes, 1, 1, L]: True where the token is context
     block_size: int
 
     @classmethod
@@ -55,14 +54,14 @@ class StepPlan:
         # a long prefill in the batch must not widen the decodes' gather
         length = meta.max_seq_len if nd == meta.num_seqs else int(seq_lens.max())
         positions = torch.arange(length, device=seq_lens.device)
-        pad = positions[None, :] >= seq_lens[:, None]
+        mask = positions[None, :] < seq_lens[:, None]
         # Positions past a sequence's end read its last token instead of the padding: those
         # rows are masked out of the softmax, and a real row cannot hold NaN (stale or null
         # block rows can), which would survive a zero probability.
         clamped = torch.minimum(positions[None, :], seq_lens[:, None] - 1)
         blocks = meta.block_tables[:nd].long().gather(1, clamped // block_size)
         context_slots = blocks * block_size + clamped % block_size
-        return cls(rows, slots, context_slots, pad[:, None, None], block_size)
+        return cls(rows, slots, context_slots, mask[:, None, None], block_size)
 
 
 def rows_to_store(slot_mapping: Tensor) -> tuple[Tensor | None, Tensor]:
@@ -97,28 +96,25 @@ def gather_context(cache: Tensor, block_tables: Tensor, num_tokens: int) -> Tens
     return blocks.flatten(1, 2)[:, :num_tokens]
 
 
-def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, pad: Tensor,
+def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,
                  scale: float) -> Tensor:
     """One query token per sequence: q [S, Hq, D] -> [S, Hq, D].
 
-    slots [S, L]: the flat cache row of each of the sequence's L context positions; pad
-    [S, 1, 1, L]: which of them lie past the sequence's end (see `StepPlan`).
+    slots [S, L]: the flat cache row of each of the sequence's L context positions; mask
+    [S, 1, 1, L]: which of them are real (see `StepPlan`).
     """
     num_seqs, length = slots.shape
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
     rows = slots.view(-1)
 
-    def gather(cache: Tensor) -> Tensor:  # [S, L, Hkv, D]
+    def gather(cache: Tensor) -> Tensor:  # [S, Hkv, L, D], a strided view SDPA reads as is
         flat = cache.view(-1, num_kv_heads, head_dim).index_select(0, rows)
-        return flat.view(num_seqs, length, num_kv_heads, head_dim).float()
+        return flat.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2).float()
 
-    queries = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(queries, gather(k_cache).permute(0, 2, 3, 1))  # [S, Hkv, G, L]
-    scores.masked_fill_(pad, float("-inf"))
-    probs = torch.softmax(scores.mul_(scale), dim=-1)
-    out = torch.matmul(probs, gather(v_cache).transpose(1, 2))  # [S, Hkv, G, D]
-    return out.view(num_seqs, num_kv_heads * group, head_dim).to(q.dtype)
+    out = F.scaled_dot_product_attention(q.float()[:, :, None], gather(k_cache),
+                                         gather(v_cache), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out[:, :, 0].to(q.dtype)
 
 
 def paged_prefill_one(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
@@ -158,7 +154,7 @@ class TorchRefBackend(AttentionBackend):
         num_seqs = meta.seq_lens.shape[0]
         if nd > 0:
             out[:nd] = paged_decode(q[:nd], k_cache, v_cache, plan.decode_slots,
-                                    plan.decode_pad, scale)
+                                    plan.decode_mask, scale)
         if num_seqs > nd:
             starts = meta.query_start_loc.tolist()
             seq_lens = meta.seq_lens.tolist()
