@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedserve.attention.kernels import DecodeConfig, decode, paged_decode_v2, store_kv
+from pagedserve.attention.kernels.decode import choose_v2_config
 from tests.attention.paged_case import make_case
 
 # (context, 1 new token): 1 to 17 partitions of 16, crossing block and partition edges
@@ -79,3 +80,18 @@ def test_v2_fp16_head_dim_128():
     out = decode_v2(case, DecodeConfig(block_n=32, partition=64))
     torch.testing.assert_close(out.double(), case.expected, atol=3e-3, rtol=3e-3,
                                msg=f"seed {seed}")
+
+
+def test_dispatch_double_buffers_only_grids_that_underfill_the_sms():
+    """Batch 1 up to 8k tokens makes fewer than two programs per SM even at the smallest
+    partition: those get the double-buffered tiles; grids that fill the SMs keep the default."""
+    default = DecodeConfig()
+    for batch, context in ((1, 1024), (1, 8192), (4, 2048)):
+        cfg = choose_v2_config(batch, 8, context, 132)
+        assert (cfg.partition, cfg.block_n, cfg.num_stages) == (256, 32, 5), (batch, context)
+        assert cfg.partition % cfg.block_n == 0
+    for batch, context, partition in ((1, 32768, 512), (16, 2048, 512), (32, 16384, 1024)):
+        cfg = choose_v2_config(batch, 8, context, 132)
+        assert cfg == DecodeConfig(block_n=default.block_n, partition=partition,
+                                   num_warps=default.num_warps,
+                                   num_stages=default.num_stages), (batch, context)

@@ -272,13 +272,36 @@ def choose_partition(num_seqs: int, num_kv_heads: int, max_seq_len: int,
     return PARTITIONS[-1]
 
 
+# v2's tiles where even the smallest partition leaves the SMs under two programs each (batch 1
+# up to 8k tokens, a few sequences of 1-2k): each program is latency-bound, so it keeps the
+# next tile's K/V in flight while it does this one's math. 5 stages do that: Triton's pipeliner
+# splits the stages between the block-table load and the K/V loads whose addresses it gives,
+# so at 3 or 4 the next K/V is fetched only after the math (one buffer each, triton 3.6).
+# 32-row tiles keep it at 122 registers and 38 KB of shared memory, 4 programs per SM.
+# H100 (benchmarks/kernels.py --sweep v2): batch 1 x 1k 11.4 -> 10.6 us, x 8k 19.4 -> 18.2 us;
+# no gain on grids that fill the SMs (batch 1 x 32k at 1024: 55.0 vs 54.6 us).
+SMALL_GRID_TILES = {"block_n": 32, "num_stages": 5}
+
+
+def choose_v2_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                     cfg: DecodeConfig = DecodeConfig()) -> DecodeConfig:
+    """cfg with the partition of `choose_partition`, and SMALL_GRID_TILES where that grid
+    still leaves the SMs under two programs each."""
+    partition = choose_partition(num_seqs, num_kv_heads, max_seq_len, num_sms)
+    cfg = replace(cfg, partition=partition)
+    if num_seqs * num_kv_heads * triton.cdiv(max_seq_len, partition) < 2 * num_sms:
+        cfg = replace(cfg, **SMALL_GRID_TILES)
+    return cfg
+
+
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                  seq_lens: Tensor, max_seq_len: int, scale: float, out: Tensor, num_sms: int,
                  cfg: DecodeConfig = DecodeConfig()) -> Tensor:
-    """v1 or v2 (with a partition sized to the batch), by `use_v2`."""
+    """v1 or v2 (with a partition sized to the batch, and double-buffered tiles where the
+    grid is small), by `use_v2`."""
     num_seqs, num_kv_heads = q.shape[0], k_cache.shape[2]
     if use_v2(num_seqs, num_kv_heads, max_seq_len, num_sms):
-        partition = choose_partition(num_seqs, num_kv_heads, max_seq_len, num_sms)
         return paged_decode_v2(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                               scale, out, replace(cfg, partition=partition))
+                               scale, out, choose_v2_config(num_seqs, num_kv_heads,
+                                                            max_seq_len, num_sms, cfg))
     return paged_decode_v1(q, k_cache, v_cache, block_tables, seq_lens, scale, out, cfg)
