@@ -109,9 +109,7 @@ def _best_of(scores, tokens):
     return best, tl.min(tl.where(scores == best, tokens, _TOKEN_SENTINEL))
 
 
-# Arguments that change with the batch are not specialised on (Triton would otherwise compile
-# a variant per divisibility class of each value, seconds of JIT in the middle of a run).
-@triton.jit(do_not_specialize=["split_len"])
+@triton.jit
 def _sample_split_kernel(logits_ptr, stride_row, vocab, split_len, temperature_ptr, greedy_ptr,
                          philox_ptr, part_score_ptr, part_token_ptr,
                          ALL_GREEDY: tl.constexpr, GROUPS: tl.constexpr, ROUNDS: tl.constexpr,
@@ -147,6 +145,9 @@ def _sample_split_kernel(logits_ptr, stride_row, vocab, split_len, temperature_p
     tl.store(part_token_ptr + row * num_splits + split, token)
 
 
+# num_splits changes with the batch: no variant per divisibility class of its value (JIT
+# seconds in the middle of a run). split_len needs no such care: always a multiple of the tile,
+# and its divisibility is what lets the split kernel's loads vectorize.
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(part_score_ptr, part_token_ptr, out_ptr, num_splits,
                           SPLITS: tl.constexpr):
