@@ -62,6 +62,25 @@ def test_v2_grid_sized_past_the_longest_sequence(block_size, partition):
                                msg=f"seed {seed}")
 
 
+def test_v2_block_table_rows_without_padding():
+    """Each program loads its first tile's block ids before it knows the sequence length,
+    bounded by the row's end only: rows exactly as long as the longest sequence (a column
+    slice of a wider table whose other columns hold ids far past the cache) with tiles that
+    run past a row's end must still read every block id the sequence has."""
+    seed = fresh_seed()
+    case = make_case(RAGGED[-3:], 4, 2, 16, 16, seed=seed)
+    store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    m = case.meta
+    needed = -(-m.max_seq_len // 16)
+    wide = torch.full((len(RAGGED[-3:]), needed + 8), 10**6, dtype=torch.int32)
+    wide[:, :needed] = m.block_tables[:, :needed]
+    out = torch.full_like(case.q, float("nan"))
+    paged_decode_v2(case.q, case.k_cache, case.v_cache, wide[:, :needed], m.seq_lens,
+                    m.max_seq_len, case.scale, out, DecodeConfig(block_n=64, partition=128))
+    torch.testing.assert_close(out.double(), case.expected, atol=1e-5, rtol=1e-5,
+                               msg=f"seed {seed}")
+
+
 def test_v2_leaves_arrival_counters_zero_for_the_next_launch():
     seed = fresh_seed()
     case = make_case(RAGGED, 4, 2, 16, 16, seed=seed)
