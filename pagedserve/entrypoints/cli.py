@@ -67,6 +67,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "swapped-out blocks (--preemption-mode swap)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode steps eagerly instead of as CUDA graphs")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=None, help="prepare step N+1 on the CPU while the device runs "
+                       "step N; default: on for CUDA, off on the CPU")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -88,7 +91,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     names = ("model", "dtype", "device", "kv_cache_memory", "gpu_memory_utilization",
              "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "enable_prefix_caching", "attention_backend", "preemption_mode", "swap_space",
-             "enforce_eager")
+             "enforce_eager", "async_scheduling")
     options = {name: getattr(args, name) for name in names}
     if getattr(args, "seed", None) is not None:
         options["seed"] = args.seed
