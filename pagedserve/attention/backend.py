@@ -64,10 +64,23 @@ class AttentionBackend(ABC):
             torch.index_select(src, 0, src_ids, out=staged)
             dst.index_copy_(0, dst_ids, staged.to(dst.device, non_blocking=True))
             return
-        staged = torch.empty(shape, dtype=src.dtype, pin_memory=True)  # swap out
-        staged.copy_(src.index_select(0, src_ids), non_blocking=True)
-        torch.cuda.current_stream(src.device).synchronize()
-        dst.index_copy_(0, dst_ids, staged.to(dst.dtype))
+        # swap out: gather on the device, then one DMA per run of consecutive destination
+        # blocks straight into the (pinned) CPU cache. Nothing waits here: a CPU-side scatter
+        # would need the copy finished, i.e. a sync with the step in flight. Whoever reads the
+        # CPU cache on the host must first wait for these copies (ModelRunner.swap does).
+        gathered = src.index_select(0, src_ids)
+        for start, stop, first in consecutive_runs(src_to_dst[:, 1].tolist()):
+            dst[first:first + stop - start].copy_(gathered[start:stop], non_blocking=True)
+
+
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(start, stop, first id) of each run of consecutive values in ids[start:stop]."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, i, ids[start]))
+            start = i
+    return runs
 
 
 def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:

@@ -107,6 +107,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
+        self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
         # the last step's sampled tokens on the device, and each sampling request's row
         self._last_sampled: Tensor | None = None
         self._last_sampled_rows: dict[str, int] = {}
@@ -336,7 +337,13 @@ class ModelRunner:
             for (k, v), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_kv_caches):
                 self.backend.swap_blocks(k, k_cpu, pairs)
                 self.backend.swap_blocks(v, v_cpu, pairs)
+            if self.device.type == "cuda":  # the copies land asynchronously
+                self._swapped_out = torch.cuda.Event()
+                self._swapped_out.record()
         if output.blocks_to_swap_in:
+            if self._swapped_out is not None:  # swap-in reads the CPU cache on the host
+                self._swapped_out.synchronize()
+                self._swapped_out = None
             pairs = torch.tensor(output.blocks_to_swap_in, dtype=torch.int64)
             for (k, v), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_kv_caches):
                 self.backend.swap_blocks(k_cpu, k, pairs)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from pagedserve.attention.backend import (AttentionBackend, get_attention_backend,
-                                          get_forward_context, set_forward_context)
+from pagedserve.attention.backend import (AttentionBackend, consecutive_runs,
+                                          get_attention_backend, get_forward_context,
+                                          set_forward_context)
 from pagedserve.attention.torch_ref import TorchRefBackend
 from tests.attention.paged_case import make_case
 
@@ -60,6 +61,18 @@ def test_copy_and_swap_blocks():
     torch.testing.assert_close(host[0], caches[0][0][3])
     torch.testing.assert_close(host[2], caches[0][0][1])
     assert host[1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("ids, runs", [
+    ([5], [(0, 1, 5)]),
+    ([0, 1, 2, 7, 8, 3], [(0, 3, 0), (3, 5, 7), (5, 6, 3)]),
+    ([4, 3, 2], [(0, 1, 4), (1, 2, 3), (2, 3, 2)]),  # descending ids are runs of one
+])
+def test_swap_out_copies_runs_of_consecutive_blocks(ids, runs):
+    assert consecutive_runs(ids) == runs
+    flat = [first + j for start, stop, first in consecutive_runs(ids)
+            for j in range(stop - start)]
+    assert flat == ids  # the runs cover every destination, in order
 
 
 def test_backend_selection_and_forward_context():
