@@ -404,17 +404,18 @@ def cache_ops(copy_bw: float) -> list[dict]:
     TritonBackend().copy_blocks(caches, pairs)
     TorchRefBackend().copy_blocks([(check, check)], pairs)
     assert torch.equal(check, caches[0][0]), "copy_blocks kernel differs from torch"
-    host = torch.empty(n, BS, HKV, D, dtype=DTYPE).pin_memory()
+    hosts = [tuple(torch.empty(n, BS, HKV, D, dtype=DTYPE).pin_memory() for _ in range(2))]
+    host = hosts[0][0]
     to_host = torch.stack([perm[:n].cpu(), torch.randperm(n)], 1)
     swap = TorchRefBackend().swap_blocks
-    us_out = bench_us(lambda: swap(caches[0][0], host, to_host))
+    us_out = bench_us(lambda: swap(caches, hosts, to_host))
     assert torch.equal(host[to_host[:, 1]], caches[0][0][perm[:n]].cpu()), "swap out"
     back = torch.stack([to_host[:, 1], perm[2 * n:3 * n].cpu()], 1)
-    us_in = bench_us(lambda: swap(host, caches[0][0], back))
+    us_in = bench_us(lambda: swap(hosts, caches, back))
     assert torch.equal(caches[0][0][perm[2 * n:3 * n]].cpu(), host[to_host[:, 1]]), "swap in"
-    for name, us in (("swap_blocks_out", us_out), ("swap_blocks_in", us_in)):
+    for name, us in (("swap_blocks_out", us_out), ("swap_blocks_in", us_in)):  # K and V
         rows.append({"kernel": name, "batch": n, "context": None, "us": us,
-                     "gb_per_s": n * block_bytes / (us * 1e-6) / 1e9, "pct_copy_bw": None})
+                     "gb_per_s": 2 * n * block_bytes / (us * 1e-6) / 1e9, "pct_copy_bw": None})
     log("cache ops: " + "; ".join(f"{r['kernel']} {r['us']:.1f} us "
                                   f"{r.get('gb_per_s') or r['pct_copy_bw']:.1f}"
                                   f"{' GB/s' if 'gb_per_s' in r else '% copy bw'}"

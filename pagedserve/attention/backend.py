@@ -43,33 +43,45 @@ class AttentionBackend(ABC):
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
-    def swap_blocks(self, src: Tensor, dst: Tensor, src_to_dst: Tensor) -> None:
-        """Copy blocks between two caches, e.g. GPU <-> CPU memory for preemption by swapping.
+    def swap_blocks(self, src_caches: list[tuple[Tensor, Tensor]],
+                    dst_caches: list[tuple[Tensor, Tensor]], src_to_dst: Tensor) -> None:
+        """Copy blocks between two sets of per-layer caches, e.g. GPU <-> CPU memory for
+        preemption by swapping. src_to_dst: [N, 2] block ids.
 
         The gather happens where the source lives and the scatter where the destination
-        lives, so only the selected blocks cross the bus, through a pinned staging buffer:
-        a copy from pageable memory ran at 1 GB/s on the H100 machine.
+        lives, so only the selected blocks cross the bus, through pinned memory: a copy from
+        pageable memory ran at 1 GB/s on the H100 machine. The ids are moved (and, for a swap
+        out, split into runs) once for all layers.
         """
         if src_to_dst.numel() == 0:
             return
         src_to_dst = src_to_dst.to(torch.long)
-        src_ids = src_to_dst[:, 0].to(src.device)
-        dst_ids = src_to_dst[:, 1].to(dst.device)
-        if src.device == dst.device:
-            dst.index_copy_(0, dst_ids, src.index_select(0, src_ids))
+        src_device, dst_device = src_caches[0][0].device, dst_caches[0][0].device
+        src_ids = src_to_dst[:, 0].to(src_device)
+        pairs = [(s, d) for src, dst in zip(src_caches, dst_caches) for s, d in zip(src, dst)]
+        if src_device != dst_device and dst_device.type == "cpu":
+            _swap_out(pairs, src_ids, consecutive_runs(src_to_dst[:, 1].tolist()))
             return
-        shape = (src_ids.numel(), *src.shape[1:])
-        if src.device.type == "cpu":  # swap in: gather into pinned memory, then upload
-            staged = torch.empty(shape, dtype=src.dtype, pin_memory=True)
-            torch.index_select(src, 0, src_ids, out=staged)
-            dst.index_copy_(0, dst_ids, staged.to(dst.device, non_blocking=True))
-            return
-        # swap out: gather on the device, then one DMA per run of consecutive destination
-        # blocks straight into the (pinned) CPU cache. Nothing waits here: a CPU-side scatter
-        # would need the copy finished, i.e. a sync with the step in flight. Whoever reads the
-        # CPU cache on the host must first wait for these copies (ModelRunner.swap does).
+        dst_ids = src_to_dst[:, 1].to(dst_device)
+        for src, dst in pairs:
+            if src_device == dst_device:
+                dst.index_copy_(0, dst_ids, src.index_select(0, src_ids))
+            else:  # swap in: gather into pinned memory, then upload
+                staged = torch.empty((src_ids.numel(), *src.shape[1:]), dtype=src.dtype,
+                                     pin_memory=True)
+                torch.index_select(src, 0, src_ids, out=staged)
+                dst.index_copy_(0, dst_ids, staged.to(dst_device, non_blocking=True))
+
+
+def _swap_out(pairs: list[tuple[Tensor, Tensor]], src_ids: Tensor,
+              runs: list[tuple[int, int, int]]) -> None:
+    """Gather on the device, then one DMA per run of consecutive destination blocks straight
+    into the (pinned) CPU cache. Nothing waits here: a CPU-side scatter would need the copy
+    finished, i.e. a sync with the step in flight. Whoever reads the CPU cache on the host
+    must first wait for these copies (ModelRunner.swap does)."""
+    for src, dst in pairs:
         gathered = src.index_select(0, src_ids)
-        for start, stop, first in consecutive_runs(src_to_dst[:, 1].tolist()):
+        for start, stop, first in runs:
             dst[first:first + stop - start].copy_(gathered[start:stop], non_blocking=True)
 
 

@@ -333,10 +333,8 @@ class ModelRunner:
     def swap(self, output: SchedulerOutput) -> None:
         """Block copies the scheduler asked for, before this step's forward pass."""
         if output.blocks_to_swap_out:
-            pairs = torch.tensor(output.blocks_to_swap_out, dtype=torch.int64)
-            for (k, v), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_kv_caches):
-                self.backend.swap_blocks(k, k_cpu, pairs)
-                self.backend.swap_blocks(v, v_cpu, pairs)
+            self.backend.swap_blocks(self.kv_caches, self.cpu_kv_caches,
+                                     torch.tensor(output.blocks_to_swap_out))
             if self.device.type == "cuda":  # the copies land asynchronously
                 self._swapped_out = torch.cuda.Event()
                 self._swapped_out.record()
@@ -344,10 +342,8 @@ class ModelRunner:
             if self._swapped_out is not None:  # swap-in reads the CPU cache on the host
                 self._swapped_out.synchronize()
                 self._swapped_out = None
-            pairs = torch.tensor(output.blocks_to_swap_in, dtype=torch.int64)
-            for (k, v), (k_cpu, v_cpu) in zip(self.kv_caches, self.cpu_kv_caches):
-                self.backend.swap_blocks(k_cpu, k, pairs)
-                self.backend.swap_blocks(v_cpu, v, pairs)
+            self.backend.swap_blocks(self.cpu_kv_caches, self.kv_caches,
+                                     torch.tensor(output.blocks_to_swap_in))
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput,

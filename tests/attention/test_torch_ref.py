@@ -57,7 +57,8 @@ def test_copy_and_swap_blocks():
         torch.testing.assert_close(v[5], v0[2])
         torch.testing.assert_close(k[:4], k0[:4])
     host = torch.zeros(3, 4, 2, 8)
-    backend.swap_blocks(caches[0][0], host, torch.tensor([[3, 0], [1, 2]]))
+    backend.swap_blocks([caches[0]], [(host, torch.zeros_like(host))],
+                        torch.tensor([[3, 0], [1, 2]]))
     torch.testing.assert_close(host[0], caches[0][0][3])
     torch.testing.assert_close(host[2], caches[0][0][1])
     assert host[1].abs().sum() == 0
