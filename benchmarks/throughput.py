@@ -416,12 +416,8 @@ class Bench:
             self.args.extra_out.write_text(json.dumps(self.extra, indent=1) + "\n")
 
 
-def release(loaded: LoadedModel) -> None:
-    """Return the memory of engines the caller has dropped (KV cache, graph pools). The shared
-    model's attention layers still point at the last engine's KV cache: unbind it first, or
-    the next engine sizes its cache from what is left (and preempts all the time)."""
-    for attention in loaded.model.attention_layers():
-        attention.k_cache = attention.v_cache = torch.empty(0)
+def release() -> None:
+    """Return the memory of engines the caller has dropped (KV cache, graph pools)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -481,7 +477,7 @@ def main() -> None:
                          run_pagedserve(engine, p, [128] * NUM_REQUESTS), prefix_caching=caching)
         engine.kv_cache_manager.enable_caching = True
     del engine
-    release(bench.loaded)
+    release()
     if "preempt" in workloads:
         for mode in ("recompute", "swap"):
             engine = bench.engine(kv_cache_memory=int(args.preempt_kv_gib * (1 << 30)),
@@ -492,7 +488,7 @@ def main() -> None:
             bench.record("A-preempt", "pagedserve", result, preemption_mode=mode,
                          kv_cache_gib=args.preempt_kv_gib)
             del engine
-            release(bench.loaded)
+            release()
     if "B" in workloads and args.peer:
         peer = run_transformers(model_dir, prompts, 512, args.peer_deadline)
         bench.record("B", "transformers", peer)

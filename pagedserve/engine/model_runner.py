@@ -18,6 +18,7 @@ into the step's input ids on the device.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from itertools import chain
 
@@ -77,11 +78,9 @@ class PendingRunnerOutput:
 
 
 def _to_host(tensor: Tensor) -> Tensor:
-    """Queue a copy into pinned memory (reused through torch's caching host allocator)."""
-    if not tensor.is_cuda:
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
+    """Queue the copy to the host: from CUDA with non_blocking, torch allocates the
+    destination in pinned memory (its caching host allocator), so the copy is a DMA."""
+    return tensor.to("cpu", non_blocking=True)
 
 
 @dataclass
@@ -108,6 +107,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
+        self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
         # the last step's sampled tokens on the device, and each sampling request's row
         self._last_sampled: Tensor | None = None
         self._last_sampled_rows: dict[str, int] = {}
@@ -189,12 +189,20 @@ class ModelRunner:
         self._bind_kv_cache()
 
     def _bind_kv_cache(self) -> None:
-        """Point the attention layers at our caches (a model may be shared by engines)."""
+        """Point the attention layers at our caches (a model may be shared by engines).
+
+        The model outlives the engines that share it, so when this runner is collected our
+        caches come off its layers: otherwise the last engine to bind them keeps its whole
+        KV cache alive and the next engine sizes its own from what is left.
+        """
         layers = self.model.attention_layers()
         if layers[0].k_cache is self.kv_caches[0][0]:
             return
         for attention, (k_cache, v_cache) in zip(layers, self.kv_caches):
             attention.k_cache, attention.v_cache = k_cache, v_cache
+        if self._unbind is not None:
+            self._unbind.detach()
+        self._unbind = weakref.finalize(self, _unbind_kv_cache, layers, self.kv_caches[0][0])
 
     def initialize_swap_space(self, num_cpu_blocks: int) -> None:
         """CPU copies of the per-layer caches for preemption by swapping; pinned on CUDA so
@@ -371,6 +379,14 @@ class ModelRunner:
             return self.graphs.replay(inputs.graph_size)
         with set_forward_context(inputs.meta, self.backend):
             return self.model(inputs.input_ids, inputs.positions)
+
+
+def _unbind_kv_cache(layers: list, first_k_cache: Tensor) -> None:
+    """Empty the layers' cache attributes if they still hold the caches bound with
+    `first_k_cache` (another engine may have bound its own since)."""
+    if layers[0].k_cache is first_k_cache:
+        for attention in layers:
+            attention.k_cache = attention.v_cache = torch.empty(0)
 
 
 def _random_sampling_meta(logits: Tensor) -> SamplingMetadata:

@@ -165,3 +165,24 @@ def test_llm_generate_and_chat_keep_input_order(llm, hf_greedy):
     texts = llm.generate(["The capital of Italy is", [1, 2, 3]], params, use_tqdm=False)
     assert texts[0].prompt == "The capital of Italy is" and texts[1].prompt_token_ids == [1, 2, 3]
     assert all(len(o.outputs[0].token_ids) > 0 for o in texts)
+
+
+def test_dropped_engine_frees_its_kv_cache_from_the_shared_model(default_loaded_model):
+    """Engines share the loaded model, whose attention layers point at the KV cache of the
+    engine that bound them last: dropping that engine must release its cache, or the next
+    engine sizes its own from what is left."""
+    import gc
+    import weakref
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory=16 << 20),
+                       default_loaded_model)
+    layers = default_loaded_model.model.attention_layers()
+    assert layers[0].k_cache is engine.model_runner.kv_caches[0][0]
+    cache = weakref.ref(engine.model_runner.kv_caches[0][0])
+    del engine
+    gc.collect()
+    assert cache() is None
+    assert all(layer.k_cache.numel() == 0 and layer.v_cache.numel() == 0 for layer in layers)
