@@ -51,7 +51,6 @@ class _ChildState:
     logprobs: SampleLogprobs | None
     cumulative_logprob: float | None
     num_reported_tokens: int = 0
-    final_only: bool = False  # its parent is reported only once finished
     detokenize_at_end: bool = False  # final-only and no stop strings: text decoded once
 
 
@@ -179,7 +178,6 @@ class LLMEngine:
             request = Request(child_id, token_ids, child_params, max_tokens,
                               self.eos_token_ids, arrival, cache_salt=cache_salt)
             child = self._child_state(request, index, request_id)
-            child.final_only = final_only
             child.detokenize_at_end = final_only and not params.stop_strings
             parent.children.append(child)
         taken = [c.request.request_id for c in parent.children
@@ -282,15 +280,16 @@ class LLMEngine:
         rows = (dict(zip(req_ids, range(len(req_ids))))
                 if runner_output.logprobs is not None else {})
         self.generation_tokens_total += len(progressed)
-        touched: dict[str, None] = {}  # ordered set of the parent ids to report
+        touched: dict[str, _ParentState] = {}  # ordered: the parents to report
         now = time.time()
         for request in progressed:
             child = self._children[request.request_id]
             self._process_token(child, runner_output, rows, now)
-            if not child.final_only or request.is_finished:
-                touched[child.parent_id] = None
-        for parent_id in touched:
-            parent = self._parents[parent_id]
+            parent = self._parents[child.parent_id]
+            # a final-only parent is looked at only when one of its children finishes
+            if not parent.final_only or request.is_finished:
+                touched[child.parent_id] = parent
+        for parent in touched.values():
             if parent.final_only and not parent.finished:
                 continue
             outputs.append(self._make_output(parent))
