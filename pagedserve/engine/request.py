@@ -31,10 +31,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
-    @property
-    def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
-
 
 class FinishReason(str, enum.Enum):
     """The OpenAI-compatible reason strings."""
@@ -44,7 +40,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED
+_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED  # statuses from here on are finished
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
