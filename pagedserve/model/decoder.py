@@ -28,6 +28,7 @@ from torch import nn
 
 from pagedserve.attention.backend import get_forward_context
 from pagedserve.model import ops
+from pagedserve.native import linear as native_linear
 from pagedserve.model.config import ModelConfig
 
 
@@ -36,17 +37,19 @@ PACK_ROWS_HINT = 16
 
 
 class PackedWeight:
-    """A oneDNN-prepacked copy of a float32 weight, used for inference on the CPU.
+    """A prepacked copy of a float32 weight, used for inference on the CPU.
 
     Why: at decode batch sizes (1 to a few dozen rows) MKL's sgemm behind `F.linear` re-lays
-    out the weight on every call, so every decode step reads all the weights twice. On the
-    2-core dev box one decode step's 120 layer GEMMs took 60 ms with `F.linear` and 43 ms with
-    packed weights, the LM head 24 ms and 9 ms (docs/benchmarks.md). The products and the
-    float32 accumulation are the same; only the summation order differs, so results differ
-    from `F.linear` in the last bits (tests hold logits to transformers' within 5e-4 and greedy
-    tokens exactly). The copy costs the weight's memory once more. It is rebuilt when the
-    weight is written (version counter) or replaced; anything else (GPU, other dtypes, autograd,
-    weights made under inference mode) takes `F.linear`.
+    out the weight on every call and reads it from DRAM before computing. The copy is packed
+    for our AVX2 kernel (`native/linear.c`), which streams the weight while it computes, else
+    (no C compiler, no AVX2) for oneDNN. On the 2-core dev box one decode step's 120 layer
+    GEMMs + LM head at batch 16 take ~110 ms with `F.linear`, ~65 ms with oneDNN and ~43 ms
+    with the kernel (docs/benchmarks.md). Products and float32 accumulation are the same; only
+    the summation order differs, so results differ from `F.linear` in the last bits (tests hold
+    logits to transformers' within 5e-4 and greedy tokens exactly). The copy costs the
+    weight's memory once more. It is rebuilt when the weight is written (version counter) or
+    replaced; anything else (GPU, other dtypes, autograd, weights made under inference mode)
+    takes `F.linear`.
     """
 
     def __init__(self) -> None:
@@ -57,14 +60,18 @@ class PackedWeight:
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if not _ONEDNN or torch.is_grad_enabled() or x.device.type != "cpu" or (
+        if torch.is_grad_enabled() or x.device.type != "cpu" or (
             x.dtype != torch.float32 or weight.dtype != torch.float32
-        ) or weight.is_inference():  # no version counter: writes could not be noticed
-            return F.linear(x, weight, bias)
+        ) or weight.is_inference() or not (native_linear.available() or _ONEDNN):
+            return F.linear(x, weight, bias)  # (an inference tensor has no version counter)
         key = (weight.data_ptr(), weight._version)
         if weight is not self._source or key != self._key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+            self._packed = (native_linear.pack(weight.detach()) if native_linear.available() else
+                            torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
+                                                                    PACK_ROWS_HINT))
             self._source, self._key = weight, key
+        if native_linear.available():
+            return native_linear.linear(x, self._packed, weight.shape[0], bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
 
 

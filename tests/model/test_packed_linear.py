@@ -1,5 +1,6 @@
-"""`PackedWeight`: oneDNN-prepacked CPU float32 linears agree with F.linear at every row count,
-follow writes to the weight, and leave autograd and other dtypes to F.linear."""
+"""`PackedWeight`: prepacked CPU float32 linears (the native kernel, and oneDNN where the kernel
+is unavailable) agree with F.linear at every row count, follow writes to the weight, and leave
+autograd and other dtypes to F.linear."""
 
 from __future__ import annotations
 
@@ -8,20 +9,33 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.model.decoder import Linear
+from pagedserve.native import linear as native_linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="torch built without oneDNN")
 
 
+@pytest.fixture(params=["native", "onednn"], autouse=True)
+def kernel(request, monkeypatch):
+    """Run every test on both packed paths."""
+    if request.param == "native" and not native_linear.available():
+        pytest.skip("native kernels unavailable")
+    if request.param == "onednn":
+        monkeypatch.setattr(native_linear, "available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_f_linear(rows, bias):
+def test_matches_f_linear(rows, bias, kernel):
     torch.manual_seed(rows)
     layer = Linear(96, 200, bias=bias).requires_grad_(False)
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         out = layer(x)
-    assert layer.packed._packed is not None  # the packed path ran
+    packed = layer.packed._packed
+    assert packed is not None  # the packed path ran, on the kernel's own layout or oneDNN's
+    assert (packed.shape == (13, 96, 16)) == (kernel == "native")
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
