@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.native.build import function
 
-PANEL = 16  # output columns per packed panel (NR in linear.c)
+PANEL = 24  # output columns per packed panel (NR in linear.c)
 
 
 def _kernel():
@@ -21,7 +21,7 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N/16), K, 16], columns past N zero."""
+    """weight [N, K] float32 -> panels [ceil(N/24), K, 24], columns past N zero."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
