@@ -1,11 +1,16 @@
-"""The decoder's elementwise building blocks: eager PyTorch on the CPU, Triton kernels on CUDA.
+"""The decoder's elementwise building blocks: native C kernels or eager PyTorch on the CPU,
+Triton kernels on CUDA.
 
-Each op has one contract and two implementations. The PyTorch one is the reference and what
-runs on the CPU: it follows transformers op for op (RMSNorm in float32, cast back to the
-activation dtype before the weight multiply; RoPE tables in float32 cast to the activation
-dtype). The Triton one (`triton_ops.py`) fuses each op into one or two launches and rounds
-where the eager path rounds, so results agree. Triton is imported only when a CUDA tensor (or
-`triton_on_cpu`, for the interpreter tests) first needs it.
+Each op has one contract and three implementations. The eager PyTorch one is the reference: it
+follows transformers op for op (RMSNorm in float32, cast back to the activation dtype before
+the weight multiply; RoPE tables in float32 cast to the activation dtype). The Triton one
+(`triton_ops.py`) fuses each op into one or two launches and rounds where the eager path
+rounds, so results agree. Triton is imported only when a CUDA tensor (or `triton_on_cpu`, for
+the interpreter tests) first needs it. On the CPU, float32 inference goes to the native kernels
+(`pagedserve/native/ops.c`): one call instead of the eager path's 4 to 10 small ops, whose
+per-op overhead dominates at decode sizes; they round as the eager path does except for the
+order of a norm's sum of squares. Anything else on the CPU (other dtypes, autograd, no C
+compiler) runs the eager path.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pagedserve.native import ops as native
 
 _force_triton = False  # set by `triton_on_cpu`
 
@@ -62,6 +69,14 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
     residual (the first layer) the stream starts at x: (RMSNorm(x), x)."""
     if _use_triton(x):
         return _kernels().rms_norm(x, weight, eps, residual)
+    if native.takes(x, residual, weight):
+        return native.fused_add_rms_norm(x, residual, weight, eps)
+    return eager_fused_add_rms_norm(x, residual, weight, eps)
+
+
+def eager_fused_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
+                             eps: float) -> tuple[Tensor, Tensor]:
+    """`fused_add_rms_norm` in eager PyTorch: the reference."""
     if residual is None:
         return rms_norm(x, weight, eps), x
     residual.add_(x)
@@ -82,6 +97,18 @@ def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_h
         _kernels().rotate_qk_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, q_weight,
                               k_weight, eps)
         return
+    if native.takes(qkv, cos, sin, q_weight, k_weight):
+        native.rotate_qk_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, q_weight,
+                          k_weight, eps)
+        return
+    eager_rotate_qk_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, q_weight, k_weight,
+                     eps)
+
+
+def eager_rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                     num_q_heads: int, num_kv_heads: int, q_weight: Tensor | None = None,
+                     k_weight: Tensor | None = None, eps: float = 0.0) -> None:
+    """`rotate_qk_` in eager PyTorch: the reference."""
     cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D]: all heads
     hq, hkv = num_q_heads, num_kv_heads
     if q_weight is None:
@@ -102,5 +129,12 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     """gate_up [T, 2I] (gate first, as the fused projection lays it out) -> silu(gate) * up."""
     if _use_triton(gate_up):
         return _kernels().silu_and_mul(gate_up)
+    if native.takes(gate_up):
+        return native.silu_and_mul(gate_up)
+    return eager_silu_and_mul(gate_up)
+
+
+def eager_silu_and_mul(gate_up: Tensor) -> Tensor:
+    """`silu_and_mul` in eager PyTorch: the reference."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
