@@ -8,9 +8,9 @@ the weight multiply; RoPE tables in float32 cast to the activation dtype). The T
 rounds, so results agree. Triton is imported only when a CUDA tensor (or `triton_on_cpu`, for
 the interpreter tests) first needs it. On the CPU, float32 inference goes to the native kernels
 (`pagedserve/native/ops.c`): one call instead of the eager path's 4 to 10 small ops, whose
-per-op overhead dominates at decode sizes; they round as the eager path does except for the
-order of a norm's sum of squares. Anything else on the CPU (other dtypes, autograd, no C
-compiler) runs the eager path.
+per-op overhead dominates at decode sizes. They round where the eager path rounds; only the
+order of a norm's sum of squares and the last bit of some exps differ. Anything else on the CPU
+(other dtypes, autograd, no C compiler) runs the eager path.
 """
 
 from __future__ import annotations
