@@ -33,6 +33,7 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pagedserve.cache import cache_root
 from pagedserve.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -160,14 +161,6 @@ def open_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.
 
 
 # -- cache of converted GGUF files ------------------------------------------------------------
-
-
-def cache_root() -> Path | None:
-    """`$PAGEDSERVE_CACHE`, else ~/.cache/pagedserve; `PAGEDSERVE_CACHE=0` turns caching off."""
-    value = os.environ.get("PAGEDSERVE_CACHE")
-    if value == "0":
-        return None
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "pagedserve"
 
 
 def cache_entry(path: str | Path, kind: str) -> Path | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.model.gguf import cache_root
+from pagedserve.cache import cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -15,23 +15,18 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-
-def _function(name: str, *argtypes):
-    # Imported here: build imports the model package, whose ops module imports this one.
-    from pagedserve.native.build import function
-
-    return function(name, *argtypes)
+from pagedserve.native.build import function
 
 
 @cache
 def _add_rms_norm():
-    return _function("pagedserve_add_rms_norm", c_void_p, c_int64, c_void_p, c_int64,
+    return function("pagedserve_add_rms_norm", c_void_p, c_int64, c_void_p, c_int64,
                      c_void_p, c_void_p, c_int64, c_int64, c_int64, c_float, c_int)
 
 
 @cache
 def _rotate_qk():
-    fn = _function("pagedserve_rotate_qk", c_void_p, c_int64, c_int64, c_int64, c_void_p,
+    fn = function("pagedserve_rotate_qk", c_void_p, c_int64, c_int64, c_int64, c_void_p,
                    c_int64, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p,
                    c_float, c_int)
     if fn is not None:
@@ -41,7 +36,7 @@ def _rotate_qk():
 
 @cache
 def _silu_and_mul():
-    return _function("pagedserve_silu_and_mul", c_void_p, c_int64, c_int64, c_int64,
+    return function("pagedserve_silu_and_mul", c_void_p, c_int64, c_int64, c_int64,
                      c_void_p, c_int)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.model import ops  # first: pagedserve.native.build imports the model package
+from pagedserve.model import ops
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import RotaryEmbedding
 from pagedserve.native import build
