@@ -96,19 +96,30 @@ def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
 
 
 def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
-    """None/"auto" picks "triton" on CUDA and "torch" elsewhere.
+    """None/"auto" picks "triton" on CUDA, "cpu" on the CPU when the native kernels can be
+    built, and "torch" elsewhere.
 
     "triton" on a CPU device runs the kernels under the Triton interpreter; TRITON_INTERPRET
     must be set before triton compiles the kernels, so it is set here when the kernels have
     not been imported yet.
     """
+    from pagedserve.native import attention as native_attention
+
     device = torch.device(device)
     if name in (None, "auto"):
-        name = "triton" if device.type == "cuda" else "torch"
+        cpu_kernels = device.type == "cpu" and native_attention.available()
+        name = "triton" if device.type == "cuda" else "cpu" if cpu_kernels else "torch"
     if name == "torch":
         from pagedserve.attention.torch_ref import TorchRefBackend
 
         return TorchRefBackend()
+    if name == "cpu":
+        if device.type != "cpu" or not native_attention.available():
+            raise ValueError(f"the cpu attention backend needs a CPU device and the native "
+                             f"kernels (device {device.type}; see pagedserve.native.build)")
+        from pagedserve.attention.cpu_backend import CpuBackend
+
+        return CpuBackend()
     if name == "triton":
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"the triton attention backend does not run on {device.type}")
@@ -117,7 +128,8 @@ def get_attention_backend(name: str | None, device: torch.device | str) -> Atten
         from pagedserve.attention.triton_backend import TritonBackend
 
         return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or "
+                     "'triton'")
 
 
 def _require_interpreter() -> None:

@@ -58,8 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "of one step; longer prompts are prefilled in chunks")
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", help="disable automatic prefix caching")
-    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch",
-                       "triton"], help="auto = triton on CUDA, the PyTorch reference elsewhere")
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu",
+                       "triton"], help="auto = triton on CUDA, on the CPU the native kernels "
+                       "(cpu) when they build, else the PyTorch reference (torch)")
     group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                        help="when the KV cache is full: recompute a preempted request's KV, "
                        "or swap its blocks to CPU memory")

@@ -77,7 +77,7 @@ def test_swap_out_copies_runs_of_consecutive_blocks(ids, runs):
 
 
 def test_backend_selection_and_forward_context():
-    assert get_attention_backend(None, torch.device("cpu")).name == "torch"
+    assert get_attention_backend(None, torch.device("cpu")).name in ("cpu", "torch")
     assert get_attention_backend("torch", "cpu").name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flash", "cpu")

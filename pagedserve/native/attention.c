@@ -1,0 +1,375 @@
+/* Float32 paged decode attention for the CPU, on AVX2 + FMA.
+ *
+ * Why: the PyTorch reference gathers every decode's context out of the paged cache into a
+ * padded [S, L, H, D] copy (index_select), then runs SDPA with a padding mask: at decode sizes
+ * the copies, the mask and the per-op dispatch cost more than the arithmetic. Here each decode
+ * reads its K/V rows in place through its block table, and never a row at or past its seq_len
+ * (stale and null-block rows may hold NaN, and 0 * NaN would survive a zero probability).
+ *
+ * Decode attention streams every context's K and V from memory once per layer (on the CPU
+ * engine, 30 layers of them fit no cache), so the work is laid out for the memory. A task is a
+ * sequence's kv heads h0..h1, usually all of them: it reads whole cache rows (a token's kv heads
+ * are adjacent), which the hardware prefetchers follow within a block; one kv head's slice of
+ * every row per task read at half that bandwidth. Only with too few sequences to keep the
+ * threads busy are the kv heads split over tasks. The tasks are dealt to the threads in
+ * contiguous runs of about equal token counts, so each thread knows what it reads next: while a
+ * chunk computes, the next chunk's rows (the next task's first, at a task's end) are
+ * prefetched, a few per score tile. Blocks are scattered, so without that the memory sat idle
+ * during the arithmetic and the arithmetic during the misses (a third more time per layer).
+ *
+ * Within a task, tokens go in chunks of CHUNK; per kv head, the chunk's scores for its G query
+ * heads (8 tokens per register tile, reduced with horizontal adds), then one online-softmax step
+ * per query head (running max m, running sum l, the accumulator rescaled by exp(m_old - m_new)),
+ * then the probabilities times V, with up to 4 heads' accumulator slices held in registers while
+ * a V slice is loaded once for all of them. Everything is float32. Each kv head's result comes
+ * from one thread, in token order, whatever the split: it does not depend on the thread count.
+ *
+ * The same call first stores the step's new K/V rows into their slots (slot -1: skipped), a
+ * row copy per token that costs less than torch's index_copy_ dispatch at decode sizes.
+ *
+ * Wrapped by attention.py; built with the other kernels by build.py.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK 16       /* tokens per online-softmax step and per prefetch step */
+#define TILE 8         /* tokens per score register tile */
+#define HEADS 4        /* query heads whose accumulators stay in registers during P x V */
+#define MAX_GROUP 16   /* query heads per kv head (the Python wrapper enforces both limits) */
+#define MAX_DIM 256
+#define STATE (MAX_GROUP * MAX_DIM)  /* floats of query and of accumulator state per task */
+
+/* exp(x) for x <= 0, to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree 7
+ * Taylor polynomial (truncation below 1e-8 relative), times 2^n built in the exponent bits.
+ * Below -87 (including -inf, the masked tokens) the result is 0. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 lowest = _mm256_set1_ps(-87.0f);
+    const __m256 valid = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lowest);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), valid);
+}
+
+static inline float hsum(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax(__m256 x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Dot products of one query row q [dim] with the 8 key rows at kv + off[0..8): lane i holds
+ * q . k_i. Eight independent FMA chains, then a horizontal-add tree that leaves the eight sums
+ * in order in one vector. */
+static inline __m256 score_tile(const float *q, const float *kv, const int64_t *off,
+                                int64_t dim) {
+    __m256 a[TILE];
+    for (int i = 0; i < TILE; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < TILE; i++)
+            a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kv + off[i] + d), a[i]);
+    }
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20),
+                         _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+/* acc[j][d, d + 8 * SLICES) = acc * corr[j] + sum_t p[j][t] v_t[d, d + 8 * SLICES) for H query
+ * heads (p rows CHUNK apart) over the n value rows at v + off[t]. The H x SLICES accumulators
+ * stay in registers over the chunk: each V slice is loaded once for all the heads, and there are
+ * enough independent FMA chains (8 or more in the main tiles) to hide the FMA latency. Called
+ * with constant H and SLICES, so the loops over them unroll. */
+static inline __attribute__((always_inline)) void pv_tile(
+    float *acc, const float *p, const float *corr, const float *v, const int64_t *off,
+    int64_t n, int64_t dim, int64_t d, const int H, const int SLICES) {
+    __m256 a[HEADS * 8];
+    for (int j = 0; j < H; j++)
+        for (int i = 0; i < SLICES; i++)
+            a[j * SLICES + i] = _mm256_mul_ps(_mm256_loadu_ps(acc + j * dim + d + 8 * i),
+                                              _mm256_set1_ps(corr[j]));
+    for (int64_t t = 0; t < n; t++) {
+        __m256 pj[HEADS];
+        for (int j = 0; j < H; j++) pj[j] = _mm256_broadcast_ss(p + j * CHUNK + t);
+        for (int i = 0; i < SLICES; i++) {
+            const __m256 vv = _mm256_loadu_ps(v + off[t] + d + 8 * i);
+            for (int j = 0; j < H; j++)
+                a[j * SLICES + i] = _mm256_fmadd_ps(pj[j], vv, a[j * SLICES + i]);
+        }
+    }
+    for (int j = 0; j < H; j++)
+        for (int i = 0; i < SLICES; i++)
+            _mm256_storeu_ps(acc + j * dim + d + 8 * i, a[j * SLICES + i]);
+}
+
+/* P x V for H (constant) heads over all of dim: register tiles of 4 slices (2 for H = 4, whose
+ * 8 accumulators suffice), then of 2 and 1 slices for what remains of dim. */
+static inline __attribute__((always_inline)) void accumulate_heads(
+    float *acc, const float *p, const float *corr, const float *v, const int64_t *off,
+    int64_t n, int64_t dim, const int H) {
+    int64_t d = 0;
+    if (H == 1)
+        for (; d + 64 <= dim; d += 64) pv_tile(acc, p, corr, v, off, n, dim, d, H, 8);
+    if (H < 4)
+        for (; d + 32 <= dim; d += 32) pv_tile(acc, p, corr, v, off, n, dim, d, H, 4);
+    for (; d + 16 <= dim; d += 16) pv_tile(acc, p, corr, v, off, n, dim, d, H, 2);
+    for (; d < dim; d += 8) pv_tile(acc, p, corr, v, off, n, dim, d, H, 1);
+}
+
+/* P x V for `heads` (1 to HEADS) heads: dispatch to the constant-H variants. */
+static void accumulate(float *acc, const float *p, const float *corr, int heads,
+                       const float *v, const int64_t *off, int64_t n, int64_t dim) {
+    switch (heads) {
+    case 1: accumulate_heads(acc, p, corr, v, off, n, dim, 1); break;
+    case 2: accumulate_heads(acc, p, corr, v, off, n, dim, 2); break;
+    case 3: accumulate_heads(acc, p, corr, v, off, n, dim, 3); break;
+    default: accumulate_heads(acc, p, corr, v, off, n, dim, 4); break;
+    }
+}
+
+/* The cache geometry and head shape of one call. */
+typedef struct {
+    int64_t block_size, num_kv_heads, group, dim;
+} shape;
+
+/* Kv heads h0 .. h1 of one sequence; q and out point at its query head h0 * group. */
+typedef struct {
+    const float *q;
+    float *out;
+    const int32_t *block_table;
+    int64_t seq_len, h0, h1;
+} task;
+
+/* Up to CHUNK consecutive tokens of a sequence: the cache offset of each token's row (all kv
+ * heads). Entries past n repeat the last real row, so a full register tile can always load. */
+typedef struct {
+    int64_t off[CHUNK];
+    int64_t n;
+} chunk;
+
+/* The rows of tokens start .. start + CHUNK (clipped to seq_len) of a block table into c. */
+static void load_chunk(chunk *c, const int32_t *block_table, int64_t seq_len, int64_t start,
+                       const shape *sh) {
+    const int64_t n = seq_len - start < CHUNK ? seq_len - start : CHUNK;
+    const int64_t row = sh->num_kv_heads * sh->dim;
+    int64_t block = start / sh->block_size, pos = start % sh->block_size;
+    for (int64_t t = 0; t < n; t++) {
+        c->off[t] = ((int64_t)block_table[block] * sh->block_size + pos) * row;
+        if (++pos == sh->block_size) {
+            block++;
+            pos = 0;
+        }
+    }
+    for (int64_t t = n; t < CHUNK; t++) c->off[t] = c->off[n - 1];
+    c->n = n;
+}
+
+/* The rows of the chunk that comes next (len floats from k / v + offset), `step` rows a call. */
+typedef struct {
+    const float *k, *v;
+    const chunk *c;  /* NULL: nothing comes next */
+    int64_t next, step, len;
+} prefetcher;
+
+static void prefetch_some(prefetcher *p) {
+    if (!p->c) return;
+    const int64_t end = p->next + p->step < p->c->n ? p->next + p->step : p->c->n;
+    for (; p->next < end; p->next++)
+        for (int64_t d = 0; d < p->len; d += 16) {
+            _mm_prefetch((const char *)(p->k + p->c->off[p->next] + d), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p->v + p->c->off[p->next] + d), _MM_HINT_T0);
+        }
+}
+
+/* Scores of chunk c's tokens for the group's heads into s [group][CHUNK] (k: the kv head's
+ * slice of the cache), then the online softmax step: s becomes the probabilities relative to
+ * the new running max, and corr the factor that rescales what was accumulated under the old
+ * one. Tokens past c->n score -inf (probability 0). Each score tile also moves the prefetcher
+ * on. */
+static void softmax_chunk(const float *q, const float *k, const chunk *c, const shape *sh,
+                          float *s, float *m, float *l, float *corr, prefetcher *pf) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+    const int64_t n = c->n, dim = sh->dim;
+    for (int64_t g = 0; g < sh->group; g++) {
+        float *sg = s + g * CHUNK;
+        __m256 mx = neg_inf;
+        for (int64_t t = 0; t < n; t += TILE) {
+            const __m256 real = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(n - t)), _CMP_LT_OQ);
+            const __m256 sc = _mm256_blendv_ps(neg_inf, score_tile(q + g * dim, k, c->off + t, dim),
+                                               real);
+            _mm256_storeu_ps(sg + t, sc);
+            mx = _mm256_max_ps(mx, sc);
+            prefetch_some(pf);
+        }
+        const float chunk_max = hmax(mx), m_new = m[g] > chunk_max ? m[g] : chunk_max;
+        /* 0 on the first chunk (m = -inf) */
+        corr[g] = _mm256_cvtss_f32(exp_nonpositive(_mm256_set1_ps(m[g] - m_new)));
+        m[g] = m_new;
+        const __m256 mv = _mm256_set1_ps(m_new);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t += TILE) {
+            const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+            _mm256_storeu_ps(sg + t, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        l[g] = l[g] * corr[g] + hsum(sum);
+    }
+}
+
+/* Point pf at `ahead` (rows from kv head h0, h1 - h0 heads wide), spread over all the score
+ * tiles of a chunk of n tokens for kv_heads kv heads: the more thinly the prefetches are spread,
+ * the better they overlapped the arithmetic (in bursts, they queue up like demand misses). */
+static void aim(prefetcher *pf, const float *k_cache, const float *v_cache, const chunk *ahead,
+                int64_t h0, int64_t h1, int64_t n, int64_t kv_heads, const shape *sh) {
+    const int64_t calls = kv_heads * sh->group * ((n + TILE - 1) / TILE);
+    *pf = (prefetcher){k_cache + h0 * sh->dim, v_cache + h0 * sh->dim, ahead, 0,
+                       (ahead->n + calls - 1) / calls, (h1 - h0) * sh->dim};
+}
+
+/* One task: out rows of its query heads = softmax(q K^T) V over its sequence's first seq_len
+ * cached tokens. `next`: the task this thread runs next (or NULL), prefetched at the end. */
+static void decode_task(const task *tk, const task *next, const float *k_cache,
+                        const float *v_cache, const shape *sh, float scale) {
+    const int64_t group = sh->group, dim = sh->dim, kv_heads = tk->h1 - tk->h0;
+    const int64_t heads = kv_heads * group;
+    float qs[STATE], acc[STATE], m[STATE / 8], l[STATE / 8];
+    float s[MAX_GROUP * CHUNK], corr[MAX_GROUP];
+    chunk chunks[2];
+    for (int64_t i = 0; i < heads * dim; i++) {
+        qs[i] = tk->q[i] * scale;
+        acc[i] = 0.0f;
+    }
+    for (int64_t j = 0; j < heads; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    load_chunk(&chunks[0], tk->block_table, tk->seq_len, 0, sh);
+    for (int64_t start = 0, i = 0; start < tk->seq_len; start += CHUNK, i ^= 1) {
+        const chunk *c = &chunks[i];
+        chunk *ahead = &chunks[i ^ 1];
+        prefetcher pf = {0};
+        if (start + CHUNK < tk->seq_len) {
+            load_chunk(ahead, tk->block_table, tk->seq_len, start + CHUNK, sh);
+            aim(&pf, k_cache, v_cache, ahead, tk->h0, tk->h1, c->n, kv_heads, sh);
+        } else if (next) {
+            load_chunk(ahead, next->block_table, next->seq_len, 0, sh);
+            aim(&pf, k_cache, v_cache, ahead, next->h0, next->h1, c->n, kv_heads, sh);
+        }
+        for (int64_t h = tk->h0; h < tk->h1; h++) {
+            const int64_t j = (h - tk->h0) * group;
+            softmax_chunk(qs + j * dim, k_cache + h * dim, c, sh, s, m + j, l + j, corr, &pf);
+            for (int64_t g = 0; g < group; g += HEADS) {
+                const int n_heads = (int)(group - g < HEADS ? group - g : HEADS);
+                accumulate(acc + (j + g) * dim, s + g * CHUNK, corr + g, n_heads,
+                           v_cache + h * dim, c->off, c->n, dim);
+            }
+        }
+    }
+    for (int64_t j = 0; j < heads; j++) {
+        const float inv = 1.0f / l[j];
+        for (int64_t i = 0; i < dim; i++) tk->out[j * dim + i] = acc[j * dim + i] * inv;
+    }
+}
+
+/* Kv heads per task: as many as fit a task's state, but few enough for at least two tasks per
+ * thread, so that few sequences still keep the threads busy. */
+static int64_t heads_per_task(const shape *sh, int64_t num_seqs, int64_t num_threads) {
+    int64_t per = STATE / (sh->group * sh->dim);
+    if (per > sh->num_kv_heads) per = sh->num_kv_heads;
+    while (per > 1 && num_seqs * ((sh->num_kv_heads + per - 1) / per) < 2 * num_threads) per--;
+    return per;
+}
+
+/* Decode attention of the first num_seqs rows of q [*, num_heads, head_dim] (token stride
+ * q_stride, heads contiguous) into out (same shape, contiguous), as described at the top. */
+static void paged_decode(const float *q, int64_t q_stride, const float *k_cache,
+                         const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                         const int32_t *seq_lens, int64_t num_seqs, const shape *sh,
+                         float scale, float *out, int num_threads) {
+    if (num_seqs == 0) return;
+    const int64_t per = heads_per_task(sh, num_seqs, num_threads);
+    const int64_t parts = (sh->num_kv_heads + per - 1) / per, num_tasks = num_seqs * parts;
+    const int64_t row = sh->num_kv_heads * sh->group * sh->dim;
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; s++) total += seq_lens[s] * sh->num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        task mine[2];
+        int have = 0;
+        int64_t before = 0;  /* weight (tokens x kv heads) of the tasks before w */
+        for (int64_t w = 0; w < num_tasks; w++) {
+            const int64_t seq = w / parts, h0 = w % parts * per;
+            const int64_t h1 = h0 + per < sh->num_kv_heads ? h0 + per : sh->num_kv_heads;
+            const int64_t weight = seq_lens[seq] * (h1 - h0);
+            const int64_t owner = threads * (2 * before + weight) / (2 * total);
+            before += weight;
+            if (owner != me) continue;
+            const int64_t first = h0 * sh->group * sh->dim;
+            mine[have] = (task){q + seq * q_stride + first, out + seq * row + first,
+                                block_tables + seq * bt_stride, seq_lens[seq], h0, h1};
+            if (have) {
+                decode_task(&mine[0], &mine[1], k_cache, v_cache, sh, scale);
+                mine[0] = mine[1];
+            }
+            have = 1;
+        }
+        if (have) decode_task(&mine[0], NULL, k_cache, v_cache, sh, scale);
+    }
+}
+
+/* Row t of k and v ([row] floats each, token strides k_stride / v_stride) into cache row
+ * slots[t] of k_cache / v_cache; rows with slot -1 are skipped. */
+static void store_rows(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                       const int64_t *slots, int64_t num_tokens, int64_t row, float *k_cache,
+                       float *v_cache) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row, k + t * k_stride, (size_t)row * sizeof(float));
+        memcpy(v_cache + slots[t] * row, v + t * v_stride, (size_t)row * sizeof(float));
+    }
+}
+
+/* One layer's step: the new rows k / v [num_tokens, num_kv_heads, head_dim] (token strides
+ * k_stride / v_stride) into their cache slots, then the decode attention of the first num_seqs
+ * sequences (whose new token is among those rows). One call, not two: at decode sizes a
+ * ctypes call costs as much as the store itself.
+ * caches [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_tables
+ * [num_seqs, *] with row stride bt_stride; seq_lens [num_seqs] >= 1; out [num_seqs, num_heads,
+ * head_dim] contiguous. head_dim: a multiple of 8, at most MAX_DIM; num_heads / num_kv_heads at
+ * most MAX_GROUP. The caller checks slots, block ids and lengths against the cache. */
+void pagedserve_store_and_decode(const float *q, int64_t q_stride, const float *k,
+                                 int64_t k_stride, const float *v, int64_t v_stride,
+                                 const int64_t *slots, int64_t num_tokens, float *k_cache,
+                                 float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                                 const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 float scale, float *out, int num_threads) {
+    const shape sh = {block_size, num_kv_heads, num_heads / num_kv_heads, head_dim};
+    store_rows(k, k_stride, v, v_stride, slots, num_tokens, num_kv_heads * head_dim, k_cache,
+               v_cache);
+    paged_decode(q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens, num_seqs, &sh,
+                 scale, out, num_threads);
+}
