@@ -15,17 +15,14 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from pagedserve.native.build import function
+
 MAX_GROUP = 16  # query heads per kv head (MAX_GROUP in attention.c)
 MAX_HEAD_DIM = 256  # MAX_DIM in attention.c
 
 
-@cache
+@cache  # once: `function` would hash its 21 argument types on every layer's call
 def _kernel():
-    # build imports pagedserve.model, whose decoder imports native.linear, which needs build
-    # complete: importing build before the model package fails, so the model goes first
-    import pagedserve.model  # noqa: F401
-    from pagedserve.native.build import function
-
     return function("pagedserve_store_and_decode", c_void_p, c_int64, c_void_p, c_int64,
                     c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
                     c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_float, c_void_p,
