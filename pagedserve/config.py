@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 HASH_ALGOS = ("sha256", "xxhash")
@@ -41,7 +41,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: int = 4 << 30  # bytes of CPU memory for swapped-out blocks ("swap" mode)
     # execution
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
     enforce_eager: bool = False  # CUDA: True skips CUDA graphs for decode; CPU is always eager
     # schedule and launch step N+1 before waiting for step N's tokens, so the CPU work of a
     # step overlaps the GPU's; None = on for CUDA, off for the CPU (which runs a step
