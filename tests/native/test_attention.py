@@ -10,10 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from pagedserve.attention import cpu_backend
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.attention.cpu_backend import CpuBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import TorchRefBackend
+from pagedserve.attention.torch_ref import TorchRefBackend, paged_prefill_one
 from pagedserve.native import attention as native
 from tests.attention.paged_case import PagedCase, make_case
 
@@ -108,6 +109,24 @@ def test_backend_prefills_only():
                      prefix_hit_rows=3)
     assert case.meta.num_decodes == 0
     out, ref = run_backends(case)
+    torch.testing.assert_close(out.double(), case.expected, **TOL, msg=f"seed {seed}")
+    torch.testing.assert_close(out, ref, **TOL, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("longest", ["short", "long"])
+def test_backend_prefill_routes(longest, monkeypatch):
+    """Prefills up to MAX_NATIVE_PREFILL_LEN run per token through the kernel; a step with a
+    longer one leaves its prefills to the reference. Both agree with the dense answer."""
+    seed = torch.seed() % 2**31
+    limit = cpu_backend.MAX_NATIVE_PREFILL_LEN
+    last = (limit - 10, 10) if longest == "short" else (limit - 9, 10)
+    case = make_case([(40, 1), (7, 1), (0, 23), (16, 5), last], 9, 3, 64, 16, seed=seed,
+                     prefix_hit_rows=2)
+    calls = []
+    monkeypatch.setattr(cpu_backend, "paged_prefill_one",
+                        lambda *a: calls.append(1) or paged_prefill_one(*a))
+    out, ref = run_backends(case)
+    assert bool(calls) == (longest == "long")
     torch.testing.assert_close(out.double(), case.expected, **TOL, msg=f"seed {seed}")
     torch.testing.assert_close(out, ref, **TOL, msg=f"seed {seed}")
 
