@@ -72,6 +72,9 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("native CPU kernels unavailable (%s): torch ops run instead", e)
         return None
+    finally:
+        if root is None:  # caching off: a loaded library needs no file
+            shutil.rmtree(out_dir, ignore_errors=True)
 
 
 @cache
