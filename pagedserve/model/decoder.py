@@ -28,8 +28,8 @@ from torch import nn
 
 from pagedserve.attention.backend import get_forward_context
 from pagedserve.model import ops
-from pagedserve.native import linear as native_linear
 from pagedserve.model.config import ModelConfig
+from pagedserve.native import linear as native_linear
 
 
 # Row count oneDNN tunes a packed weight's layout for: a decode batch. Any row count works.
@@ -43,7 +43,7 @@ class PackedWeight:
     out the weight on every call and reads it from DRAM before computing. The copy is packed
     for our AVX2 kernel (`native/linear.c`), which streams the weight while it computes, else
     (no C compiler, no AVX2) for oneDNN. On the 2-core dev box one decode step's 120 layer
-    GEMMs + LM head at batch 16 take ~110 ms with `F.linear`, ~65 ms with oneDNN and ~43 ms
+    GEMMs + LM head at batch 16 take ~110 ms with `F.linear`, ~65 ms with oneDNN and ~37 ms
     with the kernel (docs/benchmarks.md). Products and float32 accumulation are the same; only
     the summation order differs, so results differ from `F.linear` in the last bits (tests hold
     logits to transformers' within 5e-4 and greedy tokens exactly). The copy costs the
