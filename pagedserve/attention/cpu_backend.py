@@ -1,4 +1,4 @@
-"""CPU attention backend: the native paged-decode kernel for decodes, torch for prefills.
+"""CPU attention backend: the native paged-decode kernel for decodes and short prefills.
 
 The decode step is where the CPU engine spends its attention time, and there the reference's
 gather of every decode's context into a padded copy costs more than the attention itself; the
@@ -8,7 +8,7 @@ call as one decode per new token (token i of a chunk of n ending at seq_len L at
 first L - n + i + 1 tokens, which the store has just completed): each token then re-reads its
 context, cheap while contexts are short (chat prompts: 37 tokens, 0.3 ms per sequence and
 layer through the reference's SDPA, ~0.14 s of a 0.6 s prefill step). A step with a longer
-prefill keeps the reference's `paged_prefill_one` for its prefills, whose tiled SDPA reuses
+prefill keeps the reference's `paged_prefills` for its prefills, whose tiled SDPA reuses
 each K/V row across queries.
 
 The kernel trusts the block ids, slots and lengths it is given, so those are checked once per
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import TorchRefBackend, paged_prefill_one
+from pagedserve.attention.torch_ref import TorchRefBackend, paged_prefills
 from pagedserve.native import attention as native
 
 
@@ -80,7 +80,7 @@ class CpuBackend(AttentionBackend):
         indices = step_indices(meta, k_cache)
         native.store_and_decode(q, k, v, k_cache, v_cache, indices, scale, out)
         if indices.seq_lens.shape[0] < q.shape[0]:  # prefills left to the reference
-            _prefills(q, k_cache, v_cache, meta, scale, out)
+            paged_prefills(q, k_cache, v_cache, meta, scale, out)
         return out
 
     @staticmethod
@@ -88,14 +88,3 @@ class CpuBackend(AttentionBackend):
         """Whether the kernel takes this layer: float32 on the CPU, a supported head shape."""
         return (q.dtype == k_cache.dtype == torch.float32 and q.is_cpu
                 and native.supports(q.shape[1], k_cache.shape[2], k_cache.shape[3]))
-
-
-def _prefills(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-              scale: float, out: Tensor) -> None:
-    """The prefill sequences (after the decodes), one reference SDPA each, into out."""
-    starts = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
-    for i in range(meta.num_decodes, meta.num_seqs):
-        s, e = starts[i], starts[i + 1]
-        out[s:e] = paged_prefill_one(q[s:e], k_cache, v_cache, meta.block_tables[i],
-                                     seq_lens[i], scale)

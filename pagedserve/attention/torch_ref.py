@@ -140,6 +140,18 @@ def paged_prefill_one(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: 
     return out.transpose(0, 1).to(q.dtype)
 
 
+def paged_prefills(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                   scale: float, out: Tensor) -> None:
+    """The step's prefill sequences (after the decodes), one `paged_prefill_one` each, into
+    out's rows."""
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for i in range(meta.num_decodes, meta.num_seqs):
+        s, e = starts[i], starts[i + 1]
+        out[s:e] = paged_prefill_one(q[s:e], k_cache, v_cache, meta.block_tables[i],
+                                     seq_lens[i], scale)
+
+
 class TorchRefBackend(AttentionBackend):
     """Reference backend that runs on any device torch supports."""
 
@@ -156,10 +168,5 @@ class TorchRefBackend(AttentionBackend):
             out[:nd] = paged_decode(q[:nd], k_cache, v_cache, plan.decode_slots,
                                     plan.decode_mask, scale)
         if num_seqs > nd:
-            starts = meta.query_start_loc.tolist()
-            seq_lens = meta.seq_lens.tolist()
-            for i in range(nd, num_seqs):
-                s, e = starts[i], starts[i + 1]
-                out[s:e] = paged_prefill_one(q[s:e], k_cache, v_cache, meta.block_tables[i],
-                                             seq_lens[i], scale)
+            paged_prefills(q, k_cache, v_cache, meta, scale, out)
         return out

@@ -60,17 +60,18 @@ class PackedWeight:
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        native = native_linear.available()
         if torch.is_grad_enabled() or x.device.type != "cpu" or (
             x.dtype != torch.float32 or weight.dtype != torch.float32
-        ) or weight.is_inference() or not (native_linear.available() or _ONEDNN):
+        ) or weight.is_inference() or not (native or _ONEDNN):
             return F.linear(x, weight, bias)  # (an inference tensor has no version counter)
         key = (weight.data_ptr(), weight._version)
         if weight is not self._source or key != self._key:
-            self._packed = (native_linear.pack(weight.detach()) if native_linear.available() else
+            self._packed = (native_linear.pack(weight.detach()) if native else
                             torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
                                                                     PACK_ROWS_HINT))
             self._source, self._key = weight, key
-        if native_linear.available():
+        if native:
             return native_linear.linear(x, self._packed, weight.shape[0], bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
 

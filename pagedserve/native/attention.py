@@ -21,7 +21,7 @@ MAX_GROUP = 16  # query heads per kv head (MAX_GROUP in attention.c)
 MAX_HEAD_DIM = 256  # MAX_DIM in attention.c
 
 
-@cache  # once: `function` would hash its 21 argument types on every layer's call
+@cache
 def _kernel():
     return function("pagedserve_store_and_decode", c_void_p, c_int64, c_void_p, c_int64,
                     c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64,

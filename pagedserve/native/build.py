@@ -77,12 +77,12 @@ def library() -> ctypes.CDLL | None:
             shutil.rmtree(out_dir, ignore_errors=True)
 
 
-@cache
-def function(name: str, *argtypes) -> ctypes._CFuncPtr | None:
-    """The C function `name` with its argument types set, or None without the library."""
+def function(name: str, *argtypes, restype=None) -> ctypes._CFuncPtr | None:
+    """The C function `name` with its argument and result types set, or None without the
+    library. Each wrapper looks its functions up once (functools.cache) and keeps them."""
     lib = library()
     if lib is None:
         return None
     fn = getattr(lib, name)
-    fn.argtypes, fn.restype = list(argtypes), None
+    fn.argtypes, fn.restype = list(argtypes), restype
     return fn

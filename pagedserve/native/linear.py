@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ctypes import c_int, c_int64, c_void_p
+from functools import cache
 
 import torch
 
@@ -11,6 +12,7 @@ from pagedserve.native.build import function
 PANEL = 24  # output columns per packed panel (NR in linear.c)
 
 
+@cache
 def _kernel():
     return function("pagedserve_linear", c_void_p, c_int64, c_int64, c_void_p, c_int64,
                     c_void_p, c_void_p, c_int)

@@ -26,12 +26,10 @@ def _add_rms_norm():
 
 @cache
 def _rotate_qk():
-    fn = function("pagedserve_rotate_qk", c_void_p, c_int64, c_int64, c_int64, c_void_p,
-                   c_int64, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p,
-                   c_float, c_int)
-    if fn is not None:
-        fn.restype = c_int64  # -1, or the first token whose position is outside the tables
-    return fn
+    # returns -1, or the first token whose position is outside the tables
+    return function("pagedserve_rotate_qk", c_void_p, c_int64, c_int64, c_int64, c_void_p,
+                    c_int64, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p,
+                    c_float, c_int, restype=c_int64)
 
 
 @cache

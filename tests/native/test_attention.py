@@ -14,7 +14,7 @@ from pagedserve.attention import cpu_backend
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.attention.cpu_backend import CpuBackend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import TorchRefBackend, paged_prefill_one
+from pagedserve.attention.torch_ref import TorchRefBackend, paged_prefills
 from pagedserve.native import attention as native
 from tests.attention.paged_case import PagedCase, make_case
 
@@ -123,8 +123,8 @@ def test_backend_prefill_routes(longest, monkeypatch):
     case = make_case([(40, 1), (7, 1), (0, 23), (16, 5), last], 9, 3, 64, 16, seed=seed,
                      prefix_hit_rows=2)
     calls = []
-    monkeypatch.setattr(cpu_backend, "paged_prefill_one",
-                        lambda *a: calls.append(1) or paged_prefill_one(*a))
+    monkeypatch.setattr(cpu_backend, "paged_prefills",
+                        lambda *a: calls.append(1) or paged_prefills(*a))
     out, ref = run_backends(case)
     assert bool(calls) == (longest == "long")
     torch.testing.assert_close(out.double(), case.expected, **TOL, msg=f"seed {seed}")
