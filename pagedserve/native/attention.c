@@ -35,6 +35,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define CHUNK 16       /* tokens per online-softmax step and per prefetch step */
 #define TILE 8         /* tokens per score register tile */
 #define HEADS 4        /* query heads whose accumulators stay in registers during P x V */
@@ -42,34 +44,11 @@
 #define MAX_DIM 256
 #define STATE (MAX_GROUP * MAX_DIM)  /* floats of query and of accumulator state per task */
 
-/* exp(x) for x <= 0, to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree 7
- * Taylor polynomial (truncation below 1e-8 relative), times 2^n built in the exponent bits.
- * Below -87 (including -inf, the masked tokens) the result is 0. */
+/* exp(x) for the softmax, where x <= 0: 0 below -87 and for NaN (-inf - -inf, a head whose
+ * running max is still -inf), so such a term drops out instead of poisoning the sums. */
 static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 lowest = _mm256_set1_ps(-87.0f);
-    const __m256 valid = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
-    x = _mm256_max_ps(x, lowest);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-6f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), valid);
-}
-
-static inline float hsum(__m256 x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    const __m256 valid = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    return _mm256_and_ps(exp256(x), valid);
 }
 
 static inline float hmax(__m256 x) {

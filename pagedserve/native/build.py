@@ -29,13 +29,14 @@ from pagedserve.cache import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # shared by the sources: in the hash too
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _compile(out_dir: Path) -> Path:
     compiler = os.environ.get("CC", "cc")
     digest = hashlib.sha256(" ".join([compiler, *FLAGS]).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.name.encode() + source.read_bytes())
     target = out_dir / f"pagedserve-native-{digest.hexdigest()[:16]}.so"
     if target.exists():

@@ -24,6 +24,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 /* Elements a call must touch before it is split over threads: torch's own grain size for
  * elementwise ops (at::internal::GRAIN_SIZE). Below it a second thread saves little (on the
  * 2-core dev box at 16 tokens: 1 us of a norm's 3, 4 us of a SiLU * up's 18) and risks much: a
@@ -61,13 +63,6 @@ static inline __m256 rounded(__m256 v) {
 static inline float rounded1(float v) {
     __asm__("" : "+x"(v));
     return v;
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 static float sum_squares(const float *x, int64_t n) {
@@ -210,33 +205,6 @@ int64_t pagedserve_rotate_qk(float *qkv, int64_t ld_token, int64_t ld_head, int6
                                      ld_token, ld_head, hq, hkv, d, eps};
     for_rows(rotate_rows, &args, tokens, tokens * (hq + hkv) * d, num_threads);
     return -1;
-}
-
-/* e^x within an ulp, for x < 88.73 and any x down to -inf (below -104 it is 0); NaN stays NaN.
- * x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact), e^r by a degree-7
- * polynomial, then 2^n in two factors so that neither the overflow at n = 128 nor a subnormal
- * result needs a special case. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x); /* operand order keeps NaN */
-    x = _mm256_min_ps(_mm256_set1_ps(88.73f), x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
 /* gate / (1 + exp(-gate)), rounded to float32, then times up (F.silu(gate).mul_(up)). */
