@@ -1,0 +1,122 @@
+"""The CPU engine's decode step: its GEMMs on each kernel, and where an engine step goes.
+
+Run from the repo root: `python -m benchmarks.cpu_kernels [--rows 16] [--repeats 15]`.
+
+  gemms   one decode step's 120 layer GEMMs + LM head of the default model (SmolLM2-135M:
+          hidden 576, intermediate 1536, 30 layers, vocab 49152) at `--rows` rows, weights
+          cold (538 MB, more than any cache): oneDNN prepacked (`_linear_pointwise`, the path
+          before the native kernel) and the native kernel, interleaved; min and median.
+  step    the bench's workload (16 chat prompts, greedy) through the engine after a warm-up
+          request: the prefill step,
+          then the mean of 20 decode steps, split into the GEMMs (native kernel calls),
+          attention (the backend's forward) and the LM head.
+
+The dev box is shared: compare only figures of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from pagedserve.native import linear as native_linear
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
+LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
+                (HIDDEN, INTERMEDIATE)]  # (out, in): qkv, o, gate_up, down
+
+
+def bench_gemms(rows: int, repeats: int) -> None:
+    shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
+    weights = [torch.randn(n, k) * 0.05 for n, k in shapes]
+    inputs = {k: torch.randn(rows, k) for _, k in shapes}
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+    native = [native_linear.pack(w) for w in weights]
+    runs: dict[str, Callable[[], None]] = {
+        "oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(
+            inputs[k], p, None, "none", [], "") for (_, k), p in zip(shapes, onednn)],
+        "native": lambda: [native_linear.linear(inputs[k], p, n)
+                           for (n, k), p in zip(shapes, native)],
+    }
+    times = defaultdict(list)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) * 1000)
+    print(f"decode-step GEMMs at {rows} rows, {torch.get_num_threads()} threads:")
+    for name, values in times.items():
+        print(f"  {name:14s} min {min(values):6.1f} ms   median {statistics.median(values):6.1f} ms")
+
+
+def bench_step() -> None:
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.entrypoints.cli import _build_engine, bench_prompts, build_parser
+
+    args = build_parser(["bench"]).parse_args(["bench", "--kv-cache-memory", "256M"])
+    engine = _build_engine(args)
+    prompts = bench_prompts(args, engine.tokenizer)
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                spent[label] += time.perf_counter() - start
+        setattr(owner, name, wrapper)
+
+    runner = engine.model_runner
+    timed(native_linear, "linear", "GEMMs (incl. LM head)")
+    timed(runner.backend, "forward", "attention")
+    timed(runner.model, "compute_logits", "LM head")
+    engine.add_request("warmup", None, SamplingParams(max_tokens=2), prompt_token_ids=[1, 2, 3])
+    while engine.has_unfinished_requests():  # packs the weights, as the bench's warm-up does
+        engine.step()
+    engine.kv_cache_manager.reset_prefix_cache()
+    spent.clear()
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"bench-{i}", None, params, prompt_token_ids=ids)
+
+    def report(title: str, steps: int) -> None:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        print(f"{title}: {(time.perf_counter() - start) / steps * 1000:.1f} ms "
+              f"({type(runner.backend).__name__})")
+        for label, seconds in spent.items():
+            print(f"  {label:22s} {seconds / steps * 1000:6.1f} ms")
+        spent.clear()
+
+    report("prefill step", 1)
+    for _ in range(3):
+        engine.step()
+    spent.clear()
+    report("decode step (mean of 20)", 20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16, help="rows of the GEMM inputs")
+    parser.add_argument("--repeats", type=int, default=15, help="interleaved timed rounds")
+    parser.add_argument("--only", choices=["gemms", "step"], help="run one part")
+    args = parser.parse_args()
+    if not native_linear.available():
+        raise SystemExit("the native kernels are unavailable here (see pagedserve.native.build)")
+    if args.only != "step":
+        bench_gemms(args.rows, args.repeats)
+    if args.only != "gemms":
+        bench_step()
+
+
+if __name__ == "__main__":
+    main()
