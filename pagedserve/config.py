@@ -32,6 +32,9 @@ class EngineConfig:
     cpu_kv_cache_cap: int = 2 << 30  # CPU: never take more than this by default
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    # root of the block-hash chain; None = random per process (hashes cannot be predicted
+    # across tenants); replicas behind a prefix-aware router set the same seed
+    prefix_caching_hash_seed: str | None = None
     # scheduling
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

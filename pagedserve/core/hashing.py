@@ -2,8 +2,10 @@
 
 A block's KV depends on every token before it (attention is causal), so the key of block i
 is hash(parent_hash, tokens of block i, extra_keys): two blocks share a key only if their
-whole ancestry matches. The chain starts from a root seed (random per process unless set,
-so keys are not predictable across tenants; fixed when reproducibility is wanted).
+whole ancestry matches. The chain starts from a root seed: random per process unless set, so
+keys are not predictable across tenants; fixed (an engine's `prefix_caching_hash_seed`, or
+`set_hash_algo(seed=...)` for the whole process) where hashes must agree across processes,
+e.g. replicas behind a router that sends a prompt to the replica caching its prefix.
 
 Serialization is fixed-width and length-prefixed, so distinct inputs cannot produce the same
 byte string: parent digest (always `digest_size` bytes, the root seed included), token count,
@@ -28,7 +30,7 @@ BlockHash = bytes | int
 """Opaque; equal content and ancestry give equal hashes. Ours are always `bytes`."""
 
 
-def _root_from_seed(seed: int | None) -> bytes:
+def _root_from_seed(seed: int | str | None) -> bytes:
     if seed is None:
         return os.urandom(32)
     return hashlib.sha256(b"pagedserve-root:" + str(seed).encode()).digest()
@@ -46,10 +48,16 @@ class BlockHasher:
     block: converting Python ints to bytes block by block costs as much as the digest.
     """
 
-    def __init__(self, name: str, new: Callable[[bytes], Any], digest_size: int) -> None:
+    def __init__(self, name: str, new: Callable[[bytes], Any], digest_size: int,
+                 root: bytes | None = None) -> None:
         self.name = name
         self._new = new
         self.digest_size = digest_size
+        self._root = root  # None: the process-wide root seed, read at each call
+
+    def with_seed(self, seed: int | str) -> BlockHasher:
+        """The same algorithm with its own root from `seed` (same seed, same hashes)."""
+        return BlockHasher(self.name, self._new, self.digest_size, _root_from_seed(seed))
 
     def __call__(self, parent_hash: BlockHash | None, token_ids: Sequence[int],
                  extra_keys: tuple | None = None) -> bytes:
@@ -63,7 +71,7 @@ class BlockHasher:
             raise ValueError(f"{len(token_ids)} tokens are not {num_blocks} blocks of "
                              f"{block_size}")
         if parent_hash is None:
-            parent = _root_seed[:self.digest_size]
+            parent = (self._root or _root_seed)[:self.digest_size]
         elif isinstance(parent_hash, bytes) and len(parent_hash) == self.digest_size:
             parent = parent_hash
         else:
@@ -94,13 +102,15 @@ _HASHERS = {"sha256": BlockHasher("sha256", hashlib.sha256, 32),
             "xxhash": BlockHasher("xxhash", xxhash.xxh3_128, 16)}
 
 
-def get_hash_fn(name: str) -> BlockHasher:
-    """The block hash function for algorithm `name` ("sha256" or "xxhash")."""
+def get_hash_fn(name: str, seed: int | str | None = None) -> BlockHasher:
+    """The block hash function for algorithm `name` ("sha256" or "xxhash"), rooted at `seed`
+    (None: the process-wide root)."""
     try:
-        return _HASHERS[name]
+        hasher = _HASHERS[name]
     except KeyError:
         raise ValueError(f"unknown hash algorithm {name!r}; choose one of "
                          f"{sorted(_HASHERS)}") from None
+    return hasher if seed is None else hasher.with_seed(seed)
 
 
 def set_hash_algo(name: str = "sha256", seed: int | None = None) -> None:

@@ -42,13 +42,15 @@ class KVCacheManager:
     """Allocates and frees a request's blocks; the scheduler's only view of KV memory."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 hash_algo: str = "sha256", log_stats: bool = True) -> None:
+                 hash_algo: str = "sha256", log_stats: bool = True,
+                 hash_seed: int | str | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        self.block_pool = BlockPool(num_blocks, enable_caching, get_hash_fn(hash_algo))
+        self.block_pool = BlockPool(num_blocks, enable_caching,
+                                    get_hash_fn(hash_algo, hash_seed))
         self.prefix_cache_stats = PrefixCacheStats()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}

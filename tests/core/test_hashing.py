@@ -1,7 +1,14 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from pagedserve.core import hashing
 from pagedserve.core.hashing import get_hash_fn, hash_block_tokens, set_hash_algo
+
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 @pytest.fixture(params=["sha256", "xxhash"])
@@ -72,3 +79,34 @@ def test_chain_equals_block_by_block_hashing(algo):
         hasher.chain(None, tokens, 4, extras[:2])
     with pytest.raises(ValueError, match="64-bit"):
         hasher(None, [2**70])
+
+
+def _hash_in_fresh_process(algo: str, seed: str | None) -> str:
+    """First block's hash computed by a new interpreter, as a replica would."""
+    code = ("import sys; from pagedserve.core.hashing import get_hash_fn; "
+            "seed = sys.argv[2] if len(sys.argv) > 2 else None; "
+            "print(get_hash_fn(sys.argv[1], seed)(None, [1, 2, 3, 4]).hex())")
+    args = [algo] + ([seed] if seed is not None else [])
+    out = subprocess.run([sys.executable, "-c", code, *args], check=True, text=True,
+                         capture_output=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+def test_a_hash_seed_gives_replicas_equal_hashes(algo):
+    """Two processes agree on block hashes exactly when they share a seed; a seeded hasher
+    ignores the process-wide root, so engines in one process keep their own seeds."""
+    replica = _hash_in_fresh_process(algo, "fleet-1")
+    assert replica == get_hash_fn(algo, "fleet-1")(None, [1, 2, 3, 4]).hex()
+    assert replica != _hash_in_fresh_process(algo, "fleet-2")
+    assert _hash_in_fresh_process(algo, None) != _hash_in_fresh_process(algo, None)
+    assert get_hash_fn(algo, 7)(None, [1]) == get_hash_fn(algo, "7")(None, [1])
+
+
+def test_kv_cache_manager_uses_its_seed():
+    from pagedserve.core.kv_cache_manager import KVCacheManager
+
+    a, b = (KVCacheManager(8, 4, hash_seed="s") for _ in range(2))
+    assert a.block_pool.hash_fn(None, [1, 2, 3, 4]) == b.block_pool.hash_fn(None, [1, 2, 3, 4])
+    assert KVCacheManager(8, 4).block_pool.hash_fn(None, [1, 2, 3, 4]) != \
+        a.block_pool.hash_fn(None, [1, 2, 3, 4])

@@ -1,39 +1,155 @@
-"""The CLI's engine flags reach EngineConfig under their own names (a typo in either place
-would silently drop an option or crash `pagedserve` at start-up)."""
+"""The engine flags: one group, shared by every command, reaching EngineConfig under their own
+names, each with help and its default, and the README's list generated from the same table."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
+import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.entrypoints.cli import build_parser, engine_options
+from pagedserve.entrypoints import engine_args
+from pagedserve.entrypoints.cli import build_parser, cli_engine_options, main
+from pagedserve.entrypoints.engine_args import (ENGINE_ARGS, NOT_FLAGS, engine_options,
+                                                format_size, parse_size)
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+COMMANDS = {"generate": ["generate", "hello"], "chat": ["chat"], "bench": ["bench"],
+            "serve": ["serve"]}
 
 
-def _options(*argv: str) -> dict:
-    args = ["generate", "hello", *argv]
-    return engine_options(build_parser(args).parse_args(args))
+def _parse(command: str, *argv: str) -> argparse.Namespace:
+    args = [*COMMANDS[command], *argv]
+    return build_parser(args).parse_args(args)
 
 
-def test_every_engine_flag_is_an_engine_config_field():
+def test_every_engine_config_field_has_a_flag_or_a_reason():
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(_options()) <= fields
-    EngineConfig(**_options())  # defaults validate
+    flagged = [arg.field for arg in ENGINE_ARGS]
+    assert len(flagged) == len(set(flagged))
+    assert set(flagged) | set(NOT_FLAGS) == fields
+    assert not set(flagged) & set(NOT_FLAGS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_the_whole_group_and_defaults_validate(command):
+    options = engine_options(_parse(command))
+    assert set(options) == {arg.field for arg in ENGINE_ARGS}
+    defaults = EngineConfig()
+    assert options == {name: getattr(defaults, name) for name in options}
+
+
+# a non-default value for every flag (the engine options the issue found missing on serve
+# included); every command must carry each one through to EngineConfig
+NON_DEFAULT = [
+    ("--model", "m.gguf", "model", "m.gguf"), ("--tokenizer", "t", "tokenizer", "t"),
+    ("--dtype", "bfloat16", "dtype", "bfloat16"), ("--device", "cpu", "device", "cpu"),
+    ("--block-size", "32", "block_size", 32),
+    ("--kv-cache-memory", "64M", "kv_cache_memory", 64 << 20),
+    ("--gpu-memory-utilization", "0.5", "gpu_memory_utilization", 0.5),
+    ("--cpu-kv-cache-fraction", "0.1", "cpu_kv_cache_fraction", 0.1),
+    ("--cpu-kv-cache-cap", "1G", "cpu_kv_cache_cap", 1 << 30),
+    ("--no-prefix-caching", None, "enable_prefix_caching", False),
+    ("--prefix-caching-hash-algo", "xxhash", "prefix_caching_hash_algo", "xxhash"),
+    ("--prefix-caching-hash-seed", "fleet", "prefix_caching_hash_seed", "fleet"),
+    ("--max-num-seqs", "8", "max_num_seqs", 8),
+    ("--max-num-batched-tokens", "512", "max_num_batched_tokens", 512),
+    ("--max-model-len", "1024", "max_model_len", 1024),
+    ("--preemption-mode", "swap", "preemption_mode", "swap"),
+    ("--swap-space", "512M", "swap_space", 512 << 20),
+    ("--attention-backend", "torch", "attention_backend", "torch"),
+    ("--enforce-eager", None, "enforce_eager", True),
+    ("--no-async-scheduling", None, "async_scheduling", False),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_reaches_engine_config(command):
+    argv = [part for flag, value, _, _ in NON_DEFAULT for part in (flag, value) if part]
+    options = engine_options(_parse(command, *argv))
+    assert options == {name: value for _, _, name, value in NON_DEFAULT}
+    EngineConfig(**options)
+    assert {name for _, _, name, _ in NON_DEFAULT} == {arg.field for arg in ENGINE_ARGS}
 
 
 @pytest.mark.parametrize("flag, expected", [([], None), (["--async-scheduling"], True),
                                             (["--no-async-scheduling"], False)])
 def test_async_scheduling_flag(flag, expected):
-    options = _options(*flag)
+    options = engine_options(_parse("serve", *flag))
     assert options["async_scheduling"] is expected
     assert EngineConfig(**options).async_scheduling is expected
 
 
-def test_flags_carry_their_values():
-    options = _options("--block-size", "32", "--max-num-seqs", "8", "--preemption-mode", "swap",
-                       "--kv-cache-memory", "64M", "--no-prefix-caching", "--enforce-eager")
-    assert (options["block_size"], options["max_num_seqs"], options["preemption_mode"]) == (
-        32, 8, "swap")
-    assert options["kv_cache_memory"] == 64 << 20
-    assert options["enable_prefix_caching"] is False and options["enforce_eager"] is True
+def test_command_seed_also_seeds_the_engine():
+    assert cli_engine_options(_parse("generate", "--seed", "5"))["seed"] == 5
+    assert "seed" not in cli_engine_options(_parse("generate"))
+    assert _parse("serve", "--seed", "3").seed == 3
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_engine_option_shows_help_and_default(command):
+    parser = build_parser(COMMANDS[command])
+    sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001
+    group = next(g for g in sub._action_groups if g.title == "engine options")  # noqa: SLF001
+    assert len(group._group_actions) == len(ENGINE_ARGS)  # noqa: SLF001
+    text = sub.format_help()
+    for arg in ENGINE_ARGS:
+        assert f"(default: {engine_args.shown_default(arg)})" in " ".join(text.split())
+
+
+def test_auto_defaults_show_their_meaning():
+    """A None default is shown as what it means ("auto" unless told), never as "None"."""
+    for arg in ENGINE_ARGS:
+        assert engine_args.shown_default(arg) != "None"
+    seed = next(a for a in ENGINE_ARGS if a.field == "prefix_caching_hash_seed")
+    assert "random" in engine_args.shown_default(seed)
+
+
+def test_readme_lists_exactly_the_engine_options():
+    block = engine_args.readme_block(README.read_text())
+    assert block is not None, "README lost its generated engine-options block"
+    assert block == engine_args.markdown(), (
+        "README's engine options are stale: run "
+        "`python -m pagedserve.entrypoints.engine_args --readme README.md`")
+
+
+@pytest.mark.parametrize("text, size", [("536870912", 512 << 20), ("512M", 512 << 20),
+                                        ("2G", 2 << 30), ("2GiB", 2 << 30), ("1.5g", 3 << 29),
+                                        ("64k", 64 << 10), ("100B", 100)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+    assert parse_size(format_size(size)) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "2X", "-1G", "1e9"])
+def test_bad_sizes_are_argparse_errors(text, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _parse("serve", f"--kv-cache-memory={text}")
+    assert exit_.value.code == 2
+    assert "not a size" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("pagedserve ") and len(out.splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_on_a_cpu_only_torch_is_one_line(device, capsys):
+    assert main(["generate", "hi", "--device", device]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("pagedserve: error:") and device in err and "no CUDA" in err
+
+
+def test_unknown_device_is_one_line(capsys):
+    assert main(["generate", "hi", "--device", "gpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown device 'gpu'" in err

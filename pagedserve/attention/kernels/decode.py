@@ -23,23 +23,25 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.attention.kernels.precision import dot_precision
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
-                 HEAD_DIM: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step of q over the K/V rows at offsets `row` (masked by n_mask)."""
     offs_d = tl.arange(0, HEAD_DIM)
     k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -47,7 +49,8 @@ def _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
 def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, qk_scale,
                   stride_kb, stride_kt, stride_kh,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     """Online-softmax attention of q [GROUP_PAD, D] over context positions [start, end).
 
     Returns (max, sum-exp, unnormalized output) in the log2 domain.
@@ -62,7 +65,7 @@ def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, qk_scale,
         row = (block.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
                + kv_head * stride_kh)
         m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
-                                     HEAD_DIM)
+                                     HEAD_DIM, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -79,7 +82,8 @@ def _load_tile_blocks(bt_row_ptr, tile, row_blocks, BLOCK_SIZE: tl.constexpr,
 def _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end, qk_scale,
                       row_blocks, stride_kb, stride_kt, stride_kh,
                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """`_attend_range` with the first tile's block ids given (`block`, loaded before the
     sequence length was known) and each next tile's loaded one iteration ahead."""
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -92,7 +96,7 @@ def _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end, q
                + kv_head * stride_kh)
         block = _load_tile_blocks(bt_row_ptr, tile + BLOCK_N, row_blocks, BLOCK_SIZE, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
-                                     HEAD_DIM)
+                                     HEAD_DIM, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -112,7 +116,8 @@ def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qk_sca
                       stride_qs, stride_qh, stride_os, stride_oh,
                       stride_kb, stride_kt, stride_kh, stride_bts,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -120,7 +125,7 @@ def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qk_sca
                                      GROUP, GROUP_PAD, HEAD_DIM)
     m_i, l_i, acc = _attend_range(q, k_ptr, v_ptr, bt_ptr + seq * stride_bts, kv_head, 0,
                                   seq_len, qk_scale, stride_kb, stride_kt, stride_kh,
-                                  GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
+                                  GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
     out = acc / l_i[:, None]
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
@@ -169,7 +174,8 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
                       stride_kb, stride_kt, stride_kh, stride_bts,
                       NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                       GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -187,7 +193,8 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
     end = tl.minimum(start + partition, seq_len)
     m_i, l_i, acc = _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end,
                                       qk_scale, row_blocks, stride_kb, stride_kt, stride_kh,
-                                      GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N)
+                                      GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                      DOT_PRECISION)
     offs_d = tl.arange(0, HEAD_DIM)
     num_parts = tl.cdiv(seq_len, partition)
     if num_parts == 1:  # a short sequence of the batch: nothing to merge
@@ -238,7 +245,8 @@ def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
@@ -267,8 +275,8 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         k_cache.stride(2), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group,
         GROUP_PAD=_group_pad(group), GROUP_P2=group_p2,
         MERGE_CHUNK=max(2, MERGE_ROWS // group_p2), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        num_stages=_v2_stages(cfg.num_stages))
+        BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=_v2_stages(cfg.num_stages))
     return out
 
 

@@ -1,8 +1,8 @@
 """`python -m pagedserve.entrypoints.server`: the same as `pagedserve serve`."""
 
-import argparse
+import sys
 
-from pagedserve.entrypoints.server.api_server import add_serve_args, run_server
+from pagedserve.entrypoints.cli import main
 
 if __name__ == "__main__":
-    run_server(add_serve_args(argparse.ArgumentParser(prog="pagedserve serve")).parse_args())
+    sys.exit(main(["serve", *sys.argv[1:]]))

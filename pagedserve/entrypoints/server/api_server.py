@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pagedserve.entrypoints.engine_args import engine_options
 from pagedserve.entrypoints.server.async_engine import AsyncEngine
 from pagedserve.entrypoints.server.errors import install_error_handlers
 from pagedserve.entrypoints.server.metrics import ServerMetrics
@@ -82,33 +83,21 @@ def _max_model_len(engine: Any) -> int:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default=None,
-                        help="HF folder or .gguf file (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default=None,
-                        help="name clients pass as `model` (default: from the model path)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=None,
-                        help="bytes for the KV cache (default: sized from free memory)")
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                        action="store_false", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--attention-backend", default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--graceful-timeout", type=float, default=5.0,
-                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
-    parser.add_argument("--log-level", default="info")
+    """The server's own options; the engine's come from `engine_args.add_engine_args`."""
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                       "(default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on "
+                       "(default: %(default)s)")
+    group.add_argument("--served-model-name", default=None, help="name clients pass as "
+                       "`model` (default: the model file's or folder's name)")
+    group.add_argument("--seed", type=int, default=0, help="seeds the engine's generator for "
+                       "requests without a seed (default: %(default)s)")
+    group.add_argument("--graceful-timeout", type=float, default=5.0, help="seconds in-flight "
+                       "requests get to finish on SIGINT/SIGTERM (default: %(default)s)")
+    group.add_argument("--log-level", default="info", choices=["critical", "error", "warning",
+                       "info", "debug"], help="server log verbosity (default: %(default)s)")
     return parser
-
-
-_ENGINE_ARGS = ("model", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "block_size", "kv_cache_memory", "enable_prefix_caching", "dtype", "device",
-                "attention_backend", "seed")
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -116,8 +105,7 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedserve.engine.llm_engine import LLMEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    options = {k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k) is not None}
-    engine = LLMEngine.from_options(**options)
+    engine = LLMEngine.from_options(**engine_options(args), seed=args.seed)
     name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
     aliases = (args.model,) if args.model else ()
     app = build_app(engine, name, aliases)

