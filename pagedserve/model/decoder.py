@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.backend import get_forward_context
-from pagedserve.model import ops
+from pagedserve.model import ops, parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.native import linear as native_linear
 
@@ -88,6 +88,17 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
+    """A Linear over this rank's slice of the input features (tensor parallelism): the
+    partial products are summed over the ranks (all-reduce), then the bias is added once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if parallel.get_tp().size == 1:
+            return super().forward(x)
+        y = parallel.all_reduce_(self.packed.linear(x, self.weight))
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -159,14 +170,16 @@ class RotaryEmbedding:
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        # this rank's heads (all of them without tensor parallelism): see `parallel`
+        self.num_heads = len(parallel.local_q_heads(config))
+        self.num_kv_heads = len(parallel.local_kv_heads(config))
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(
-            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
-        )
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size,
+                               (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
+                               bias=config.qkv_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                        bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # Paged caches [num_blocks, block_size, num_kv_heads, head_dim], bound by the runner
@@ -197,10 +210,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        intermediate = parallel.local_intermediate(config)  # this rank's slice
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate, config.hidden_size,
+                                           bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -246,19 +259,14 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        # An explicit (uninitialised) weight: Embedding's default normal_ init on the meta device
-        # imports torch._dynamo, ~2 s of every start-up, for values the loader overwrites.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size,
-            config.hidden_size,
-            _weight=torch.empty(config.vocab_size, config.hidden_size),
-        )
+        # this rank's vocabulary rows (all of them without tensor parallelism)
+        self.embed_tokens = parallel.VocabParallelEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, len(parallel.local_vocab(config)), bias=False)
         )
         self.lm_head_packed = PackedWeight()  # of whichever weight is the output projection
         self.rotary = RotaryEmbedding(config)
@@ -281,7 +289,11 @@ class Decoder(nn.Module):
         dtype: the sampler upcasts only what it needs (a float32 copy of [256, 151936] bf16
         logits is 155 MB written and read back per step on the GPU)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.lm_head_packed.linear(hidden, weight)
+        logits = self.lm_head_packed.linear(hidden, weight)
+        if parallel.get_tp().size == 1:
+            return logits
+        # every rank's vocabulary rows, less the padding of the last
+        return parallel.gather_last_dim(logits)[:, :self.config.vocab_size]
 
     def num_shards(self, param_name: str) -> int:
         """How many checkpoint tensors fill this parameter (3 for qkv, 2 for gate/up)."""
@@ -296,11 +308,13 @@ class Decoder(nn.Module):
             if part in self.PACKED_SHARDS:
                 fused, index = self.PACKED_SHARDS[part]
                 parts[i] = fused
-                c = self.config
+                attn, d = self.layers[0].self_attn, self.config.head_dim  # this rank's sizes
+                q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
+                intermediate = parallel.local_intermediate(self.config)
                 sizes = (
-                    [c.q_size, c.kv_size, c.kv_size]
+                    [q_size, kv_size, kv_size]
                     if fused == "qkv_proj"
-                    else [c.intermediate_size, c.intermediate_size]
+                    else [intermediate, intermediate]
                 )
                 start = sum(sizes[:index])
                 return ".".join(parts), index, slice(start, start + sizes[index])

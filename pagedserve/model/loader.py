@@ -3,6 +3,8 @@
 The model is built on the meta device (no random init, no memory), materialised once in the
 requested dtype on the requested device, and each checkpoint tensor is copied straight into its
 (possibly fused) parameter as it is read. At most one checkpoint tensor is alive beside the model.
+Under tensor parallelism a rank reads only its slice of each safetensors tensor; a GGUF tensor
+is dequantized whole, then sliced (`model.parallel`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 
@@ -51,11 +54,24 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[Path],
+                      config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                rows = parallel.checkpoint_rows(name.removeprefix("model."), config)
+                if rows is None:
+                    yield name, f.get_tensor(name)
+                else:  # this rank's slice, read without the rest
+                    yield name, parallel.take_rows(f.get_slice(name), *rows)
+
+
+def _shard(weights: Iterator[tuple[str, torch.Tensor]],
+           config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's slice of each whole tensor."""
+    for name, tensor in weights:
+        rows = parallel.checkpoint_rows(name.removeprefix("model."), config)
+        yield name, tensor if rows is None else parallel.take_rows(tensor, *rows)
 
 
 def _open_checkpoint(
@@ -65,12 +81,13 @@ def _open_checkpoint(
         # Lazy: the `gguf` package is only needed for GGUF files (the GPU box lacks it).
         from pagedserve.model.gguf import open_gguf
 
-        return open_gguf(path)
+        config, weights = open_gguf(path)
+        return config, _shard(weights, config)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
         config = ModelConfig.from_hf_folder(path)
-        return config, _iter_safetensors(_safetensors_files(path))
+        return config, _iter_safetensors(_safetensors_files(path), config)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     raise ValueError(f"{path} is neither a model folder nor a .gguf file")

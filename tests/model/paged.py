@@ -23,8 +23,8 @@ class PagedDriver:
         self.model = model
         self.block_size = block_size
         dtype = model.embed_tokens.weight.dtype
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         for layer in model.attention_layers():
+            shape = (num_blocks, block_size, layer.num_kv_heads, c.head_dim)  # this rank's
             # NaN-filled: any read of a slot that was never written poisons the logits.
             layer.k_cache = torch.full(shape, float("nan"), dtype=dtype)
             layer.v_cache = torch.full(shape, float("nan"), dtype=dtype)

@@ -1,0 +1,220 @@
+"""Tensor parallelism: the group of ranks that shard one model, and what each rank keeps.
+
+Every rank holds a slice of each weight and runs the same forward pass on the same tokens:
+
+- column-parallel (output features split): the fused q/k/v projection keeps this rank's query
+  heads and the KV heads they read; gate/up keep a slice of the intermediate features. Each
+  of q, k, v and gate, up is sliced on its own, so a rank's fused output is its heads, whole.
+  Everything per head (RoPE, Qwen3's q/k norm, attention) then runs on the local heads alone;
+- row-parallel (input features split): o_proj and down_proj multiply their slice of the
+  input and the partial sums are added over ranks with one all-reduce (the bias once, after);
+- vocab-parallel: the embedding and the LM head keep a range of the vocabulary. A token id
+  outside the range embeds to zeros and the all-reduce fills it in; the LM head's logits are
+  gathered over ranks, since the sampler needs the whole vocabulary.
+
+So a layer costs two all-reduces of [tokens, hidden], and the KV cache is split by KV head.
+With fewer KV heads than ranks (or a count the ranks do not divide), a KV head is kept by
+every rank whose query heads read it: replicated, so that attention never crosses ranks.
+
+The group state is process-wide (one model per process): with one rank (the default) every
+collective here is a no-op and a rank keeps the whole of every weight.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None  # the device collectives: NCCL on CUDA, gloo on CPU
+
+
+_STATE = TensorParallel()
+
+
+def get_tp() -> TensorParallel:
+    return _STATE
+
+
+def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str,
+                         timeout: timedelta = timedelta(seconds=60)) -> TensorParallel:
+    """Join the group of `size` ranks (NCCL on CUDA, gloo on the CPU).
+
+    The timeout bounds every collective and the rendezvous: a rank that never arrives (a dead
+    or missing worker) makes the others fail instead of waiting forever.
+    """
+    global _STATE
+    # NVLink SHARP (NVLS) buffers take GPU memory per communicator and hang on some hosts.
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if size > 1:
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            options = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=size, timeout=timeout, **options)
+        if dist.get_world_size() != size or dist.get_rank() != rank:
+            raise RuntimeError(f"torch.distributed is initialised as rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}, expected rank {rank} of {size}")
+        _STATE = TensorParallel(rank, size, dist.group.WORLD)
+    else:
+        _STATE = TensorParallel()
+    return _STATE
+
+
+def destroy_tensor_parallel() -> None:
+    global _STATE
+    if _STATE.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = TensorParallel()
+
+
+# -- collectives ----------------------------------------------------------------------------
+
+
+def all_reduce_(x: torch.Tensor) -> torch.Tensor:
+    """Sum x over the ranks, in place (a no-op with one rank)."""
+    tp = _STATE
+    if tp.size > 1:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Each rank's [..., n] -> [..., size * n], rank order, on every rank."""
+    tp = _STATE
+    if tp.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+# -- what each rank keeps -------------------------------------------------------------------
+
+
+def _split(total: int, what: str, tp: TensorParallel) -> int:
+    if total % tp.size:
+        raise ValueError(f"{what} ({total}) must be divisible by tensor_parallel_size "
+                         f"({tp.size})")
+    return total // tp.size
+
+
+def local_q_heads(config: ModelConfig, tp: TensorParallel | None = None) -> range:
+    """The query heads this rank computes: a contiguous range."""
+    tp = tp or _STATE
+    n = _split(config.num_heads, "num_heads", tp)
+    return range(tp.rank * n, (tp.rank + 1) * n)
+
+
+def local_kv_heads(config: ModelConfig, tp: TensorParallel | None = None) -> list[int]:
+    """The KV heads this rank keeps (global ids, in order; repeats allowed), chosen so that
+    each local KV head serves the same number of consecutive local query heads: the
+    attention backends assume a uniform query/KV head ratio.
+
+    When the ranks split the KV heads evenly this is the rank's own range. Otherwise a KV
+    head read by several ranks is kept by each; and when one rank's query heads straddle KV
+    heads unevenly, a KV head may appear more than once (each copy serves fewer query heads).
+    """
+    tp = tp or _STATE
+    q_heads = local_q_heads(config, tp)
+    group = config.num_heads // config.num_kv_heads
+    needed = [h // group for h in q_heads]
+    n = len(needed)
+    for per_kv in range(n, 0, -1):  # the fewest KV heads that keep the ratio uniform
+        chunks = [needed[i:i + per_kv] for i in range(0, n, per_kv)]
+        if n % per_kv == 0 and all(len(set(c)) == 1 for c in chunks):
+            return [c[0] for c in chunks]
+    raise AssertionError("unreachable: one query head per KV head is always uniform")
+
+
+def local_intermediate(config: ModelConfig, tp: TensorParallel | None = None) -> int:
+    return _split(config.intermediate_size, "intermediate_size", tp or _STATE)
+
+
+def local_vocab(config: ModelConfig, tp: TensorParallel | None = None) -> range:
+    """This rank's rows of the (padded) vocabulary: every rank gets the same count, the last
+    one's tail past vocab_size is padding (zero weights, logits cut off after the gather)."""
+    tp = tp or _STATE
+    per_rank = -(-config.vocab_size // tp.size)
+    return range(tp.rank * per_rank, (tp.rank + 1) * per_rank)
+
+
+def checkpoint_rows(name: str, config: ModelConfig,
+                    tp: TensorParallel | None = None) -> tuple[int, list[int]] | None:
+    """Which part of the full checkpoint tensor `name` (HF naming) this rank keeps:
+    (dimension, indices along it; -1 = a zero row of vocab padding), or None for all of it.
+    """
+    tp = tp or _STATE
+    if tp.size == 1:
+        return None
+    parts = name.split(".")
+    module, kind = parts[-2], parts[-1]
+    d = config.head_dim
+    if module == "q_proj":
+        return 0, _head_rows(local_q_heads(config, tp), d)
+    if module in ("k_proj", "v_proj"):
+        return 0, _head_rows(local_kv_heads(config, tp), d)
+    if module == "o_proj" and kind == "weight":
+        return 1, _head_rows(local_q_heads(config, tp), d)
+    if module in ("gate_proj", "up_proj", "down_proj"):
+        if module == "down_proj" and kind != "weight":
+            return None
+        n = local_intermediate(config, tp)
+        return (1 if module == "down_proj" else 0), list(range(tp.rank * n, (tp.rank + 1) * n))
+    if module in ("embed_tokens", "lm_head") or name in ("lm_head.weight",):
+        return 0, [i if i < config.vocab_size else -1 for i in local_vocab(config, tp)]
+    return None
+
+
+def _head_rows(heads, head_dim: int) -> list[int]:
+    return [h * head_dim + i for h in heads for i in range(head_dim)]
+
+
+def take_rows(source, dim: int, rows: list[int]) -> torch.Tensor:
+    """rows (along dim) of a tensor or of a lazy safetensors slice, reading only the span they
+    cover; -1 rows come out as zeros."""
+    real = [r for r in rows if r >= 0]
+    lo, hi = min(real), max(real) + 1
+    span = source[lo:hi] if dim == 0 else source[:, lo:hi]
+    if real == list(range(lo, hi)) and len(real) == len(rows):
+        return span
+    index = torch.tensor([r - lo if r >= 0 else 0 for r in rows])
+    out = span.index_select(dim, index)
+    padding = torch.tensor([r < 0 for r in rows])
+    if padding.any():
+        out[padding] = 0  # only vocab rows (dim 0) are ever padding
+    return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding of this rank's vocabulary rows; other ids embed to zeros before the
+    all-reduce adds every rank's part. Named `weight` like nn.Embedding, and shared with a
+    tied LM head (same rows)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        rows = local_vocab(config)
+        self.start, self.end = rows.start, rows.stop
+        self.weight = nn.Parameter(torch.empty(len(rows), config.hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if _STATE.size == 1:
+            return F.embedding(input_ids, self.weight)
+        inside = (input_ids >= self.start) & (input_ids < self.end)
+        local = torch.where(inside, input_ids - self.start, 0)
+        h = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce_(h)

@@ -1,0 +1,95 @@
+"""Tensor-parallel decoder: two gloo ranks give the logits of one process, in float32.
+
+Tiny random checkpoints from benchmarks/configs (written by benchmarks/make_checkpoint.py)
+cover Llama (llama3 RoPE, untied), Qwen2 (q/k/v bias, tied), Qwen3 (per-head q/k norm, tied)
+and a Llama whose 3 KV heads two ranks cannot split (a KV head kept by both ranks). Two sequences share every step through
+the paged cache: one prefills then decodes, the other prefills in chunks that read the cached
+prefix; every fed token's logits are compared.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.make_checkpoint import make_checkpoint
+from pagedserve.model import load_model, parallel
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.parallel import TensorParallel
+from tests.distributed.ranks import run_on_ranks
+from tests.model.paged import PagedDriver
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+CASES = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-llama-kv3"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp-logits")
+    folders = {}
+    for case in CASES:
+        config = json.loads((CONFIGS / f"{case}.json").read_text())
+        # a smaller, odd vocabulary (the last rank's rows padded) and two layers keep it
+        # quick; logits far enough apart to tell the ranks' errors
+        config.update(vocab_size=2001, num_hidden_layers=2, initializer_range=0.1)
+        (root / f"{case}.json").write_text(json.dumps(config))
+        make_checkpoint(root / f"{case}.json", root / case, torch.float32, seed=0,
+                        tokenizer="bytes")
+        folders[case] = str(root / case)
+    return folders
+
+
+def paged_logits(folder: str) -> list[torch.Tensor]:
+    """Every fed token's logits through a fixed mix of prefill, chunked prefill and decode."""
+    model, config, _ = load_model(folder, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    a, b = (torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (11, 14))
+    driver = PagedDriver(model)
+    out = []
+    schedule = [{"a": a, "b": b[:5]}, {"a": [7], "b": b[5:10]}, {"a": [9], "b": b[10:]},
+                {"a": [3], "b": [5]}]
+    for feeds in schedule:
+        logits = driver.step(feeds)
+        out += [logits["a"], logits["b"]]
+    return out
+
+
+def tp_logits(folders: list[str]) -> list[list[torch.Tensor]]:
+    return [paged_logits(folder) for folder in folders]
+
+
+def test_tp2_logits_equal_tp1(checkpoints):
+    folders = [checkpoints[c] for c in CASES]
+    rank0, rank1 = run_on_ranks(tp_logits, folders, size=2)
+    for case, folder, got0, got1 in zip(CASES, folders, rank0, rank1):
+        want = paged_logits(folder)
+        for step, (w, g0, g1) in enumerate(zip(want, got0, got1)):
+            assert not w.isnan().any()
+            assert torch.equal(g0, g1), f"{case}: ranks disagree on the gathered logits"
+            torch.testing.assert_close(g0, w, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"{case} output {step}: {m}")
+            assert torch.equal(g0.argmax(-1), w.argmax(-1))
+
+
+@pytest.mark.parametrize("heads,kv_heads,size", [
+    (8, 2, 2), (8, 4, 2), (6, 3, 2), (8, 1, 2), (8, 2, 4), (8, 8, 4), (12, 3, 4), (16, 4, 8),
+])
+def test_local_kv_heads_serve_each_query_head(heads, kv_heads, size):
+    """Local query head i reads local KV head i // ratio: that must be its own KV head."""
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=heads * 8,
+                         intermediate_size=8 * size, num_layers=1, num_heads=heads,
+                         num_kv_heads=kv_heads, head_dim=8, rms_norm_eps=1e-5,
+                         rope_theta=1e4, max_model_len=16, tie_word_embeddings=True)
+    for rank in range(size):
+        tp = TensorParallel(rank, size)
+        q = parallel.local_q_heads(config, tp)
+        kv = parallel.local_kv_heads(config, tp)
+        assert len(q) % len(kv) == 0
+        ratio = len(q) // len(kv)
+        for i, head in enumerate(q):
+            assert kv[i // ratio] == head // (heads // kv_heads)
+        if kv_heads % size == 0:  # an even split keeps no KV head twice
+            assert kv == list(range(rank * kv_heads // size, (rank + 1) * kv_heads // size))
