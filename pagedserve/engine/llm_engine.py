@@ -318,7 +318,8 @@ class LLMEngine:
         token = request.output_token_ids[-1]
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
-            self.prompt_tokens_total += request.num_prompt_tokens
+            if child.index == 0:  # a prompt counts once, however many samples share it
+                self.prompt_tokens_total += request.num_prompt_tokens
         if child.logprobs is not None:
             self._append_logprobs(child, runner_output, rows[request.request_id], token)
         if child.detokenize_at_end:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (argmax)
+_MAX_TOP_K = 2**31 - 1  # beyond any vocabulary; the sampler holds top_k in int64 tensors
+_SEEDS = (-(2**63), 2**64 - 1)  # a torch generator's 64-bit seed
 
 
 @dataclass
@@ -47,7 +49,10 @@ class SamplingParams:
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1, 0 (all) or >= 1, got {self.top_k}"),
+            (0 <= self.top_k <= _MAX_TOP_K,
+             f"top_k must be -1, 0 (all) or in [1, {_MAX_TOP_K}], got {self.top_k}"),
+            (self.seed is None or _SEEDS[0] <= self.seed <= _SEEDS[1],
+             f"seed must be in [{_SEEDS[0]}, {_SEEDS[1]}], got {self.seed}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0.0,
              f"repetition_penalty must be > 0, got {self.repetition_penalty}"),

@@ -121,6 +121,7 @@ def test_n_samples_share_prompt_blocks_and_are_seeded(engine):
     ids = chat_ids(engine)
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     hits_before = engine.get_stats().prefix_cache_hits
+    prompt_tokens_before = engine.get_stats().prompt_tokens_total
     engine.kv_cache_manager.reset_prefix_cache()
     engine.add_request("n", None, params, prompt_token_ids=ids)
     engine.step()
@@ -129,6 +130,8 @@ def test_n_samples_share_prompt_blocks_and_are_seeded(engine):
     assert held[0][:shared] == held[1][:shared] == held[2][:shared]
     assert engine.get_stats().prefix_cache_hits - hits_before >= 2 * shared * 16
     out = drain(engine)["n"]
+    # one prompt, however many samples share it
+    assert engine.get_stats().prompt_tokens_total - prompt_tokens_before == len(ids)
     assert [c.index for c in out.outputs] == [0, 1, 2]
     samples = [c.token_ids for c in out.outputs]
     assert all(len(s) == 12 for s in samples) and len({tuple(s) for s in samples}) > 1

@@ -209,6 +209,7 @@ def test_philox_stream_is_the_drawn_tokens_index_with_tokens_in_flight():
     {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"n": 0}, {"max_tokens": 0},
     {"top_k": -2}, {"min_p": 1.5}, {"repetition_penalty": 0.0}, {"presence_penalty": 3.0},
     {"logprobs": -1}, {"stop": [""]}, {"min_tokens": 5, "max_tokens": 2},
+    {"top_k": 2**31}, {"seed": 2**64}, {"seed": -(2**63) - 1},  # would overflow the sampler
 ])
 def test_bad_sampling_params_are_rejected(bad):
     with pytest.raises(ValueError):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 import httpx
 import openai
 import pytest
@@ -11,6 +14,15 @@ from tests.server.conftest import MODEL_NAME
 CHAT_OK = [{"role": "user", "content": "hi"}]
 TOO_LONG = object()  # placeholder: a prompt longer than the server's max_model_len
 BEYOND = object()  # placeholder: max_tokens beyond the context
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A body sent as these bytes with this Content-Type (None: no header)."""
+
+    content: bytes
+    content_type: str | None = "application/json"
+
 
 CASES = [
     # (id, path, body (dict or raw str), status, param)
@@ -31,7 +43,7 @@ CASES = [
     ("empty-prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty-token-prompt", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("empty-prompt-in-list", "/v1/completions", {"prompt": ["ok", ""]}, 400, "prompt"),
-    ("token-out-of-vocab", "/v1/completions", {"prompt": [1, 10_000_000]}, 400, None),
+    ("token-out-of-vocab", "/v1/completions", {"prompt": [1, 10_000_000]}, 400, "prompt"),
     ("max-tokens-zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("max-tokens-negative", "/v1/chat/completions", {"messages": CHAT_OK, "max_tokens": -5}, 400,
      "max_tokens"),
@@ -49,12 +61,48 @@ CASES = [
     ("logprobs-too-many", "/v1/completions", {"prompt": "hi", "logprobs": 1000}, 400,
      "logprobs"),
     ("top-logprobs-without-logprobs", "/v1/chat/completions",
-     {"messages": CHAT_OK, "top_logprobs": 2}, 400, None),
-    ("empty-stop-string", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, None),
+     {"messages": CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("empty-stop-string", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("penalty-out-of-range", "/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400,
      "presence_penalty"),
-    ("echo-unsupported", "/v1/completions", {"prompt": "hi", "echo": True}, 400, None),
+    ("echo-unsupported", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("tools-unsupported", "/v1/chat/completions",
+     {"messages": CHAT_OK, "tools": [{"type": "function"}]}, 400, "tools"),
+    # text that is not valid Unicode: JSON's \ud800 escape decodes to an unpaired surrogate
+    ("surrogate-in-prompt", "/v1/completions", Raw(b'{"prompt": "hi \\ud800 there"}'), 400,
+     "prompt"),
+    ("surrogate-in-chat", "/v1/chat/completions",
+     Raw(b'{"messages": [{"role": "user", "content": "a\\udfff"}]}'), 400,
+     "messages.0.content"),
+    ("surrogate-in-model", "/v1/completions", Raw(b'{"prompt": "hi", "model": "\\ud800"}'),
+     400, "model"),
+    ("empty-body", "/v1/completions", Raw(b""), 400, None),
+    ("empty-body-no-content-type", "/v1/chat/completions", Raw(b"", None), 400, None),
+    ("text-plain", "/v1/completions", Raw(b'{"prompt": "hi"}', "text/plain"), 400, None),
+    ("form-encoded", "/v1/chat/completions",
+     Raw(b"messages=hi", "application/x-www-form-urlencoded"), 400, None),
+    ("nan-temperature", "/v1/completions", Raw(b'{"prompt": "hi", "temperature": NaN}'), 400,
+     "temperature"),
+    ("infinite-top-p", "/v1/chat/completions",
+     Raw(b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}'), 400,
+     "top_p"),
+    ("seed-beyond-64-bit", "/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("top-k-beyond-int", "/v1/completions", {"prompt": "hi", "top_k": 10**23, "max_tokens": 2},
+     400, "top_k"),
 ]
+
+# what the message must say (the issue's unclear messages, and no leaked internals)
+MESSAGES = {
+    "surrogate-in-prompt": "not valid Unicode", "surrogate-in-chat": "not valid Unicode",
+    "empty-body": "body is empty", "empty-body-no-content-type": "body is empty",
+    "text-plain": "Content-Type", "form-encoded": "Content-Type",
+    "body-not-object": "must be a JSON object, not an array",
+    "nan-temperature": "finite", "infinite-top-p": "finite",
+    "seed-beyond-64-bit": str(2**64 - 1), "top-k-beyond-int": str(2**31 - 1),
+    "tools-unsupported": "tools",
+}
+LEAKS = re.compile(r"TextEncodeInput|Union\[|long long|int64_t|uint64|Overflow|Traceback|"
+                   r"'None'")
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +125,9 @@ def test_bad_input_gets_openai_error_then_server_still_serves(server, max_model_
     with httpx.Client(base_url=server.url, timeout=120) as http:
         if isinstance(body, str):
             r = http.post(path, content=body, headers={"content-type": "application/json"})
+        elif isinstance(body, Raw):
+            headers = {"content-type": body.content_type} if body.content_type else {}
+            r = http.post(path, content=body.content, headers=headers)
         else:
             r = http.post(path, json=body)
         assert r.status_code == status, r.text
@@ -85,6 +136,8 @@ def test_bad_input_gets_openai_error_then_server_still_serves(server, max_model_
         assert error["type"] == "invalid_request_error"
         assert isinstance(error["message"], str) and error["message"]
         assert error["param"] == param
+        assert MESSAGES.get(case[0], "") in error["message"]
+        assert not LEAKS.search(error["message"]), error["message"]
         ok = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
         assert ok.status_code == 200, ok.text
         assert ok.json()["choices"][0]["finish_reason"] in ("stop", "length")

@@ -53,7 +53,7 @@ def model_not_found(model: str) -> APIError:
                     "model_not_found")
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+def _validation_error(exc: RequestValidationError, content_type: str) -> APIError:
     """The first validation problem as one readable message naming the parameter."""
     errors = exc.errors()
     if not errors:
@@ -62,16 +62,44 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if err.get("type") == "json_invalid":
         return bad_request(f"Malformed JSON body: {err.get('msg', '')}", code="invalid_json")
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    ctx = err.get("ctx") or {}
+    if "param" in ctx:  # raised by our validators (protocol.request_error): complete as it is
+        return bad_request(str(err.get("msg")), param=ctx["param"], code=err.get("type"))
+    if not loc:
+        return _body_error(err, content_type)
     # union members show up as extra location parts (e.g. prompt.str); keep the field path
     param = ".".join(p for p in loc if not _is_type_name(p)) or None
-    msg = str(err.get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param=param,
                            code="missing_required_parameter")
     if param:
         msg = f"Invalid value for '{param}': {msg}"
     return bad_request(msg, param=param, code="invalid_value")
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
+def _body_error(err: dict, content_type: str) -> APIError:
+    """The body as a whole is wrong: not JSON at all, empty, or JSON but not an object."""
+    if content_type and not _is_json(content_type):
+        return APIError(f"Unsupported Content-Type '{content_type}': send the request as JSON "
+                        "with 'Content-Type: application/json'.", 400, INVALID_REQUEST,
+                        code="invalid_content_type")
+    if err.get("type") == "missing":
+        return bad_request("The request body is empty: send a JSON object with the request's "
+                           "parameters.", code="missing_body")
+    kind = _JSON_KINDS.get(type(err.get("input")), "a non-object value")
+    return bad_request(f"The request body must be a JSON object, not {kind}.",
+                       code="invalid_body")
+
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null", bytes: "raw bytes"}
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -88,8 +116,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc, request.headers.get("content-type", "")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

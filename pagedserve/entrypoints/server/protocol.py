@@ -5,6 +5,12 @@ error handlers turn those rejections into OpenAI-style 400 bodies. Unknown field
 ignored (as OpenAI-compatible servers commonly do) but features we do not implement and
 that would silently change the answer (echo, suffix, best_of, logit_bias, tools) are
 refused, so a client never gets a plausible-looking wrong result.
+
+Numbers must be finite (JSON parsers accept NaN and Infinity, which no range check catches)
+and integers that reach torch must fit its 64-bit types; text must be valid Unicode (JSON's
+\ud800 escapes decode to unpaired surrogates, which no tokenizer and no UTF-8 response can
+carry). Errors raised by the validators here carry the offending parameter in their context,
+so the error body names it (`request_error`).
 """
 
 from __future__ import annotations
@@ -14,10 +20,56 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_N = 16  # choices per prompt; each one occupies a running slot in the engine
 MAX_LOGPROBS = 20  # top alternatives per token, as in OpenAI's chat API
 MAX_STOP = 16  # stop strings per request
+MAX_TOP_K = 2**31 - 1  # beyond any vocabulary; larger values would overflow the sampler
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what a torch generator's 64-bit seed takes
+
+
+def request_error(param: str | None, message: str,
+                  code: str = "invalid_value") -> PydanticCustomError:
+    """A validation error about `param` (None: no single parameter); the client gets the
+    message as it is, and `code` as the error's code."""
+    return PydanticCustomError(code, message.replace("{", "(").replace("}", ")"),
+                               {"param": param})
+
+
+def _bad_char(text: str) -> str | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return text[exc.start]
+    return None
+
+
+def _unpaired_surrogate(value: Any, path: str = "") -> PydanticCustomError | None:
+    """An error naming the first text in a JSON value that is not valid Unicode."""
+    if isinstance(value, str):
+        char = _bad_char(value)
+        if char is None:
+            return None
+        return request_error(path, f"Invalid value for '{path}': the text is not valid "
+                             f"Unicode (an unpaired surrogate, U+{ord(char):04X}).")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            char = _bad_char(key)
+            if char is not None:  # the name itself cannot be shown
+                where = f" in '{path}'" if path else ""
+                return request_error(path or None, f"A parameter name{where} is not valid "
+                                     f"Unicode (an unpaired surrogate, U+{ord(char):04X}).",
+                                     code="invalid_parameter_name")
+            found = _unpaired_surrogate(item, f"{path}.{key}" if path else key)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _unpaired_surrogate(item, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
 
 
 def random_id(prefix: str) -> str:
@@ -35,18 +87,26 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        error = _unpaired_surrogate(data) if isinstance(data, dict) else None
+        if error is not None:
+            raise error
+        return data
 
     model: str | None = None  # None = the served model
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # extension; -1 or 0 = disabled
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # extension; -1 or 0 = disabled
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension
     repetition_penalty: float | None = Field(None, gt=0.0)  # extension
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
@@ -60,13 +120,14 @@ class SamplingRequest(BaseModel):
     def _check_common(self) -> SamplingRequest:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP:
-            raise ValueError(f"stop: at most {MAX_STOP} stop strings are allowed")
+            raise request_error("stop", f"At most {MAX_STOP} stop strings are allowed.")
         if any(s == "" for s in stops):
-            raise ValueError("stop: stop strings must be non-empty")
+            raise request_error("stop", "Stop strings must be non-empty.")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise request_error("logit_bias", "logit_bias is not supported.")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise request_error("stream_options",
+                                "stream_options is only allowed when stream is true.")
         return self
 
 
@@ -81,11 +142,11 @@ class CompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise request_error("echo", "echo is not supported.")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise request_error("suffix", "suffix is not supported.")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of different from n is not supported")
+            raise request_error("best_of", "best_of different from n is not supported.")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -128,9 +189,9 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.tools:
-            raise ValueError("tools are not supported")
+            raise request_error("tools", "tools are not supported.")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise request_error("top_logprobs", "top_logprobs requires logprobs to be true.")
         return self
 
     @property

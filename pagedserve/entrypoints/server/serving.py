@@ -157,7 +157,7 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs)
         except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), param=_param_named_in(str(exc), req)) from exc
 
     async def _submit(self, requests: list[_EngineRequest],
                       req: SamplingRequest) -> list[AsyncIterator[Any]]:
@@ -171,8 +171,8 @@ class OpenAIServing:
                     prompt_token_ids=r.prompt_token_ids, **extra))
         except BaseException as exc:
             self._abort(requests)
-            if isinstance(exc, ValueError):
-                raise bad_request(str(exc)) from exc
+            if isinstance(exc, ValueError):  # the engine's checks concern the prompt
+                raise bad_request(str(exc), param=_prompt_param(req)) from exc
             if isinstance(exc, EngineDeadError):
                 raise APIError(str(exc), 503, SERVER_ERROR) from exc
             raise
@@ -276,6 +276,16 @@ class OpenAIServing:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+
+
+def _prompt_param(req: SamplingRequest) -> str:
+    return "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+
+
+def _param_named_in(message: str, req: SamplingRequest) -> str | None:
+    """The request field a SamplingParams message starts with ("top_p must be ...")."""
+    name = message.split(" ", 1)[0]
+    return name if name in type(req).model_fields else None
 
 
 def _sampled_logprob(token_id: int, entries: dict) -> float:
