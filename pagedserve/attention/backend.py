@@ -30,8 +30,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                meta: AttentionMetadata, scale: float) -> Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v at meta.slot_mapping."""
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v at meta.slot_mapping.
+
+        window: the layer's sliding window, None for global attention: a query at position
+        p sees keys p - window < k <= p. softcap: scores s become softcap * tanh(s / softcap)
+        (after the scale, before the softmax), None for none.
+        """
 
     def copy_blocks(self, kv_caches: list[tuple[Tensor, Tensor]], src_dst: Tensor) -> None:
         """Copy whole blocks within each layer's caches (copy-on-write). src_dst: [N, 2]."""

@@ -13,8 +13,8 @@ each K/V row across queries.
 
 The kernel trusts the block ids, slots and lengths it is given, so those are checked once per
 step, when the first layer builds the step's `StepIndices`; every later layer only calls the
-kernel. Anything but float32 q and caches, or a head shape the kernel does not handle, runs
-the whole layer through the reference backend.
+kernel. Anything but float32 q and caches, a head shape the kernel does not handle, a sliding
+window or a score cap runs the whole layer through the reference backend.
 """
 
 from __future__ import annotations
@@ -73,9 +73,11 @@ class CpuBackend(AttentionBackend):
         self._reference = TorchRefBackend()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                meta: AttentionMetadata, scale: float) -> Tensor:
-        if not self._native(q, k_cache):
-            return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale)
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> Tensor:
+        if not self._native(q, k_cache) or window is not None or softcap is not None:
+            return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, window,
+                                           softcap)
         out = torch.empty(q.shape, dtype=q.dtype)
         indices = step_indices(meta, k_cache)
         native.store_and_decode(q, k, v, k_cache, v_cache, indices, scale, out)

@@ -32,7 +32,11 @@ class TritonBackend(AttentionBackend):
         self.prefill_cfg = prefill_cfg
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                meta: AttentionMetadata, scale: float) -> Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> Tensor:
+        if window is not None or softcap is not None:
+            raise NotImplementedError("the triton backend has no sliding window or score cap "
+                                      "yet; use --attention-backend torch")
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.stride(2) != 1:
             q = q.contiguous()

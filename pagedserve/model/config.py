@@ -14,20 +14,29 @@ from typing import Any
 
 import torch
 
-# HF `architectures[0]` / `model_type` -> our family name. One decoder serves all three.
+# HF `architectures[0]` -> our family name. One decoder serves them all; the families differ
+# only in the switches `from_hf_folder` sets.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# HF activation name -> ours
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass
 class ModelConfig:
     """Everything the decoder and the engine need to know about a model."""
 
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # a value of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,7 +48,7 @@ class ModelConfig:
     rope_theta: float
     max_model_len: int
     tie_word_embeddings: bool
-    rope_scaling: dict[str, Any] | None = None  # only {"rope_type": "llama3", ...} today
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": one of SUPPORTED_ROPE_TYPES, ...}
     qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 when attention_bias
     o_bias: bool = False  # Llama/Qwen3 when attention_bias (Qwen2 never)
     mlp_bias: bool = False
@@ -47,17 +56,66 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     dtype: torch.dtype = torch.float32  # dtype the checkpoint was saved in
+    # the checkpoint's max_position_embeddings, which rope scalings measure against (0: the
+    # same as max_model_len, which dynamic and yarn scalings extend)
+    max_position_embeddings: int = 0
+    # Sliding-window attention: a query at position p sees keys p - window < k <= p.
+    # layer_types[i] is "sliding_attention" or "full_attention"; None: every layer is
+    # sliding when sliding_window is set (Mistral, Phi-3), else full.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    local_rope_theta: float | None = None  # Gemma 3: its own base on sliding layers
+    local_rope_scaling: dict[str, Any] | None = None
+    # Gemma switches
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
+    final_softcap: float | None = None  # the same on the logits
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh": act(gate) * up
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + w), in float32
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too, before the add
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the model dtype
+    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj (Phi-3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
-            )
+        if not self.max_position_embeddings:
+            self.max_position_embeddings = self.max_model_len
+        for scaling in (self.rope_scaling, self.local_rope_scaling):
+            rope_type = (scaling or {}).get("rope_type", "default")
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"unsupported rope scaling type {rope_type!r}; "
+                                 f"supported: {SUPPORTED_ROPE_TYPES}")
+        if self.hidden_act not in ACTIVATIONS.values():
+            raise ValueError(f"unsupported activation {self.hidden_act!r}")
+        unknown = set(self.layer_types or ()) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: {LAYER_TYPES}")
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+
+    def layer_type(self, layer: int) -> str:
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The layer's sliding window in tokens, None for global attention."""
+        sliding = self.layer_type(layer) == "sliding_attention"
+        return self.sliding_window if sliding else None
+
+    def rope_for(self, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of the layers of this type."""
+        if layer_type == "sliding_attention" and self.local_rope_theta is not None:
+            return self.local_rope_theta, self.local_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale."""
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
 
     @property
     def q_size(self) -> int:
@@ -98,12 +156,22 @@ class ModelConfig:
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         hf = AutoConfig.from_pretrained(folder)
-        if getattr(hf, "use_sliding_window", False):
-            raise ValueError("sliding-window attention is not supported")
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        layer_types = getattr(hf, "layer_types", None)
+        rope, local_rope = _rope_parameters(hf, layer_types)
         rope_theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))
         rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+        local_theta = local_scaling = None
+        if local_rope is not None:
+            local_theta = float(local_rope.pop("rope_theta"))
+            local_scaling = local_rope if local_rope.get("rope_type") != "default" else None
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r} in {folder / 'config.json'}; "
+                             f"supported: {sorted(ACTIVATIONS)}")
         attention_bias = bool(getattr(hf, "attention_bias", False))
+        gemma = family in GEMMA_FAMILIES
+        max_positions = hf.max_position_embeddings
+        pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None) if gemma else None
         return cls(
             family=family,
             vocab_size=hf.vocab_size,
@@ -116,16 +184,63 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_model_len=hf.max_position_embeddings,
+            max_model_len=max(rope_context_len(rope_scaling, max_positions),
+                              rope_context_len(local_scaling, max_positions)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.tie_word_embeddings),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             bos_token_id=hf.bos_token_id,
             eos_token_ids=_hf_eos_ids(folder, hf.eos_token_id),
             dtype=_as_dtype(getattr(hf, "dtype", None) or raw.get("torch_dtype")),
+            sliding_window=getattr(hf, "sliding_window", None),
+            layer_types=list(layer_types) if layer_types is not None else None,
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_scaling,
+            attn_scale=None if pre_attn_scalar is None else float(pre_attn_scalar) ** -0.5,
+            attn_softcap=getattr(hf, "attn_logit_softcapping", None) if gemma else None,
+            final_softcap=getattr(hf, "final_logit_softcapping", None) if gemma else None,
+            hidden_act=ACTIVATIONS[act],
+            norm_unit_offset=gemma,
+            sandwich_norms=gemma,
+            scale_embeddings=gemma,
+            fused_checkpoint=family == "phi3",
         )
+
+
+def _rope_parameters(hf: Any, layer_types: list[str] | None
+                     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(rope parameters of global layers, of sliding layers when they differ), as copies.
+
+    transformers keys rope_parameters by layer type where the types differ (Gemma 3)."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    local = None
+    if "full_attention" in rope or "sliding_attention" in rope:
+        local = dict(rope.get("sliding_attention") or rope["full_attention"])
+        rope = dict(rope.get("full_attention") or local)
+    for params in (rope, local):
+        if params and params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor "
+                             f"{params['partial_rotary_factor']} (rotary over part of a head)")
+        if params:
+            params.pop("partial_rotary_factor", None)
+    if local is not None and layer_types is not None and "sliding_attention" not in layer_types:
+        local = None
+    return rope, local
+
+
+def rope_context_len(scaling: dict[str, Any] | None, max_positions: int) -> int:
+    """The context a rope scaling is made for: dynamic and yarn extend the checkpoint's
+    max_position_embeddings by `factor`; the other types' checkpoints state their full length."""
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "dynamic":
+        return int(max_positions * scaling["factor"])
+    if rope_type == "yarn" and scaling.get("factor"):
+        old_len = scaling.get("original_max_position_embeddings") or max_positions
+        return max(max_positions, int(old_len * scaling["factor"]))
+    return max_positions
 
 
 def _as_list(ids: int | list[int] | None) -> list[int]:

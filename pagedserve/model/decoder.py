@@ -1,12 +1,16 @@
-"""One decoder for the Llama, Qwen2 and Qwen3 families, over a flat batch of tokens.
+"""One decoder for the Llama, Mistral, Qwen2/3, Phi-3 and Gemma 2/3 families, over a flat batch
+of tokens.
 
 The engine batches tokens from many sequences into one flat `[T]` vector (no padding): each token
 carries its own position, and the attention backend uses the per-step `AttentionMetadata` to know
 which sequence a token belongs to and where its context lives in the paged KV cache. Everything
 here except attention is per-token, so it does not care how tokens are grouped.
 
-The three families differ only in small switches read from `ModelConfig`: Qwen2 has a bias on
-q/k/v, Qwen3 normalises q and k per head before RoPE, Llama-3 rescales RoPE frequencies.
+The families differ only in switches read from `ModelConfig`: Qwen2 has a bias on q/k/v, Qwen3
+normalises q and k per head before RoPE, Gemma scales its norms by (1 + w), adds norms after
+attention and the MLP, caps scores and logits with tanh and uses GELU. Each layer takes its own
+attention options (sliding window, score cap, scale, which RoPE table) from the config when it
+is built, so `forward` is the same math for every family, with explicit arguments.
 Q/K/V and gate/up are fused into one matmul each (fewer, larger GEMMs: less per-layer Python and
 kernel-launch overhead); the loader fills the fused weights shard by shard.
 
@@ -20,7 +24,6 @@ at float32: see `PackedWeight`.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,7 @@ from torch import nn
 from pagedserve.attention.backend import get_forward_context
 from pagedserve.model import ops, parallel
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.rope import RotaryEmbedding
 from pagedserve.native import linear as native_linear
 
 
@@ -114,74 +118,58 @@ class RMSNorm(nn.Module):
         `ops.fused_add_rms_norm`."""
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, with Llama-3 scaling when configured."""
-    dim = config.head_dim
-    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta**steps)
-    scaling = config.rope_scaling
-    if scaling is None or scaling.get("rope_type", "default") == "default":
-        return inv_freq
-    assert scaling["rope_type"] == "llama3", f"unsupported rope type {scaling['rope_type']!r}"
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x), no residual."""
+        return ops.fused_add_rms_norm(x, None, self.weight, self.eps)[0]
 
 
-class RotaryEmbedding:
-    """cos/sin tables [max_model_len, D] for every position, built once per device and dtype.
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: normalise and scale by (1 + w), both in float32, then round once.
 
-    A forward pass only indexes them by position (`ops.rotate_qk_`), instead of recomputing
-    trigonometry per step. The sin table is stored sign-folded so that
-    rotate_half(x) * sin == roll(x, D/2) * sin_signed, saving a negation and a concat per layer.
+    Kept eager on every device: the fused kernels round before the weight multiply (Llama's
+    order), which for Gemma would change results in bf16.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
-        self.inv_freq = rope_inv_freq(config)
-        self.max_positions = config.max_model_len
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def _build(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq.to(device)
-        pos = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
-
-    def tables(
-        self, device: torch.device, dtype: torch.dtype
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin_signed) [max_model_len, D] on `device` in `dtype`."""
-        tables = self._tables
-        if tables is None or tables[0].device != device or tables[0].dtype != dtype:
-            tables = self._tables = self._build(device, dtype)
-        return tables
+        if residual is None:
+            return self.normalize(x), x
+        residual.add_(x)
+        return self.normalize(residual), residual
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
+    return (UnitOffsetRMSNorm if config.norm_unit_offset else RMSNorm)(dim, config.rms_norm_eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Self-attention of one layer. Its options come from the config, per layer: the sliding
+    window (None: global), the score cap, the scale, and which RoPE table it reads
+    (`layer_type`)."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         # this rank's heads (all of them without tensor parallelism): see `parallel`
         self.num_heads = len(parallel.local_q_heads(config))
         self.num_kv_heads = len(parallel.local_kv_heads(config))
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.scale
+        self.window = config.layer_window(layer)
+        self.softcap = config.attn_softcap
+        self.layer_type = config.layer_type(layer)
         self.qkv_proj = Linear(config.hidden_size,
                                (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
                                bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
                                         bias=config.o_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, config.head_dim) if config.qk_norm else None
         # Paged caches [num_blocks, block_size, num_kv_heads, head_dim], bound by the runner
         # after it sizes the pool. Plain attributes, not buffers: they are not weights, must not
         # be saved, cast or moved with the model.
@@ -196,14 +184,17 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
         if self.q_norm is None:
             ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv)
+        elif isinstance(self.q_norm, UnitOffsetRMSNorm):  # Gemma 3: no fused kernel
+            qkv[:, :hq] = self.q_norm.normalize(qkv[:, :hq])
+            qkv[:, hq:hq + hkv] = self.k_norm.normalize(qkv[:, hq:hq + hkv])
+            ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv)
         else:
             ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv, self.q_norm.weight,
                            self.k_norm.weight, self.q_norm.eps)
         q, k, v = qkv.split([hq, hkv, hkv], dim=1)
         ctx = get_forward_context()
-        out = ctx.backend.forward(
-            q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale
-        )
+        out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale,
+                                  window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(T, hq * self.head_dim))
 
 
@@ -214,17 +205,29 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(intermediate, config.hidden_size,
                                            bias=config.mlp_bias)
+        self.act_and_mul = ACT_AND_MUL[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> gelu_tanh(gate) * up (Gemma's MLP), eager on every device."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+ACT_AND_MUL = {"silu": ops.silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Pre-norm block: h + attn(norm(h)), then + mlp(norm(...))."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = MLP(config)
 
     def forward(
@@ -243,9 +246,34 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2/3's block: each sublayer's output is normalised again before it joins the
+    residual stream (`post_attention_layernorm` is that norm here, not the MLP's input norm,
+    which is `pre_feedforward_layernorm`)."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__(config, layer)
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(h, residual)
+        attn = self.post_attention_layernorm.normalize(self.self_attn(x, positions, cos, sin))
+        x, residual = self.pre_feedforward_layernorm(attn, residual)
+        return self.post_feedforward_layernorm.normalize(self.mlp(x)), residual
+
+
 class Decoder(nn.Module):
-    """Llama / Qwen2 / Qwen3 causal LM. Parameter names follow HF's minus the `model.` prefix,
-    with q/k/v -> qkv_proj and gate/up -> gate_up_proj fused (see `PACKED_SHARDS`)."""
+    """The causal LM. Parameter names follow HF's minus the `model.` prefix, with q/k/v ->
+    qkv_proj and gate/up -> gate_up_proj fused (see `PACKED_SHARDS`; Phi-3 checkpoints store
+    them fused already)."""
 
     # HF sub-module name -> (our fused module name, shard index in the fused output dim)
     PACKED_SHARDS = {
@@ -261,15 +289,19 @@ class Decoder(nn.Module):
         self.config = config
         # this rank's vocabulary rows (all of them without tensor parallelism)
         self.embed_tokens = parallel.VocabParallelEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layer_cls = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_layers))
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, len(parallel.local_vocab(config)), bias=False)
         )
         self.lm_head_packed = PackedWeight()  # of whichever weight is the output projection
-        self.rotary = RotaryEmbedding(config)
+        # one table per layer type present (Gemma 3's local layers have their own base)
+        self.rotary = {t: RotaryEmbedding(config, t)
+                       for t in dict.fromkeys(map(config.layer_type, range(config.num_layers)))}
+        self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
 
     def attention_layers(self) -> list[Attention]:
         """The attention modules in layer order, for the runner to bind `k_cache`/`v_cache`."""
@@ -278,10 +310,12 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] for a flat batch of tokens -> final hidden states [T, H]."""
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.tables(h.device, h.dtype)
+        if self.embed_scale is not None:  # rounded to the model dtype first, as Gemma does
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        tables = {t: rotary.tables(h.device, h.dtype) for t, rotary in self.rotary.items()}
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, positions, cos, sin)
+            h, residual = layer(h, residual, positions, *tables[layer.self_attn.layer_type])
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -290,13 +324,17 @@ class Decoder(nn.Module):
         logits is 155 MB written and read back per step on the GPU)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = self.lm_head_packed.linear(hidden, weight)
-        if parallel.get_tp().size == 1:
-            return logits
-        # every rank's vocabulary rows, less the padding of the last
-        return parallel.gather_last_dim(logits)[:, :self.config.vocab_size]
+        if parallel.get_tp().size > 1:
+            # every rank's vocabulary rows, less the padding of the last
+            logits = parallel.gather_last_dim(logits)[:, :self.config.vocab_size]
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def num_shards(self, param_name: str) -> int:
-        """How many checkpoint tensors fill this parameter (3 for qkv, 2 for gate/up)."""
+        """How many checkpoint tensors fill this parameter (3 for qkv, 2 for gate/up, unless
+        the checkpoint stores them fused)."""
+        if self.config.fused_checkpoint:
+            return 1
         module = param_name.split(".")[-2]
         return {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
 

@@ -51,8 +51,8 @@ CASES = {
 def make_checkpoint(config, folder, seed: int = 0, max_shard_size: str | None = None):
     """A random model whose every weight matters: norms and biases are perturbed too."""
     torch.manual_seed(seed)
-    config.architectures = [config.model_type.capitalize() + "ForCausalLM"]
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    config.architectures = [type(hf).__name__]
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:

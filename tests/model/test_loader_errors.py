@@ -32,12 +32,18 @@ def test_unsupported_architecture(tmp_path):
         load_model(tmp_path, torch.float32, "cpu")
 
 
-def test_unsupported_rope_type(tmp_path):
-    config = LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                  "rope_theta": 10000.0})
+@pytest.mark.parametrize("options,message", [
+    ({"rope_parameters": {"rope_type": "proportional", "factor": 2.0, "rope_theta": 1e4}},
+     "unsupported rope scaling type 'proportional'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                          "partial_rotary_factor": 0.5}}, "unsupported partial_rotary_factor"),
+    ({"hidden_act": "relu"}, "unsupported activation 'relu'"),
+])
+def test_unsupported_option(tmp_path, options, message):
+    config = LlamaConfig(**TINY, **options)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'linear'"):
+    with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_folder(tmp_path)
 
 
