@@ -13,8 +13,9 @@ each K/V row across queries.
 
 The kernel trusts the block ids, slots and lengths it is given, so those are checked once per
 step, when the first layer builds the step's `StepIndices`; every later layer only calls the
-kernel. Anything but float32 q and caches, a head shape the kernel does not handle, a sliding
-window or a score cap runs the whole layer through the reference backend.
+kernel. Anything but float32 q and caches, a head shape the kernel does not handle, or a score
+cap runs the whole layer through the reference backend. A sliding window is the kernel's: a
+token attends to its last `window` positions, decode or prefill token alike.
 """
 
 from __future__ import annotations
@@ -75,14 +76,14 @@ class CpuBackend(AttentionBackend):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> Tensor:
-        if not self._native(q, k_cache) or window is not None or softcap is not None:
+        if not self._native(q, k_cache) or softcap is not None:
             return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, window,
                                            softcap)
         out = torch.empty(q.shape, dtype=q.dtype)
         indices = step_indices(meta, k_cache)
-        native.store_and_decode(q, k, v, k_cache, v_cache, indices, scale, out)
+        native.store_and_decode(q, k, v, k_cache, v_cache, indices, scale, out, window)
         if indices.seq_lens.shape[0] < q.shape[0]:  # prefills left to the reference
-            paged_prefills(q, k_cache, v_cache, meta, scale, out)
+            paged_prefills(q, k_cache, v_cache, meta, scale, out, window)
         return out
 
     @staticmethod

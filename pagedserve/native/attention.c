@@ -137,7 +137,7 @@ typedef struct {
     const float *q;
     float *out;
     const int32_t *block_table;
-    int64_t seq_len, h0, h1;
+    int64_t first, seq_len, h0, h1;  /* attends to tokens first .. seq_len - 1 */
 } task;
 
 /* Up to CHUNK consecutive tokens of a sequence: the cache offset of each token's row (all kv
@@ -227,8 +227,9 @@ static void aim(prefetcher *pf, const float *k_cache, const float *v_cache, cons
                        (ahead->n + calls - 1) / calls, (h1 - h0) * sh->dim};
 }
 
-/* One task: out rows of its query heads = softmax(q K^T) V over its sequence's first seq_len
- * cached tokens. `next`: the task this thread runs next (or NULL), prefetched at the end. */
+/* One task: out rows of its query heads = softmax(q K^T) V over its sequence's cached tokens
+ * first .. seq_len - 1. `next`: the task this thread runs next (or NULL), prefetched at the
+ * end. */
 static void decode_task(const task *tk, const task *next, const float *k_cache,
                         const float *v_cache, const shape *sh, float scale) {
     const int64_t group = sh->group, dim = sh->dim, kv_heads = tk->h1 - tk->h0;
@@ -244,8 +245,8 @@ static void decode_task(const task *tk, const task *next, const float *k_cache,
         m[j] = -INFINITY;
         l[j] = 0.0f;
     }
-    load_chunk(&chunks[0], tk->block_table, tk->seq_len, 0, sh);
-    for (int64_t start = 0, i = 0; start < tk->seq_len; start += CHUNK, i ^= 1) {
+    load_chunk(&chunks[0], tk->block_table, tk->seq_len, tk->first, sh);
+    for (int64_t start = tk->first, i = 0; start < tk->seq_len; start += CHUNK, i ^= 1) {
         const chunk *c = &chunks[i];
         chunk *ahead = &chunks[i ^ 1];
         prefetcher pf = {0};
@@ -253,7 +254,7 @@ static void decode_task(const task *tk, const task *next, const float *k_cache,
             load_chunk(ahead, tk->block_table, tk->seq_len, start + CHUNK, sh);
             aim(&pf, k_cache, v_cache, ahead, tk->h0, tk->h1, c->n, kv_heads, sh);
         } else if (next) {
-            load_chunk(ahead, next->block_table, next->seq_len, 0, sh);
+            load_chunk(ahead, next->block_table, next->seq_len, next->first, sh);
             aim(&pf, k_cache, v_cache, ahead, next->h0, next->h1, c->n, kv_heads, sh);
         }
         for (int64_t h = tk->h0; h < tk->h1; h++) {
@@ -281,18 +282,24 @@ static int64_t heads_per_task(const shape *sh, int64_t num_seqs, int64_t num_thr
     return per;
 }
 
+/* The first token a query at position seq_len - 1 sees: its sliding window's (0: none). */
+static inline int64_t window_start(int64_t seq_len, int64_t window) {
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
 /* Decode attention of the first num_seqs rows of q [*, num_heads, head_dim] (token stride
  * q_stride, heads contiguous) into out (same shape, contiguous), as described at the top. */
 static void paged_decode(const float *q, int64_t q_stride, const float *k_cache,
                          const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                          const int32_t *seq_lens, int64_t num_seqs, const shape *sh,
-                         float scale, float *out, int num_threads) {
+                         float scale, int64_t window, float *out, int num_threads) {
     if (num_seqs == 0) return;
     const int64_t per = heads_per_task(sh, num_seqs, num_threads);
     const int64_t parts = (sh->num_kv_heads + per - 1) / per, num_tasks = num_seqs * parts;
     const int64_t row = sh->num_kv_heads * sh->group * sh->dim;
     int64_t total = 0;
-    for (int64_t s = 0; s < num_seqs; s++) total += seq_lens[s] * sh->num_kv_heads;
+    for (int64_t s = 0; s < num_seqs; s++)
+        total += (seq_lens[s] - window_start(seq_lens[s], window)) * sh->num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
@@ -302,13 +309,15 @@ static void paged_decode(const float *q, int64_t q_stride, const float *k_cache,
         for (int64_t w = 0; w < num_tasks; w++) {
             const int64_t seq = w / parts, h0 = w % parts * per;
             const int64_t h1 = h0 + per < sh->num_kv_heads ? h0 + per : sh->num_kv_heads;
-            const int64_t weight = seq_lens[seq] * (h1 - h0);
+            const int64_t first_token = window_start(seq_lens[seq], window);
+            const int64_t weight = (seq_lens[seq] - first_token) * (h1 - h0);
             const int64_t owner = threads * (2 * before + weight) / (2 * total);
             before += weight;
             if (owner != me) continue;
             const int64_t first = h0 * sh->group * sh->dim;
             mine[have] = (task){q + seq * q_stride + first, out + seq * row + first,
-                                block_tables + seq * bt_stride, seq_lens[seq], h0, h1};
+                                block_tables + seq * bt_stride, first_token, seq_lens[seq], h0,
+                                h1};
             if (have) {
                 decode_task(&mine[0], &mine[1], k_cache, v_cache, sh, scale);
                 mine[0] = mine[1];
@@ -338,17 +347,19 @@ static void store_rows(const float *k, int64_t k_stride, const float *v, int64_t
  * caches [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_tables
  * [num_seqs, *] with row stride bt_stride; seq_lens [num_seqs] >= 1; out [num_seqs, num_heads,
  * head_dim] contiguous. head_dim: a multiple of 8, at most MAX_DIM; num_heads / num_kv_heads at
- * most MAX_GROUP. The caller checks slots, block ids and lengths against the cache. */
+ * most MAX_GROUP. window > 0: each decode attends to its last `window` tokens only, and its
+ * block table entries before them are never read (they may be the null block).
+ * The caller checks slots, block ids and lengths against the cache. */
 void pagedserve_store_and_decode(const float *q, int64_t q_stride, const float *k,
                                  int64_t k_stride, const float *v, int64_t v_stride,
                                  const int64_t *slots, int64_t num_tokens, float *k_cache,
                                  float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                                  const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                 float scale, float *out, int num_threads) {
+                                 float scale, int64_t window, float *out, int num_threads) {
     const shape sh = {block_size, num_kv_heads, num_heads / num_kv_heads, head_dim};
     store_rows(k, k_stride, v, v_stride, slots, num_tokens, num_kv_heads * head_dim, k_cache,
                v_cache);
     paged_decode(q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens, num_seqs, &sh,
-                 scale, out, num_threads);
+                 scale, window, out, num_threads);
 }

@@ -25,8 +25,8 @@ MAX_HEAD_DIM = 256  # MAX_DIM in attention.c
 def _kernel():
     return function("pagedserve_store_and_decode", c_void_p, c_int64, c_void_p, c_int64,
                     c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
-                    c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_float, c_void_p,
-                    c_int)
+                    c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_float, c_int64,
+                    c_void_p, c_int)
 
 
 def available() -> bool:
@@ -78,9 +78,12 @@ class StepIndices:
 
 
 def store_and_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                     indices: StepIndices, scale: float, out: Tensor) -> None:
+                     indices: StepIndices, scale: float, out: Tensor,
+                     window: int | None = None) -> None:
     """Write k/v [T, Hkv, D] into their cache slots, then for each of the S decodes:
-    out[s] = attention of its one query q[s] [Hq, D] over its first seq_lens[s] cached tokens.
+    out[s] = attention of its one query q[s] [Hq, D] over its first seq_lens[s] cached tokens
+    (the last `window` of them with a window; the block table entries before those are not
+    read).
 
     Caches: float32 [num_blocks, block_size, Hkv, D] as `indices` was checked for, contiguous;
     q: [>= S, Hq, D] and out: contiguous [>= S, Hq, D], float32.
@@ -103,7 +106,8 @@ def store_and_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
               indices.slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
               indices.seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
-              block_size, scale, out.data_ptr(), torch.get_num_threads())
+              block_size, scale, 0 if window is None else window, out.data_ptr(),
+              torch.get_num_threads())
 
 
 def _check_caches(k_cache: Tensor, v_cache: Tensor, indices: StepIndices) -> None:

@@ -25,15 +25,20 @@ class PagedCase:
     meta: AttentionMetadata
     scale: float
     expected: Tensor  # [T, Hq, D] float64, dense causal attention on the whole sequence
+    window: int | None = None
+    softcap: float | None = None
 
 
 def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
               block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0,
-              prefix_hit_rows: int = 0, device: str = "cpu") -> PagedCase:
+              prefix_hit_rows: int = 0, device: str = "cpu", window: int | None = None,
+              softcap: float | None = None) -> PagedCase:
     """seqs: (cached prefix length, new tokens) per sequence, decodes (new == 1) first.
 
     The last `prefix_hit_rows` of each prefill's prefix are passed as new tokens with slot -1
-    (already cached), with garbage k/v, to check that the write is skipped.
+    (already cached), with garbage k/v, to check that the write is skipped. With a window,
+    the blocks no query of the step can see are the null block in the table (as the block
+    manager frees them), which the NaN-filled cache never wrote.
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in seqs]
@@ -48,7 +53,12 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     qs, ks, vs, slots, expected, q_lens = [], [], [], [], [], []
     for i, ((ctx, new), L) in enumerate(zip(seqs, seq_lens)):
         ids = [perm.pop() for _ in range(blocks_per_seq[i])]
-        block_tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        table = list(ids)
+        if window is not None:  # blocks wholly before the first new token's window
+            hit = min(prefix_hit_rows, ctx) if new > 1 else 0
+            first_seen = max(0, ctx - hit - window + 1)
+            table[:first_seen // block_size] = [0] * (first_seen // block_size)
+        block_tables[i, : len(ids)] = torch.tensor(table, dtype=torch.int32)
         kf = torch.randn(L, num_kv_heads, head_dim, generator=gen).to(dtype)
         vf = torch.randn(L, num_kv_heads, head_dim, generator=gen).to(dtype)
         qf = torch.randn(L, num_heads, head_dim, generator=gen).to(dtype)
@@ -69,7 +79,7 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
         slots.append(step_slots)
         q_lens.append(L - first_new)
         expected.append(dense_causal(qf[first_new:].double(), kf.double(), vf.double(),
-                                     head_dim ** -0.5))
+                                     head_dim ** -0.5, window, softcap))
     num_decodes = sum(1 for _, n in seqs if n == 1)
     assert all(n == 1 for _, n in seqs[:num_decodes]), "decodes must come first"
     query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
@@ -86,17 +96,24 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     )
     return PagedCase(torch.cat(qs).to(device), torch.cat(ks).to(device),
                      torch.cat(vs).to(device), k_cache.to(device), v_cache.to(device), meta,
-                     head_dim ** -0.5, torch.cat(expected))
+                     head_dim ** -0.5, torch.cat(expected), window, softcap)
 
 
-def dense_causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def dense_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
+                 softcap: float | None = None) -> Tensor:
     """Naive attention of the last n positions q [n, Hq, D] of one contiguous sequence,
-    k/v [L, Hkv, D]: query i sits at position L - n + i."""
+    k/v [L, Hkv, D]: query i sits at position L - n + i (and sees the last `window` keys up
+    to it, scores capped by softcap * tanh(s / softcap))."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     n, L = q.shape[0], k.shape[0]
-    causal = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+    k_pos, q_pos = torch.arange(L)[None, :], torch.arange(L - n, L)[:, None]
+    causal = k_pos <= q_pos
+    if window is not None:
+        causal &= k_pos > q_pos - window
     scores = scores.masked_fill(~causal, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
