@@ -34,9 +34,6 @@ class TritonBackend(AttentionBackend):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> Tensor:
-        if window is not None or softcap is not None:
-            raise NotImplementedError("the triton backend has no sliding window or score cap "
-                                      "yet; use --attention-backend torch")
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if q.stride(2) != 1:
             q = q.contiguous()
@@ -46,11 +43,11 @@ class TritonBackend(AttentionBackend):
         if nd > 0:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens,
                          meta.max_seq_len, scale, out[:nd], _num_sms(q.device),
-                         self.decode_cfg)
+                         self.decode_cfg, window, softcap)
         if num_seqs > nd:
             paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                           meta.query_start_loc, nd, num_seqs - nd, meta.max_query_len, scale,
-                          out, self.prefill_cfg)
+                          out, self.prefill_cfg, window, softcap)
         return out
 
     def copy_blocks(self, kv_caches: list[tuple[Tensor, Tensor]], src_dst: Tensor) -> None:

@@ -12,6 +12,11 @@ bumps an arrival counter for its (sequence, KV head) and the last to arrive merg
 second launch waits for the whole grid to drain (H100, batch 1 x 32k: 58.5 -> 55.2 us). A
 partition's program knows where its context starts without the sequence length, so it loads
 its first block ids together with that length rather than after it.
+
+A sliding window (a layer's `window`, None for global attention) starts the context at
+seq_len - window: v1 starts its loop there, v2 lays its partitions from there (fewer of them),
+and no block before it is read, so the block manager may have freed those. A score cap
+(Gemma 2) maps each score s to softcap * tanh(s / softcap) before the softmax.
 """
 
 from __future__ import annotations
@@ -29,12 +34,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
-                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def capped_scores(s, qk_scale, cap_scale, SOFTCAP: tl.constexpr):
+    """Raw q.k scores -> log2-domain scores: s * scale * log2(e), or with a cap
+    softcap * tanh(s * scale / softcap) * log2(e), where the caller passes qk_scale =
+    scale / softcap and cap_scale = softcap * log2(e) (tanh(x) = 2 sigmoid(2x) - 1)."""
+    s = s * qk_scale
+    if SOFTCAP:
+        s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * cap_scale
+    return s
+
+
+@triton.jit
+def _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale, cap_scale,
+                 HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step of q over the K/V rows at offsets `row` (masked by n_mask)."""
     offs_d = tl.arange(0, HEAD_DIM)
     k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = capped_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale,
+                      cap_scale, SOFTCAP)
     s = tl.where(n_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -46,10 +63,10 @@ def _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
 
 
 @triton.jit
-def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, qk_scale,
+def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, qk_scale, cap_scale,
                   stride_kb, stride_kt, stride_kh,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """Online-softmax attention of q [GROUP_PAD, D] over context positions [start, end).
 
@@ -65,7 +82,7 @@ def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, qk_scale,
         row = (block.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
                + kv_head * stride_kh)
         m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
-                                     HEAD_DIM, DOT_PRECISION)
+                                     cap_scale, HEAD_DIM, SOFTCAP, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -80,9 +97,9 @@ def _load_tile_blocks(bt_row_ptr, tile, row_blocks, BLOCK_SIZE: tl.constexpr,
 
 @triton.jit
 def _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end, qk_scale,
-                      row_blocks, stride_kb, stride_kt, stride_kh,
+                      cap_scale, row_blocks, stride_kb, stride_kt, stride_kh,
                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     """`_attend_range` with the first tile's block ids given (`block`, loaded before the
     sequence length was known) and each next tile's loaded one iteration ahead."""
@@ -96,7 +113,7 @@ def _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end, q
                + kv_head * stride_kh)
         block = _load_tile_blocks(bt_row_ptr, tile + BLOCK_N, row_blocks, BLOCK_SIZE, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
-                                     HEAD_DIM, DOT_PRECISION)
+                                     cap_scale, HEAD_DIM, SOFTCAP, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -112,20 +129,25 @@ def _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
 
 
 @triton.jit
-def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qk_scale,
-                      stride_qs, stride_qh, stride_os, stride_oh,
+def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qk_scale, cap_scale,
+                      window, stride_qs, stride_qh, stride_os, stride_oh,
                       stride_kb, stride_kt, stride_kh, stride_bts,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    start = 0
+    if WINDOWED:
+        start = tl.maximum(seq_len - window, 0)
     q, heads, g_mask = _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
                                      GROUP, GROUP_PAD, HEAD_DIM)
-    m_i, l_i, acc = _attend_range(q, k_ptr, v_ptr, bt_ptr + seq * stride_bts, kv_head, 0,
-                                  seq_len, qk_scale, stride_kb, stride_kt, stride_kh,
-                                  GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, DOT_PRECISION)
+    m_i, l_i, acc = _attend_range(q, k_ptr, v_ptr, bt_ptr + seq * stride_bts, kv_head, start,
+                                  seq_len, qk_scale, cap_scale, stride_kb, stride_kt,
+                                  stride_kh, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTCAP,
+                                  DOT_PRECISION)
     out = acc / l_i[:, None]
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
@@ -169,22 +191,27 @@ def _merge_partitions(max_ptr, sum_ptr, part_ptr, out_ptr, seq, kv_head, num_par
 
 @triton.jit(do_not_specialize=["row_blocks"])  # the block table's width may vary by step
 def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, arrivals_ptr,
-                      bt_ptr, seq_lens_ptr, qk_scale, partition, max_parts, row_blocks,
-                      stride_qs, stride_qh, stride_os, stride_oh,
+                      bt_ptr, seq_lens_ptr, qk_scale, cap_scale, window, partition, max_parts,
+                      row_blocks, stride_qs, stride_qh, stride_os, stride_oh,
                       stride_kb, stride_kt, stride_kh, stride_bts,
                       NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                       GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    start = part * partition
     bt_row_ptr = bt_ptr + seq * stride_bts
     # The sequence length, q and the first tile's block ids do not depend on one another:
     # loaded together, the first K/V loads wait one round trip to memory, not two (H100,
-    # batch 1 x 32k: 55.1 -> 54.3 us; batch 1 x 1k 11.0 -> 9.6 us).
+    # batch 1 x 32k: 55.1 -> 54.3 us; batch 1 x 1k 11.0 -> 9.6 us). A window's partitions
+    # start from the window's first token, which needs the length first.
     seq_len = tl.load(seq_lens_ptr + seq)
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+    start = first + part * partition
     q, heads, g_mask = _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
                                      GROUP, GROUP_PAD, HEAD_DIM)
     block = _load_tile_blocks(bt_row_ptr, start, row_blocks, BLOCK_SIZE, BLOCK_N)
@@ -192,11 +219,11 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
         return
     end = tl.minimum(start + partition, seq_len)
     m_i, l_i, acc = _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end,
-                                      qk_scale, row_blocks, stride_kb, stride_kt, stride_kh,
-                                      GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                      DOT_PRECISION)
+                                      qk_scale, cap_scale, row_blocks, stride_kb, stride_kt,
+                                      stride_kh, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                                      SOFTCAP, DOT_PRECISION)
     offs_d = tl.arange(0, HEAD_DIM)
-    num_parts = tl.cdiv(seq_len, partition)
+    num_parts = tl.cdiv(seq_len - first, partition)
     if num_parts == 1:  # a short sequence of the batch: nothing to merge
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -233,27 +260,43 @@ def _group_pad(group: int) -> int:
     return max(16, triton.next_power_of_2(group))  # tl.dot needs >= 16 rows
 
 
+def score_args(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, cap_scale) as `capped_scores` takes them."""
+    if softcap is None:
+        return scale * LOG2E, 1.0
+    return scale / softcap, softcap * LOG2E
+
+
+def attended_len(max_seq_len: int, window: int | None) -> int:
+    """The longest context a decode attends to: its window at most."""
+    return max_seq_len if window is None else min(max_seq_len, window)
+
+
 def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     seq_lens: Tensor, scale: float, out: Tensor,
-                    cfg: DecodeConfig = DecodeConfig()) -> Tensor:
+                    cfg: DecodeConfig = DecodeConfig(), window: int | None = None,
+                    softcap: float | None = None) -> Tensor:
     """q/out [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     _decode_v1_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, out, block_tables, seq_lens, *score_args(scale, softcap),
+        window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 
 
 def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     seq_lens: Tensor, max_seq_len: int, scale: float, out: Tensor,
-                    cfg: DecodeConfig = DecodeConfig()) -> Tensor:
-    """Like v1, split over partitions of cfg.partition positions; max_seq_len sizes the grid.
+                    cfg: DecodeConfig = DecodeConfig(), window: int | None = None,
+                    softcap: float | None = None) -> Tensor:
+    """Like v1, split over partitions of cfg.partition positions; max_seq_len (or the window)
+    sizes the grid.
 
     One launch: the last partition of each (sequence, KV head) to finish merges the partials.
     Launches on one device must be stream-ordered (they share the arrival counters)."""
@@ -261,7 +304,7 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert cfg.partition % cfg.block_n == 0, "partition must be a multiple of block_n"
-    max_parts = triton.cdiv(max_seq_len, cfg.partition)
+    max_parts = triton.cdiv(attended_len(max_seq_len, window), cfg.partition)
     stats = torch.empty(2, num_seqs, num_heads, max_parts, dtype=torch.float32,
                         device=q.device)
     parts = torch.empty(num_seqs, num_heads, max_parts, head_dim, dtype=torch.float32,
@@ -270,13 +313,16 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     _decode_v2_kernel[(num_seqs, num_kv_heads, max_parts)](
         q, k_cache, v_cache, out, stats[0], stats[1], parts,
         _arrival_counters(num_seqs * num_kv_heads, q.device), block_tables, seq_lens,
-        scale * LOG2E, cfg.partition, max_parts, block_tables.shape[1], q.stride(0),
+        *score_args(scale, softcap), window or 0, cfg.partition, max_parts,
+        block_tables.shape[1], q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), NUM_HEADS=num_heads, GROUP=group,
         GROUP_PAD=_group_pad(group), GROUP_P2=group_p2,
         MERGE_CHUNK=max(2, MERGE_ROWS // group_p2), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=_v2_stages(cfg.num_stages))
+        BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, WINDOWED=window is not None,
+        SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=_v2_stages(cfg.num_stages))
     return out
 
 
@@ -357,12 +403,15 @@ def choose_v2_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms
 
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                  seq_lens: Tensor, max_seq_len: int, scale: float, out: Tensor, num_sms: int,
-                 cfg: DecodeConfig = DecodeConfig()) -> Tensor:
+                 cfg: DecodeConfig = DecodeConfig(), window: int | None = None,
+                 softcap: float | None = None) -> Tensor:
     """v1 or v2 (with a partition sized to the batch, and double-buffered tiles where the
-    grid is small), by `use_v2`."""
+    grid is small), by `use_v2` on the attended length (the window at most)."""
     num_seqs, num_kv_heads = q.shape[0], k_cache.shape[2]
-    if use_v2(num_seqs, num_kv_heads, max_seq_len, num_sms):
+    length = attended_len(max_seq_len, window)
+    if use_v2(num_seqs, num_kv_heads, length, num_sms):
+        cfg = choose_v2_config(num_seqs, num_kv_heads, length, num_sms, cfg)
         return paged_decode_v2(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                               scale, out, choose_v2_config(num_seqs, num_kv_heads,
-                                                            max_seq_len, num_sms, cfg))
-    return paged_decode_v1(q, k_cache, v_cache, block_tables, seq_lens, scale, out, cfg)
+                               scale, out, cfg, window, softcap)
+    return paged_decode_v1(q, k_cache, v_cache, block_tables, seq_lens, scale, out, cfg,
+                           window, softcap)
