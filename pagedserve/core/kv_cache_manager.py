@@ -7,6 +7,22 @@ Extra hash keys: `lora_id` goes into every block (KV computed under another adap
 everywhere); `cache_salt` only into block 0, because the chain carries it to every later
 block anyway. A request's block hashes are kept and extended incrementally, so a decode step
 hashes at most the one block that just filled.
+
+Sliding windows: when every layer of the model attends only to its last `sliding_window`
+positions, a request's blocks that lie wholly before the window of its next token are never
+read again, so `allocate_slots` returns them to the pool and their entries in the request's
+table become the null block (positions keep their index: block i still covers tokens
+i * block_size ...). It happens on the next call to `allocate_slots`, so at most when the
+request's next block is taken (the scheduler skips the call while a decode stays inside its
+block). Prefix caching with a window:
+  - a freed block keeps its hash: it waits in the free queue as a cached block (I4), so a
+    later request with the same prefix can still hit it until it is evicted;
+  - a prefix hit still needs every block of the chain in the cache (each hash covers its
+    parents), but the request takes a reference only on the hit blocks inside the window of
+    its first new token; the others stay where they are in the free queue and the request's
+    table gets the null block for them;
+  - likewise a request never takes a new block for positions wholly before its window (a
+    request swapped back in, for one).
 """
 
 from __future__ import annotations
@@ -43,10 +59,16 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  hash_algo: str = "sha256", log_stats: bool = True,
-                 hash_seed: int | str | None = None) -> None:
+                 hash_seed: int | str | None = None,
+                 sliding_window: int | None = None) -> None:
+        """sliding_window: set when every layer attends to at most that many last positions
+        (the largest window of the model's layers); None keeps every block."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.block_pool = BlockPool(num_blocks, enable_caching,
@@ -129,17 +151,29 @@ class KVCacheManager:
 
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_total = num_computed + num_new_tokens
-        num_new_blocks = max(
-            0, _cdiv(num_total, self.block_size) - len(req_blocks) - len(new_computed_blocks))
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
+        # blocks before `first_kept` lie wholly before the window of the first new token
+        first_kept = self._first_kept_block(num_computed)
+        out_of_window = [b for b in req_blocks[:first_kept] if not b.is_null]
+        num_held = len(req_blocks)
+        kept_hits = new_computed_blocks[max(0, first_kept - num_held):]
+        num_skipped_hits = len(new_computed_blocks) - len(kept_hits)
+        num_held += len(new_computed_blocks)
+        num_null = max(0, first_kept - num_held)  # new positions before the window
+        num_new_blocks = max(0, _cdiv(num_total, self.block_size) - num_held - num_null)
+        num_revived = sum(1 for b in kept_hits if b.ref_cnt == 0)
+        num_released = sum(1 for b in out_of_window if b.ref_cnt == 1)  # not shared
+        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks() + num_released:
             return None
 
-        self.block_pool.touch(new_computed_blocks)
+        self._free_out_of_window(req_blocks, first_kept)
+        self.block_pool.touch(kept_hits)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         if req_id not in self.req_to_blocks:
             self.req_to_blocks[req_id] = req_blocks
-        req_blocks.extend(new_computed_blocks)
+        null = self.block_pool.null_block
+        req_blocks.extend([null] * num_skipped_hits)
+        req_blocks.extend(kept_hits)
+        req_blocks.extend([null] * num_null)
         req_blocks.extend(new_blocks)
 
         if self.enable_caching:
@@ -147,6 +181,22 @@ class KVCacheManager:
             self.num_cached_block[req_id] = num_cached
             self.cache_blocks(request, num_total)
         return new_blocks
+
+    def _first_kept_block(self, position: int) -> int:
+        """Index of the first block a token at `position` can attend to (0 without a
+        window): the window covers positions position - window + 1 .. position."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def _free_out_of_window(self, req_blocks: list[KVCacheBlock], first_kept: int) -> None:
+        """Release the held blocks before `first_kept`, tail first as `free` does, nulling
+        their table entries."""
+        stop = min(first_kept, len(req_blocks))
+        released = [b for b in req_blocks[:stop] if not b.is_null]
+        if released:
+            self.block_pool.free_blocks(reversed(released))
+            req_blocks[:stop] = [self.block_pool.null_block] * stop
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
         """Cache the request's blocks that its first `num_tokens` fill with known tokens

@@ -83,6 +83,7 @@ class _Row:
     index: int
     blocks: list[KVCacheBlock]  # the manager's own list: a new list means reallocated
     num_filled: int
+    num_nulled: int = 0  # leading entries freed out of a sliding window, zeroed here too
 
 
 class BlockTableRows:
@@ -106,6 +107,12 @@ class BlockTableRows:
                 self.table[row.index, row.num_filled:len(blocks)] = [
                     b.block_id for b in blocks[row.num_filled:]]
                 row.num_filled = len(blocks)
+            nulled = row.num_nulled
+            while nulled < len(blocks) and blocks[nulled].is_null:
+                nulled += 1
+            if nulled > row.num_nulled:
+                self.table[row.index, row.num_nulled:nulled] = 0
+                row.num_nulled = nulled
             out[i] = row.index
         return out
 

@@ -122,7 +122,8 @@ class LLMEngine:
         num_blocks = self.model_runner.determine_num_blocks()
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
-            config.prefix_caching_hash_algo, hash_seed=config.prefix_caching_hash_seed)
+            config.prefix_caching_hash_algo, hash_seed=config.prefix_caching_hash_seed,
+            sliding_window=self.model_config.kv_window)
         self.model_runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.max_model_len = self._resolve_max_model_len(num_blocks)

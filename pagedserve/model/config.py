@@ -106,6 +106,13 @@ class ModelConfig:
         sliding = self.layer_type(layer) == "sliding_attention"
         return self.sliding_window if sliding else None
 
+    @property
+    def kv_window(self) -> int | None:
+        """The widest window when every layer has one (the block manager may then free what
+        lies before it); None when any layer attends globally."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return None if None in windows else max(windows)
+
     def rope_for(self, layer_type: str) -> tuple[float, dict[str, Any] | None]:
         """(theta, scaling) of the layers of this type."""
         if layer_type == "sliding_attention" and self.local_rope_theta is not None:

@@ -46,7 +46,10 @@ def check_manager_invariants(mgr: KVCacheManager) -> None:
     check_pool_invariants(mgr.block_pool)
     holders = [0] * mgr.block_pool.num_blocks
     for blocks in mgr.req_to_blocks.values():
-        ids = [b.block_id for b in blocks]
+        # the null block only ever stands for blocks freed out of a sliding window: a prefix
+        num_null = next((i for i, b in enumerate(blocks) if not b.is_null), len(blocks))
+        assert all(not b.is_null for b in blocks[num_null:]), "a null block after a real one"
+        ids = [b.block_id for b in blocks[num_null:]]
         assert len(ids) == len(set(ids)), "a block appears twice in one block table"
         for i in ids:
             holders[i] += 1
