@@ -35,6 +35,9 @@ class EngineConfig:
     # root of the block-hash chain; None = random per process (hashes cannot be predicted
     # across tenants); replicas behind a prefix-aware router set the same seed
     prefix_caching_hash_seed: str | None = None
+    # publish the prefix cache's block events (stored / removed / cleared) on a ZeroMQ PUB
+    # socket bound here, e.g. "tcp://*:5557" (see core/kv_events.py); None = not recorded
+    kv_events_endpoint: str | None = None
     # scheduling
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

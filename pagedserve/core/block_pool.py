@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pagedserve.core.hashing import BlockHash, BlockHasher, get_hash_fn
 
 
@@ -113,23 +115,28 @@ class FreeKVCacheBlockQueue:
         return out
 
 
-@dataclass(frozen=True)
-class BlockStored:
+class BlockStored(msgspec.Struct, frozen=True, tag=True):
+    """A full block entered the prefix cache under `block_hash` (its parent's hash chains it
+    to the blocks before; None for a prompt's first block)."""
+
+    block_hash: BlockHash
+    block_id: int
+    parent_block_hash: BlockHash | None = None
+
+
+class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
+    """A cached block was evicted: its hash no longer finds it."""
+
     block_hash: BlockHash
     block_id: int
 
 
-@dataclass(frozen=True)
-class BlockRemoved:
-    block_hash: BlockHash
-    block_id: int
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):
+    """Every cached hash was forgotten (`reset_prefix_cache`)."""
 
 
-@dataclass(frozen=True)
-class AllBlocksCleared:
-    pass
-
-
+# msgspec structs (tagged by class name), so a batch of them goes on the wire as it is
+# (pagedserve.core.kv_events)
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
@@ -156,6 +163,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0  # cached blocks reused for other content, since start
         self._events: list[KVCacheEvent] = []
 
     def get_num_free_blocks(self) -> int:
@@ -182,6 +190,7 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         del self.cached_block_hash_to_block[block.block_hash]
+        self.num_evictions += 1
         if self.enable_events:
             self._events.append(BlockRemoved(block.block_hash, block.block_id))
         block.block_hash = None
@@ -234,7 +243,8 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
             if self.enable_events:
-                self._events.append(BlockStored(block_hash, block.block_id))
+                parent = block_hashes[i - 1] if i > 0 else None
+                self._events.append(BlockStored(block_hash, block.block_id, parent))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

@@ -60,9 +60,10 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  hash_algo: str = "sha256", log_stats: bool = True,
                  hash_seed: int | str | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, enable_events: bool = False) -> None:
         """sliding_window: set when every layer attends to at most that many last positions
-        (the largest window of the model's layers); None keeps every block."""
+        (the largest window of the model's layers); None keeps every block. enable_events:
+        the block pool records its events (see `core.kv_events`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -72,7 +73,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.block_pool = BlockPool(num_blocks, enable_caching,
-                                    get_hash_fn(hash_algo, hash_seed))
+                                    get_hash_fn(hash_algo, hash_seed), enable_events)
         self.prefix_cache_stats = PrefixCacheStats()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}

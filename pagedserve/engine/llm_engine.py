@@ -28,6 +28,7 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_events import KVEventPublisher
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput, PendingRunnerOutput
 from pagedserve.engine.outputs import (
@@ -123,7 +124,10 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             config.prefix_caching_hash_algo, hash_seed=config.prefix_caching_hash_seed,
-            sliding_window=self.model_config.kv_window)
+            sliding_window=self.model_config.kv_window,
+            enable_events=config.kv_events_endpoint is not None)
+        self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
+                                   if config.kv_events_endpoint is not None else None)
         self.model_runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.max_model_len = self._resolve_max_model_len(num_blocks)
@@ -281,6 +285,8 @@ class LLMEngine:
             step, self._in_flight = self._in_flight, step
         if step is not None:
             outputs += self._complete(*step)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_cache_manager.block_pool.take_events())
         return outputs
 
     def _complete(self, scheduler_output: SchedulerOutput,
@@ -385,6 +391,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_evictions=self.kv_cache_manager.block_pool.num_evictions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_gpu_blocks=self.num_blocks)

@@ -61,3 +61,4 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_gpu_blocks: int = 0
+    prefix_cache_evictions: int = 0  # cached blocks reused for other content

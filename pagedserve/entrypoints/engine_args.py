@@ -85,6 +85,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("prefix_caching_hash_seed", "root seed of the block hashes: replicas behind a "
               "prefix-aware router need the same one", metavar="SEED",
               default_text="random per process, so hashes cannot be predicted"),
+    EngineArg("kv_events_endpoint", "publish the prefix cache's block events (stored, removed, "
+              "cleared) on a ZeroMQ PUB socket bound here, e.g. tcp://*:5557", metavar="ADDRESS",
+              default_text="off"),
     EngineArg("max_num_seqs", "max requests running at once", metavar="N"),
     EngineArg("max_num_batched_tokens", "token budget of one step; longer prompts are "
               "prefilled in chunks", metavar="N"),

@@ -130,7 +130,7 @@ def test_reset_prefix_cache_refused_while_in_use_then_clears_everything():
     check_pool_invariants(pool)
     pool.get_new_blocks(3)
     assert pool.take_events() == [BlockStored(hashes[0], blocks[0].block_id),
-                                  BlockStored(hashes[1], blocks[1].block_id),
+                                  BlockStored(hashes[1], blocks[1].block_id, hashes[0]),
                                   AllBlocksCleared()]
     assert pool.take_events() == []
 
@@ -140,8 +140,10 @@ def test_events_record_eviction_and_are_off_by_default():
     block = pool.get_new_blocks(1)
     pool.cache_full_blocks(block, chain([9]), 0, 1)
     pool.free_blocks(block)
+    assert pool.num_evictions == 0
     pool.get_new_blocks(1)
     assert pool.take_events()[-1] == BlockRemoved(chain([9])[0], block[0].block_id)
+    assert pool.num_evictions == 1
     quiet = BlockPool(2)
     quiet.cache_full_blocks(quiet.get_new_blocks(1), chain([9]), 0, 1)
     assert quiet.take_events() == []

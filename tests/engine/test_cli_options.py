@@ -55,6 +55,7 @@ NON_DEFAULT = [
     ("--no-prefix-caching", None, "enable_prefix_caching", False),
     ("--prefix-caching-hash-algo", "xxhash", "prefix_caching_hash_algo", "xxhash"),
     ("--prefix-caching-hash-seed", "fleet", "prefix_caching_hash_seed", "fleet"),
+    ("--kv-events-endpoint", "tcp://*:5557", "kv_events_endpoint", "tcp://*:5557"),
     ("--max-num-seqs", "8", "max_num_seqs", 8),
     ("--max-num-batched-tokens", "512", "max_num_batched_tokens", 512),
     ("--max-model-len", "1024", "max_model_len", 1024),

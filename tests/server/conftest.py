@@ -30,6 +30,7 @@ _STARTUP_TIMEOUT_S = 300
 class Server:
     proc: subprocess.Popen
     url: str  # http://127.0.0.1:PORT
+    kv_events_endpoint: str | None = None  # where it publishes KV-cache events, if it does
 
     @property
     def base_url(self) -> str:
@@ -99,7 +100,10 @@ def stop_server(server: Server) -> int:
 
 @pytest.fixture(scope="package")
 def server():
-    srv = start_server()
+    # the shared server also publishes its KV-cache events (tests/server/test_metrics.py)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    srv = start_server("--kv-events-endpoint", endpoint)
+    srv.kv_events_endpoint = endpoint
     yield srv
     stop_server(srv)
 

@@ -51,6 +51,8 @@ class _EngineStatsCollector:
         ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix "
          "cache."),
         ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+        ("prefix_cache_evictions", "prefix_cache_evictions", "Cached KV blocks evicted "
+         "(reused for other content) since start."),
         ("num_preemptions", "num_preemptions", "Requests preempted to free KV blocks."),
         ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
         ("generation_tokens", "generation_tokens_total", "Tokens generated."),
@@ -65,6 +67,11 @@ class _EngineStatsCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=_get(stats, attr))
         for name, attr, doc in self._COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=_get(stats, attr))
+        queries = _get(stats, "prefix_cache_queries")
+        yield GaugeMetricFamily(
+            PREFIX + "prefix_cache_hit_rate", "Fraction of prompt tokens looked up in the "
+            "prefix cache that were found there, since start (0 before any lookup).",
+            value=_get(stats, "prefix_cache_hits") / queries if queries else 0.0)
 
 
 def _get(stats: Any, attr: str) -> float:

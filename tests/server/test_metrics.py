@@ -1,0 +1,57 @@
+"""/metrics counts each prompt once, reports the prefix cache's hit rate and evictions, and
+the server's core publishes its KV-cache events to a ZeroMQ subscriber."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import zmq
+
+from pagedserve.core.block_pool import BlockStored
+from pagedserve.core.kv_events import DEFAULT_TOPIC, decode_batch
+
+PROMPT = "Paged attention keeps the KV cache in blocks of sixteen tokens each. " * 3
+
+
+def _complete(server, **body) -> dict:
+    response = httpx.post(server.url + "/v1/completions", timeout=120,
+                          json={"prompt": PROMPT, "max_tokens": 2, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_a_prompt_counts_once_whatever_n(server):
+    before = server.wait_idle()["pagedserve_prompt_tokens_total"]
+    usage = _complete(server, n=3, temperature=1.0)["usage"]
+    after = server.wait_idle()["pagedserve_prompt_tokens_total"]
+    assert after - before == usage["prompt_tokens"] > 0
+
+
+def test_hit_rate_and_evictions_are_reported(server):
+    _complete(server)
+    _complete(server)  # the same prompt: its full blocks come from the prefix cache
+    m = server.wait_idle()
+    queries, hits = m["pagedserve_prefix_cache_queries_total"], \
+        m["pagedserve_prefix_cache_hits_total"]
+    assert 0 < m["pagedserve_prefix_cache_hit_rate"] == hits / queries <= 1
+    assert m["pagedserve_prefix_cache_evictions_total"] >= 0
+
+
+def test_kv_events_reach_a_subscriber(server):
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, DEFAULT_TOPIC.encode())
+    sub.connect(server.kv_events_endpoint)
+    try:
+        time.sleep(0.5)  # a PUB socket drops what it sends before the subscription arrives
+        unique = f"A prompt no other test sends, at {time.time()}: " + PROMPT
+        _complete(server, prompt=unique)
+        stored = []
+        while sub.poll(2000):
+            _, _, payload = sub.recv_multipart()
+            stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+        assert stored, "no BlockStored event for a prompt of several full blocks"
+        assert all(isinstance(e.block_hash, bytes) and e.block_id > 0 for e in stored)
+    finally:
+        sub.close()
