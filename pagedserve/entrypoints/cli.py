@@ -12,9 +12,9 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from pagedserve.entrypoints.chat import end_marker, run_chat, sigint_as_flag, stream_answer
 from pagedserve.entrypoints.engine_args import add_engine_args, engine_options
 
 DEFAULT_BENCH_QUESTIONS = [
@@ -68,19 +68,6 @@ def _build_engine(args: argparse.Namespace):
     return LLMEngine.from_options(**cli_engine_options(args))
 
 
-def _stream(engine, request_id: str, prompt_ids: list[int], params,
-            write: Callable[[str], None]) -> str:
-    """Run one request to the end, writing text as it is produced; return the full text."""
-    engine.add_request(request_id, None, params, prompt_token_ids=prompt_ids)
-    text = ""
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id == request_id:
-                write(output.outputs[0].text_delta)
-                text = output.outputs[0].text
-    return text
-
-
 def _write(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -99,9 +86,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
         prompt_ids = encode_chat(tokenizer, messages)
-    _stream(engine, "generate", prompt_ids, sampling_params(args), _write)
+    params = sampling_params(args)
+    with sigint_as_flag() as cancel:
+        answer = stream_answer(engine, "generate", prompt_ids, params, _write, cancel)
     _write("\n")
-    return 0
+    marker = end_marker(answer, params.max_tokens)
+    if marker:
+        print(marker, file=sys.stderr)
+    return 130 if answer.finish_reason == "abort" else 0
 
 
 # -- chat ---------------------------------------------------------------------------------------
@@ -110,28 +102,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from pagedserve.entrypoints.llm import encode_chat
 
     engine = _build_engine(args)
-    params = sampling_params(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    print("pagedserve chat: type a message; /exit or Ctrl-D quits.", file=sys.stderr)
-    for turn in range(1_000_000):
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if line.strip() == "/exit":
-            break
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        prompt_ids = encode_chat(engine.tokenizer, messages)
-        hits_before = engine.get_stats().prefix_cache_hits
-        answer = _stream(engine, f"chat-{turn}", prompt_ids, params, _write)
-        _write("\n")
-        reused = engine.get_stats().prefix_cache_hits - hits_before
-        print(f"[{len(prompt_ids)} prompt tokens, {reused} from the prefix cache]",
-              file=sys.stderr)
-        messages.append({"role": "assistant", "content": answer})
-    return 0
+    return run_chat(engine, sampling_params(args), args.system, _write,
+                    lambda messages: encode_chat(engine.tokenizer, messages))
 
 
 # -- bench --------------------------------------------------------------------------------------

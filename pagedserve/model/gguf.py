@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 from pagedserve.cache import cache_root
 from pagedserve.model.config import ModelConfig
+from pagedserve.progress import notice, progress
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,9 @@ def open_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.
             return cached
     reader = GGUFReader(path)
     config = read_config(reader, path)
-    weights = iter_weights(reader, config)
+    notice(f"converting {Path(path).name} to float32 weights"
+           + (" (first load only: the result is cached)" if entry is not None else ""))
+    weights = progress(iter_weights(reader, config), len(reader.tensors), "converting")
     if entry is not None:
         weights = _cache_when_done(weights, config, entry)
     return config, weights

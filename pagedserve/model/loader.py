@@ -156,6 +156,7 @@ def load_tokenizer(tokenizer_source: str | Path):
     if source.suffix != ".gguf":
         return AutoTokenizer.from_pretrained(source)
     from pagedserve.model.gguf import cache_entry, drop_cache_entry, write_cache_entry
+    from pagedserve.progress import notice
 
     entry = cache_entry(source, "tokenizer")
     if entry is not None and entry.is_dir():
@@ -163,6 +164,8 @@ def load_tokenizer(tokenizer_source: str | Path):
             return AutoTokenizer.from_pretrained(entry)
         except Exception as e:  # any unreadable entry is a miss, whatever the parser raised
             drop_cache_entry(entry, e)
+    notice(f"building the tokenizer from {source.name}"
+           + (" (first load only: the result is cached)" if entry is not None else ""))
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     if entry is not None:
         write_cache_entry(entry, tokenizer.save_pretrained)

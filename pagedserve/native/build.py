@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.cache import cache_root
+from pagedserve.progress import notice
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ def _compile(out_dir: Path) -> Path:
         return target
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
+    notice(f"compiling the native CPU kernels with {compiler} (first run only)")
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".pagedserve-native-", suffix=".so", dir=out_dir)
     os.close(fd)
