@@ -42,8 +42,8 @@ def test_every_command_has_the_whole_group_and_defaults_validate(command):
     assert options == {name: getattr(defaults, name) for name in options}
 
 
-# a non-default value for every flag (the engine options the issue found missing on serve
-# included); every command must carry each one through to EngineConfig
+# non-default values, spelled as a user would (the options the issue found missing on serve
+# included); a flag not listed gets one from its type (`_other_value`)
 NON_DEFAULT = [
     ("--model", "m.gguf", "model", "m.gguf"), ("--tokenizer", "t", "tokenizer", "t"),
     ("--dtype", "bfloat16", "dtype", "bfloat16"), ("--device", "cpu", "device", "cpu"),
@@ -67,13 +67,34 @@ NON_DEFAULT = [
 ]
 
 
+def _other_value(arg: engine_args.EngineArg) -> tuple[list[str], object]:
+    """Command-line words giving `arg` a value other than its default, and that value."""
+    default = getattr(EngineConfig(), arg.field)
+    kind = engine_args._field_type(arg.field)  # noqa: SLF001
+    if kind is bool:
+        return ([f"--no-{arg.option[2:]}"] if default else [arg.option]), not default
+    if arg.choices:
+        value = next(c for c in arg.choices if c != default)
+        return [arg.option, value], value
+    if arg.parse is parse_size:
+        return [arg.option, "3M"], 3 << 20
+    value = {int: 8 if default != 8 else 4, float: 0.5 if default != 0.5 else 0.25}.get(
+        kind, "x")
+    return [arg.option, str(value)], value
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_flag_reaches_engine_config(command):
-    argv = [part for flag, value, _, _ in NON_DEFAULT for part in (flag, value) if part]
+    """Every engine flag, on every command, arrives in EngineConfig with its value."""
+    listed = {name: ([flag, text] if text else [flag], value)
+              for flag, text, name, value in NON_DEFAULT}
+    chosen = {arg.field: listed.get(arg.field) or _other_value(arg) for arg in ENGINE_ARGS}
+    argv = [word for words, _ in chosen.values() for word in words]
     options = engine_options(_parse(command, *argv))
-    assert options == {name: value for _, _, name, value in NON_DEFAULT}
+    assert options == {name: value for name, (_, value) in chosen.items()}
+    defaults = EngineConfig()
+    assert all(options[name] != getattr(defaults, name) for name in options)
     EngineConfig(**options)
-    assert {name for _, _, name, _ in NON_DEFAULT} == {arg.field for arg in ENGINE_ARGS}
 
 
 @pytest.mark.parametrize("flag, expected", [([], None), (["--async-scheduling"], True),
