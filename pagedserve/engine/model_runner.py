@@ -395,6 +395,4 @@ def _random_sampling_meta(logits: Tensor) -> SamplingMetadata:
     ones = torch.ones(rows, dtype=torch.float32, device=logits.device)
     return SamplingMetadata(
         all_greedy=False, greedy_mask=torch.zeros(rows, dtype=torch.bool, device=logits.device),
-        temperature=ones, min_p=None, top_k=None, top_p=None, generators={},
-        repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        prompt_token_ids=None, output_token_ids=None, max_num_logprobs=None)
+        temperature=ones)

@@ -7,43 +7,71 @@ lets each seeded row fill its own noise from its own generator: a seeded request
 same tokens whatever else shares its batch. Logprobs are those of the raw model
 distribution, before any processing, as the OpenAI API reports them.
 
-On CUDA, greedy and plain temperature rows go through one fused Triton kernel
-(`sampling_kernel.py`) that reads the logits once in the model's dtype; rows with top-k,
-top-p or min-p take the torch path (on the whole batch, then selected), and penalties are
-applied before either. Which path a row takes depends only on its own parameters, so a
-seeded request keeps drawing from one noise source whatever its batch. Seeded draws repeat
-per device type and path, not across them. The CPU always takes the torch path.
+The filters' rules, which every path follows: min-p keeps the tokens with exp(z - max z)
+>= min_p (z the logits over the temperature); top-k keeps the tokens at or above the k-th
+largest value; top-p keeps those at or above the largest value c whose mass at or above c
+reaches top_p (renormalised over what top-k kept). Each is a value threshold, so tokens
+tied with the cut-off are all kept. The penalties read each request's token counts from
+a `PenaltyState` on the same device (`penalties.py`).
+
+On CUDA every row goes through fused Triton kernels that read the logits once per pass in
+the model's dtype: greedy and plain temperature rows through `sampling_kernel.py`, and a
+batch with any filtered or penalized row through `filtered_sampling_kernel.py`, which
+draws with the same noise (a row's token does not depend on which kernel served it). The
+CPU takes the torch path. Seeded draws repeat per device type and path, not across them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
 from torch import Tensor
 
+from pagedserve.engine.penalties import PenaltyState, to_device
 from pagedserve.engine.request import Request
+from pagedserve.engine.sampling_params import SamplingParams
 
 _SEED_MASK = 2**63 - 1  # Philox takes a 64-bit key; int64 holds the low 63 bits of any seed
 _UNSEEDED_STREAM = 2**32  # unseeded rows' streams: a Philox counter word seeded rows never use
 
 
+@dataclass(frozen=True)
+class _Kernels:
+    plain: Callable[..., Tensor]  # sampling_kernel.fused_sample
+    filtered: Callable[..., Tensor]  # filtered_sampling_kernel.filtered_sample
+
+
 @cache
-def _fused_sample() -> Callable[..., Tensor] | None:
-    """The kernel entry, imported on first need: a CPU run never pays for Triton, and the
+def _fused_kernels() -> _Kernels | None:
+    """The kernel entries, imported on first need: a CPU run never pays for Triton, and the
     interpreter tests can set TRITON_INTERPRET before the kernels are jitted. None without
     Triton: the torch path then serves every row."""
     try:
+        from pagedserve.engine.filtered_sampling_kernel import filtered_sample
         from pagedserve.engine.sampling_kernel import fused_sample
     except ImportError:
         return None
-    return fused_sample
+    return _Kernels(fused_sample, filtered_sample)
 
 
 def fused_sampling_available(device: torch.device) -> bool:
-    return device.type == "cuda" and _fused_sample() is not None
+    return device.type == "cuda" and _fused_kernels() is not None
+
+
+@dataclass
+class PenaltyTensors:
+    """Per-row penalties for one step: each row's slot in the `PenaltyState` counts (-1:
+    the row has no penalties) and its three factors (neutral on rows without)."""
+
+    rows: Tensor  # int64 [S]
+    output_counts: Tensor  # int32 [slots, V]: the sampled tokens of each slot, counted
+    prompt_mask: Tensor  # bool [slots, V]: the tokens of each slot's prompt
+    repetition: Tensor  # float32 [S]
+    presence: Tensor  # float32 [S]
+    frequency: Tensor  # float32 [S]
 
 
 @dataclass
@@ -51,39 +79,40 @@ class SamplingMetadata:
     """Per-row sampling tensors for one step; rows follow the runner's sampling order."""
 
     all_greedy: bool
-    greedy_mask: Tensor | None  # bool [S]; None when all rows are greedy
-    temperature: Tensor | None  # float32 [S]; greedy rows hold 1.0
-    min_p: Tensor | None  # float32 [S]; None when no row uses it
-    top_k: Tensor | None  # int64 [S]; 0 = off; None when no row uses it
-    top_p: Tensor | None  # float32 [S]; None when no row uses it
-    generators: dict[int, torch.Generator]  # row -> generator of a seeded torch-path row
-    repetition_penalty: Tensor | None  # float32 [S]; None when no row uses penalties
-    presence_penalty: Tensor | None
-    frequency_penalty: Tensor | None
-    prompt_token_ids: Tensor | None  # int64 [S, P] padded with vocab_size
-    output_token_ids: Tensor | None  # int64 [S, O] padded with vocab_size
-    max_num_logprobs: int | None  # None when no row asked for logprobs
-    # fused path only (None otherwise, and when all rows are greedy):
-    philox: Tensor | None = None  # int64 [S, 2]: each row's noise (seed, stream)
-    filtered_mask: Tensor | None = None  # bool [S]: rows left to the torch path; None if none
+    greedy_mask: Tensor | None = None  # bool [S]; None when all rows are greedy
+    temperature: Tensor | None = None  # float32 [S]; greedy rows hold 1.0
+    min_p: Tensor | None = None  # float32 [S]; None when no row uses it
+    top_k: Tensor | None = None  # int64 [S]; 0 = off; None when no row uses it
+    top_p: Tensor | None = None  # float32 [S]; None when no row uses it
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded torch rows
+    penalties: PenaltyTensors | None = None  # None when no row uses penalties
+    max_num_logprobs: int | None = None  # None when no row asked for logprobs
+    philox: Tensor | None = None  # fused path: int64 [S, 2], each row's noise (seed, stream)
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request], vocab_size: int,
-                      device: torch.device, fused: bool | None = None) -> SamplingMetadata:
-        """`fused` builds the fused kernel's inputs; None: when the device can run it."""
+    def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device,
+                      fused: bool | None = None, penalty_state: PenaltyState | None = None,
+                      penalty_slots: Sequence[int] | None = None) -> SamplingMetadata:
+        """`fused` builds the fused kernels' inputs; None: when the device can run them.
+        Rows with penalties read their slots (`PenaltyState.slots` of the rows' request
+        ids) in `penalty_state`; without one, a state is built from the rows' token lists,
+        which is right only when those are complete (no token in flight)."""
         params = [r.sampling_params for r in requests]
         greedy = [p.is_greedy for p in params]
-        all_greedy = all(greedy)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        meta = cls(all_greedy=all_greedy, greedy_mask=None, temperature=None, min_p=None,
-                   top_k=None, top_p=None, generators={}, repetition_penalty=None,
-                   presence_penalty=None, frequency_penalty=None, prompt_token_ids=None,
-                   output_token_ids=None, max_num_logprobs=max(logprobs) if logprobs else None)
-        if not all_greedy:
+        meta = cls(all_greedy=all(greedy), max_num_logprobs=max(logprobs) if logprobs else None)
+        if not meta.all_greedy:
             meta._set_random(requests, greedy, device,
                              fused_sampling_available(device) if fused is None else fused)
         if any(p.needs_penalties for p in params):
-            meta._set_penalties(requests, vocab_size, device)
+            if penalty_state is None:
+                penalty_state = PenaltyState(vocab_size, device, initial_slots=len(requests))
+                penalty_slots = []
+                for i, r in enumerate(requests):
+                    penalty_slots.append(-1 if not r.sampling_params.needs_penalties else
+                                         penalty_state.add(str(i), r.prompt_token_ids,
+                                                           r.output_token_ids))
+            meta.penalties = _penalty_tensors(params, penalty_state, penalty_slots, device)
         return meta
 
     def _set_random(self, requests: Sequence[Request], greedy: list[bool],
@@ -102,30 +131,35 @@ class SamplingMetadata:
             self.top_k = column([p.top_k for p in params], torch.int64)
         if any(p.top_p < 1.0 for p in params):
             self.top_p = column([p.top_p for p in params], torch.float32)
-        torch_rows = range(len(requests))
-        if fused:
+        if fused:  # every row draws Philox noise in a kernel
             self.philox = to_device(philox_rows(requests), device)
-            torch_rows = []
-            if any(t is not None for t in (self.min_p, self.top_k, self.top_p)):
-                # greedy rows have these filters off (SamplingParams resets them)
-                filtered = [p.min_p > 0 or p.top_k > 0 or p.top_p < 1.0 for p in params]
-                self.filtered_mask = column(filtered, torch.bool)
-                torch_rows = [i for i, f in enumerate(filtered) if f]
-        self.generators = {i: requests[i].generator_for(device) for i in torch_rows
-                           if requests[i].generator is not None and not greedy[i]}
+        else:
+            self.generators = {i: r.generator_for(device) for i, r in enumerate(requests)
+                               if r.generator is not None and not greedy[i]}
 
-    def _set_penalties(self, requests: Sequence[Request], vocab_size: int,
-                       device: torch.device) -> None:
-        params = [r.sampling_params for r in requests]
+    @property
+    def filtered(self) -> bool:
+        return self.min_p is not None or self.top_k is not None or self.top_p is not None
 
-        def column(values):
-            return to_device(torch.tensor(values, dtype=torch.float32), device)
 
-        self.repetition_penalty = column([p.repetition_penalty for p in params])
-        self.presence_penalty = column([p.presence_penalty for p in params])
-        self.frequency_penalty = column([p.frequency_penalty for p in params])
-        self.prompt_token_ids = _pad([r.prompt_token_ids for r in requests], vocab_size, device)
-        self.output_token_ids = _pad([r.output_token_ids for r in requests], vocab_size, device)
+def _penalty_tensors(params: list[SamplingParams], state: PenaltyState,
+                     slots: Sequence[int] | None, device: torch.device) -> PenaltyTensors:
+    if slots is None:
+        raise ValueError("rows with penalties need their slots in the PenaltyState")
+    missing = [i for i, (p, s) in enumerate(zip(params, slots)) if p.needs_penalties and s < 0]
+    if missing:
+        raise ValueError(f"rows {missing} have penalties but no PenaltyState slot")
+    rows = [s if p.needs_penalties else -1 for p, s in zip(params, slots)]
+
+    def column(values, dtype=torch.float32):
+        return to_device(torch.tensor(values, dtype=dtype), device)
+
+    return PenaltyTensors(
+        rows=column(rows, torch.int64), output_counts=state.output_counts,
+        prompt_mask=state.prompt_mask,
+        repetition=column([p.repetition_penalty for p in params]),
+        presence=column([p.presence_penalty for p in params]),
+        frequency=column([p.frequency_penalty for p in params]))
 
 
 def philox_rows(requests: Sequence[Request]) -> Tensor:
@@ -154,22 +188,6 @@ def _drawn_token_index(request: Request) -> int:
     return request.num_output_tokens + max(request.num_output_placeholders - 1, 0)
 
 
-def to_device(cpu: Tensor, device: torch.device) -> Tensor:
-    """Copy through pinned memory without waiting: a copy from pageable memory to a GPU
-    blocks the host until the stream has drained, a sync in the middle of the step."""
-    if device.type != "cuda":
-        return cpu.to(device)
-    return cpu.pin_memory().to(device, non_blocking=True)
-
-
-def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = torch.full((len(rows), width), pad, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.as_tensor(row, dtype=torch.int64)
-    return to_device(out, device)
-
-
 @dataclass
 class LogprobsTensors:
     top_token_ids: Tensor  # int64 [S, k]
@@ -186,43 +204,52 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, use_triton: bool | None = None) -> None:
-        """use_triton: None picks the fused kernel for CUDA logits when Triton imports;
-        True forces it (CPU logits need TRITON_INTERPRET=1); False keeps to torch."""
-        if use_triton and _fused_sample() is None:
+        """use_triton: None picks the fused kernels for CUDA logits when Triton imports;
+        True forces them (CPU logits need TRITON_INTERPRET=1); False keeps to torch."""
+        if use_triton and _fused_kernels() is None:
             raise ValueError("use_triton=True needs Triton, which did not import")
         self.use_triton = use_triton
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         fused = self._takes_fused_path(logits, meta)
-        if not fused or meta.max_num_logprobs is not None or meta.repetition_penalty is not None:
-            logits = logits.float()  # one copy serves logprobs, penalties and the torch path
-        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
-        if meta.repetition_penalty is not None:
-            logits = apply_penalties(logits, meta)
-        tokens = self._sample_fused(logits, meta) if fused else self._sample_torch(logits, meta)
+        if fused:  # the kernels read the model's dtype; only logprobs need float32
+            tokens = self._sample_fused(logits, meta)
+            if meta.max_num_logprobs is not None:
+                logits = logits.float()
+        else:
+            logits = logits.float()  # one copy serves logprobs, penalties and the draw
+            penalized = logits
+            if meta.penalties is not None:
+                penalized = apply_penalties(logits, meta.penalties)
+            tokens = self._sample_torch(penalized, meta)
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs)
+        if meta.max_num_logprobs is not None:
+            logprobs = gather_logprobs(logits.log_softmax(-1), tokens, meta.max_num_logprobs)
         return SamplerOutput(tokens, logprobs)
 
     def _takes_fused_path(self, logits: Tensor, meta: SamplingMetadata) -> bool:
-        """Metadata built without the kernel's inputs (no philox) keeps to torch; metadata
-        built with them holds generators for the torch-path rows only, so it needs the
-        kernel."""
+        """Metadata built without the kernels' inputs (no philox) keeps to torch; metadata
+        built with them holds no generators, so it needs the kernels."""
         enabled = self.use_triton
         if enabled is None:
             enabled = fused_sampling_available(logits.device)
         if meta.philox is not None and not enabled:
-            raise ValueError("sampling metadata built for the fused kernel "
-                             "(from_requests(fused=True)) reached a sampler without it")
+            raise ValueError("sampling metadata built for the fused kernels "
+                             "(from_requests(fused=True)) reached a sampler without them")
         return enabled and (meta.all_greedy or meta.philox is not None)
 
     def _sample_fused(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        tokens = _fused_sample()(logits, meta.temperature, meta.greedy_mask, meta.philox)
-        if meta.filtered_mask is not None:
-            tokens = torch.where(meta.filtered_mask, self._sample_random(logits.float(), meta),
-                                 tokens)
-        return tokens
+        kernels = _fused_kernels()
+        if meta.penalties is None and not meta.filtered:
+            return kernels.plain(logits, meta.temperature, meta.greedy_mask, meta.philox)
+        temperature, greedy_mask, philox = meta.temperature, meta.greedy_mask, meta.philox
+        if meta.all_greedy:  # greedy rows with penalties: the kernel reads but ignores these
+            rows, device = logits.shape[0], logits.device
+            temperature = torch.ones(rows, dtype=torch.float32, device=device)
+            greedy_mask = torch.ones(rows, dtype=torch.bool, device=device)
+            philox = torch.zeros(rows, 2, dtype=torch.int64, device=device)
+        return kernels.filtered(logits, temperature, greedy_mask, philox, meta.min_p,
+                                meta.top_k, meta.top_p, meta.penalties)
 
     def _sample_torch(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         tokens = logits.argmax(-1)
@@ -243,46 +270,46 @@ class Sampler:
         return (probs / noise).argmax(-1)
 
 
-def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """Repetition (prompt + output, divide positive / multiply negative logits), then
-    frequency (count in output) and presence (seen in output) subtracted."""
-    num_rows, vocab = logits.shape
-    output_counts = torch.zeros(num_rows, vocab + 1, dtype=logits.dtype, device=logits.device)
-    output_counts.scatter_add_(1, meta.output_token_ids,
-                               torch.ones_like(meta.output_token_ids, dtype=logits.dtype))
-    output_counts = output_counts[:, :vocab]
-    seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=logits.device)
-    seen.scatter_(1, meta.prompt_token_ids, True)
-    seen = seen[:, :vocab] | (output_counts > 0)
-    rep = meta.repetition_penalty.unsqueeze(1).expand_as(logits)
+def apply_penalties(logits: Tensor, penalties: PenaltyTensors) -> Tensor:
+    """Repetition (tokens of the prompt or output: divide positive, multiply negative
+    logits), then frequency (times the output count) and presence (seen in the output)
+    subtracted, in float32. Rows without penalties (slot -1) are left as they are."""
+    has_slot = (penalties.rows >= 0).unsqueeze(1)
+    slots = penalties.rows.clamp(min=0)
+    counts = penalties.output_counts.index_select(0, slots)
+    counts = torch.where(has_slot, counts, 0).to(logits.dtype)
+    seen = has_slot & (penalties.prompt_mask.index_select(0, slots) | (counts > 0))
+    rep = penalties.repetition.unsqueeze(1).expand_as(logits)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
-    logits = logits - meta.frequency_penalty.unsqueeze(1) * output_counts
-    return logits - meta.presence_penalty.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+    logits = logits - penalties.frequency.unsqueeze(1) * counts
+    return logits - penalties.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """Drop tokens whose probability is below min_p times the most likely token's."""
-    probs = logits.softmax(-1)
-    threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    """Drop tokens whose probability is below min_p times the most likely token's, as
+    exp(z - max z) < min_p: the same float32 test as the kernel's."""
+    relative = (logits - logits.amax(-1, keepdim=True)).exp()
+    return logits.masked_fill(relative < min_p.unsqueeze(1), float("-inf"))
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """One ascending sort serves both masks. top-k keeps values >= the k-th largest;
-    top-p keeps the smallest head of the sorted distribution whose mass reaches top_p."""
+    """One descending sort serves both thresholds; tokens tied with a cut-off stay.
+    top-k keeps values >= the k-th largest; top-p keeps values >= the first sorted value
+    at which the cumulative mass (of what top-k kept) reaches top_p; 1 keeps all."""
     vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False  # the most likely token always stays
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        first = (cumulative < top_p.unsqueeze(1)).sum(-1, keepdim=True).clamp(max=vocab - 1)
+        first[top_p >= 1.0] = vocab - 1  # off: a sum that rounds to 1 early cuts nothing
+        logits = logits.masked_fill(logits < sorted_logits.gather(1, first), float("-inf"))
+    return logits
 
 
 def gather_logprobs(logprobs: Tensor, tokens: Tensor, k: int) -> LogprobsTensors:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, apply_penalties
 from pagedserve.engine.sampling_kernel import (SamplingKernelConfig, choose_num_splits,
@@ -255,9 +256,16 @@ def make_request(i: int, output=(), **params) -> Request:
 
 
 def fused_step(requests: list[Request], logits: torch.Tensor):
-    meta = SamplingMetadata.from_requests(requests, VOCAB, torch.device("cpu"), fused=True)
+    state = PenaltyState(VOCAB, torch.device("cpu"))
+    for r in requests:
+        if r.sampling_params.needs_penalties:
+            state.add(r.request_id, r.prompt_token_ids, r.output_token_ids)
+    meta = SamplingMetadata.from_requests(requests, VOCAB, torch.device("cpu"), fused=True,
+                                          penalty_state=state,
+                                          penalty_slots=state.slots([r.request_id
+                                                                     for r in requests]))
     assert meta.all_greedy or meta.philox is not None
-    return Sampler(use_triton=True)(logits, meta)
+    return Sampler(use_triton=True)(logits, meta), meta
 
 
 def test_fused_sampler_mixed_batch():
@@ -265,19 +273,19 @@ def test_fused_sampler_mixed_batch():
     requests = [
         make_request(0, temperature=0.0, logprobs=2),
         make_request(1, temperature=0.9, seed=77, output=(4, 4)),
-        make_request(2, temperature=1.0, top_k=3, seed=5),  # left to the torch path
+        make_request(2, temperature=1.0, top_k=3, seed=5),
         make_request(3, temperature=0.0, output=(int(logits[3].argmax()),),
                      repetition_penalty=2.0),
         make_request(4, temperature=1.2),
     ]
-    out = fused_step(requests, logits)
+    out, meta = fused_step(requests, logits)
     tokens = out.sampled_token_ids.tolist()
     assert tokens[0] == int(logits[0].argmax())
-    alone = fused_step([make_request(9, temperature=0.9, seed=77, output=(4, 4))], logits[1:2])
-    assert tokens[1] == int(alone.sampled_token_ids[0])
+    alone, _ = fused_step([make_request(9, temperature=0.9, seed=77, output=(4, 4))],
+                          logits[1:2])
+    assert tokens[1] == int(alone.sampled_token_ids[0])  # same draw from the other kernel
     assert tokens[2] in logits[2].float().topk(3).indices.tolist()
-    meta = SamplingMetadata.from_requests(requests, VOCAB, torch.device("cpu"), fused=True)
-    penalized = apply_penalties(logits.float(), meta)
+    penalized = apply_penalties(logits.float(), meta.penalties)
     assert tokens[3] == int(penalized[3].argmax()) != int(logits[3].argmax())
     raw = logits.float().log_softmax(-1)
     torch.testing.assert_close(out.logprobs.sampled_logprobs,
@@ -291,7 +299,8 @@ def test_fused_sampler_seeded_request_repeats_step_by_step():
     def generate(seed: int) -> list[int]:
         request = make_request(0, temperature=1.0, seed=seed)
         for _ in range(6):
-            request.append_output_token(int(fused_step([request], logits).sampled_token_ids[0]))
+            request.append_output_token(
+                int(fused_step([request], logits)[0].sampled_token_ids[0]))
         return request.output_token_ids
 
     first = generate(2024)
@@ -304,30 +313,35 @@ def test_fused_sampler_unseeded_rows_follow_torch_manual_seed():
     logits = torch.zeros(4, VOCAB)  # uniform: four rows, 40 tokens each
     requests = [make_request(i, temperature=1.0) for i in range(4)]
     torch.manual_seed(0)
-    first = fused_step(requests, logits).sampled_token_ids.tolist()
-    second = fused_step(requests, logits).sampled_token_ids.tolist()
+    first = fused_step(requests, logits)[0].sampled_token_ids.tolist()
+    second = fused_step(requests, logits)[0].sampled_token_ids.tolist()
     torch.manual_seed(0)
-    assert fused_step(requests, logits).sampled_token_ids.tolist() == first
+    assert fused_step(requests, logits)[0].sampled_token_ids.tolist() == first
     assert second != first  # a fresh step seed per step
     assert len(set(first + second)) > 2  # rows of one step draw independently
 
 
-def test_fused_sampler_hands_the_kernel_model_dtype_logits_unless_float32_is_needed(
-        monkeypatch):
-    """The point of the kernel is one read of the bf16 logits: no float32 copy first, unless
-    logprobs or penalties need one."""
+def test_fused_sampler_hands_the_kernels_model_dtype_logits(monkeypatch):
+    """The point of the kernels is one read of the bf16 logits per pass: no float32 copy
+    first, not even for logprobs (computed apart) or penalties (fused into the loads)."""
     from pagedserve.engine import sampler as sampler_module
 
-    kernel, seen = sampler_module._fused_sample(), []
+    kernels, seen = sampler_module._fused_kernels(), []
 
-    def recording_kernel(logits, *args):
-        seen.append(logits.dtype)
-        return kernel(logits, *args)
+    def recording(kernel):
+        def run(logits, *args):
+            seen.append((kernel.__name__, logits.dtype))
+            return kernel(logits, *args)
+        return run
 
-    monkeypatch.setattr(sampler_module, "_fused_sample", lambda: recording_kernel)
+    monkeypatch.setattr(sampler_module, "_fused_kernels", lambda: sampler_module._Kernels(
+        recording(kernels.plain), recording(kernels.filtered)))
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(6)).bfloat16()
     fused_step([make_request(0, temperature=0.8), make_request(1, temperature=0.0)], logits)
     fused_step([make_request(0, temperature=0.8, logprobs=1)], logits[:1])
     fused_step([make_request(0, temperature=0.8, presence_penalty=0.5, output=(3,))],
                logits[:1])
-    assert seen == [torch.bfloat16, torch.float32, torch.float32]
+    fused_step([make_request(0, temperature=0.0, presence_penalty=0.5, output=(3,))],
+               logits[:1])
+    assert seen == [("fused_sample", torch.bfloat16), ("fused_sample", torch.bfloat16),
+                    ("filtered_sample", torch.bfloat16), ("filtered_sample", torch.bfloat16)]
