@@ -46,9 +46,11 @@ def test_chat_session_survives_ctrl_c_and_ends_cleanly_on_ctrl_d():
         chat.sendintr()
         chat.expect_exact("[cancelled]")
         chat.expect(r"\[(\d+) prompt tokens")
+        cancelled_turn = int(chat.match.group(1))
         chat.expect_exact("> ")
-        chat.sendline("Hi!")  # the session goes on
+        chat.sendline("Hi!")  # the session goes on, without the cancelled turn
         chat.expect(r"\[(\d+) prompt tokens")
+        assert int(chat.match.group(1)) < cancelled_turn
         chat.expect_exact("> ")
         chat.sendeof()
         chat.expect(pexpect.EOF)

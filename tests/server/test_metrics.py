@@ -29,6 +29,8 @@ def test_a_prompt_counts_once_whatever_n(server):
 
 
 def test_hit_rate_and_evictions_are_reported(server):
+    """The eviction count itself is checked on a tiny cache in tests/engine/test_kv_events.py
+    (filling this server's cache would take minutes on a CPU)."""
     _complete(server)
     _complete(server)  # the same prompt: its full blocks come from the prefix cache
     m = server.wait_idle()
