@@ -24,6 +24,8 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -75,6 +77,11 @@ class ModelConfig:
     sandwich_norms: bool = False  # a norm after attention and after the MLP too, before the add
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), in the model dtype
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj (Phi-3)
+    # Mixture of experts (every layer's MLP; 0 experts: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -93,6 +100,8 @@ class ModelConfig:
         unknown = set(self.layer_types or ()) - set(LAYER_TYPES)
         if unknown:
             raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: {LAYER_TYPES}")
+        if self.num_experts and self.hidden_act != "silu":
+            raise ValueError(f"unsupported activation {self.hidden_act!r} for experts")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
 
@@ -177,6 +186,7 @@ class ModelConfig:
                              f"supported: {sorted(ACTIVATIONS)}")
         attention_bias = bool(getattr(hf, "attention_bias", False))
         gemma = family in GEMMA_FAMILIES
+        moe = _moe_fields(hf, family, folder)
         max_positions = hf.max_position_embeddings
         pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None) if gemma else None
         return cls(
@@ -198,7 +208,7 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             bos_token_id=hf.bos_token_id,
             eos_token_ids=_hf_eos_ids(folder, hf.eos_token_id),
             dtype=_as_dtype(getattr(hf, "dtype", None) or raw.get("torch_dtype")),
@@ -214,7 +224,23 @@ class ModelConfig:
             sandwich_norms=gemma,
             scale_embeddings=gemma,
             fused_checkpoint=family == "phi3",
+            **moe,
         )
+
+
+def _moe_fields(hf: Any, family: str, folder: Path) -> dict[str, Any]:
+    """The experts' shape and routing; every layer must be sparse."""
+    if family == "mixtral":
+        return dict(num_experts=hf.num_local_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                    moe_intermediate_size=hf.intermediate_size, norm_topk_prob=True)
+    if family != "qwen3_moe":
+        return {}
+    if getattr(hf, "mlp_only_layers", None) or getattr(hf, "decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{folder / 'config.json'}: dense layers among the MoE layers "
+                         "(mlp_only_layers, decoder_sparse_step) are not supported")
+    return dict(num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.moe_intermediate_size,
+                norm_topk_prob=bool(hf.norm_topk_prob))
 
 
 def _rope_parameters(hf: Any, layer_types: list[str] | None

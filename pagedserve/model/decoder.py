@@ -24,6 +24,7 @@ at float32: see `PackedWeight`.
 
 from __future__ import annotations
 
+import re
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from torch import nn
 from pagedserve.attention.backend import get_forward_context
 from pagedserve.model import ops, parallel
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.moe import SparseMoE
 from pagedserve.model.rope import RotaryEmbedding
 from pagedserve.native import linear as native_linear
 
@@ -219,6 +221,10 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 ACT_AND_MUL = {"silu": ops.silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 
+# an expert's weight in a checkpoint: layers.N.(mlp|block_sparse_moe).experts.E.PROJ.weight
+_EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then + mlp(norm(...))."""
@@ -228,7 +234,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.num_experts else MLP(config)
 
     def forward(
         self,
@@ -333,14 +339,31 @@ class Decoder(nn.Module):
     def num_shards(self, param_name: str) -> int:
         """How many checkpoint tensors fill this parameter (3 for qkv, 2 for gate/up, unless
         the checkpoint stores them fused)."""
+        if param_name.endswith(".mlp.w13"):
+            return 2 * self.config.num_experts
+        if param_name.endswith(".mlp.w2"):
+            return self.config.num_experts
         if self.config.fused_checkpoint:
             return 1
         module = param_name.split(".")[-2]
         return {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
 
-    def shard_range(self, name: str) -> tuple[str, int, slice | None]:
+    def _expert_shard(self, layer: str, expert: str, proj: str) -> tuple[str, int, tuple]:
+        """One expert's gate (w1), up (w3) or down (w2) into the stacked weights."""
+        e, size = int(expert), self.config.moe_intermediate_size
+        if proj in ("w2", "down_proj"):
+            return f"{layer}.mlp.w2", e, (e, slice(None))
+        half = 0 if proj in ("w1", "gate_proj") else 1
+        return f"{layer}.mlp.w13", 2 * e + half, (e, slice(half * size, (half + 1) * size))
+
+    def shard_range(self, name: str) -> tuple[str, int, slice | tuple | None]:
         """Map an HF weight name (without `model.`) to (our parameter name, shard index, row
-        slice of that shard in the fused output dim). Unfused names map to (name, 0, None)."""
+        slice of that shard in the fused output dim, or (expert, rows) in a stacked expert
+        weight). Unfused names map to (name, 0, None)."""
+        expert = _EXPERT.match(name)
+        if expert is not None:
+            return self._expert_shard(*expert.groups())
+        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in self.PACKED_SHARDS:

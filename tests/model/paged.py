@@ -23,11 +23,12 @@ class PagedDriver:
         self.model = model
         self.block_size = block_size
         dtype = model.embed_tokens.weight.dtype
+        self.device = device = model.embed_tokens.weight.device
         for layer in model.attention_layers():
             shape = (num_blocks, block_size, layer.num_kv_heads, c.head_dim)  # this rank's
             # NaN-filled: any read of a slot that was never written poisons the logits.
-            layer.k_cache = torch.full(shape, float("nan"), dtype=dtype)
-            layer.v_cache = torch.full(shape, float("nan"), dtype=dtype)
+            layer.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+            layer.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
         gen = torch.Generator().manual_seed(seed)
         self.free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         self.blocks: dict[str, list[int]] = {}
@@ -57,17 +58,18 @@ class PagedDriver:
         max_blocks = max(len(self.blocks[s]) for s in order)
         tables = [self.blocks[s] + [0] * (max_blocks - len(self.blocks[s])) for s in order]
         num_decodes = sum(len(feeds[s]) == 1 for s in order)
+        dev = self.device
         meta = AttentionMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             max_query_len=max(len(f) for f in feeds.values()),
             max_seq_len=max(seq_lens),
         )
         with set_forward_context(meta, self.backend):
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
-        logits = self.model.compute_logits(hidden)
+            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev))
+        logits = self.model.compute_logits(hidden).float().cpu()
         return {seq: logits[starts[i]:starts[i + 1]] for i, seq in enumerate(order)}

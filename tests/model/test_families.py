@@ -1,5 +1,6 @@
-"""Mistral, Qwen2 with sliding windows, Phi-3, Gemma 2, Gemma 3 and the rope scalings, against
-transformers on tiny random checkpoints, through the paged cache (see test_decoder.py).
+"""Mistral, Qwen2 with sliding windows, Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE and the rope
+scalings, against transformers on tiny random checkpoints, through the paged cache (see
+test_decoder.py).
 
 Windows are a few tokens wide and blocks 4 tokens, so windows start and end inside blocks and
 cross block boundaries. The dynamic and longrope scalings pick their frequencies from the
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                          Phi3Config, Qwen2Config)
+                          MixtralConfig, Phi3Config, Qwen2Config, Qwen3MoeConfig)
 
 from pagedserve.model import load_model
 from tests.model.paged import PagedDriver
@@ -49,6 +50,14 @@ CASES = {
     "llama-yarn": lambda: LlamaConfig(**TINY, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
         "rope_theta": 10000.0}),
+    "mixtral-top2-of-4-window": lambda: MixtralConfig(
+        **TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=7),
+    "qwen3moe-top3-of-8-unnormalised": lambda: Qwen3MoeConfig(
+        **TINY, head_dim=16, moe_intermediate_size=40, num_experts=8, num_experts_per_tok=3,
+        norm_topk_prob=False),
+    "qwen3moe-top2-of-6-normalised": lambda: Qwen3MoeConfig(
+        **TINY, head_dim=16, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=True),
     "phi3-longrope-short": lambda: Phi3Config(
         **{**PHI3, "max_position_embeddings": 64}, rope_parameters=longrope(32)),
 }
