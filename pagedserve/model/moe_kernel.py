@@ -101,27 +101,28 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, weights_ptr, order_ptr, tile_expert
 def group_by_expert(ids: Tensor, num_experts: int,
                     block_m: int = BLOCK_M) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """ids [T, top_k] -> (pair order sorted by expert [T*top_k], and per tile of block_m
-    pairs: its expert (-1: an unused tile), first and end position in that order). The tile
-    arrays are padded to the most tiles any routing can need, so the grid does not depend on
-    the routing."""
+    pairs: its expert (-1: an unused tile), first and end position in that order).
+
+    The tile arrays are padded to the most tiles any routing can need, and nothing here reads
+    a count back to the host (no bincount, no repeat_interleave), so the launch shapes do not
+    depend on the routing and the whole MoE can run inside a CUDA graph."""
     flat = ids.flatten()
     order = flat.argsort(stable=True).to(torch.int32)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     ends = counts.cumsum(0)
-    tiles = (counts + block_m - 1) // block_m
-    first_tile = tiles.cumsum(0) - tiles
+    tiles_end = ((counts + block_m - 1) // block_m).cumsum(0)  # one past each expert's tiles
     max_tiles = triton.cdiv(flat.numel(), block_m) + num_experts
-    experts = torch.arange(num_experts, device=ids.device)
-    tile_expert = torch.repeat_interleave(experts, tiles)  # (its length: one host sync)
-    num_tiles = tile_expert.numel()
-    j = torch.arange(num_tiles, device=ids.device) - first_tile[tile_expert]
-    pad = max_tiles - num_tiles
-    tile_start = (ends - counts)[tile_expert] + j * block_m
-    tile_end = ends[tile_expert]
-    fill = torch.full((pad,), -1, dtype=torch.int64, device=ids.device)
-    return (order, torch.cat([tile_expert, fill]).to(torch.int32),
-            torch.cat([tile_start, fill]).to(torch.int32),
-            torch.cat([tile_end, fill]).to(torch.int32))
+    tile = torch.arange(max_tiles, device=ids.device)
+    expert = torch.searchsorted(tiles_end, tile, right=True)  # num_experts: past the last
+    used = expert < num_experts
+    expert = expert.clamp(max=num_experts - 1)
+    first_tile = tiles_end[expert] - (counts[expert] + block_m - 1) // block_m
+    tile_start = ends[expert] - counts[expert] + (tile - first_tile) * block_m
+    unused = torch.tensor(-1, device=ids.device)
+    return (order, torch.where(used, expert, unused).to(torch.int32),
+            torch.where(used, tile_start, unused).to(torch.int32),
+            torch.where(used, ends[expert], unused).to(torch.int32))
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
