@@ -47,6 +47,17 @@ def test_unsupported_option(tmp_path, options, message):
         ModelConfig.from_hf_folder(tmp_path)
 
 
+def test_moe_with_dense_layers_is_refused(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**TINY, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, mlp_only_layers=[1])
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="dense layers among the MoE layers"):
+        ModelConfig.from_hf_folder(tmp_path)
+
+
 def test_missing_weights_file(tmp_path):
     config = LlamaConfig(**TINY)
     config.architectures = ["LlamaForCausalLM"]
