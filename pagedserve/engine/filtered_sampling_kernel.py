@@ -138,7 +138,8 @@ def _search(row_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot, repetitio
     while hi - lo > 1:
         step = (hi - lo + PIVOTS - 1) // PIVOTS
         pivots = lo + candidates.to(tl.int64) * step
-        acc = tl.zeros([PIVOTS], dtype=tl.float32)
+        # summed across the block once per pass, not per tile
+        partial = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
         for start in range(0, vocab, BLOCK):
             x, in_row = _load_tile(row_ptr, start + tl.arange(0, BLOCK), vocab, slot,
                                    counts_ptr, prompt_ptr, stride_slot, repetition, presence,
@@ -151,7 +152,8 @@ def _search(row_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot, repetitio
             else:
                 weight = alive.to(tl.float32)
             above = _key(z)[None, :] >= pivots[:, None]
-            acc += tl.sum(tl.where(above, weight[None, :], 0.0), axis=1)
+            partial += tl.where(above, weight[None, :], 0.0)
+        acc = tl.sum(partial, axis=1)
         if BY_MASS:  # the first pass's lowest candidate is lo: its W is the whole mass
             total = tl.max(tl.where(candidates == 0, acc, 0.0))
             target = tl.where(target < 0.0, fraction * total, target)

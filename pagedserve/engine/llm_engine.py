@@ -12,9 +12,8 @@ With async scheduling (`EngineConfig.async_scheduling`) a step schedules and lau
 next model step before it waits for the tokens of the one in flight, then processes those
 (stop checks, detokenization, outputs) while the GPU runs the new one: the GPU's queue always
 holds a step, and the CPU work of a step is hidden behind the GPU's. Requests are scheduled
-with placeholders for the tokens in flight (see scheduler.py). While any request uses
-penalties (which read the output tokens on the host), the step in flight is completed before
-the next one is scheduled.
+with placeholders for the tokens in flight (see scheduler.py). Penalties need no host
+tokens: the runner keeps their counts on the device (`penalties.py`).
 """
 
 from __future__ import annotations
@@ -148,7 +147,6 @@ class LLMEngine:
         self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
-        self._num_penalized = 0  # unfinished requests with penalties: no overlap while > 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -206,8 +204,6 @@ class LLMEngine:
         for child in parent.children:
             self._children[child.request.request_id] = child
             self.scheduler.add_request(child.request)
-        if params.needs_penalties:
-            self._num_penalized += params.n
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None
                           ) -> list[int]:
@@ -273,12 +269,10 @@ class LLMEngine:
         was in flight, processed while the new one runs.
         """
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        if self._in_flight is not None and self._num_penalized:
-            previous, self._in_flight = self._in_flight, None
-            outputs += self._complete(*previous)
         scheduler_output = self.scheduler.schedule()
         step = None
-        if not scheduler_output.is_empty:
+        if not scheduler_output.is_empty or scheduler_output.finished_req_ids:
+            # an empty step still tells the runner which requests finished (their state goes)
             step = (scheduler_output, self.model_runner.execute_model(
                 scheduler_output, self.kv_cache_manager))
         if self.async_scheduling:  # complete the step in flight, leave the new one running
@@ -380,8 +374,6 @@ class LLMEngine:
         self._parents.pop(parent.request_id, None)
         for child in parent.children:
             self._children.pop(child.request.request_id, None)
-        if parent.children[0].request.sampling_params.needs_penalties:
-            self._num_penalized -= len(parent.children)
 
     # -- introspection ------------------------------------------------------------------------
 

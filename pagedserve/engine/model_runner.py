@@ -32,6 +32,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.input_batch import BlockTableRows, StepBuffers
+from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
 from pagedserve.engine.scheduler import SchedulerOutput
@@ -104,6 +105,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = get_attention_backend(config.attention_backend, device)
         self.sampler = Sampler()
+        self.penalties = PenaltyState(model_config.vocab_size, device)
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
@@ -358,6 +360,8 @@ class ModelRunner:
                       kv_cache_manager: KVCacheManager) -> PendingRunnerOutput:
         """Queue the step on the device; the tokens come from the result's `result()`."""
         self.block_rows.release(output.finished_req_ids)
+        for req_id in output.finished_req_ids:
+            self.penalties.remove(req_id)
         self.swap(output)
         sampled, req_ids = None, []
         if output.scheduled:
@@ -365,13 +369,28 @@ class ModelRunner:
             hidden = self._forward(inputs)
             if inputs.sampling_requests:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                sampling_meta = SamplingMetadata.from_requests(
-                    inputs.sampling_requests, logits.shape[1], self.device)
-                sampled = self.sampler(logits, sampling_meta)
                 req_ids = [r.request_id for r in inputs.sampling_requests]
+                sampled = self._sample(logits, inputs.sampling_requests, req_ids)
         self._last_sampled = sampled.sampled_token_ids if sampled is not None else None
         self._last_sampled_rows = dict(zip(req_ids, range(len(req_ids))))
         return PendingRunnerOutput(req_ids, sampled)
+
+    def _sample(self, logits: Tensor, requests: list[Request],
+                req_ids: list[str]) -> SamplerOutput:
+        """Sample, and count the tokens of requests with penalties on the device. A request
+        gets its penalty slot when it first samples (its outputs so far are all known then)
+        and keeps it across preemption until it finishes."""
+        for request in requests:
+            if request.sampling_params.needs_penalties and request.request_id not in self.penalties:
+                self.penalties.add(request.request_id, request.prompt_token_ids,
+                                   request.output_token_ids)
+        meta = SamplingMetadata.from_requests(requests, logits.shape[1], self.device,
+                                              penalty_state=self.penalties,
+                                              penalty_slots=self.penalties.slots(req_ids))
+        sampled = self.sampler(logits, meta)
+        if meta.penalties is not None:
+            self.penalties.update(meta.penalties.rows, sampled.sampled_token_ids)
+        return sampled
 
     def _forward(self, inputs: StepInputs) -> Tensor:
         self._bind_kv_cache()

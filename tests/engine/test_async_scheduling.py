@@ -201,15 +201,32 @@ def test_abort_mid_generation_frees_everything(loaded):
     assert out["a2"] == reference["a2"]
 
 
-def test_penalties_complete_the_step_in_flight_and_match(loaded):
-    ps = prompts(4, [10, 30])
+def test_penalties_keep_a_step_in_flight_and_match(loaded):
+    """The runner counts penalized tokens on its device, so requests with penalties leave
+    the overlap on: a step stays in flight across them, and the tokens (seeded draws with
+    top-k / top-p included) are the synchronous engine's. Slots are freed."""
+    ps = prompts(4, [10, 30, 12])
     arrivals = [Arrival(0, "pen", ps[0], greedy(16, repetition_penalty=1.5,
                                                 frequency_penalty=0.5)),
-                Arrival(1, "plain", ps[1], greedy(16))]
+                Arrival(1, "plain", ps[1], greedy(16)),
+                Arrival(1, "seeded", ps[2], SamplingParams(
+                    temperature=1.0, seed=3, max_tokens=16, ignore_eos=True,
+                    presence_penalty=1.0, top_k=20, top_p=0.9))]
     reference = summary(run(make(loaded, async_scheduling=False), arrivals))
     engine = make(loaded, async_scheduling=True)
+    in_flight, step = [], engine.step
+
+    def recording_step():
+        outputs = step()
+        in_flight.append(engine._in_flight is not None)
+        return outputs
+
+    engine.step = recording_step
     assert summary(run(engine, arrivals)) == reference
-    assert engine._num_penalized == 0
+    assert sum(in_flight) >= len(in_flight) - 2  # all but the last steps overlap
+    # the runner hears of finished requests with the next step: their slots go then
+    run(engine, [Arrival(0, "next", ps[1], greedy(2))])
+    assert len(engine.model_runner.penalties) == 0
 
 
 def test_no_step_is_scheduled_past_max_tokens(loaded):
