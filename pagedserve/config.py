@@ -21,7 +21,7 @@ class EngineConfig:
 
     model: str | None = None  # HF folder or .gguf file; None = the default SmolLM2 GGUF
     tokenizer: str | None = None  # defaults to what the loader reports for `model`
-    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # "auto": float32 on CPU (a GGUF's fast mode), bfloat16 on CUDA
     device: str = "auto"  # "auto": cuda when available, else cpu
     seed: int = 0  # seeds the global generator used by unseeded random sampling
     # KV cache

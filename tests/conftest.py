@@ -39,11 +39,12 @@ def _check_engine_block_pools():
 
 @pytest.fixture(scope="session")
 def default_loaded_model():
-    """SmolLM2-135M-Instruct (the default GGUF) with its tokenizer, fp32 on the CPU."""
+    """SmolLM2-135M-Instruct (the default GGUF) with its tokenizer, on the CPU's exact float32
+    path (not the fast quantized mode), which the transformers-equality tests hold."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LoadedModel
 
-    return LoadedModel.load(EngineConfig(device="cpu"))
+    return LoadedModel.load(EngineConfig(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +55,7 @@ def make_engine(default_loaded_model):
 
     def make(**options):
         options.setdefault("kv_cache_memory", 128 << 20)
+        options.setdefault("dtype", "float32")
         engine = LLMEngine(EngineConfig(device="cpu", **options), default_loaded_model)
         _ENGINES.append(engine)
         return engine

@@ -103,8 +103,11 @@ class LoadedModel:
     @classmethod
     def load(cls, config: EngineConfig) -> LoadedModel:
         device = resolve_device(config.device)
+        # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
+        # "float32" keeps the exact path.
         model, model_config, tokenizer_source = load_model(
-            config.model, resolve_dtype(config.dtype, device), device)
+            config.model, resolve_dtype(config.dtype, device), device,
+            quantized=config.dtype == "auto")
         return cls(model, model_config, load_tokenizer(config.tokenizer or tokenizer_source))
 
 

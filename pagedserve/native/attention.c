@@ -51,12 +51,6 @@ static inline __m256 exp_nonpositive(__m256 x) {
     return _mm256_and_ps(exp256(x), valid);
 }
 
-static inline float hmax(__m256 x) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* Dot products of one query row q [dim] with the 8 key rows at kv + off[0..8): lane i holds
  * q . k_i. Eight independent FMA chains, then a horizontal-add tree that leaves the eight sums
  * in order in one vector. */

@@ -11,6 +11,20 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
 /* e^x within an ulp, for x < 88.73 and any x down to -inf (below -104 it is 0); NaN stays NaN.
  * x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact), e^r by a degree-7
  * polynomial, then 2^n in two factors so that neither the overflow at n = 128 nor a subnormal
