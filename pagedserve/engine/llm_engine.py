@@ -38,6 +38,7 @@ from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.loader import load_model, load_tokenizer
+from pagedserve.native.build import cpu_flags, has_bf16_compute
 
 
 @dataclass
@@ -92,6 +93,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _check_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """bfloat16 weights on the CPU only where it computes in bfloat16 (AVX-512-BF16 or AMX;
+    torch's oneDNN kernels use them); elsewhere refuse, rather than run slower than float32."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and not has_bf16_compute(cpu_flags()):
+        raise ValueError("--dtype bfloat16 on the CPU needs AVX-512-BF16 or AMX, which this CPU "
+                         "does not report; use --dtype auto (a GGUF's fast mode) or float32")
+
+
 @dataclass
 class LoadedModel:
     """Weights, their config and tokenizer; shareable by several engines (read-only)."""
@@ -103,6 +112,7 @@ class LoadedModel:
     @classmethod
     def load(cls, config: EngineConfig) -> LoadedModel:
         device = resolve_device(config.device)
+        _check_cpu_dtype(resolve_dtype(config.dtype, device), device)
         # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
         # "float32" keeps the exact path.
         model, model_config, tokenizer_source = load_model(

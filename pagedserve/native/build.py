@@ -69,6 +69,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def has_bf16_compute(flags: frozenset[str]) -> bool:
+    """Whether the CPU multiplies bfloat16 natively (AVX-512-BF16 or AMX-BF16): without it a
+    bfloat16 model on the CPU converts every weight on every use and runs slower than float32."""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def select_variant(flags: frozenset[str], cap: str | None = None) -> Variant | None:
     """The best variant the flags allow, at most `cap` (a variant name); None below AVX2."""
     names = [v.name for v in VARIANTS]

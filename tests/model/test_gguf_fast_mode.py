@@ -84,3 +84,16 @@ def test_auto_dtype_is_the_fast_mode_and_float32_the_exact(monkeypatch):
         with pytest.raises(RuntimeError, match="stop"):
             LoadedModel.load(EngineConfig(device="cpu", dtype=dtype))
     assert seen == [True, False]
+
+
+def test_bfloat16_on_a_cpu_without_bf16_compute_is_refused(monkeypatch):
+    """This CPU (AVX2 only) and any without AVX-512-BF16 / AMX: a clear error before loading."""
+    import pagedserve.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **kw: pytest.fail("loaded"))
+    with pytest.raises(ValueError, match="needs AVX-512-BF16 or AMX"):
+        LoadedModel.load(EngineConfig(device="cpu", dtype="bfloat16"))
+    monkeypatch.setattr(llm_engine, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    with pytest.raises(pytest.fail.Exception, match="loaded"):
+        LoadedModel.load(EngineConfig(device="cpu", dtype="bfloat16"))

