@@ -4,9 +4,14 @@ Run from the repo root: `python -m benchmarks.cpu_kernels [--rows 16] [--repeats
 
   gemms   one decode step's 120 layer GEMMs + LM head of the default model (SmolLM2-135M:
           hidden 576, intermediate 1536, 30 layers, vocab 49152) at `--rows` rows, weights
-          cold (538 MB, more than any cache): oneDNN prepacked (`_linear_pointwise`, the path
-          before the native kernel) and the native kernel, interleaved; min and median.
-  step    the bench's workload (16 chat prompts, greedy) through the engine after a warm-up
+          cold (538 MB in float32, more than any cache), interleaved; min and median:
+          float32: oneDNN prepacked (`_linear_pointwise`) and the native kernel;
+          quantized (the fast mode's weights: Q4_1 layers, Q8_0 head, as the default GGUF):
+          the native kernel (`native/quant.c`, int8 activations) and torch's own CPU kernels
+          on the nearest formats they take, `_weight_int8pack_mm` (int8 weights, a scale per
+          row, float activations) and `_weight_int4pack_mm_for_cpu` (4-bit, groups of 32).
+  step    the bench's workload (16 chat prompts, greedy; `--dtype auto` is the fast mode,
+          `float32` the exact path) through the engine after a warm-up
           request: the prefill step,
           then the mean of 20 decode steps, split into the GEMMs (native kernel calls),
           attention (the backend's forward) and the LM head.
@@ -24,7 +29,12 @@ from collections.abc import Callable
 
 import torch
 
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+
+from pagedserve.model.gguf_blocks import from_gguf
 from pagedserve.native import linear as native_linear
+from pagedserve.native.quant import QuantizedLinear
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
@@ -37,11 +47,20 @@ def bench_gemms(rows: int, repeats: int) -> None:
     inputs = {k: torch.randn(rows, k) for _, k in shapes}
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
     native = [native_linear.pack(w) for w in weights]
+    quantized = [QuantizedLinear([from_gguf(quantize(w.numpy(), kind), kind)])
+                 for w, kind in zip(weights, [T.Q4_1] * (len(shapes) - 1) + [T.Q8_0])]
+    int8 = [_torch_int8(w) for w in weights]
+    int4 = [_torch_int4(w) for w in weights]
     runs: dict[str, Callable[[], None]] = {
-        "oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(
+        "f32 oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(
             inputs[k], p, None, "none", [], "") for (_, k), p in zip(shapes, onednn)],
-        "native": lambda: [native_linear.linear(inputs[k], p, n)
-                           for (n, k), p in zip(shapes, native)],
+        "f32 native": lambda: [native_linear.linear(inputs[k], p, n)
+                               for (n, k), p in zip(shapes, native)],
+        "quant native": lambda: [q(inputs[k]) for (_, k), q in zip(shapes, quantized)],
+        "torch int8pack": lambda: [torch._weight_int8pack_mm(inputs[k], q, s)
+                                   for (_, k), (q, s) in zip(shapes, int8)],
+        "torch int4pack": lambda: [torch._weight_int4pack_mm_for_cpu(inputs[k], q, 32, sz)
+                                   for (_, k), (q, sz) in zip(shapes, int4)],
     }
     times = defaultdict(list)
     for _ in range(repeats):
@@ -51,14 +70,32 @@ def bench_gemms(rows: int, repeats: int) -> None:
             times[name].append((time.perf_counter() - start) * 1000)
     print(f"decode-step GEMMs at {rows} rows, {torch.get_num_threads()} threads:")
     for name, values in times.items():
-        print(f"  {name:14s} min {min(values):6.1f} ms   median {statistics.median(values):6.1f} ms")
+        print(f"  {name:18s} min {min(values):6.1f} ms   median {statistics.median(values):6.1f} ms")
 
 
-def bench_step() -> None:
+def _torch_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(1) / 127
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
+def _torch_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    groups = w.view(n, k // 32, 32)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    # torch's zero point is the value at the mid-point code 8
+    zeros = low + 8 * scale
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.view(n, k), 1)
+    return packed, torch.stack([scale.T, zeros.T], -1).contiguous()
+
+
+def bench_step(dtype: str) -> None:
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.entrypoints.cli import _build_engine, bench_prompts, build_parser
 
-    args = build_parser(["bench"]).parse_args(["bench", "--kv-cache-memory", "256M"])
+    args = build_parser(["bench"]).parse_args(["bench", "--kv-cache-memory", "256M",
+                                               "--dtype", dtype])
     engine = _build_engine(args)
     prompts = bench_prompts(args, engine.tokenizer)
     spent: dict[str, float] = defaultdict(float)
@@ -76,6 +113,7 @@ def bench_step() -> None:
 
     runner = engine.model_runner
     timed(native_linear, "linear", "GEMMs (incl. LM head)")
+    timed(QuantizedLinear, "__call__", "GEMMs (incl. LM head)")
     timed(runner.backend, "forward", "attention")
     timed(runner.model, "compute_logits", "LM head")
     engine.add_request("warmup", None, SamplingParams(max_tokens=2), prompt_token_ids=[1, 2, 3])
@@ -109,13 +147,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="rows of the GEMM inputs")
     parser.add_argument("--repeats", type=int, default=15, help="interleaved timed rounds")
     parser.add_argument("--only", choices=["gemms", "step"], help="run one part")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32"],
+                        help="the step's mode: auto = fast (quantized), float32 = exact")
     args = parser.parse_args()
     if not native_linear.available():
         raise SystemExit("the native kernels are unavailable here (see pagedserve.native.build)")
     if args.only != "step":
         bench_gemms(args.rows, args.repeats)
     if args.only != "gemms":
-        bench_step()
+        bench_step(args.dtype)
 
 
 if __name__ == "__main__":
