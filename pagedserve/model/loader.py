@@ -134,8 +134,8 @@ def load_model(
 
     path: HF folder, .gguf file, or None for the default model. dtype None means the
     checkpoint's own dtype (float32 for GGUF, which we dequantize). `quantized`: the fast
-    mode, for a GGUF on the CPU at float32 (else ignored): its linear layers also keep the
-    file's quantized blocks and run on them (`attach_quantized`). Returns the model in eval
+    mode, for a GGUF on the CPU at float32 without tensor parallelism (else ignored): its
+    linear layers also keep the file's quantized blocks and run on them (`attach_quantized`). Returns the model in eval
     mode, its config, and the folder/file the tokenizer loads from (see `load_tokenizer`).
     """
     path = default_model_path() if path is None else Path(path).expanduser()
@@ -146,7 +146,7 @@ def load_model(
     model = model.to(dtype).to_empty(device=torch.device(device))
     load_weights(model, weights)
     if quantized and path.suffix == ".gguf" and dtype == torch.float32 and (
-            torch.device(device).type == "cpu"):
+            torch.device(device).type == "cpu") and parallel.get_tp().size == 1:
         from pagedserve.model.gguf import open_quantized
 
         attach_quantized(model, open_quantized(path, config))
