@@ -199,7 +199,8 @@ def open_quantized(path: str | Path,
     notice(f"reading the quantized blocks of {Path(path).name} for the fast mode"
            + (" (first load only: the result is cached)" if entry is not None else ""))
     reader = GGUFReader(path)
-    weights = list(progress(iter_quantized(reader, config), len(reader.tensors), "repacking"))
+    total = sum(t.tensor_type in GGUF_TYPES and len(t.shape) == 2 for t in reader.tensors)
+    weights = list(progress(iter_quantized(reader, config), total, "repacking"))
     if entry is not None:
         write_cache_entry(entry, lambda folder: _write_quantized(weights, folder))
     return iter(weights)
