@@ -14,6 +14,13 @@ next model step before it waits for the tokens of the one in flight, then proces
 holds a step, and the CPU work of a step is hidden behind the GPU's. Requests are scheduled
 with placeholders for the tokens in flight (see scheduler.py). Penalties need no host
 tokens: the runner keeps their counts on the device (`penalties.py`).
+
+Structured outputs (`pagedserve/structured`): the grammar bitmask of a step needs every
+earlier token of its constrained rows. Such a step launches its forward pass, then (async)
+completes the step in flight, advancing the matchers, fills the bitmask while the device
+computes, and only then launches its sampling. Overlap is kept for the forward pass and the
+bitmask work; what is given up is that the step's sampling cannot be queued before the
+previous step's tokens are back.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.loader import load_model, load_tokenizer
 from pagedserve.native.build import cpu_flags, has_bf16_compute
+from pagedserve.structured.manager import StructuredOutputManager
 
 
 @dataclass
@@ -154,6 +162,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                  self.eos_token_ids, config.max_num_seqs)
         self._parents: dict[str, _ParentState] = {}
         self._children: dict[str, _ChildState] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -196,6 +206,8 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
         max_tokens = self._check_lengths(len(token_ids), params)
+        self._check_logit_bias(params)
+        self.structured.validate(params)
         parent = _ParentState(request_id, prompt, token_ids, final_only)
         arrival = time.time() if arrival_time is None else arrival_time
         for index in range(params.n):
@@ -216,6 +228,7 @@ class LLMEngine:
         self._parents[request_id] = parent
         for child in parent.children:
             self._children[child.request.request_id] = child
+            self.structured.add_request(child.request)
             self.scheduler.add_request(child.request)
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None
@@ -232,6 +245,13 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return token_ids
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab})")
 
     def _check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Returns max_tokens resolved against max_model_len."""
@@ -286,8 +306,7 @@ class LLMEngine:
         step = None
         if not scheduler_output.is_empty or scheduler_output.finished_req_ids:
             # an empty step still tells the runner which requests finished (their state goes)
-            step = (scheduler_output, self.model_runner.execute_model(
-                scheduler_output, self.kv_cache_manager))
+            step = (scheduler_output, self._execute(scheduler_output, outputs))
         if self.async_scheduling:  # complete the step in flight, leave the new one running
             step, self._in_flight = self._in_flight, step
         if step is not None:
@@ -295,6 +314,21 @@ class LLMEngine:
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_cache_manager.block_pool.take_events())
         return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 outputs: list[RequestOutput]) -> PendingRunnerOutput:
+        """Launch the step; a step with constrained rows is sampled once their bitmask is
+        filled, after the step in flight (if any) has delivered its tokens into `outputs`."""
+        pending = self.model_runner.execute_model(scheduler_output, self.kv_cache_manager)
+        if pending is None:
+            if self._in_flight is not None:
+                previous, self._in_flight = self._in_flight, None
+                outputs += self._complete(*previous)
+            sampling_ids = [r.request_id for (r, _), s in
+                            zip(scheduler_output.scheduled, scheduler_output.samples) if s]
+            pending = self.model_runner.sample_tokens(
+                self.structured.grammar_bitmask(sampling_ids))
+        return pending
 
     def _complete(self, scheduler_output: SchedulerOutput,
                   pending: PendingRunnerOutput) -> list[RequestOutput]:
@@ -304,6 +338,8 @@ class LLMEngine:
         req_ids = runner_output.req_ids
         progressed = self.scheduler.update_from_output(
             scheduler_output, dict(zip(req_ids, runner_output.sampled_token_ids)))
+        if self.structured.has_requests():
+            self.structured.accept_tokens(progressed)
         rows = (dict(zip(req_ids, range(len(req_ids))))
                 if runner_output.logprobs is not None else {})
         self.generation_tokens_total += len(progressed)
@@ -387,6 +423,7 @@ class LLMEngine:
         self._parents.pop(parent.request_id, None)
         for child in parent.children:
             self._children.pop(child.request.request_id, None)
+            self.structured.remove_request(child.request.request_id)
 
     # -- introspection ------------------------------------------------------------------------
 

@@ -32,12 +32,14 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.input_batch import BlockTableRows, StepBuffers
-from pagedserve.engine.penalties import PenaltyState
+from pagedserve.engine.penalties import PenaltyState, to_device
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
+from pagedserve.structured.bitmask import full_bitmask
+from pagedserve.structured.manager import GrammarOutput
 
 
 @dataclass
@@ -110,6 +112,7 @@ class ModelRunner:
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
+        self._to_sample: tuple[list[Request], Tensor] | None = None  # see execute_model
         # the last step's sampled tokens on the device, and each sampling request's row
         self._last_sampled: Tensor | None = None
         self._last_sampled_rows: dict[str, int] = {}
@@ -357,26 +360,54 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput,
-                      kv_cache_manager: KVCacheManager) -> PendingRunnerOutput:
-        """Queue the step on the device; the tokens come from the result's `result()`."""
+                      kv_cache_manager: KVCacheManager) -> PendingRunnerOutput | None:
+        """Queue the step on the device; the tokens come from the result's `result()`.
+
+        A step with a row under structured outputs returns None once its forward pass is
+        queued: its sampling waits for `sample_tokens`, which takes the rows' grammar
+        bitmask, filled on the host while the device runs the forward pass.
+        """
         self.block_rows.release(output.finished_req_ids)
         for req_id in output.finished_req_ids:
             self.penalties.remove(req_id)
         self.swap(output)
-        sampled, req_ids = None, []
+        self._to_sample = None
         if output.scheduled:
             inputs = self.prepare_inputs(output, kv_cache_manager)
             hidden = self._forward(inputs)
             if inputs.sampling_requests:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                req_ids = [r.request_id for r in inputs.sampling_requests]
-                sampled = self._sample(logits, inputs.sampling_requests, req_ids)
+                self._to_sample = (inputs.sampling_requests, logits)
+                if any(r.sampling_params.structured_outputs is not None
+                       for r in inputs.sampling_requests):
+                    return None
+        return self.sample_tokens(None)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput | None) -> PendingRunnerOutput:
+        """Sample the step queued by `execute_model`, under `grammar`'s bitmask rows."""
+        sampled, req_ids = None, []
+        if self._to_sample is not None:
+            requests, logits = self._to_sample
+            self._to_sample = None
+            req_ids = [r.request_id for r in requests]
+            sampled = self._sample(logits, requests, req_ids, grammar)
         self._last_sampled = sampled.sampled_token_ids if sampled is not None else None
         self._last_sampled_rows = dict(zip(req_ids, range(len(req_ids))))
         return PendingRunnerOutput(req_ids, sampled)
 
-    def _sample(self, logits: Tensor, requests: list[Request],
-                req_ids: list[str]) -> SamplerOutput:
+    def _bitmask(self, req_ids: list[str], grammar: GrammarOutput, vocab_size: int) -> Tensor:
+        """The grammar's rows in sampling order, all-allowed rows for the others."""
+        if grammar.req_ids == req_ids:
+            rows = grammar.bitmask
+        else:
+            rows = full_bitmask(len(req_ids), vocab_size)
+            index = {r: i for i, r in enumerate(req_ids)}
+            rows[[index[r] for r in grammar.req_ids]] = grammar.bitmask
+        return to_device(torch.from_numpy(rows), self.device)
+
+    def _sample(self, logits: Tensor, requests: list[Request], req_ids: list[str],
+                grammar: GrammarOutput | None) -> SamplerOutput:
         """Sample, and count the tokens of requests with penalties on the device. A request
         gets its penalty slot when it first samples (its outputs so far are all known then)
         and keeps it across preemption until it finishes."""
@@ -387,6 +418,8 @@ class ModelRunner:
         meta = SamplingMetadata.from_requests(requests, logits.shape[1], self.device,
                                               penalty_state=self.penalties,
                                               penalty_slots=self.penalties.slots(req_ids))
+        if grammar is not None:
+            meta.allowed_token_bitmask = self._bitmask(req_ids, grammar, logits.shape[1])
         sampled = self.sampler(logits, meta)
         if meta.penalties is not None:
             self.penalties.update(meta.penalties.rows, sampled.sampled_token_ids)

@@ -33,6 +33,7 @@ from torch import Tensor
 from pagedserve.engine.penalties import PenaltyState, to_device
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.structured.bitmask import apply_token_bitmask
 
 _SEED_MASK = 2**63 - 1  # Philox takes a 64-bit key; int64 holds the low 63 bits of any seed
 _UNSEEDED_STREAM = 2**32  # unseeded rows' streams: a Philox counter word seeded rows never use
@@ -88,6 +89,12 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None = None  # None when no row uses penalties
     max_num_logprobs: int | None = None  # None when no row asked for logprobs
     philox: Tensor | None = None  # fused path: int64 [S, 2], each row's noise (seed, stream)
+    # structured outputs (pagedserve/structured): int32 [S, ceil(V / 32)], bit set = allowed;
+    # applied to the logits before any path. None when no row is constrained.
+    allowed_token_bitmask: Tensor | None = None
+    # logit_bias of the rows that have one, sparse: (row int64 [B], token id int64 [B],
+    # bias float32 [B]) added to the logits after the bitmask. None when no row has one.
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device,
@@ -113,6 +120,8 @@ class SamplingMetadata:
                                          penalty_state.add(str(i), r.prompt_token_ids,
                                                            r.output_token_ids))
             meta.penalties = _penalty_tensors(params, penalty_state, penalty_slots, device)
+        if any(p.logit_bias for p in params):
+            meta.logit_bias = _logit_bias(params, device)
         return meta
 
     def _set_random(self, requests: Sequence[Request], greedy: list[bool],
@@ -160,6 +169,16 @@ def _penalty_tensors(params: list[SamplingParams], state: PenaltyState,
         repetition=column([p.repetition_penalty for p in params]),
         presence=column([p.presence_penalty for p in params]),
         frequency=column([p.frequency_penalty for p in params]))
+
+
+def _logit_bias(params: Sequence[SamplingParams], device: torch.device
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    entries = [(row, token, bias) for row, p in enumerate(params)
+               for token, bias in (p.logit_bias or {}).items()]
+    rows, tokens, biases = zip(*entries)
+    return (to_device(torch.tensor(rows, dtype=torch.int64), device),
+            to_device(torch.tensor(tokens, dtype=torch.int64), device),
+            to_device(torch.tensor(biases, dtype=torch.float32), device))
 
 
 def philox_rows(requests: Sequence[Request]) -> Tensor:
@@ -211,6 +230,11 @@ class Sampler:
         self.use_triton = use_triton
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if meta.allowed_token_bitmask is not None:
+            logits = apply_token_bitmask(logits, meta.allowed_token_bitmask)
+        if meta.logit_bias is not None:
+            rows, tokens, biases = meta.logit_bias
+            logits = logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
         fused = self._takes_fused_path(logits, meta)
         if fused:  # the kernels read the model's dtype; only logprobs need float32
             tokens = self._sample_fused(logits, meta)

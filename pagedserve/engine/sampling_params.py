@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (argmax)
 _MAX_TOP_K = 2**31 - 1  # beyond any vocabulary; the sampler holds top_k in int64 tensors
 _SEEDS = (-(2**63), 2**64 - 1)  # a torch generator's 64-bit seed
@@ -32,6 +34,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many top logprobs (+ the sampled token's)
     skip_special_tokens: bool = True
+    # the output must match a JSON schema, any JSON object, a regex, a choice or an EBNF
+    # grammar (pagedserve/structured)
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +74,11 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0,
              f"logprobs must be >= 0, got {self.logprobs}"),
             (all(s for s in self.stop_strings), "stop strings must be non-empty"),
+            (self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams"),
+            (all(-100.0 <= v <= 100.0 for v in (self.logit_bias or {}).values()),
+             "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

@@ -1,0 +1,65 @@
+"""GrammarCache: every constraint compiled once for the served tokenizer.
+
+Compiling turns a schema into a grammar and precomputes, per grammar state, which of the
+vocabulary's tokens can follow: milliseconds to tens of milliseconds, far more than a step's
+mask. Requests repeating a schema (the common case: one extraction pipeline, one tool set)
+share the compiled grammar, which is read-only; each request gets its own matcher over it.
+
+JSON is compiled without free whitespace (`any_whitespace=False`): the output is compact JSON
+(", " and ": " separators). Small models given the choice tend to emit whitespace until
+max_tokens and never close the object; compact JSON is still JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+import xgrammar as xgr
+
+from pagedserve.structured.params import StructuredOutputsParams
+
+_MAX_CACHED = 256  # distinct grammars kept; the oldest compiled is dropped first
+
+
+class GrammarCache:
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        """`vocab_size`: the model's logits width, which may exceed the tokenizer's (padding
+        rows); the extra ids are never allowed."""
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False,
+                                             max_threads=min(8, os.cpu_count() or 1))
+        self._compiled: dict[tuple[str, str], xgr.CompiledGrammar] = {}
+        self._lock = threading.Lock()  # compiled from the API process and the core alike
+
+    def get(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar; ValueError naming the problem when the spec is invalid."""
+        key = params.key()
+        with self._lock:
+            compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compile(*key)
+            with self._lock:
+                if len(self._compiled) >= _MAX_CACHED:
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[key] = compiled
+        return compiled
+
+    def _compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
+        try:
+            if kind == "json":
+                return self._compiler.compile_json_schema(spec, any_whitespace=False)
+            if kind == "json_object":
+                return self._compiler.compile_json_schema('{"type": "object"}',
+                                                          any_whitespace=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(spec)
+            if kind == "choice":
+                literals = (json.dumps(c, ensure_ascii=False) for c in json.loads(spec))
+                return self._compiler.compile_grammar("root ::= " + " | ".join(literals))
+            return self._compiler.compile_grammar(spec)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"invalid {kind} for structured outputs: {exc}") from exc
