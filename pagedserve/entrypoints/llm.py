@@ -86,11 +86,12 @@ class LLM:
         return [finished[request_id] for request_id in request_ids]
 
 
-def encode_chat(tokenizer, conversation: list[Message], add_generation_prompt: bool = True
-                ) -> list[int]:
+def encode_chat(tokenizer, conversation: list[Message], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> list[int]:
+    """`tools`: OpenAI-style tool definitions for templates that render them."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use generate()")
-    text = tokenizer.apply_chat_template(conversation, tokenize=False,
+    text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -42,11 +42,12 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str]:
-        """(kind, spec): equal constraints get equal keys, so a grammar compiles once."""
+        """(kind, spec): equal constraints get equal keys, so a grammar compiles once. Key
+        order is kept: properties are generated in the order the schema declares them."""
         kind = self.kind
         if kind == "json":
             schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-            return kind, _json.dumps(schema, sort_keys=True)
+            return kind, _json.dumps(schema)
         if kind == "json_object":
             return kind, ""
         if kind == "choice":

@@ -26,8 +26,10 @@ from pagedserve.entrypoints.engine_args import engine_options
 from pagedserve.entrypoints.server.async_engine import AsyncEngine
 from pagedserve.entrypoints.server.errors import install_error_handlers
 from pagedserve.entrypoints.server.metrics import ServerMetrics
-from pagedserve.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                    ModelCard, ModelList)
+from pagedserve.entrypoints.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard,
+    ModelList, TokenizeRequest, TokenizeResponse)
+from pagedserve.entrypoints.server.tool_parsers import PARSERS
 from pagedserve.entrypoints.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -35,12 +37,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = ()) -> FastAPI:
+def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
+              tool_call_parser: str | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine) under `model_name` (and `aliases`)."""
     async_engine = AsyncEngine(engine, ServerMetrics())
     max_model_len = _max_model_len(engine)
     serving = OpenAIServing(
-        async_engine, model_name, aliases, engine.tokenizer, max_model_len)
+        async_engine, model_name, aliases, engine.tokenizer, max_model_len, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -74,6 +77,14 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = ()) -> Fa
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(req, raw)
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        return serving.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return serving.detokenize(req)
+
     return app
 
 
@@ -95,6 +106,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "requests without a seed (default: %(default)s)")
     group.add_argument("--graceful-timeout", type=float, default=5.0, help="seconds in-flight "
                        "requests get to finish on SIGINT/SIGTERM (default: %(default)s)")
+    group.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                       help="how the model writes tool calls (default: from its chat "
+                       "template; hermes when the template does not say)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning",
                        "info", "debug"], help="server log verbosity (default: %(default)s)")
     return parser
@@ -108,7 +122,7 @@ def run_server(args: argparse.Namespace) -> None:
     engine = LLMEngine.from_options(**engine_options(args), seed=args.seed)
     name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
     aliases = (args.model,) if args.model else ()
-    app = build_app(engine, name, aliases)
+    app = build_app(engine, name, aliases, args.tool_call_parser)
     # uvicorn cancels handlers still running after its own timeout; ours fires first and
     # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,10 +1,24 @@
 """Pydantic models of the OpenAI wire protocol that the server speaks.
 
 Ranges live on the fields so that FastAPI rejects bad values before any engine work; the
-error handlers turn those rejections into OpenAI-style 400 bodies. Unknown fields are
-ignored (as OpenAI-compatible servers commonly do) but features we do not implement and
-that would silently change the answer (echo, suffix, best_of, logit_bias, tools) are
-refused, so a client never gets a plausible-looking wrong result.
+error handlers turn those rejections into OpenAI-style 400 bodies. Every request field of
+OpenAI's completions and chat completions is in one of three groups, so a client never gets
+a plausible-looking wrong result:
+- implemented: sampling (temperature, top_p, n, seed, stop, penalties, logit_bias), lengths,
+  logprobs / top_logprobs, streaming with stream_options.include_usage, response_format
+  (json_object, json_schema), tools / tool_choice / parallel_tool_calls, `user` (also the
+  prefix-cache salt); for completions echo=false, best_of equal to n;
+- accepted with no effect on the output, because they route, bill or monitor on OpenAI's side:
+  service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention, metadata,
+  store=false;
+- refused with a 400 naming the parameter: audio, modalities other than ["text"], prediction,
+  web_search_options, reasoning_effort, verbosity, moderation, prompt_cache_options, the
+  deprecated functions / function_call, store=true, stream_options.include_obfuscation=true,
+  suffix, echo=true, best_of other than n, and (vLLM's extension) prompt_logprobs.
+Extensions (vLLM's names): top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
+ignore_eos, cache_salt, add_generation_prompt, and `structured_outputs` (exactly one of json,
+json_object, regex, choice, grammar: the output must match it). Fields nobody defines are
+ignored and logged once per field name.
 
 Numbers must be finite (JSON parsers accept NaN and Infinity, which no range check catches)
 and integers that reach torch must fit its 64-bit types; text must be valid Unicode (JSON's
@@ -15,12 +29,16 @@ so the error body names it (`request_error`).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, \
+    model_validator
 from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger(__name__)
 
 MAX_N = 16  # choices per prompt; each one occupies a running slot in the engine
 MAX_LOGPROBS = 20  # top alternatives per token, as in OpenAI's chat API
@@ -80,14 +98,62 @@ def now() -> int:
     return int(time.time())
 
 
+_logged_extra_fields: set[str] = set()
+
+
+def _log_unknown_fields(model: BaseModel) -> None:
+    for name in model.model_extra or {}:
+        if name not in _logged_extra_fields:
+            _logged_extra_fields.add(name)
+            logger.warning("ignoring the unknown request field %r (logged once)", name)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    include_obfuscation: bool = False  # no obfuscation padding is ever added
+
+
+class StructuredOutputsRequest(BaseModel):
+    """Extension: exactly one constraint on the output (pagedserve/structured/params.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (llama.cpp GBNF dialect), root rule `root`
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # every schema is enforced, which is what strict promises
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise request_error("response_format",
+                                "response_format of type json_schema needs a json_schema.")
+        return self
+
+
+def _unsupported(value: Any, info: ValidationInfo) -> Any:
+    if value is not None:
+        raise request_error(info.field_name, f"{info.field_name} is not supported.")
+    return value
 
 
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -114,7 +180,49 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # also the prefix-cache salt unless cache_salt is given
     cache_salt: str | None = None  # extension: isolates the prefix cache between tenants
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int = Field(0, ge=0)  # extension: EOS and stop_token_ids ignored before this
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # extension
+    # accepted, no effect on the output (see the module docstring)
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    # refused
+    prompt_logprobs: Any = None
+
+    _refuse = field_validator("prompt_logprobs")(_unsupported)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.lstrip("-").isdigit():
+                raise request_error("logit_bias", f"logit_bias keys must be token ids, got "
+                                    f"{token!r}.")
+            if not -100.0 <= bias <= 100.0:
+                raise request_error("logit_bias", f"logit_bias values must be in [-100, 100], "
+                                    f"got {bias} for token {token}.")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: bool | None) -> bool | None:
+        if value:
+            raise request_error("store", "store=true is not supported: completions are not "
+                                "stored.")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, value: StreamOptions | None) -> StreamOptions | None:
+        if value is not None and value.include_obfuscation:
+            raise request_error("stream_options.include_obfuscation",
+                                "include_obfuscation is not supported.")
+        return value
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
@@ -123,11 +231,14 @@ class SamplingRequest(BaseModel):
             raise request_error("stop", f"At most {MAX_STOP} stop strings are allowed.")
         if any(s == "" for s in stops):
             raise request_error("stop", "Stop strings must be non-empty.")
-        if self.logit_bias:
-            raise request_error("logit_bias", "logit_bias is not supported.")
         if self.stream_options is not None and not self.stream:
             raise request_error("stream_options",
                                 "stream_options is only allowed when stream is true.")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise request_error("structured_outputs", "Give either response_format or "
+                                "structured_outputs, not both.")
+        _log_unknown_fields(self)
         return self
 
 
@@ -164,17 +275,56 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this is the result of
+
+    @model_validator(mode="after")
+    def _log_extra(self) -> ChatMessage:
+        _log_unknown_fields(self)
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # forced calls always follow the schema
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -183,16 +333,60 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # extension
+    modalities: list[str] | None = None
+    # refused (see the module docstring)
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    _refuse_chat = field_validator("audio", "prediction", "web_search_options",
+                                   "reasoning_effort", "verbosity", "moderation",
+                                   "prompt_cache_options", "functions",
+                                   "function_call")(_unsupported)
+
+    @field_validator("modalities")
+    @classmethod
+    def _check_modalities(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and value != ["text"]:
+            raise request_error("modalities", 'modalities other than ["text"] are not '
+                                "supported.")
+        return value
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise request_error("tools", "tools are not supported.")
         if self.top_logprobs is not None and not self.logprobs:
             raise request_error("top_logprobs", "top_logprobs requires logprobs to be true.")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise request_error("tool_choice", "tool_choice needs tools.")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools}
+            if self.tool_choice.function.name not in names:
+                raise request_error("tool_choice", f"tool_choice names "
+                                    f"{self.tool_choice.function.name!r}, which is not among "
+                                    "the tools.")
+        forced = self.tool_choice not in (None, "none", "auto")
+        if forced and (self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise request_error("tool_choice", "A forced tool_choice cannot be combined with "
+                                "response_format or structured_outputs.")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: auto with tools, none without."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -203,7 +397,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 # ---- responses ----------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class PromptTokensDetails(BaseModel):
@@ -259,6 +453,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -279,9 +474,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -313,6 +521,37 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise request_error(None, "Give exactly one of prompt and messages.")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

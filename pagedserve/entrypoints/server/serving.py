@@ -26,14 +26,18 @@ from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import encode_chat
+from pagedserve.entrypoints.server import tool_parsers
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.entrypoints.server.errors import (SERVER_ERROR, APIError, bad_request,
                                                   model_not_found)
 from pagedserve.entrypoints.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
-    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaMessage, PromptTokensDetails,
-    TopLogprob, UsageInfo, SamplingRequest, random_id)
+    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaFunctionCall, DeltaMessage,
+    DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, NamedToolChoice,
+    PromptTokensDetails, TokenizeRequest, TokenizeResponse, ToolCall, TopLogprob, UsageInfo,
+    SamplingRequest, random_id)
+from pagedserve.structured.params import StructuredOutputsParams
 
 _DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks that its client is there
 
@@ -50,12 +54,17 @@ class OpenAIServing:
     """Turns protocol requests into engine requests and engine outputs into responses."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, accepted_names: Iterable[str],
-                 tokenizer: Any, max_model_len: int) -> None:
+                 tokenizer: Any, max_model_len: int, tool_call_parser: str | None = None
+                 ) -> None:
+        """`tool_call_parser`: hermes or llama3_json; None picks it from the chat template."""
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *accepted_names}
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_call_parser = tool_call_parser or tool_parsers.parser_for_template(template)
+        self.template_has_tools = tool_parsers.template_supports_tools(template)
 
     # ---- endpoints -------------------------------------------------------------------------
 
@@ -85,22 +94,46 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         base_id = random_id("chatcmpl")
-        token_ids = self._apply_chat_template(req)
+        tools = _tools_for(req)
+        token_ids = self._apply_chat_template(req, tools)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, len(token_ids), req.max_new_tokens, top)
+        params = self._sampling_params(req, len(token_ids), req.max_new_tokens, top,
+                                       _forced_tool_outputs(req, tools))
         requests = [_EngineRequest(base_id, None, token_ids, params)]
         streams = await self._submit(requests, req)
         if req.stream:
-            return _SSEResponse(self._chat_events(req, base_id, streams[0]),
+            return _SSEResponse(self._chat_events(req, base_id, streams[0], tools),
                                 on_close=lambda: self._abort(requests))
         final, = await _unless_disconnected(_collect(streams), raw, lambda: self._abort(requests))
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = self._assistant_message(req, tools, c)
+            choices.append(ChatChoice(
+                index=c.index, message=message, finish_reason=finish_reason,
+                logprobs=self._chat_logprobs(c.logprobs, c.token_ids, top),
+                stop_reason=c.stop_reason))
         return JSONResponse(ChatCompletionResponse(
-            id=base_id, model=self.model_name,
-            choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                logprobs=self._chat_logprobs(c.logprobs, c.token_ids, top),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                     for c in final.outputs],
+            id=base_id, model=self.model_name, choices=choices,
             usage=_usage([final])).model_dump())
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(req.model)
+        if req.prompt is not None:
+            tokens = list(self.tokenizer.encode(req.prompt,
+                                                add_special_tokens=req.add_special_tokens))
+        else:
+            tokens = self._render_chat(req.messages, None, req.add_generation_prompt)
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len,
+                                tokens=tokens)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(req.model)
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                              param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     # ---- validation and engine submission ----------------------------------------------------
 
@@ -117,17 +150,63 @@ class OpenAIServing:
             raise bad_request("prompt must not be empty", param="prompt")
         return list(prompt)  # the engine checks the ids against the vocabulary
 
-    def _apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
-        """The same rendering as `LLM.chat`, so the server and the offline API agree."""
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+    def _apply_chat_template(self, req: ChatCompletionRequest,
+                             tools: list[dict] | None) -> list[int]:
+        return self._render_chat(req.messages, tools, req.add_generation_prompt)
+
+    def _render_chat(self, chat: list, tools: list[dict] | None,
+                     add_generation_prompt: bool) -> list[int]:
+        """The same rendering as `LLM.chat`, so the server and the offline API agree.
+
+        Tools go to the template (transformers' `tools=`); a template that does not use them
+        gets them as a system message in the hermes format instead, and past calls as hermes
+        text, so that no part of the conversation is dropped."""
+        messages = [self._template_message(m) for m in chat]
+        if tools and not self.template_has_tools:
+            prompt = tool_parsers.fallback_tools_prompt(tools)
+            if messages[0]["role"] == "system":
+                messages[0]["content"] = messages[0]["content"] + "\n\n" + prompt
+            else:
+                messages.insert(0, {"role": "system", "content": prompt})
+            tools = None
         try:
-            return encode_chat(self.tokenizer, messages, req.add_generation_prompt)
+            return encode_chat(self.tokenizer, messages, add_generation_prompt, tools=tools)
         except Exception as exc:  # no template, or one that rejects the roles' order
             raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
 
+    def _template_message(self, m: Any) -> dict:
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            calls = [c.model_dump() for c in m.tool_calls]
+            if self.template_has_tools:
+                message["tool_calls"] = tool_parsers.template_tool_calls(calls)
+            else:
+                text = tool_parsers.render_tool_calls_text(calls)
+                message["content"] = (message["content"] + "\n" + text).strip()
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        return message
+
+    def _assistant_message(self, req: ChatCompletionRequest, tools: list[dict] | None,
+                           c: Any) -> tuple[AssistantMessage, str | None]:
+        """The choice's message with its tool calls parsed out, and its finish reason."""
+        calls: list[tool_parsers.ParsedToolCall] = []
+        content: str | None = c.text
+        choice = req.effective_tool_choice
+        if tools and c.finish_reason == "stop":
+            if choice == "auto":
+                content, calls = tool_parsers.parse_tool_calls(self.tool_call_parser, c.text)
+            else:  # held by the grammar, so it parses
+                calls = tool_parsers.parse_forced(c.text, _named(choice))
+                content = None
+        message = AssistantMessage(content=content, tool_calls=[_tool_call(t) for t in calls])
+        return message, "tool_calls" if calls else c.finish_reason
+
     def _sampling_params(self, req: SamplingRequest, num_prompt_tokens: int,
-                         max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                         max_tokens: int | None, logprobs: int | None,
+                         forced_tool: StructuredOutputsParams | None = None) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise bad_request(
@@ -155,7 +234,11 @@ class OpenAIServing:
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
-                logprobs=logprobs)
+                logprobs=logprobs,
+                min_tokens=req.min_tokens,
+                logit_bias={int(k): v for k, v in req.logit_bias.items()}
+                if req.logit_bias else None,
+                structured_outputs=forced_tool or _structured_outputs(req))
         except ValueError as exc:
             raise bad_request(str(exc), param=_param_named_in(str(exc), req)) from exc
 
@@ -171,8 +254,8 @@ class OpenAIServing:
                     prompt_token_ids=r.prompt_token_ids, **extra))
         except BaseException as exc:
             self._abort(requests)
-            if isinstance(exc, ValueError):  # the engine's checks concern the prompt
-                raise bad_request(str(exc), param=_prompt_param(req)) from exc
+            if isinstance(exc, ValueError):  # the engine's checks concern the prompt ...
+                raise bad_request(str(exc), param=_engine_error_param(str(exc), req)) from exc
             if isinstance(exc, EngineDeadError):
                 raise APIError(str(exc), 503, SERVER_ERROR) from exc
             raise
@@ -204,7 +287,8 @@ class OpenAIServing:
                                           usage=_usage([finals[i] for i in sorted(finals)])))
 
     async def _chat_events(self, req: ChatCompletionRequest, base_id: str,
-                           stream: AsyncIterator[Any]) -> AsyncIterator[str]:
+                           stream: AsyncIterator[Any], tools: list[dict] | None
+                           ) -> AsyncIterator[str]:
         top = (req.top_logprobs or 0) if req.logprobs else None
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -214,6 +298,8 @@ class OpenAIServing:
         for index in range(req.n):
             yield chunk([ChatStreamChoice(index=index,
                                           delta=DeltaMessage(role="assistant", content=""))])
+        tool_streams = {i: _ToolStream(req.effective_tool_choice, self.tool_call_parser)
+                        for i in range(req.n)} if tools else {}
         final = None
         async for out in stream:
             for c in out.outputs:
@@ -221,9 +307,18 @@ class OpenAIServing:
                     continue
                 new_ids = c.token_ids[len(c.token_ids) - len(c.token_ids_delta):]
                 lp = self._chat_logprobs(_tail(c.logprobs, len(new_ids)), new_ids, top)
-                yield chunk([ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text_delta or None), logprobs=lp,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                finish_reason = c.finish_reason
+                deltas = [DeltaMessage(content=c.text_delta or None)]
+                if tools:
+                    deltas = tool_streams[c.index].deltas(c.text, c.finish_reason)
+                    if tool_streams[c.index].num_calls and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    yield chunk([ChatStreamChoice(
+                        index=c.index, delta=delta, logprobs=lp if last else None,
+                        finish_reason=finish_reason if last else None,
+                        stop_reason=c.stop_reason if last else None)])
             final = out
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage=_usage([final]))
@@ -282,10 +377,109 @@ def _prompt_param(req: SamplingRequest) -> str:
     return "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
 
 
+def _engine_error_param(message: str, req: SamplingRequest) -> str:
+    """... or the grammar (which the engine compiles), or logit_bias's token ids."""
+    if "structured outputs" in message:
+        if isinstance(req, ChatCompletionRequest) and req.tools:
+            return "tools"
+        return "response_format" if req.response_format is not None else "structured_outputs"
+    if message.startswith("logit_bias"):
+        return "logit_bias"
+    return _prompt_param(req)
+
+
 def _param_named_in(message: str, req: SamplingRequest) -> str | None:
     """The request field a SamplingParams message starts with ("top_p must be ...")."""
     name = message.split(" ", 1)[0]
     return name if name in type(req).model_fields else None
+
+
+def _tools_for(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the model sees: none when tool_choice is "none"."""
+    if not req.tools or req.effective_tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def _named(choice: str | NamedToolChoice) -> str | None:
+    return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+
+def _forced_tool_outputs(req: ChatCompletionRequest, tools: list[dict] | None
+                         ) -> StructuredOutputsParams | None:
+    """`required` and a named function: the output is held to a call by a JSON schema."""
+    choice = req.effective_tool_choice
+    if not tools or choice == "auto":
+        return None
+    return StructuredOutputsParams(json=tool_parsers.forced_tool_schema(
+        tools, _named(choice), req.parallel_tool_calls))
+
+
+def _structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """response_format, or our structured_outputs extension, as the engine's field."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_
+        return (StructuredOutputsParams(json=schema) if schema is not None
+                else StructuredOutputsParams(json_object=True))
+    so = req.structured_outputs
+    if so is None:
+        return None
+    return StructuredOutputsParams(json=so.json_, json_object=so.json_object, regex=so.regex,
+                                   choice=so.choice, grammar=so.grammar)
+
+
+def _tool_call(call: tool_parsers.ParsedToolCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+class _ToolStream:
+    """One streamed choice's text turned into content and tool-call deltas: a named call's
+    arguments as they are written, complete calls otherwise (see tool_parsers)."""
+
+    def __init__(self, choice: str | NamedToolChoice, parser: str) -> None:
+        self.named = _named(choice)
+        self.required = choice == "required"
+        self.parsed = tool_parsers.ToolCallStream(parser)
+        self.num_calls = 0
+        self._sent = 0  # characters of a named call's arguments sent
+
+    def deltas(self, text: str, finish_reason: str | None) -> list[DeltaMessage]:
+        if self.named is not None:
+            return self._named_deltas(text)
+        if self.required:
+            calls = tool_parsers.parse_forced_prefix(text)[self.num_calls:]
+            content = ""
+        elif finish_reason is None:
+            content, calls = self.parsed.feed(text)
+        else:
+            content, calls = self.parsed.finish(text)
+        out = [DeltaMessage(content=content)] if content else []
+        for call in calls:
+            out += self._call_deltas(call)
+        return out or [DeltaMessage()]
+
+    def _named_deltas(self, text: str) -> list[DeltaMessage]:
+        out = []
+        if self.num_calls == 0:
+            out += self._call_deltas(tool_parsers.ParsedToolCall(self.named, ""))
+        arguments, self._sent = text[self._sent:], len(text)
+        if arguments:
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=0, function=DeltaFunctionCall(arguments=arguments))]))
+        return out or [DeltaMessage()]
+
+    def _call_deltas(self, call: tool_parsers.ParsedToolCall) -> list[DeltaMessage]:
+        index, self.num_calls = self.num_calls, self.num_calls + 1
+        head = DeltaMessage(tool_calls=[DeltaToolCall(
+            index=index, id=call.id, type="function",
+            function=DeltaFunctionCall(name=call.name, arguments=""))])
+        if not call.arguments:
+            return [head]
+        return [head, DeltaMessage(tool_calls=[DeltaToolCall(
+            index=index, function=DeltaFunctionCall(arguments=call.arguments))])]
 
 
 def _sampled_logprob(token_id: int, entries: dict) -> float:
