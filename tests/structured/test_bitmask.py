@@ -1,0 +1,80 @@
+"""The sampler's bitmask hook: every row samples an allowed token (greedy, random, seeded,
+penalized, with logprobs), rows whose mask is all ones sample what they would without it,
+and a random row under a mask draws from the renormalized allowed set. On the CPU (torch
+path) here; on CUDA (the fused kernel, bf16 logits) where available."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampler import Sampler, SamplingMetadata, to_device
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.structured.bitmask import full_bitmask
+
+VOCAB = 100
+DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+
+
+def requests() -> list[Request]:
+    params = [dict(temperature=0.0), dict(temperature=1.0, seed=1), dict(temperature=0.8),
+              dict(temperature=1.0, seed=2, top_k=20, repetition_penalty=1.3),
+              dict(temperature=0.0, logprobs=3)]
+    out = []
+    for i, p in enumerate(params):
+        request = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8, **p), 8)
+        request.append_output_token(4)
+        out.append(request)
+    return out
+
+
+def bitmask(allowed: dict[int, list[int]], rows: int) -> np.ndarray:
+    """Rows not in `allowed` allow everything."""
+    mask = full_bitmask(rows, VOCAB)
+    for row, tokens in allowed.items():
+        mask[row] = 0
+        for t in tokens:
+            mask[row, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    return mask
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_masked_rows_sample_allowed_tokens_and_free_rows_are_unchanged(device):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    allowed = {0: [97], 1: [5, 37, 70], 3: [0, 31, 32, 99], 4: [64, 65]}
+    batch = requests()
+    for trial in range(5):
+        torch.manual_seed(trial)
+        logits = torch.randn(len(batch), VOCAB, device=device).to(dtype)
+        meta = SamplingMetadata.from_requests(batch, VOCAB, device)
+        torch.manual_seed(trial)
+        free = Sampler()(logits.clone(), meta).sampled_token_ids.tolist()
+        meta = SamplingMetadata.from_requests(batch, VOCAB, device)
+        meta.allowed_token_bitmask = to_device(torch.from_numpy(bitmask(allowed, len(batch))),
+                                               device)
+        torch.manual_seed(trial)
+        out = Sampler()(logits.clone(), meta)
+        tokens = out.sampled_token_ids.tolist()
+        for row, allowed_tokens in allowed.items():
+            assert tokens[row] in allowed_tokens
+        assert tokens[2] == free[2]  # unmasked rows: the same draw
+        assert tokens[0] == 97 and out.logprobs.sampled_logprobs[4] > -1e9
+
+
+def test_random_row_draws_from_the_renormalized_allowed_set():
+    allowed, draws = [3, 40, 77], 4000
+    logits = torch.zeros(draws, VOCAB)
+    logits[:, allowed] = torch.tensor([0.0, 1.0, 2.0])
+    batch = [Request(f"r{i}", [1], SamplingParams(temperature=1.0, max_tokens=8), 8)
+             for i in range(draws)]
+    meta = SamplingMetadata.from_requests(batch, VOCAB, torch.device("cpu"))
+    meta.allowed_token_bitmask = torch.from_numpy(bitmask(dict.fromkeys(range(draws), allowed),
+                                                          draws))
+    torch.manual_seed(0)
+    tokens = Sampler()(logits, meta).sampled_token_ids
+    expected = torch.tensor([0.0, 1.0, 2.0]).softmax(0).tolist()
+    assert set(tokens.tolist()) <= set(allowed)
+    for token, p in zip(allowed, expected):
+        assert abs((tokens == token).float().mean().item() - p) < 0.03
