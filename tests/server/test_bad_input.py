@@ -66,8 +66,8 @@ CASES = [
     ("penalty-out-of-range", "/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400,
      "presence_penalty"),
     ("echo-unsupported", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
-    ("tools-unsupported", "/v1/chat/completions",
-     {"messages": CHAT_OK, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("tool-without-function", "/v1/chat/completions",
+     {"messages": CHAT_OK, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     # text that is not valid Unicode: JSON's \ud800 escape decodes to an unpaired surrogate
     ("surrogate-in-prompt", "/v1/completions", Raw(b'{"prompt": "hi \\ud800 there"}'), 400,
      "prompt"),
@@ -99,7 +99,7 @@ MESSAGES = {
     "body-not-object": "must be a JSON object, not an array",
     "nan-temperature": "finite", "infinite-top-p": "finite",
     "seed-beyond-64-bit": str(2**64 - 1), "top-k-beyond-int": str(2**31 - 1),
-    "tools-unsupported": "tools",
+    "tool-without-function": "tools.0.function",
 }
 LEAKS = re.compile(r"TextEncodeInput|Union\[|long long|int64_t|uint64|Overflow|Traceback|"
                    r"'None'")
