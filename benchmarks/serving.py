@@ -1,8 +1,33 @@
-"""Online serving benchmark: streaming requests to a running pagedserve server.
+"""Serving benchmark: the engine offline and behind `pagedserve serve`, in one run.
 
-Requests arrive as a Poisson process at `--request-rate` per second (`inf`: all at once;
-`--max-concurrency` caps how many are in flight) and stream from `/v1/completions` with
-`ignore_eos`, so every request produces exactly `--max-tokens` tokens. Per request we time, on the client:
+Without `--base-url` (the suite) it builds one ShareGPT-like synthetic workload and measures,
+with the same engine flags for every row but the last:
+  offline greedy           LLM.generate over every request, temperature 0
+  offline sampled          the same requests; every fourth uses temperature 1, top_p 0.95,
+                           top_k 40, repetition_penalty 1.1 and its own seed
+  served                   the greedy requests through a `pagedserve serve` process started
+                           by this script, `--concurrency` streaming clients (256); output
+                           tokens counted from each stream's usage chunk
+  served, Poisson R/s      the same server, requests arriving as a Poisson process at each
+                           `--rates` R: TTFT and TPOT p50/p99 against achieved throughput
+  offline greedy, default flags   as the first row, with no engine flag given
+Workload: `--num-requests` (1,000) requests of random token ids (prompts are ids, so every
+path sees the same tokens); prompt and output lengths are lognormal, median
+`--prompt-median` (200) and `--output-median` (150) tokens, sigma `--sigma` (0.8), clipped to
+[`--min-len`, `--max-prompt-len` / `--max-output-len`]; `ignore_eos`, so each request
+produces exactly its output length. Every offline row runs in a fresh process (its memory is
+back before the next row starts) after a warm-up generate. Rows go to `--out`/serving.json
+(`path`, `output_tok_per_s`, `seconds`, `output_tokens`, `device`, `date`, ...) and the
+latency plot to `--out`/serving_latency.png.
+
+    python benchmarks/serving.py --model /tmp/qwen3-0.6b-random               # H100
+    python benchmarks/serving.py --model /tmp/tiny --num-requests 48 --concurrency 8 \
+        --rates 2 4 --max-prompt-len 64 --max-output-len 16 --out /tmp/serving   # CPU smoke
+
+With `--base-url` it is a client against a server that is already running: requests arrive
+as a Poisson process at `--request-rate` per second (`inf`: all at once; `--max-concurrency`
+caps how many are in flight) and stream from `/v1/completions` with `ignore_eos`, so every
+request produces exactly `--max-tokens` tokens. Per request we time, on the client:
   TTFT  time to the first streamed token
   TPOT  (latency - TTFT) / (output tokens - 1): the mean decode pace a user sees
   ITL   every gap between two streamed chunks (a chunk may carry more than one token)
@@ -16,24 +41,40 @@ prefix cache and the unique half cannot. TTFT is reported per half, with the ser
 prefix-cache counters from /metrics.
 
     pagedserve serve --port 8000 &     # or: python -m pagedserve.entrypoints.server
-    python benchmarks/serving.py --num-requests 32 --request-rate 2 --max-tokens 32
-    python benchmarks/serving.py --num-requests 16 --max-concurrency 1 --prefix-words 600
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --num-requests 32 \
+        --request-rate 2 --max-tokens 32
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --num-requests 16 \
+        --max-concurrency 1 --prefix-words 600
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import datetime
 import json
 import math
+import multiprocessing
+import os
+import platform
 import random
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
+# Python puts this script's folder first on sys.path, where benchmarks/kernels.py would shadow
+# the `kernels` package that transformers probes for; we import nothing from this folder.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 WORDS = ("time year people way day man thing woman life child world school state family "
          "student group country problem hand part place case week company system program "
@@ -86,7 +127,7 @@ def build_requests(args: argparse.Namespace) -> list[tuple[str, str]]:
     return requests
 
 
-async def send(http: httpx.AsyncClient, model: str, prompt: str, group: str,
+async def send(http: httpx.AsyncClient, model: str, prompt: str | list[int], group: str,
                max_tokens: int) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -103,14 +144,17 @@ async def send(http: httpx.AsyncClient, model: str, prompt: str, group: str,
                     continue
                 chunk = json.loads(line[len("data: "):])
                 now = time.perf_counter()
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error event")
+                    return result
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     result.output_tokens = usage["completion_tokens"]
                     result.prompt_tokens = usage["prompt_tokens"]
                     details = usage.get("prompt_tokens_details") or {}
                     result.cached_tokens = details.get("cached_tokens") or 0
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
-                    continue
+                if not chunk.get("choices"):
+                    continue  # the usage chunk
                 if last is None:
                     result.ttft = now - start
                 else:
@@ -224,24 +268,271 @@ def print_summary(summary: dict) -> None:
         print("error:", error)
 
 
+# ---- the suite: offline rows, a server of our own, a Poisson sweep -------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLED = {"temperature": 1.0, "top_p": 0.95, "top_k": 40, "repetition_penalty": 1.1}
+
+
+@dataclass
+class WorkItem:
+    prompt: list[int]
+    max_tokens: int
+    sampled: bool  # one of the quarter that samples in the "offline sampled" row
+    seed: int
+
+
+def build_workload(args: argparse.Namespace, vocab_size: int) -> list[WorkItem]:
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed)
+
+    def lengths(median: int, upper: int) -> list[int]:
+        raw = rng.lognormal(math.log(median), args.sigma, args.num_requests)
+        return np.clip(np.rint(raw), args.min_len, upper).astype(int).tolist()
+
+    prompts = lengths(args.prompt_median, args.max_prompt_len)
+    outputs = lengths(args.output_median, args.max_output_len)
+    return [WorkItem(rng.integers(0, vocab_size, p).tolist(), o, i % 4 == 0, args.seed + i)
+            for i, (p, o) in enumerate(zip(prompts, outputs))]
+
+
+def engine_flags(args: argparse.Namespace, tuned: bool) -> dict:
+    """Engine options every row shares (and the tuned batch limits, unless `tuned` is off)."""
+    flags = {"kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len}
+    if tuned:
+        flags.update(max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens)
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def offline_rows(model: str | None, flags: dict, work: list[WorkItem], modes: list[str]
+                 ) -> list[tuple[str, float, int]]:
+    """(mode, seconds, output tokens) per mode, from one LLM; runs in a worker process."""
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.entrypoints.llm import LLM
+
+    llm = LLM(model, **flags)
+    prompts = [w.prompt for w in work]
+    llm.generate(prompts[:16], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up: first-use compilation and allocations
+    rows = []
+    for mode in modes:
+        params = [SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, seed=w.seed,
+                                 **SAMPLED) if mode == "sampled" and w.sampled else
+                  SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True)
+                  for w in work]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        rows.append((mode, seconds, sum(len(c.token_ids) for o in outs for c in o.outputs)))
+    return rows
+
+
+def run_offline(model: str | None, flags: dict, work: list[WorkItem], modes: list[str]
+                ) -> list[tuple[str, float, int]]:
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(offline_rows, model, flags, work, modes).result()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model: str | None, flags: dict) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
+           "--log-level", "warning"]
+    if model:
+        cmd += ["--model", model]
+    for key, value in flags.items():
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} during startup")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
+async def drive(url: str, work: list[WorkItem], concurrency: int, rate: float,
+                seed: int) -> tuple[list[Result], float]:
+    """Every request of `work`, streaming, at most `concurrency` in flight; arrivals are a
+    Poisson process at `rate` per second (inf: all at once)."""
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(w: WorkItem) -> Result:
+            async with slots:
+                return await send(http, model, w.prompt, "all", w.max_tokens)
+
+        tasks = []
+        start = time.perf_counter()
+        for w in work:
+            tasks.append(asyncio.create_task(one(w)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def served_rows(args: argparse.Namespace, work: list[WorkItem], flags: dict) -> list[dict]:
+    proc, url = start_server(args.model, flags)
+    try:
+        asyncio.run(drive(url, work[:16], 16, math.inf, args.seed))  # warm-up
+        rows = []
+        for rate in [math.inf, *args.rates]:
+            subset = work if math.isinf(rate) else work[:args.rate_requests]
+            results, seconds = asyncio.run(
+                drive(url, subset, args.concurrency if math.isinf(rate) else len(subset), rate,
+                      args.seed + 1))
+            done = [r for r in results if r.ok]
+            tokens = sum(r.output_tokens for r in done)
+            path = (f"served, {args.concurrency} streaming clients" if math.isinf(rate)
+                    else f"served, Poisson {rate:g} req/s")
+            rows.append({"path": path, "output_tok_per_s": tokens / seconds,
+                         "seconds": seconds, "output_tokens": tokens,
+                         "requests": len(subset), "failed": len(results) - len(done),
+                         "request_rate": None if math.isinf(rate) else rate,
+                         "ttft_s": percentiles([r.ttft for r in done]),
+                         "tpot_s": percentiles([r.tpot for r in done]),
+                         "errors": sorted({r.error for r in results if r.error})[:3]})
+            print(f"{path}: {tokens / seconds:,.0f} output tok/s", flush=True)
+        return rows
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"CPU: {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    return f"CPU: {platform.processor()}"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = sorted((r for r in rows if r.get("request_rate")), key=lambda r: r["request_rate"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
+        x = [r["output_tok_per_s"] for r in sweep]
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ax.plot(x, [r[key].get(q, math.nan) * 1000 for r in sweep], style,
+                    label=f"{label} {q}")
+        for r in sweep:
+            ax.annotate(f"{r['request_rate']:g}/s", (r["output_tok_per_s"],
+                        r[key].get("p50", math.nan) * 1000), fontsize=8)
+        ax.set_xlabel("achieved output tokens/s")
+        ax.set_ylabel(f"{label} (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("pagedserve serve: Poisson arrivals (labels: request rate)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_suite(args: argparse.Namespace) -> None:
+    from pagedserve.model.loader import default_model_path, load_tokenizer
+
+    vocab = len(load_tokenizer(args.model or default_model_path()))
+    work = build_workload(args, vocab)
+    tuned = engine_flags(args, tuned=True)
+    print(f"{len(work)} requests, {sum(len(w.prompt) for w in work):,} prompt tokens, "
+          f"{sum(w.max_tokens for w in work):,} output tokens; flags {tuned}", flush=True)
+    measured = [(f"offline {mode}", seconds, tokens) for mode, seconds, tokens in
+                run_offline(args.model, tuned, work, ["greedy", "sampled"])]
+    rows = [{"path": p, "output_tok_per_s": t / s, "seconds": s, "output_tokens": t,
+             "requests": len(work)} for p, s, t in measured]
+    rows += served_rows(args, work, tuned)
+    (_, seconds, tokens), = run_offline(args.model, engine_flags(args, tuned=False), work,
+                                        ["greedy"])
+    rows.append({"path": "offline greedy, default flags", "output_tok_per_s": tokens / seconds,
+                 "seconds": seconds, "output_tokens": tokens, "requests": len(work)})
+    common = {"device": device_name(),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "model": args.model or "default (SmolLM2-135M-Instruct)",
+              "workload": {k: getattr(args, k) for k in (
+                  "num_requests", "prompt_median", "output_median", "sigma", "min_len",
+                  "max_prompt_len", "max_output_len", "seed")}}
+    for row in rows:
+        row.update(common, flags=tuned if "default" not in row["path"] else {})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps(rows, indent=1) + "\n")
+    plot(rows, out / "serving_latency.png")
+    base = rows[0]["output_tok_per_s"]
+    for row in rows:
+        print(f"{row['path']:<40}{row['output_tok_per_s']:>12,.0f} tok/s"
+              f"{row['output_tok_per_s'] / base:>8.2f}x  {row['seconds']:>8.1f} s")
+    print(f"wrote {out / 'serving.json'} and {out / 'serving_latency.png'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="default: the server's first model")
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="Poisson arrivals per second; inf = all at once")
-    parser.add_argument("--max-concurrency", type=int, default=0,
-                        help="at most this many requests in flight (0 = no limit)")
-    parser.add_argument("--prompt-words", type=int, default=48)
-    parser.add_argument("--prefix-words", type=int, default=0,
-                        help="shared-vs-unique system prompt of this many words")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
-    parser.add_argument("--slo-tpot", type=float, default=0.25, help="seconds")
+    parser.add_argument("--base-url", default=None, help="client mode: a running server")
+    parser.add_argument("--model", default=None, help="suite: HF folder or .gguf to serve "
+                        "(default: the embedded SmolLM2); client: the name to request "
+                        "(default: the server's first model)")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="default: 1000 (suite), 32 (client)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json-out", default=None)
+    suite = parser.add_argument_group("suite")
+    suite.add_argument("--prompt-median", type=int, default=200)
+    suite.add_argument("--output-median", type=int, default=150)
+    suite.add_argument("--sigma", type=float, default=0.8, help="of log(length)")
+    suite.add_argument("--min-len", type=int, default=4)
+    suite.add_argument("--max-prompt-len", type=int, default=1024)
+    suite.add_argument("--max-output-len", type=int, default=1024)
+    suite.add_argument("--concurrency", type=int, default=256, help="streaming clients")
+    suite.add_argument("--rates", type=float, nargs="*", default=[8, 16, 32, 64],
+                       help="Poisson request rates (req/s) of the latency sweep")
+    suite.add_argument("--rate-requests", type=int, default=500,
+                       help="requests per sweep rate (the workload's first ones)")
+    suite.add_argument("--max-num-seqs", type=int, default=256)
+    suite.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    suite.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    suite.add_argument("--max-model-len", type=int, default=None)
+    suite.add_argument("--out", default=str(REPO / "docs" / "results"))
+    client = parser.add_argument_group("client")
+    client.add_argument("--request-rate", type=float, default=math.inf,
+                        help="Poisson arrivals per second; inf = all at once")
+    client.add_argument("--max-concurrency", type=int, default=0,
+                        help="at most this many requests in flight (0 = no limit)")
+    client.add_argument("--prompt-words", type=int, default=48)
+    client.add_argument("--prefix-words", type=int, default=0,
+                        help="shared-vs-unique system prompt of this many words")
+    client.add_argument("--max-tokens", type=int, default=32)
+    client.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    client.add_argument("--slo-tpot", type=float, default=0.25, help="seconds")
+    client.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    if args.base_url is None:
+        args.num_requests = args.num_requests or 1000
+        run_suite(args)
+        return
+    args.num_requests = args.num_requests or 32
 
     before = scrape(args.base_url)
     results, duration = asyncio.run(run(args))

@@ -21,10 +21,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve.entrypoints.engine_args import engine_options
 from pagedserve.entrypoints.server.async_engine import AsyncEngine
-from pagedserve.entrypoints.server.errors import install_error_handlers
+from pagedserve.entrypoints.server.errors import APIError, install_error_handlers
 from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.entrypoints.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard,
@@ -35,10 +36,12 @@ from pagedserve.entrypoints.server.serving import OpenAIServing
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_BODY_BYTES = 2 << 20
 
 
 def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """An app serving `engine` (an LLMEngine) under `model_name` (and `aliases`)."""
     async_engine = AsyncEngine(engine, ServerMetrics())
     max_model_len = _max_model_len(engine)
@@ -54,6 +57,7 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.async_engine = async_engine
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -79,11 +83,11 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        return serving.tokenize(req)
+        return await asyncio.to_thread(serving.tokenize, req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        return serving.detokenize(req)
+        return await asyncio.to_thread(serving.detokenize, req)
 
     return app
 
@@ -91,6 +95,70 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
 def _max_model_len(engine: Any) -> int:
     """The engine's resolved context limit (the model's, capped by what the KV cache holds)."""
     return int(engine.max_model_len)
+
+
+class BodySizeLimit:
+    """413 for a request body over `max_bytes`, decided before anything parses it.
+
+    A declared Content-Length over the limit is refused without reading a byte. A chunked
+    body (no length declared) is read here, up to the limit, and refused at the first chunk
+    past it; one within the limit is handed on to the app as received. Either way no JSON
+    parser or tokenizer ever sees an oversized body.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+        elif headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            messages = await self._read_chunked(receive)
+            if messages is None:
+                await self._refuse(scope, receive, send)
+                return
+            receive = _replay(messages, receive)
+        await self.app(scope, receive, send)
+
+    async def _read_chunked(self, receive: Receive) -> list[Message] | None:
+        """The body's messages, or None once they pass the limit."""
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages  # the client went away; the app will see it
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return None
+            if not message.get("more_body", False):
+                return messages
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(f"The request body is larger than the server's limit of "
+                         f"{self.max_bytes} bytes (--max-body-size).", 413,
+                         code="request_too_large")
+        response = error.response()
+        response.headers["Connection"] = "close"  # the unread rest of the body stays unread
+        await response(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that gives `messages` first, then whatever the connection sends next (a
+    disconnect, which streaming responses listen for)."""
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -111,6 +179,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "template; hermes when the template does not say)")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning",
                        "info", "debug"], help="server log verbosity (default: %(default)s)")
+    group.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="largest request body in bytes; a larger one gets 413 "
+                       "(default: %(default)s)")
     return parser
 
 
@@ -122,7 +193,7 @@ def run_server(args: argparse.Namespace) -> None:
     engine = LLMEngine.from_options(**engine_options(args), seed=args.seed)
     name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
     aliases = (args.model,) if args.model else ()
-    app = build_app(engine, name, aliases, args.tool_call_parser)
+    app = build_app(engine, name, aliases, args.tool_call_parser, args.max_body_size)
     # uvicorn cancels handlers still running after its own timeout; ours fires first and
     # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

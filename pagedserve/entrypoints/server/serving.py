@@ -76,7 +76,7 @@ class OpenAIServing:
             raise bad_request("prompt must not be empty", param="prompt")
         requests = []
         for i, prompt in enumerate(prompts):
-            token_ids = self._tokenize_prompt(prompt)
+            token_ids = await asyncio.to_thread(self._tokenize_prompt, prompt)
             params = self._sampling_params(req, len(token_ids), req.max_tokens, req.logprobs)
             text = prompt if isinstance(prompt, str) else None
             requests.append(_EngineRequest(f"{base_id}-{i}", text, token_ids, params))
@@ -95,7 +95,7 @@ class OpenAIServing:
         self._check_model(req.model)
         base_id = random_id("chatcmpl")
         tools = _tools_for(req)
-        token_ids = self._apply_chat_template(req, tools)
+        token_ids = await asyncio.to_thread(self._apply_chat_template, req, tools)
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, len(token_ids), req.max_new_tokens, top,
                                        _forced_tool_outputs(req, tools))
