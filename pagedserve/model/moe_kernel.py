@@ -119,10 +119,11 @@ def group_by_expert(ids: Tensor, num_experts: int,
     expert = expert.clamp(max=num_experts - 1)
     first_tile = tiles_end[expert] - (counts[expert] + block_m - 1) // block_m
     tile_start = ends[expert] - counts[expert] + (tile - first_tile) * block_m
-    unused = torch.tensor(-1, device=ids.device)
-    return (order, torch.where(used, expert, unused).to(torch.int32),
-            torch.where(used, tile_start, unused).to(torch.int32),
-            torch.where(used, ends[expert], unused).to(torch.int32))
+    # -1 as a Python scalar: a tensor made from it here would be a host-to-device copy,
+    # which a CUDA graph capture refuses
+    return (order, torch.where(used, expert, -1).to(torch.int32),
+            torch.where(used, tile_start, -1).to(torch.int32),
+            torch.where(used, ends[expert], -1).to(torch.int32))
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
