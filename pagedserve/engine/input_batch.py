@@ -108,7 +108,7 @@ class BlockTableRows:
                     b.block_id for b in blocks[row.num_filled:]]
                 row.num_filled = len(blocks)
             nulled = row.num_nulled
-            while nulled < len(blocks) and blocks[nulled].is_null:
+            while nulled < len(blocks) and blocks[nulled].block_id == 0:  # the null block
                 nulled += 1
             if nulled > row.num_nulled:
                 self.table[row.index, row.num_nulled:nulled] = 0
