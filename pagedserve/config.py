@@ -1,7 +1,7 @@
 """EngineConfig: every engine option in one dataclass, with defaults and validation.
 
 Options that depend on the model or the machine (dtype "auto", max_model_len None, the KV
-budget) stay unresolved here; the engine resolves them once the model is loaded and the
+budget, the batch limits) stay unresolved here; the engine resolves them once the model is loaded and the
 KV cache is sized, so a config can be built and validated without touching any weights.
 """
 
@@ -13,6 +13,15 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 HASH_ALGOS = ("sha256", "xxhash")
+
+# Batch limits when left to auto. The CPU's are where its bench is best. A GPU step costs
+# about the same from a few sequences up to hundreds (decode reads the weights once either
+# way), so a GPU takes as many as its memory allows: tiers of the memory left for the KV
+# cache and activations once the weights are in, (GiB at least, max_num_seqs,
+# max_num_batched_tokens), largest first.
+CPU_BATCH_LIMITS = (64, 2048)
+GPU_BATCH_LIMITS = ((48, 256, 16384), (16, 256, 8192), (0, 128, 4096))
+
 
 
 @dataclass
@@ -38,9 +47,9 @@ class EngineConfig:
     # publish the prefix cache's block events (stored / removed / cleared) on a ZeroMQ PUB
     # socket bound here, e.g. "tcp://*:5557" (see core/kv_events.py); None = not recorded
     kv_events_endpoint: str | None = None
-    # scheduling
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # scheduling; None = chosen by the engine for the device and model (resolve_batch_limits)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None = the model's limit, capped by the KV cache
     # "recompute" frees a preempted request's blocks and recomputes its KV on readmission;
     # "swap" copies them to pinned CPU memory (swap_space bytes) and back
@@ -62,7 +71,7 @@ class EngineConfig:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
@@ -92,3 +101,20 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; valid: {sorted(known)}")
         return cls(**options)
+
+
+def resolve_batch_limits(config: EngineConfig, device_type: str, total_memory: int | None,
+                         weight_bytes: int) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens): the config's where set, else the defaults for
+    the device. On CUDA they follow what the GPU has left after the weights (`total_memory`
+    times gpu_memory_utilization, minus `weight_bytes`): bigger batches amortize each step's
+    weight reads, and the activations of max_num_batched_tokens tokens must still leave the KV
+    cache room for that many sequences."""
+    if device_type == "cuda":
+        left_gib = max(0.0, (total_memory * config.gpu_memory_utilization - weight_bytes)
+                       / (1 << 30))
+        seqs, tokens = next((s, t) for gib, s, t in GPU_BATCH_LIMITS if left_gib >= gib)
+    else:
+        seqs, tokens = CPU_BATCH_LIMITS
+    return (seqs if config.max_num_seqs is None else config.max_num_seqs,
+            tokens if config.max_num_batched_tokens is None else config.max_num_batched_tokens)

@@ -26,13 +26,14 @@ previous step's tokens are back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, resolve_batch_limits
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_events import KVEventPublisher
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
@@ -48,6 +49,8 @@ from pagedserve.model.loader import load_model, load_tokenizer
 from pagedserve.native.build import cpu_flags, has_bf16_compute
 from pagedserve.structured.manager import StructuredOutputManager
 
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class _ChildState:
@@ -139,6 +142,7 @@ class LLMEngine:
         model, self.model_config, self.tokenizer = loaded.model, loaded.model_config, \
             loaded.tokenizer
         device = next(model.parameters()).device
+        self.config = config = _resolve_limits(config, device, model)
         self.model_runner = ModelRunner(config, model, self.model_config, device)
         num_blocks = self.model_runner.determine_num_blocks()
         self.kv_cache_manager = KVCacheManager(
@@ -437,3 +441,20 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_gpu_blocks=self.num_blocks)
+
+
+def _resolve_limits(config: EngineConfig, device: torch.device, model: Decoder) -> EngineConfig:
+    """The config with max_num_seqs / max_num_batched_tokens chosen for this device and
+    model where they were left to auto (None); logged once."""
+    if config.max_num_seqs is not None and config.max_num_batched_tokens is not None:
+        return config
+    total_memory = None
+    if device.type == "cuda":
+        total_memory = torch.cuda.get_device_properties(device).total_memory
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    max_num_seqs, max_num_batched_tokens = resolve_batch_limits(
+        config, device.type, total_memory, weight_bytes)
+    logger.info("batch limits for %s: max_num_seqs=%d, max_num_batched_tokens=%d",
+                device, max_num_seqs, max_num_batched_tokens)
+    return dataclasses.replace(config, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens)

@@ -89,9 +89,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("kv_events_endpoint", "publish the prefix cache's block events (stored, removed, "
               "cleared) on a ZeroMQ PUB socket bound here, e.g. tcp://*:5557", metavar="ADDRESS",
               default_text="off"),
-    EngineArg("max_num_seqs", "max requests running at once", metavar="N"),
+    EngineArg("max_num_seqs", "max requests running at once", metavar="N",
+              default_text="64 on the CPU; on CUDA sized by the GPU's memory, e.g. 256"),
     EngineArg("max_num_batched_tokens", "token budget of one step; longer prompts are "
-              "prefilled in chunks", metavar="N"),
+              "prefilled in chunks", metavar="N",
+              default_text="2048 on the CPU; on CUDA sized by the GPU's memory, 4096-16384"),
     EngineArg("max_model_len", "max prompt + output tokens per request", metavar="N",
               default_text="the model's limit, capped by the KV cache"),
     EngineArg("preemption_mode", "when the KV cache is full: recompute a preempted request's "

@@ -251,7 +251,8 @@ def test_scheduler_places_tokens_in_flight_and_caches_blocks_once_known():
     placeholder. The block that placeholder completes is cached only when its token is
     known, with the hash of its real tokens."""
     manager = KVCacheManager(16, 4)
-    scheduler = Scheduler(EngineConfig(block_size=4), manager, max_model_len=100)
+    scheduler = Scheduler(EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64),
+                          manager, max_model_len=100)
     request = Request("r", [5, 6, 7], SamplingParams(max_tokens=8), 8)
     scheduler.add_request(request)
     first = scheduler.schedule()  # the prompt: samples token 3
@@ -275,5 +276,6 @@ def test_async_scheduling_defaults_off_on_the_cpu_and_is_validated(loaded):
     engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32",
                                     kv_cache_memory=1 << 20), loaded)
     assert EngineConfig().async_scheduling is None and engine.async_scheduling is False
+    assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (64, 2048)
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")

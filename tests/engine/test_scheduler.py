@@ -13,6 +13,7 @@ BLOCK = 4
 
 
 def make(num_blocks=64, **options) -> Scheduler:
+    options = {"max_num_seqs": 64, "max_num_batched_tokens": 2048} | options
     config = EngineConfig(block_size=BLOCK, **options)
     return Scheduler(config, KVCacheManager(num_blocks, BLOCK), max_model_len=1000)
 
