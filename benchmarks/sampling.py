@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/sampling.py --out DIR [--batch 256] [--vocab 151936]
                                                [--pivots 8 16 32] [--blocks 512 1024]
+                                               [--candidates 256 0]
 
 One step's sampling at Qwen3's vocabulary from bf16 logits, for three workloads: greedy;
 top_p 0.95 with top_k 40 at temperature 0.8; and the issue's mix (every row top_p 0.95 /
@@ -9,10 +10,11 @@ top_k 40, a quarter with repetition penalty 1.1, half seeded). Each is timed on 
 path (`Sampler(use_triton=False)`, which sorts the vocabulary) and on the fused kernels,
 with the metadata built outside the timed call, as the runner overlaps it. The penalized
 rows carry 512 prompt and 256 output tokens in a `PenaltyState`, and the fused rows'
-penalty update (the scatter of the sampled tokens) is timed with them. --pivots / --blocks
-also time the filtered kernel's launch configurations. Before timing it checks the fused
-greedy tokens against torch.argmax and the filtered kernel's penalized greedy rows against
-the reference penalties. Writes DIR/sampling.json (one object per row: workload, path,
+penalty update (the scatter of the sampled tokens) is timed with them. --pivots / --blocks /
+--candidates also time the filtered kernel's launch configurations (candidates 0: every
+row takes the full pass over its vocabulary, as before the candidate path). Before timing
+it checks the fused greedy tokens against torch.argmax and the filtered kernel's penalized
+greedy rows against the reference penalties. Writes DIR/sampling.json (one object per row: workload, path,
 batch, vocab, us_per_step, device, date) and prints a table.
 """
 
@@ -126,7 +128,8 @@ def time_workload(workload: str, logits: torch.Tensor, vocab: int, configs: list
         for config in configs:
             us = bench_us(lambda: filtered_sample(logits, temperature, greedy, philox, m.min_p,
                                                   m.top_k, m.top_p, m.penalties, config))
-            rows.append((f"filtered block={config.block} pivots={config.pivots}", us))
+            label = "full" if config.candidates >= vocab else f"cand={config.candidates}"
+            rows.append((f"filtered b={config.block} p={config.pivots} {label}", us))
     return [{"workload": workload, "path": path, "us_per_step": round(us, 1)}
             for path, us in rows]
 
@@ -138,6 +141,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--pivots", type=int, nargs="*", default=[16])
     parser.add_argument("--blocks", type=int, nargs="*", default=[512])
+    parser.add_argument("--candidates", type=int, nargs="*", default=[256, 0])
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script "
                         "under TRITON_INTERPRET=1 on tiny shapes; its times mean nothing")
     args = parser.parse_args()
@@ -146,8 +150,9 @@ def main() -> None:
     logits = (torch.randn(args.batch, args.vocab, device=device) * 3).bfloat16()
     check(logits, make_requests("greedy", args.batch, args.vocab,
                                 torch.Generator().manual_seed(1)), args.vocab)
-    configs = [FilteredKernelConfig(block=b, pivots=p) for b in args.blocks
-               for p in args.pivots]
+    full = 1 << (args.vocab - 1).bit_length()  # at least the vocabulary: no candidate path
+    configs = [FilteredKernelConfig(block=b, pivots=p, candidates=c or full)
+               for b in args.blocks for p in args.pivots for c in args.candidates]
     rows = []
     for workload in WORKLOADS:
         rows += time_workload(workload, logits, args.vocab, configs)

@@ -21,10 +21,16 @@ Gumbel-max with the same Philox noise, restricted to the kept tokens, so a row's
 the same token whichever kernel serves it. Greedy rows take the argmax of the penalized
 logits (torch.argmax's order). In a filtered row a NaN logit counts as -inf and +inf as
 the largest float: the filters need a finite maximum.
+
+Those passes cost a row many reads of its whole vocabulary, but a top-k row can only draw
+from its k largest values: such rows run the same kernel over a few hundred candidates
+picked by one partial selection, the kernel loading each candidate's logit, penalties and
+noise by token id (`_sample_candidates` says when a row qualifies).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +39,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from pagedserve.engine.sampler import PenaltyTensors
+from pagedserve.engine.sampler import PenaltyTensors, apply_penalties
 from pagedserve.engine.sampling_kernel import (FLOAT32_MAX, LOG2E, _best_of, _gumbel2,
-                                               _interpreting)
+                                               _interpreting, _token_gumbel2)
 
 _INT32_MIN = tl.constexpr(-(2**31))
 
@@ -46,9 +52,11 @@ class FilteredKernelConfig:
     pivots: int = 16  # candidates counted per pass: each pass narrows the search this much
     num_warps: int = 8
     philox_rounds: int = 10
+    candidates: int = 256  # top-k rows with k below this draw from their top candidates only
 
     def __post_init__(self) -> None:
-        for name, value in (("block", self.block), ("pivots", self.pivots)):
+        for name, value in (("block", self.block), ("pivots", self.pivots),
+                            ("candidates", self.candidates)):
             if value < 4 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 4, got {value}")
 
@@ -93,16 +101,21 @@ def _penalized(x, tokens, in_row, slot, counts_ptr, prompt_ptr, stride_slot, rep
 
 
 @triton.jit
-def _load_tile(row_ptr, tokens, vocab, slot, counts_ptr, prompt_ptr, stride_slot, repetition,
-               presence, frequency, HAS_PENALTIES: tl.constexpr, GPU: tl.constexpr):
-    """Penalized float32 logits of `tokens` (-inf past the vocabulary), and the mask of
-    tokens in the vocabulary."""
-    in_row = tokens < vocab
+def _load_tile(row_ptr, ids_ptr, positions, vocab, slot, counts_ptr, prompt_ptr, stride_slot,
+               repetition, presence, frequency, HAS_PENALTIES: tl.constexpr,
+               GATHERED: tl.constexpr, GPU: tl.constexpr):
+    """Penalized float32 logits of the tokens at `positions` (-inf past the end), the mask
+    of positions before the end, and the token ids: the positions themselves, or with
+    GATHERED the row's candidate ids there (`vocab` is then the candidate count)."""
+    in_row = positions < vocab
+    tokens = positions
+    if GATHERED:
+        tokens = tl.load(ids_ptr + positions, mask=in_row, other=0)
     x = tl.load(row_ptr + tokens, mask=in_row, other=float("-inf")).to(tl.float32)
     if HAS_PENALTIES:
         x = _penalized(x, tokens, in_row, slot, counts_ptr, prompt_ptr, stride_slot,
                        repetition, presence, frequency, GPU)
-    return x, in_row
+    return x, in_row, tokens
 
 
 @triton.jit
@@ -123,10 +136,10 @@ def _key(z):
 
 
 @triton.jit
-def _search(row_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot, repetition, presence,
-            frequency, temperature, z_max, min_p, lo, hi, target,
-            BY_MASS: tl.constexpr, HAS_PENALTIES: tl.constexpr, BLOCK: tl.constexpr,
-            PIVOTS: tl.constexpr, GPU: tl.constexpr):
+def _search(row_ptr, ids_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot, repetition,
+            presence, frequency, temperature, z_max, min_p, lo, hi, target,
+            BY_MASS: tl.constexpr, HAS_PENALTIES: tl.constexpr, GATHERED: tl.constexpr,
+            BLOCK: tl.constexpr, PIVOTS: tl.constexpr, GPU: tl.constexpr):
     """The largest key c in [lo, hi) with W(key >= c) >= target over the tokens min-p
     keeps, W a count, or with BY_MASS the mass exp(z - z_max) and target a fraction of the
     mass at or above lo; lo when even W(>= lo) falls short. Needs W(>= hi) < target (hi
@@ -141,9 +154,9 @@ def _search(row_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot, repetitio
         # summed across the block once per pass, not per tile
         partial = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
         for start in range(0, vocab, BLOCK):
-            x, in_row = _load_tile(row_ptr, start + tl.arange(0, BLOCK), vocab, slot,
-                                   counts_ptr, prompt_ptr, stride_slot, repetition, presence,
-                                   frequency, HAS_PENALTIES, GPU)
+            x, in_row, _ = _load_tile(row_ptr, ids_ptr, start + tl.arange(0, BLOCK), vocab,
+                                      slot, counts_ptr, prompt_ptr, stride_slot, repetition,
+                                      presence, frequency, HAS_PENALTIES, GATHERED, GPU)
             z = _filter_values(x, temperature, GPU)
             weight = tl.exp(z - z_max)
             alive = in_row & (weight >= min_p)
@@ -170,10 +183,12 @@ def _search(row_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot, repetitio
 def _filtered_sample_kernel(
         logits_ptr, stride_row, vocab, temperature_ptr, greedy_ptr, philox_ptr, min_p_ptr,
         top_k_ptr, top_p_ptr, slot_ptr, counts_ptr, prompt_ptr, stride_slot, repetition_ptr,
-        presence_ptr, frequency_ptr, out_ptr, HAS_PENALTIES: tl.constexpr,
-        BLOCK: tl.constexpr, PIVOTS: tl.constexpr, ROUNDS: tl.constexpr, GPU: tl.constexpr):
+        presence_ptr, frequency_ptr, ids_ptr, stride_ids, out_ptr, HAS_PENALTIES: tl.constexpr,
+        GATHERED: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, ROUNDS: tl.constexpr,
+        GPU: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    ids_ptr += row.to(tl.int64) * stride_ids
     noisy = tl.load(greedy_ptr + row) == 0
     temperature = tl.load(temperature_ptr + row)
     min_p = tl.load(min_p_ptr + row)
@@ -193,22 +208,23 @@ def _filtered_sample_kernel(
     if filtered:
         z_min = tl.full([], float("inf"), tl.float32)
         for start in range(0, vocab, BLOCK):
-            x, in_row = _load_tile(row_ptr, start + tl.arange(0, BLOCK), vocab, slot,
-                                   counts_ptr, prompt_ptr, stride_slot, repetition, presence,
-                                   frequency, HAS_PENALTIES, GPU)
+            x, in_row, _ = _load_tile(row_ptr, ids_ptr, start + tl.arange(0, BLOCK), vocab,
+                                      slot, counts_ptr, prompt_ptr, stride_slot, repetition,
+                                      presence, frequency, HAS_PENALTIES, GATHERED, GPU)
             z = _filter_values(x, temperature, GPU)
             z_max = tl.maximum(z_max, tl.max(z))
             z_min = tl.minimum(z_min, tl.min(tl.where(in_row, z, float("inf"))))
         lo = _key(z_min)
         hi = _key(z_max) + 1
         if by_k:
-            lo = _search(row_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot, repetition,
-                         presence, frequency, temperature, z_max, min_p, lo, hi,
-                         top_k.to(tl.float32), False, HAS_PENALTIES, BLOCK, PIVOTS, GPU)
+            lo = _search(row_ptr, ids_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot,
+                         repetition, presence, frequency, temperature, z_max, min_p, lo, hi,
+                         top_k.to(tl.float32), False, HAS_PENALTIES, GATHERED, BLOCK, PIVOTS,
+                         GPU)
         if top_p < 1.0:
-            lo = _search(row_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot, repetition,
-                         presence, frequency, temperature, z_max, min_p, lo, hi, top_p, True,
-                         HAS_PENALTIES, BLOCK, PIVOTS, GPU)
+            lo = _search(row_ptr, ids_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot,
+                         repetition, presence, frequency, temperature, z_max, min_p, lo, hi,
+                         top_p, True, HAS_PENALTIES, GATHERED, BLOCK, PIVOTS, GPU)
         threshold = lo
 
     scale = LOG2E / temperature
@@ -221,13 +237,18 @@ def _filtered_sample_kernel(
     best = tl.full([BLOCK // 4, 4], float("-inf"), tl.float32)
     best_token = tl.full([BLOCK // 4, 4], 2**31 - 1, tl.int32)
     for start in range(0, vocab, BLOCK):
-        tokens = start + groups[:, None] * 4 + tl.arange(0, 4)[None, :]
-        x, in_row = _load_tile(row_ptr, tokens, vocab, slot, counts_ptr, prompt_ptr,
-                               stride_slot, repetition, presence, frequency, HAS_PENALTIES, GPU)
+        positions = start + groups[:, None] * 4 + tl.arange(0, 4)[None, :]
+        x, in_row, tokens = _load_tile(row_ptr, ids_ptr, positions, vocab, slot, counts_ptr,
+                                       prompt_ptr, stride_slot, repetition, presence,
+                                       frequency, HAS_PENALTIES, GATHERED, GPU)
         scores = x
         if noisy:
-            scores = x * scale + _gumbel2(seed, stream_lo, stream_hi,
-                                          (start // 4 + groups).to(tl.uint32), ROUNDS, GPU)
+            if GATHERED:
+                noise = _token_gumbel2(seed, stream_lo, stream_hi, tokens, ROUNDS, GPU)
+            else:
+                noise = _gumbel2(seed, stream_lo, stream_hi, (start // 4 + groups).to(tl.uint32),
+                                 ROUNDS, GPU)
+            scores = x * scale + noise
         if filtered:
             z = _filter_values(x, temperature, GPU)
             kept = (tl.exp(z - z_max) >= min_p) & (_key(z) >= threshold)
@@ -237,7 +258,10 @@ def _filtered_sample_kernel(
         scores = tl.where(scores == float("inf"), FLOAT32_MAX, scores)
         scores = tl.where(scores != scores, float("inf"), scores)
         scores = tl.where(in_row, scores, float("-inf"))
+        # a lane meets its tokens in id order unless GATHERED: ties then go to the lower id
         better = (scores > best) | ((start == 0) & in_row)
+        if GATHERED:
+            better |= (scores == best) & (tokens < best_token) & in_row
         best = tl.where(better, scores, best)
         best_token = tl.where(better, tokens, best_token)
     _, token = _best_of(best, best_token)
@@ -260,11 +284,83 @@ def filtered_sample(logits: Tensor, temperature: Tensor, greedy_mask: Tensor, ph
     temperature (float32 [S]), greedy_mask (bool [S]) and philox (int64 [S, 2]) as in
     `sampling_kernel.fused_sample`; min_p / top_k / top_p per row (None: off for every
     row; top_k 0 is off); penalties: None when no row has any.
+
+    With top_k set and a vocabulary wider than config.candidates, rows first take the
+    candidate path (`_sample_candidates`); rows it cannot serve exactly take the full one.
     """
-    num_rows, vocab = logits.shape
-    device = logits.device
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if top_k is None or logits.shape[1] <= config.candidates or logits.shape[0] == 0:
+        return _sample_rows(logits, temperature, greedy_mask, philox, min_p, top_k, top_p,
+                            penalties, None, config)
+    return _sample_candidates(logits, temperature, greedy_mask, philox, min_p, top_k, top_p,
+                              penalties, config)
+
+
+def _sample_candidates(logits: Tensor, temperature: Tensor, greedy_mask: Tensor,
+                       philox: Tensor, min_p: Tensor | None, top_k: Tensor,
+                       top_p: Tensor | None, penalties: PenaltyTensors | None,
+                       config: FilteredKernelConfig) -> Tensor:
+    """Top-k rows drop every token below their k-th largest value, so one partial selection
+    (torch.topk of config.candidates tokens, penalized first since penalties reorder the
+    row) holds every token such a row can draw, and the kernel runs over those candidates
+    only, recomputing their values and noise from their token ids: the same kept set and
+    the same Gumbel scores, so the same token as the full pass. A row is served so only
+    when the selection provably holds all of its top k, ties at the k-th value included
+    (the last candidate lies strictly below it), its maximum is finite and it is not
+    greedy; the other rows (found with one host sync) take the full pass. The top-p mass
+    is summed in a different order here, so only a row whose cut-off falls within float
+    rounding of a token's value can differ."""
+    values, ids = _candidates(logits, penalties, config.candidates)
+    # z = key / T as the kernel's filters see it: monotone in the key, so the candidate
+    # order is z's order
+    z = values / temperature[:, None]
+    z = torch.where(torch.isnan(z), float("-inf"), z).clamp(max=torch.finfo(torch.float32).max)
+    k = top_k.long()
+    kth = z.gather(1, (k - 1).clamp(0, config.candidates - 1)[:, None]).squeeze(1)
+    served = ((k > 0) & (z[:, -1] < kth) & torch.isfinite(z[:, 0]) & ~greedy_mask
+              & ~torch.isnan(values).any(1))
+    out = _sample_rows(logits, temperature, greedy_mask, philox, min_p, top_k, top_p,
+                       penalties, ids.to(torch.int32), config)
+    rest = (~served).nonzero().squeeze(1)
+    if rest.numel():
+        out[rest] = _sample_rows(
+            logits[rest], temperature[rest], greedy_mask[rest], philox[rest],
+            None if min_p is None else min_p[rest], top_k[rest],
+            None if top_p is None else top_p[rest],
+            None if penalties is None else _penalty_rows(penalties, rest), None, config)
+    return out
+
+
+def _candidates(logits: Tensor, penalties: PenaltyTensors | None, count: int
+                ) -> tuple[Tensor, Tensor]:
+    """The `count` largest (penalized) logits of each row, float32, and their token ids.
+    Only the rows with penalties are penalized (one host sync finds them): the others'
+    order is their raw logits'."""
+    values, ids = torch.topk(logits, count, dim=1)
+    values = values.float()
+    if penalties is not None:
+        rows = (penalties.rows >= 0).nonzero().squeeze(1)
+        if rows.numel():
+            penalized = apply_penalties(logits[rows].float(), _penalty_rows(penalties, rows))
+            values[rows], ids[rows] = torch.topk(penalized, count, dim=1)
+    return values, ids
+
+
+def _penalty_rows(penalties: PenaltyTensors, rows: Tensor) -> PenaltyTensors:
+    p = penalties
+    return dataclasses.replace(p, rows=p.rows[rows], repetition=p.repetition[rows],
+                               presence=p.presence[rows], frequency=p.frequency[rows])
+
+
+def _sample_rows(logits: Tensor, temperature: Tensor, greedy_mask: Tensor, philox: Tensor,
+                 min_p: Tensor | None, top_k: Tensor | None, top_p: Tensor | None,
+                 penalties: PenaltyTensors | None, candidate_ids: Tensor | None,
+                 config: FilteredKernelConfig) -> Tensor:
+    """One kernel launch: over each row's whole vocabulary, or with candidate_ids (int32
+    [S, C]) over those tokens only."""
+    num_rows, vocab = logits.shape
+    device = logits.device
     out = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:
         return out
@@ -282,10 +378,13 @@ def filtered_sample(logits: Tensor, temperature: Tensor, greedy_mask: Tensor, ph
         stride_slot = counts.stride(0)
         if prompt.stride(0) != stride_slot:
             raise ValueError("output_counts and prompt_mask must have the same row stride")
+    ids, stride_ids = min_p, 0  # never read without candidates
+    if candidate_ids is not None:
+        ids, stride_ids, vocab = candidate_ids, candidate_ids.stride(0), candidate_ids.shape[1]
     _filtered_sample_kernel[(num_rows,)](
         logits, logits.stride(0), vocab, temperature, greedy_mask, philox, min_p, top_k, top_p,
-        slot, counts, prompt, stride_slot, repetition, presence, frequency, out,
-        HAS_PENALTIES=penalties is not None, BLOCK=config.block, PIVOTS=config.pivots,
-        ROUNDS=config.philox_rounds, GPU=logits.is_cuda and not _interpreting(),
-        num_warps=config.num_warps)
+        slot, counts, prompt, stride_slot, repetition, presence, frequency, ids, stride_ids,
+        out, HAS_PENALTIES=penalties is not None, GATHERED=candidate_ids is not None,
+        BLOCK=config.block, PIVOTS=config.pivots, ROUNDS=config.philox_rounds,
+        GPU=logits.is_cuda and not _interpreting(), num_warps=config.num_warps)
     return out

@@ -80,6 +80,25 @@ def _gumbel2(seed, stream_lo, stream_hi, groups, ROUNDS: tl.constexpr, FAST: tl.
     lane = tl.arange(0, 4)[None, :]
     bits = tl.where(lane == 0, r0[:, None],
                     tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
+    return _bits_to_gumbel2(bits, FAST)
+
+
+@triton.jit
+def _token_gumbel2(seed, stream_lo, stream_hi, tokens, ROUNDS: tl.constexpr,
+                   FAST: tl.constexpr):
+    """`_gumbel2`'s noise for arbitrary token ids (any shape): one Philox call per token,
+    for rows whose candidates are scattered over the vocabulary."""
+    groups = (tokens // 4).to(tl.uint32)
+    zero = groups * 0
+    r0, r1, r2, r3 = tl.philox(seed, groups, zero + stream_lo, zero + stream_hi, zero, ROUNDS)
+    lane = tokens % 4
+    bits = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    return _bits_to_gumbel2(bits, FAST)
+
+
+@triton.jit
+def _bits_to_gumbel2(bits, FAST: tl.constexpr):
+    """Base-2 Gumbel noise from one 32-bit Philox output (see `_gumbel2`)."""
     v = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     series = v * (1.0 + v * (0.5 + v * (1.0 / 3.0))) * LOG2E
     exponential2 = tl.where(v < 1.0 / 128.0, series, -_log2(1.0 - v, FAST))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.engine.filtered_sampling_kernel import FilteredKernelConfig, filtered_sample
 from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
@@ -87,6 +88,25 @@ def test_filtered_draws_stay_in_the_reference_support_at_full_vocabulary():
     assert torch.equal(again, tokens)  # seeded rows repeat
     alone = Sampler()(logits[5:6], metadata(requests[5:6], VOCAB, fused=True))
     assert int(alone.sampled_token_ids[0]) == int(tokens[5])  # ... in any batch
+
+
+@torch.inference_mode()
+def test_top_k_candidate_path_draws_the_full_pass_tokens():
+    """The candidate path (top-k rows drawn from their 256 largest values) against the full
+    pass over 151936 tokens, draw for draw, with penalties, top-p and min-p mixed in."""
+    torch.manual_seed(1)
+    logits = (torch.randn(256, VOCAB, device=CUDA) * 3).bfloat16()
+    params = [SamplingParams(temperature=0.8 + (i % 3) * 0.4, top_k=[40, 1, 200, 0][i % 4],
+                             top_p=0.95 if i % 3 else 1.0, min_p=0.02 if i % 5 == 0 else 0.0,
+                             repetition_penalty=1.1 if i % 4 == 0 else 1.0, seed=i)
+              for i in range(256)]
+    requests = requests_for(params, VOCAB)
+    m = metadata(requests, VOCAB, fused=True)
+    args = (logits, m.temperature, m.greedy_mask, m.philox, m.min_p, m.top_k, m.top_p,
+            m.penalties)
+    fast = filtered_sample(*args)
+    full = filtered_sample(*args, config=FilteredKernelConfig(candidates=1 << 18))
+    assert torch.equal(fast, full)
 
 
 @pytest.mark.parametrize("options", [

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.engine import filtered_sampling_kernel
 from pagedserve.engine.filtered_sampling_kernel import FilteredKernelConfig, filtered_sample
 from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.request import Request
@@ -185,3 +186,75 @@ def test_reference_draws_over_the_kept_tokens_follow_the_filtered_softmax(params
     live = probs > 0
     assert 1 < live.sum() < 8
     assert chi_square(counts[live], probs[live]) < 35.0  # <= 6 dof: the 1e-5 tail is 33
+
+
+def test_top_k_rows_drawn_from_candidates_equal_the_full_pass(monkeypatch):
+    """With 8 candidates per row, top-k rows whose top k (ties included) fit are drawn from
+    their candidates alone and the rest take the full pass: every token must still be the
+    reference draw. Rows: served (top-k ties, with top-p, with min-p, random values), then
+    fallbacks (ties at the k-th value overflowing 8, k above 8, no top-k, greedy)."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 1, (9, VOCAB), generator=gen).float()
+    for row in range(3):  # three tokens tie at 2 and two at 1, above the rest
+        heads = torch.randperm(VOCAB, generator=gen)[:5]
+        logits[row, heads] = torch.tensor([2.0, 2.0, 2.0, 1.0, 1.0])
+    logits[3] = torch.randn(VOCAB, generator=gen) * 2
+    logits[4] = 0.0  # 40 tokens tie for every rank
+    top_k = torch.tensor([3, 2, 4, 7, 2, 12, 0, 0, 5])
+    top_p = torch.tensor([1.0, 0.6, 1.0, 0.9, 1.0, 1.0, 0.7, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.3, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0])
+    temperature = torch.tensor([3.0, 2.0, 2.5, 1.3, 1.0, 3.0, 2.0, 1.0, 1.0])
+    greedy = torch.tensor([False] * 7 + [True, False])
+    logits[8, :] = -INF  # a row with no finite value
+    logits[8, 0] = float("nan")
+    philox = torch.tensor([(seed + i, i * 5) for i in range(9)], dtype=torch.int64)
+    launches = []
+    sample_rows = filtered_sampling_kernel._sample_rows
+
+    def spy(logits, *args):
+        launches.append((len(logits), args[-2] is not None))
+        return sample_rows(logits, *args)
+
+    monkeypatch.setattr(filtered_sampling_kernel, "_sample_rows", spy)
+    config = FilteredKernelConfig(block=16, pivots=64, candidates=8)
+    got = filtered_sample(logits, temperature, greedy, philox, min_p, top_k, top_p,
+                          config=config)
+    assert launches == [(9, True), (5, False)]  # rows 4 to 8 fall back
+    reference = logits.clone()
+    reference[8, 0] = -INF  # the reference's filters need a NaN-free row
+    expected = expected_tokens(reference, temperature, greedy, philox, min_p, top_k, top_p)
+    full = filtered_sample(logits, temperature, greedy, philox, min_p, top_k, top_p,
+                           config=CONFIG)
+    assert got.tolist()[:8] == expected[:8], f"seed {seed}"
+    assert torch.equal(got, full), f"seed {seed}"
+
+
+def test_candidate_rows_with_penalties_equal_the_reference():
+    """Penalties reorder a row, so the candidates are chosen on the penalized logits: a
+    repetition penalty pushes the largest logit out of the top 2."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(3, VOCAB, generator=gen) * 2).bfloat16()
+    top = logits.float().argmax(-1).tolist()
+    requests = [
+        make_request(0, prompt=[top[0]], temperature=2.0, seed=1, repetition_penalty=8.0,
+                     top_k=2),
+        make_request(1, prompt=[4], output=[top[1], 9], temperature=1.5, seed=2,
+                     frequency_penalty=1.5, presence_penalty=0.5, top_k=4, top_p=0.8),
+        make_request(2, prompt=[5], temperature=3.0, seed=3, top_k=3),  # no penalties
+    ]
+    state = PenaltyState(VOCAB, torch.device("cpu"))
+    for r in requests[:2]:
+        state.add(r.request_id, r.prompt_token_ids, r.output_token_ids)
+    meta = SamplingMetadata.from_requests(requests, VOCAB, torch.device("cpu"), fused=True,
+                                          penalty_state=state,
+                                          penalty_slots=state.slots([r.request_id
+                                                                     for r in requests]))
+    got = filtered_sample(logits, meta.temperature, meta.greedy_mask, meta.philox, None,
+                          meta.top_k, meta.top_p, meta.penalties,
+                          config=FilteredKernelConfig(block=16, pivots=64, candidates=8))
+    penalized = apply_penalties(logits.float(), meta.penalties)
+    expected = expected_tokens(penalized, meta.temperature, meta.greedy_mask, meta.philox,
+                               torch.zeros(3), meta.top_k, meta.top_p)
+    assert got.tolist() == expected, f"seed {seed}"
