@@ -61,15 +61,23 @@ def default_model_tokenizer():
 
 
 def make_checkpoint(config_path: Path, out: Path, dtype: torch.dtype | None, seed: int,
-                    tokenizer: str) -> None:
+                    tokenizer: str, lm_head_scale: float | None = None) -> None:
+    """`lm_head_scale`: untie the LM head and multiply it, so that random weights give sharp
+    next-token distributions and greedy agreement with a reference means something (flat
+    logits let bf16 rounding swap near-ties)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = json.loads(config_path.read_text())
     model_type = raw.pop("model_type")
+    if lm_head_scale is not None:
+        raw["tie_word_embeddings"] = False
     config = AutoConfig.for_model(model_type, **raw)
     dtype = dtype or getattr(torch, raw.get("torch_dtype") or "float32")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if lm_head_scale is not None:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(lm_head_scale)
     model.save_pretrained(out)
     tok = (default_model_tokenizer() if tokenizer == "auto" else None) or byte_level_tokenizer()
     tok.save_pretrained(out)
@@ -87,9 +95,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", choices=["auto", "bytes"], default="auto",
                         help="auto: the default model's if installed, else byte-level")
+    parser.add_argument("--lm-head-scale", type=float,
+                        help="untie the LM head and scale it (e.g. 25: sharp distributions)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    make_checkpoint(args.config, args.out, dtype, args.seed, args.tokenizer)
+    make_checkpoint(args.config, args.out, dtype, args.seed, args.tokenizer, args.lm_head_scale)
 
 
 if __name__ == "__main__":
