@@ -5,8 +5,14 @@ We read and dequantize with the `gguf` package (the same calls transformers' GGU
 our weights are bit-identical to what `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`
 builds, and logits can be compared with it exactly.
 
-llama.cpp's converter permutes the rows of Q and K of llama-arch models (it stores RoPE pairs
-interleaved, HF stores them as two halves); we undo that. Qwen2/Qwen3 files are not permuted.
+Architectures: llama (Llama, Mistral, and Mixtral when it has experts), qwen2, qwen3, qwen3moe,
+phi3 and gemma2/gemma3. We undo what llama.cpp's converter does to a checkpoint: it permutes the
+rows of Q and K of llama-arch models (it stores RoPE pairs interleaved, HF stores them as two
+halves), stores Gemma's norm weights as 1 + w, stacks each layer's experts into one tensor per
+projection, and keeps Phi-3's longrope factors as tensors. What the metadata leaves out we take
+as llama.cpp's runtime does (see `read_config`). A sliding window comes from
+`<arch>.attention.sliding_window`: llama.cpp's converter writes none for Mistral, so a Mistral
+file without the key is served with full attention, as llama.cpp serves it.
 
 Reading a GGUF is slow in Python (the reader parses every one of the ~50k vocabulary entries
 into numpy objects, then we dequantize every tensor), so the result of a first load is cached
@@ -36,17 +42,32 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedserve.cache import cache_root
-from pagedserve.model.config import ModelConfig
+from pagedserve.model.config import GEMMA_FAMILIES, ModelConfig, rope_context_len
 from pagedserve.model.gguf_blocks import GGUF_TYPES, from_gguf
 from pagedserve.native.quant import QuantizedWeight
 from pagedserve.progress import notice, progress
 
 logger = logging.getLogger(__name__)
 
-# Bump when what an entry holds changes meaning (names, layout, dequantization), to miss old ones.
-CACHE_VERSION = 1
+# Bump when what an entry holds changes meaning (names, layout, dequantization, config fields),
+# to miss old ones.
+CACHE_VERSION = 2
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# `general.architecture` -> our family. A llama file with experts is Mixtral (see `read_config`).
+GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                 "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
+SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
+# Families whose Q/K rows llama.cpp's converter interleaves (its non-NeoX RoPE).
+_PERMUTED_FAMILIES = ("llama", "mixtral")
+# Architectures whose `attention.sliding_window` llama.cpp applies; the Qwen configs state a
+# window they do not use, so it is ignored there as llama.cpp ignores it.
+_WINDOWED = ("llama", "phi3", "gemma2", "gemma3")
+# Gemma's layer pattern when the file does not state one: every n-th layer is global.
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# llama.cpp scales Gemma's scores by (hidden / heads) ** -0.5, not head_dim ** -0.5, in the
+# 27B models (their query_pre_attn_scalar), which it tells apart by their layer count.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's local base when `rope.freq_base_swa` is absent
 
 # GGUF per-layer tensor name -> HF name inside `model.layers.N.`
 _LAYER_TENSORS = {
@@ -55,29 +76,60 @@ _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router
 }
+# What differs from _LAYER_TENSORS per family: Phi-3 stores gate and up as one `ffn_up`;
+# Gemma's `ffn_norm` is the MLP's input norm, with a norm after each sublayer besides.
+_GEMMA_TENSORS = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_FAMILY_TENSORS = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_TENSORS,
+    "gemma3": _GEMMA_TENSORS,
+}
+# Stacked experts [E, rows, cols] -> each expert's HF projection
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                   "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# Tensors that hold configuration (Phi-3's longrope factors), read by `read_config`.
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def hf_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def hf_name(gguf_name: str, family: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (the family's HF name)."""
     base, suffix = gguf_name.rsplit(".", 1)
     parts = base.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    if parts[0] == "blk" and len(parts) == 3:
+        tensors = {**_LAYER_TENSORS, **_FAMILY_TENSORS.get(family, {})}
+        if parts[2] in tensors:
+            return f"model.layers.{parts[1]}.{tensors[parts[2]]}.{suffix}"
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def _expert_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """The HF names of each expert's slice of a stacked expert tensor, or None (not one)."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _EXPERT_TENSORS:
+        return None
+    proj = _EXPERT_TENSORS[parts[2]]
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{parts[3]}"
+            for e in range(num_experts)]
 
 
 def _field(reader: GGUFReader, key: str, default=None):
@@ -85,49 +137,184 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def _tensor_values(reader: GGUFReader, name: str) -> list[float]:
+    tensor = next(t for t in reader.tensors if t.name == name)
+    return [float(x) for x in dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
+
+
 def read_config(reader: GGUFReader, path: str | Path) -> ModelConfig:
-    """Map `general.architecture` and `<arch>.*` metadata to a ModelConfig."""
+    """Map `general.architecture` and `<arch>.*` metadata to a ModelConfig.
+
+    What llama.cpp's converter leaves out of the metadata, we take the way llama.cpp's runtime
+    does (Gemma's layer pattern, local RoPE base and score scale; Qwen3-MoE's renormalised
+    routing); what we cannot run is refused by name.
+    """
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+    if arch not in GGUF_FAMILIES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r} in {path}; "
             f"supported: {list(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{path}: RoPE frequency factors (rope_freqs) are not supported")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"{path}: unsupported rope scaling type {scaling!r}")
 
     def key(name: str, default=None):
         return _field(reader, f"{arch}.{name}", default)
 
+    _refuse_unsupported(key, names, path)
     hidden = key("embedding_length")
     heads = key("attention.head_count")
+    layers = key("block_count")
+    head_dim = key("attention.key_length") or hidden // heads
+    rope_dims = key("rope.dimension_count") or head_dim
+    if rope_dims != head_dim:
+        raise ValueError(f"{path}: RoPE over {rope_dims} of {head_dim} head dimensions "
+                         "(partial rotary) is not supported")
+    family = "mixtral" if arch == "llama" and key("expert_count") else GGUF_FAMILIES[arch]
+    gemma = family in GEMMA_FAMILIES
+    max_positions = key("context_length")
+    rope_scaling = _rope_scaling(reader, key, names, path)
+    window, layer_types = _sliding_window(key, arch, layers, path)
+    sliding = window is not None and "sliding_attention" in (layer_types or ["sliding_attention"])
     vocab = key("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        family=arch,
+        family=family,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
-        num_layers=key("block_count"),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=key("attention.head_count_kv", heads),
-        head_dim=key("attention.key_length") or key("rope.dimension_count") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_model_len=key("context_length"),
+        rope_scaling=rope_scaling,
+        max_model_len=rope_context_len(rope_scaling, max_positions),
+        max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
+        qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [eos],
         dtype=torch.float32,
+        sliding_window=window,
+        layer_types=layer_types,
+        local_rope_theta=(float(key("rope.freq_base_swa", GEMMA_LOCAL_ROPE_THETA))
+                          if arch == "gemma3" and sliding else None),
+        attn_scale=_attention_scale(key, arch, hidden // heads, layers),
+        attn_softcap=key("attn_logit_softcapping") if gemma else None,
+        final_softcap=key("final_logit_softcapping") if gemma else None,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        norm_unit_offset=gemma,
+        sandwich_norms=gemma,
+        scale_embeddings=gemma,
+        fused_checkpoint="blk.0.attn_qkv.weight" in names,
+        **_moe_fields(key, family, names, path),
     )
+
+
+def _refuse_unsupported(key: Callable, names: set[str], path: str | Path) -> None:
+    """Options a GGUF can state that change the math in ways this decoder does not implement."""
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: RoPE frequency factors (rope_freqs, Llama 3.1-style scaling "
+                         "stored as a tensor) are not supported")
+    neutral = {"logit_scale": 1.0, "embedding_scale": 1.0, "residual_scale": 1.0,
+               "expert_shared_count": 0, "expert_weights_scale": 1.0,
+               "expert_gating_func": 1}  # 1: softmax
+    for name, value in neutral.items():
+        if key(name, value) != value:
+            raise ValueError(f"{path}: {name} = {key(name)} is not supported")
+    if key("attention.value_length", key("attention.key_length")) != key("attention.key_length"):
+        raise ValueError(f"{path}: attention.value_length != attention.key_length "
+                         "is not supported")
+
+
+def _rope_scaling(reader: GGUFReader, key: Callable, names: set[str],
+                  path: str | Path) -> dict | None:
+    """`rope.scaling.*` (and Phi-3's factor tensors) -> our rope_scaling dict."""
+    kind = key("rope.scaling.type", "longrope" if _CONFIG_TENSORS[0] in names else "none")
+    if kind == "none" and key("rope.scale_linear", 1.0) != 1.0:  # the key's older spelling
+        return {"rope_type": "linear", "factor": float(key("rope.scale_linear"))}
+    if kind == "none":
+        return None
+    original = key("rope.scaling.original_context_length")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    if kind == "yarn":
+        for name, value in (("yarn_ext_factor", 1.0), ("yarn_attn_factor", 1.0),
+                            ("yarn_log_multiplier", 0.0)):
+            if key(f"rope.scaling.{name}", value) != value:
+                raise ValueError(f"{path}: rope.scaling.{name} = "
+                                 f"{key(f'rope.scaling.{name}')} is not supported")
+        return {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+                "original_max_position_embeddings": original,
+                "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0))}
+    if kind == "longrope" and set(_CONFIG_TENSORS) <= names and original:
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": original,
+                   "long_factor": _tensor_values(reader, _CONFIG_TENSORS[0]),
+                   "short_factor": _tensor_values(reader, _CONFIG_TENSORS[1])}
+        if key("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
+        return scaling
+    if kind == "longrope":
+        raise ValueError(f"{path}: longrope scaling without its factor tensors "
+                         f"{list(_CONFIG_TENSORS)} and rope.scaling.original_context_length")
+    raise ValueError(f"{path}: unsupported rope scaling type {kind!r}; "
+                     "supported: none, linear, yarn, longrope")
+
+
+def _sliding_window(key: Callable, arch: str, layers: int,
+                    path: str | Path) -> tuple[int | None, list[str] | None]:
+    """(window, per-layer types or None when every layer is alike).
+
+    `attention.sliding_window_pattern` is a list (true: sliding) or n (every n-th layer
+    global); Gemma files leave it out and mean 2 (Gemma 2) or 6 (Gemma 3). A window of 0 is
+    none (Phi-4 is written as Phi-3 that way); Gemma 3 without a window is global throughout.
+    """
+    window = (key("attention.sliding_window") or None) if arch in _WINDOWED else None
+    if window is None:
+        if arch == "gemma2":
+            raise ValueError(f"{path}: a Gemma 2 model needs gemma2.attention.sliding_window "
+                             "(its local layers' window), which this file lacks")
+        return None, None
+    pattern = key("attention.sliding_window_pattern", _GEMMA_PATTERN.get(arch))
+    if pattern is None:
+        return window, None
+    if isinstance(pattern, int):
+        pattern = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    if len(pattern) != layers:
+        raise ValueError(f"{path}: attention.sliding_window_pattern has {len(pattern)} entries "
+                         f"for {layers} layers")
+    return window, ["sliding_attention" if s else "full_attention" for s in pattern]
+
+
+def _attention_scale(key: Callable, arch: str, head_size: int, layers: int) -> float | None:
+    """The scores' scale when not head_dim ** -0.5: `attention.scale`, else llama.cpp's rule
+    for the Gemma 27B models (query_pre_attn_scalar = hidden / heads)."""
+    if key("attention.scale") is not None:
+        return float(key("attention.scale"))
+    if _GEMMA_27B_LAYERS.get(arch) == layers:
+        return head_size**-0.5
+    return None
+
+
+def _moe_fields(key: Callable, family: str, names: set[str], path: str | Path) -> dict:
+    """The experts' shape and routing. Without `expert_weights_norm` the top-k weights are
+    renormalised, as llama.cpp does for both Mixtral and Qwen3-MoE."""
+    experts = key("expert_count") or 0
+    if not experts:
+        return {}
+    dense = sorted(n for n in names if n.endswith((".ffn_up.weight", ".ffn_gate.weight")))
+    if dense:
+        raise ValueError(f"{path}: dense layers among the MoE layers ({dense[0]}, ...) "
+                         "are not supported")
+    return dict(num_experts=experts, num_experts_per_tok=key("expert_used_count"),
+                moe_intermediate_size=key("expert_feed_forward_length")
+                or key("feed_forward_length"),
+                norm_topk_prob=bool(key("expert_weights_norm", True)))
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -138,7 +325,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _unpermute_rows(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
     """The row order that undoes the Q/K permutation of `name`, or None (no permutation)."""
-    if config.family != "llama":
+    if config.family not in _PERMUTED_FAMILIES:
         return None
     if ".attn_q." in name:
         return _unpermute(np.arange(rows), config.num_heads)
@@ -148,15 +335,29 @@ def _unpermute_rows(name: str, rows: int, config: ModelConfig) -> np.ndarray | N
 
 
 def iter_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) one at a time, so only one dequantized tensor is alive."""
+    """Yield (HF name, float32 tensor) one at a time, so only one dequantized tensor is alive.
+
+    Undone here: the Q/K permutation, Gemma's norms stored as 1 + w (llama.cpp's converter
+    adds the 1 that Gemma's RMSNorm adds at run time), and stacked experts (one per expert)."""
+    gemma = config.family in GEMMA_FAMILIES
     for tensor in reader.tensors:
+        if tensor.name in _CONFIG_TENSORS:
+            continue
         w = dequantize(tensor.data, tensor.tensor_type)
         order = _unpermute_rows(tensor.name, w.shape[0], config)
         if order is not None:
             w = w[order]
+        if gemma and tensor.name.endswith("norm.weight"):
+            w = w - np.float32(1)
         if not w.flags.writeable:  # unquantized tensors come back as views of the mmap
             w = w.copy()
-        yield hf_name(tensor.name), torch.from_numpy(np.ascontiguousarray(w))
+        w = torch.from_numpy(np.ascontiguousarray(w))
+        experts = _expert_names(tensor.name, config.num_experts)
+        if experts is None:
+            yield hf_name(tensor.name, config.family), w
+        else:
+            # copies: the cache cannot save views of one storage
+            yield from ((name, e.clone()) for name, e in zip(experts, w, strict=True))
 
 
 def open_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
@@ -184,7 +385,8 @@ def iter_quantized(reader: GGUFReader,
             continue
         weight = from_gguf(tensor.data, tensor.tensor_type)
         order = _unpermute_rows(tensor.name, weight.shape[0], config)
-        yield hf_name(tensor.name), weight if order is None else weight.rows(torch.from_numpy(order))
+        yield (hf_name(tensor.name, config.family),
+               weight if order is None else weight.rows(torch.from_numpy(order)))
 
 
 def open_quantized(path: str | Path,
