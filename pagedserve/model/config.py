@@ -50,7 +50,9 @@ class ModelConfig:
     rope_theta: float
     max_model_len: int
     tie_word_embeddings: bool
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": one of SUPPORTED_ROPE_TYPES, ...}
+    # {"rope_type": one of SUPPORTED_ROPE_TYPES, ...}; "freq_factors" (from a GGUF's
+    # rope_freqs) divide the frequencies of the default, linear or yarn types
+    rope_scaling: dict[str, Any] | None = None
     qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 when attention_bias
     o_bias: bool = False  # Llama/Qwen3 when attention_bias (Qwen2 never)
     mlp_bias: bool = False

@@ -105,8 +105,9 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors that hold configuration (Phi-3's longrope factors), read by `read_config`.
-_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# Tensors that hold configuration (rope factors of Phi-3, Llama 3.1), read by `read_config`.
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_CONFIG_TENSORS = (*_LONGROPE_TENSORS, "rope_freqs.weight")
 
 
 def hf_name(gguf_name: str, family: str) -> str:
@@ -172,7 +173,7 @@ def read_config(reader: GGUFReader, path: str | Path) -> ModelConfig:
     family = "mixtral" if arch == "llama" and key("expert_count") else GGUF_FAMILIES[arch]
     gemma = family in GEMMA_FAMILIES
     max_positions = key("context_length")
-    rope_scaling = _rope_scaling(reader, key, names, path)
+    rope_scaling = _rope_scaling(reader, key, names, head_dim, path)
     window, layer_types = _sliding_window(key, arch, layers, path)
     sliding = window is not None and "sliding_attention" in (layer_types or ["sliding_attention"])
     vocab = key("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
@@ -217,9 +218,6 @@ def read_config(reader: GGUFReader, path: str | Path) -> ModelConfig:
 
 def _refuse_unsupported(key: Callable, names: set[str], path: str | Path) -> None:
     """Options a GGUF can state that change the math in ways this decoder does not implement."""
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{path}: RoPE frequency factors (rope_freqs, Llama 3.1-style scaling "
-                         "stored as a tensor) are not supported")
     neutral = {"logit_scale": 1.0, "embedding_scale": 1.0, "residual_scale": 1.0,
                "expert_shared_count": 0, "expert_weights_scale": 1.0,
                "expert_gating_func": 1}  # 1: softmax
@@ -231,10 +229,24 @@ def _refuse_unsupported(key: Callable, names: set[str], path: str | Path) -> Non
                          "is not supported")
 
 
-def _rope_scaling(reader: GGUFReader, key: Callable, names: set[str],
+def _rope_scaling(reader: GGUFReader, key: Callable, names: set[str], head_dim: int,
+                  path: str | Path) -> dict | None:
+    """`rope.scaling.*` and the factor tensors -> our rope_scaling dict. Llama 3.1's scaling
+    comes as `rope_freqs`, a divisor per frequency, on top of the stated type."""
+    scaling = _scaling_type(reader, key, names, path)
+    if "rope_freqs.weight" not in names:
+        return scaling
+    factors = _tensor_values(reader, "rope_freqs.weight")
+    if len(factors) != head_dim // 2 or (scaling or {}).get("rope_type") == "longrope":
+        raise ValueError(f"{path}: rope_freqs with {len(factors)} factors for head_dim "
+                         f"{head_dim} and scaling {scaling} is not supported")
+    return {**(scaling or {"rope_type": "default"}), "freq_factors": factors}
+
+
+def _scaling_type(reader: GGUFReader, key: Callable, names: set[str],
                   path: str | Path) -> dict | None:
     """`rope.scaling.*` (and Phi-3's factor tensors) -> our rope_scaling dict."""
-    kind = key("rope.scaling.type", "longrope" if _CONFIG_TENSORS[0] in names else "none")
+    kind = key("rope.scaling.type", "longrope" if _LONGROPE_TENSORS[0] in names else "none")
     if kind == "none" and key("rope.scale_linear", 1.0) != 1.0:  # the key's older spelling
         return {"rope_type": "linear", "factor": float(key("rope.scale_linear"))}
     if kind == "none":
@@ -252,16 +264,16 @@ def _rope_scaling(reader: GGUFReader, key: Callable, names: set[str],
                 "original_max_position_embeddings": original,
                 "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
                 "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0))}
-    if kind == "longrope" and set(_CONFIG_TENSORS) <= names and original:
+    if kind == "longrope" and set(_LONGROPE_TENSORS) <= names and original:
         scaling = {"rope_type": "longrope", "original_max_position_embeddings": original,
-                   "long_factor": _tensor_values(reader, _CONFIG_TENSORS[0]),
-                   "short_factor": _tensor_values(reader, _CONFIG_TENSORS[1])}
+                   "long_factor": _tensor_values(reader, _LONGROPE_TENSORS[0]),
+                   "short_factor": _tensor_values(reader, _LONGROPE_TENSORS[1])}
         if key("rope.scaling.attn_factor") is not None:
             scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
         return scaling
     if kind == "longrope":
         raise ValueError(f"{path}: longrope scaling without its factor tensors "
-                         f"{list(_CONFIG_TENSORS)} and rope.scaling.original_context_length")
+                         f"{list(_LONGROPE_TENSORS)} and rope.scaling.original_context_length")
     raise ValueError(f"{path}: unsupported rope scaling type {kind!r}; "
                      "supported: none, linear, yarn, longrope")
 

@@ -1,7 +1,8 @@
 """Rotary position embeddings: inverse frequencies for each scaling type, and the cos/sin tables.
 
 A scaling type changes only the angle table angle[p, i] = p * inv_freq[i] (and, for yarn and
-longrope, multiplies cos and sin by an attention factor). Most types give one inv_freq for all
+longrope, multiplies cos and sin by an attention factor). `freq_factors` divide inv_freq per
+dimension pair: the form a GGUF gives Llama 3.1's scaling in (its `rope_freqs` tensor). Most types give one inv_freq for all
 positions. Two do not, and transformers recomputes them from the batch's longest sequence:
 `dynamic` (NTK) grows the base once a sequence passes max_position_embeddings, `longrope`
 switches from the short to the long factors once it passes original_max_position_embeddings.
@@ -120,6 +121,8 @@ def rope_angles(theta: float, dim: int, scaling: dict[str, Any] | None, max_posi
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3(inv_freq, scaling)
+    if (scaling or {}).get("freq_factors") is not None:
+        inv_freq = inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     return pos[:, None] * inv_freq[None, :], attention
 
 

@@ -5,7 +5,7 @@ What the converter does to a checkpoint, and this writer does too: llama-arch mo
 Mistral, Mixtral) get the rows of Q and K interleaved per head; Gemma's norm weights are stored
 as 1 + w; each layer's experts are stacked into one [E, rows, cols] tensor per projection;
 Phi-3 keeps qkv and gate/up fused and its longrope factors as two tensors with the attention
-factor in the metadata. Tensor names come from the gguf package's own HF -> GGUF map
+factor in the metadata; Llama 3.1's scaling becomes `rope_freqs`, a divisor per frequency. Tensor names come from the gguf package's own HF -> GGUF map
 (`gguf.get_tensor_name_map`), not from our loader's table, so an error in either shows.
 
 Metadata the converter does not write but a GGUF can carry is written only where the
@@ -110,7 +110,7 @@ def write_rope(writer: GGUFWriter, config) -> None:
         writer.add_rope_scaling_orig_ctx_len(original)
         writer.add_rope_scaling_attn_factors(
             math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
-    elif kind != "default":
+    elif kind not in ("default", "llama3"):  # llama3: a tensor (`gguf_tensors`)
         raise ValueError(f"a GGUF cannot carry rope scaling {kind!r}")
 
 
@@ -173,4 +173,24 @@ def gguf_tensors(tensors: dict[str, torch.Tensor], config,
     if rope.get("rope_type") == "longrope":
         out.append(("rope_factors_long.weight", torch.tensor(rope["long_factor"])))
         out.append(("rope_factors_short.weight", torch.tensor(rope["short_factor"])))
+    if rope.get("rope_type") == "llama3":
+        out.append(("rope_freqs.weight", llama3_freq_factors(rope, config.head_dim)))
     return out
+
+
+def llama3_freq_factors(rope: dict, dim: int) -> torch.Tensor:
+    """Llama 3.1's scaling as a divisor per frequency: 1 for wavelengths shorter than
+    original / high_freq_factor, `factor` past original / low_freq_factor, blended between."""
+    freqs = 1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    factors = []
+    for wavelen in (2 * math.pi / freqs).tolist():
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)

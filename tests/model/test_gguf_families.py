@@ -1,7 +1,8 @@
-"""Mistral, Mixtral, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3 and the rope scalings from GGUF files:
-each tiny checkpoint of test_families.py is converted the way llama.cpp converts it
-(`gguf_files.write_gguf`, float32 tensors), loaded from the GGUF, and must give the HF folder's
-config and weights and transformers' logits and greedy tokens through the paged cache.
+"""Mistral, Mixtral, Qwen3-MoE, Phi-3, Gemma 2, Gemma 3 and the rope scalings (Llama 3.1's as a
+`rope_freqs` tensor) from GGUF files: each tiny checkpoint of test_families.py (and test_decoder's
+Llama 3.1 one) is converted the way llama.cpp converts it (`gguf_files.write_gguf`, float32
+tensors), loaded from the GGUF, and must give the HF folder's config, weights and RoPE tables,
+and transformers' logits and greedy tokens through the paged cache.
 
 Windows are narrower than the sequences (Mistral's 5 tokens against 13), so the window read
 from the GGUF metadata is what makes the logits agree. The writer itself is checked against a
@@ -16,13 +17,15 @@ import torch
 
 from pagedserve.model import load_model
 from tests.model.gguf_files import write_gguf
+from tests.model.test_decoder import CASES as DENSE_CASES
 from tests.model.test_decoder import make_checkpoint
 from tests.model.test_families import CASES, GENERATE_ONLY, check_greedy_generation, \
     check_paged_logits
 
 GGUF_CASES = ["mistral-window5", "mixtral-top2-of-4-window", "qwen3moe-top3-of-8-unnormalised",
               "phi3-fused", "phi3-window", "phi3-longrope-short", "gemma2",
-              "gemma3-local-base-global-linear", "llama-linear", "llama-yarn"]
+              "gemma3-local-base-global-linear", "llama-linear", "llama-yarn",
+              "llama3-rope-tied-mha"]
 # Config fields a GGUF must reproduce exactly (the rest: float32-rounded or named differently).
 SAME_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "rope_theta", "max_model_len",
@@ -44,7 +47,7 @@ def _no_gguf_cache(monkeypatch):
 
 
 def converted(case: str, folder):
-    hf = make_checkpoint({**CASES, **GENERATE_ONLY}[case](), folder)
+    hf = make_checkpoint({**DENSE_CASES, **CASES, **GENERATE_ONLY}[case](), folder)
     return hf, write_gguf(folder, folder / "model.gguf")
 
 
@@ -56,8 +59,11 @@ def assert_same_model(ours, reference) -> None:
     assert config.scale == pytest.approx(ref_config.scale)
     assert [config.layer_window(i) for i in range(config.num_layers)] == \
         [ref_config.layer_window(i) for i in range(ref_config.num_layers)]
-    assert (config.rope_scaling or {}).get("rope_type") == \
-        (ref_config.rope_scaling or {}).get("rope_type")
+    for layer_type, rotary in model.rotary.items():  # Llama 3.1's scaling: another form
+        for table, ref_table in zip(rotary.tables(torch.device("cpu"), torch.float32),
+                                    ref_model.rotary[layer_type].tables(torch.device("cpu"),
+                                                                        torch.float32)):
+            torch.testing.assert_close(table, ref_table, atol=1e-6, rtol=0)
     params, ref_params = dict(model.named_parameters()), dict(ref_model.named_parameters())
     assert params.keys() == ref_params.keys()
     for name, p in params.items():  # Gemma's norms went through 1 + w and back
