@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagedserve.attention.kv_quant import FP8_DTYPE
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -31,12 +32,14 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> Tensor:
+                softcap: float | None = None,
+                kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v at meta.slot_mapping.
 
         window: the layer's sliding window, None for global attention: a query at position
         p sees keys p - window < k <= p. softcap: scores s become softcap * tanh(s / softcap)
-        (after the scale, before the softmax), None for none.
+        (after the scale, before the softmax), None for none. kv_scales: an FP8 cache's
+        (K, V) scales [Hkv] (`kv_quant`), None for a cache in the model's dtype.
         """
 
     def copy_blocks(self, kv_caches: list[tuple[Tensor, Tensor]], src_dst: Tensor) -> None:
@@ -45,7 +48,7 @@ class AttentionBackend(ABC):
             return
         src_dst = src_dst.to(device=kv_caches[0][0].device, dtype=torch.long)
         src, dst = src_dst[:, 0], src_dst[:, 1]
-        for k_cache, v_cache in kv_caches:
+        for k_cache, v_cache in map(as_bytes, kv_caches):
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
@@ -64,7 +67,8 @@ class AttentionBackend(ABC):
         src_to_dst = src_to_dst.to(torch.long)
         src_device, dst_device = src_caches[0][0].device, dst_caches[0][0].device
         src_ids = src_to_dst[:, 0].to(src_device)
-        pairs = [(s, d) for src, dst in zip(src_caches, dst_caches) for s, d in zip(src, dst)]
+        pairs = [(s, d) for src, dst in zip(map(as_bytes, src_caches), map(as_bytes, dst_caches))
+                 for s, d in zip(src, dst)]
         if src_device != dst_device and dst_device.type == "cpu":
             _swap_out(pairs, src_ids, consecutive_runs(src_to_dst[:, 1].tolist()))
             return
@@ -77,6 +81,14 @@ class AttentionBackend(ABC):
                                      pin_memory=True)
                 torch.index_select(src, 0, src_ids, out=staged)
                 dst.index_copy_(0, dst_ids, staged.to(dst_device, non_blocking=True))
+
+
+def as_bytes(caches: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """A layer's FP8 caches viewed as uint8: copies move bytes, and not every torch
+    index kernel takes float8 tensors."""
+    if caches[0].dtype != FP8_DTYPE:
+        return caches
+    return caches[0].view(torch.uint8), caches[1].view(torch.uint8)
 
 
 def _swap_out(pairs: list[tuple[Tensor, Tensor]], src_ids: Tensor,

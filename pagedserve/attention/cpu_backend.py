@@ -75,10 +75,11 @@ class CpuBackend(AttentionBackend):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> Tensor:
-        if not self._native(q, k_cache) or softcap is not None:
+                softcap: float | None = None,
+                kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        if not self._native(q, k_cache) or softcap is not None:  # an FP8 cache included
             return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, window,
-                                           softcap)
+                                           softcap, kv_scales)
         out = torch.empty(q.shape, dtype=q.dtype)
         indices = step_indices(meta, k_cache)
         native.store_and_decode(q, k, v, k_cache, v_cache, indices, scale, out, window)

@@ -10,7 +10,8 @@ explicit matmul-softmax-matmul instead of SDPA.
 Every layer of a step sees the same metadata, so the index tensors derived from it (which rows
 to store, which cache rows each decode reads, the padding mask) are built by the first layer
 and kept on the metadata object (`StepPlan`); the other layers only index. q/k/v are computed
-in float32 (free at fp32, and it keeps the reference accurate for bf16/fp16).
+in float32 (free at fp32, and it keeps the reference accurate for bf16/fp16). An FP8 cache
+(`kv_quant`) is quantized on store and dequantized as its rows are gathered.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedserve.attention import kv_quant
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 
@@ -92,25 +94,34 @@ def rows_to_store(slot_mapping: Tensor) -> tuple[Tensor | None, Tensor]:
 
 
 def write_rows(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Tensor | None,
-               slots: Tensor) -> None:
+               slots: Tensor, kv_scales: tuple[Tensor, Tensor] | None = None) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if rows is not None:
         k, v = k.index_select(0, rows), v.index_select(0, rows)
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    for x, cache, scale in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
+        if kv_quant.is_fp8(cache):  # index_copy_ has no float8 kernel: copy the bytes
+            x, cache = kv_quant.quantize(x, scale).view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
 
 
-def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-             slot_mapping: Tensor) -> None:
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+             kv_scales: tuple[Tensor, Tensor] | None = None) -> None:
     """Write k/v rows [T, Hkv, D] into their slots; slot -1 rows are skipped."""
-    write_rows(k, v, k_cache, v_cache, *rows_to_store(slot_mapping))
+    write_rows(k, v, k_cache, v_cache, *rows_to_store(slot_mapping), kv_scales)
+
+
+def read_rows(rows: Tensor, scale: Tensor | None) -> Tensor:
+    """Gathered cache rows [..., Hkv, D] in float32, dequantized from an FP8 cache."""
+    if kv_quant.is_fp8(rows):
+        return kv_quant.dequantize(rows, scale)
+    return rows.float()
 
 
 def gather_context(cache: Tensor, block_tables: Tensor, num_tokens: int) -> Tensor:
     """[S, max_blocks] block tables -> the first num_tokens cached rows, [S, num_tokens, H, D]."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [S, nb, bs, H, D]
+    blocks = _indexable(cache)[block_tables[:, :num_blocks].long()].view(cache.dtype)
     return blocks.flatten(1, 2)[:, :num_tokens]
 
 
@@ -130,7 +141,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float,
 
 
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,
-                 scale: float, softcap: float | None = None) -> Tensor:
+                 scale: float, softcap: float | None = None,
+                 kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """One query token per sequence: q [S, Hq, D] -> [S, Hq, D].
 
     slots [S, L]: the flat cache row of each of the sequence's L context positions; mask
@@ -139,18 +151,27 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mas
     num_seqs, length = slots.shape
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     rows = slots.view(-1)
+    k_scale, v_scale = kv_scales or (None, None)
 
-    def gather(cache: Tensor) -> Tensor:  # [S, Hkv, L, D], a strided view SDPA reads as is
-        flat = cache.view(-1, num_kv_heads, head_dim).index_select(0, rows)
-        return flat.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2).float()
+    def gather(cache: Tensor, scale: Tensor | None) -> Tensor:  # [S, Hkv, L, D], strided
+        flat = read_rows(_indexable(cache).view(-1, num_kv_heads, head_dim)
+                         .index_select(0, rows).view(cache.dtype), scale)
+        return flat.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
 
-    out = attend(q.float()[:, :, None], gather(k_cache), gather(v_cache), mask, scale, softcap)
+    out = attend(q.float()[:, :, None], gather(k_cache, k_scale), gather(v_cache, v_scale),
+                 mask, scale, softcap)
     return out[:, :, 0].to(q.dtype)
+
+
+def _indexable(cache: Tensor) -> Tensor:
+    """An FP8 cache as uint8 for index_select (no float8 kernel); view back after."""
+    return cache.view(torch.uint8) if kv_quant.is_fp8(cache) else cache
 
 
 def paged_prefill_one(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                       seq_len: int, scale: float, window: int | None = None,
-                      softcap: float | None = None) -> Tensor:
+                      softcap: float | None = None,
+                      kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """A chunk of n new tokens q [n, Hq, D] at the end of a seq_len context -> [n, Hq, D].
 
     Query i sits at absolute position seq_len - n + i and sees keys 0..that position (the
@@ -160,8 +181,10 @@ def paged_prefill_one(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: 
     prefix = seq_len - num_new
     # keys before the first query's window are never read (their blocks may be freed)
     first = 0 if window is None else max(0, prefix - window + 1)
-    keys = gather_context(k_cache, block_table[None], seq_len)[0, first:].float()  # [L, Hkv, D]
-    values = gather_context(v_cache, block_table[None], seq_len)[0, first:].float()
+    k_scale, v_scale = kv_scales or (None, None)
+    keys = read_rows(gather_context(k_cache, block_table[None], seq_len)[0, first:], k_scale)
+    values = read_rows(gather_context(v_cache, block_table[None], seq_len)[0, first:],
+                       v_scale)  # [L, Hkv, D]
     qt, kt, vt = q.float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
     mask = None  # causal from key 0
     if prefix > 0 or window is not None:
@@ -175,7 +198,8 @@ def paged_prefill_one(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: 
 
 def paged_prefills(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                    scale: float, out: Tensor, window: int | None = None,
-                   softcap: float | None = None) -> None:
+                   softcap: float | None = None,
+                   kv_scales: tuple[Tensor, Tensor] | None = None) -> None:
     """The step's prefill sequences (after the decodes), one `paged_prefill_one` each, into
     out's rows."""
     starts = meta.query_start_loc.tolist()
@@ -183,7 +207,7 @@ def paged_prefills(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionM
     for i in range(meta.num_decodes, meta.num_seqs):
         s, e = starts[i], starts[i + 1]
         out[s:e] = paged_prefill_one(q[s:e], k_cache, v_cache, meta.block_tables[i],
-                                     seq_lens[i], scale, window, softcap)
+                                     seq_lens[i], scale, window, softcap, kv_scales)
 
 
 class TorchRefBackend(AttentionBackend):
@@ -193,15 +217,16 @@ class TorchRefBackend(AttentionBackend):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> Tensor:
+                softcap: float | None = None,
+                kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
         plan = StepPlan.of(meta, k_cache.shape[1])
-        write_rows(k, v, k_cache, v_cache, plan.store_rows, plan.store_slots)
+        write_rows(k, v, k_cache, v_cache, plan.store_rows, plan.store_slots, kv_scales)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         num_seqs = meta.seq_lens.shape[0]
         if nd > 0:
             out[:nd] = paged_decode(q[:nd], k_cache, v_cache, *plan.decode(window), scale,
-                                    softcap)
+                                    softcap, kv_scales)
         if num_seqs > nd:
-            paged_prefills(q, k_cache, v_cache, meta, scale, out, window, softcap)
+            paged_prefills(q, k_cache, v_cache, meta, scale, out, window, softcap, kv_scales)
         return out

@@ -33,8 +33,9 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                softcap: float | None = None,
+                kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -43,11 +44,11 @@ class TritonBackend(AttentionBackend):
         if nd > 0:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens,
                          meta.max_seq_len, scale, out[:nd], _num_sms(q.device),
-                         self.decode_cfg, window, softcap)
+                         self.decode_cfg, window, softcap, kv_scales)
         if num_seqs > nd:
             paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                           meta.query_start_loc, nd, num_seqs - nd, meta.max_query_len, scale,
-                          out, self.prefill_cfg, window, softcap)
+                          out, self.prefill_cfg, window, softcap, kv_scales)
         return out
 
     def copy_blocks(self, kv_caches: list[tuple[Tensor, Tensor]], src_dst: Tensor) -> None:

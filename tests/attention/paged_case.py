@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagedserve.attention import kv_quant
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -27,18 +28,23 @@ class PagedCase:
     expected: Tensor  # [T, Hq, D] float64, dense causal attention on the whole sequence
     window: int | None = None
     softcap: float | None = None
+    kv_scales: tuple[Tensor, Tensor] | None = None  # an FP8 cache's (K, V) scales [Hkv]
 
 
 def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
               block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0,
               prefix_hit_rows: int = 0, device: str = "cpu", window: int | None = None,
-              softcap: float | None = None) -> PagedCase:
+              softcap: float | None = None,
+              kv_scales: tuple[Tensor, Tensor] | None = None) -> PagedCase:
     """seqs: (cached prefix length, new tokens) per sequence, decodes (new == 1) first.
 
     The last `prefix_hit_rows` of each prefill's prefix are passed as new tokens with slot -1
     (already cached), with garbage k/v, to check that the write is skipped. With a window,
     the blocks no query of the step can see are the null block in the table (as the block
     manager frees them), which the NaN-filled cache never wrote.
+
+    kv_scales: the caches are FP8 with these per-head scales; the expected output is the
+    attention over the K/V as the cache holds them (quantized, then dequantized).
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in seqs]
@@ -46,7 +52,7 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     num_blocks = 1 + sum(blocks_per_seq) + 3
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
-                         dtype=dtype)
+                         dtype=dtype if kv_scales is None else kv_quant.FP8_DTYPE)
     v_cache = torch.full_like(k_cache, float("nan"))
     max_blocks = max(blocks_per_seq) + 1  # always at least one null-block pad column
     block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
@@ -66,8 +72,13 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
                                   for p in range(L)])
         hit = min(prefix_hit_rows, ctx) if new > 1 else 0
         first_new = ctx - hit
-        k_cache.view(-1, num_kv_heads, head_dim)[seq_slots[:ctx]] = kf[:ctx]
-        v_cache.view(-1, num_kv_heads, head_dim)[seq_slots[:ctx]] = vf[:ctx]
+        k_cached, v_cached, k_ref, v_ref = kf, vf, kf, vf  # as stored, as read back
+        if kv_scales is not None:
+            k_cached, v_cached = (kv_quant.quantize(x, s) for x, s in zip((kf, vf), kv_scales))
+            k_ref, v_ref = (kv_quant.dequantize(x, s) for x, s in zip((k_cached, v_cached),
+                                                                        kv_scales))
+        k_cache.view(-1, num_kv_heads, head_dim)[seq_slots[:ctx]] = k_cached[:ctx]
+        v_cache.view(-1, num_kv_heads, head_dim)[seq_slots[:ctx]] = v_cached[:ctx]
         step_slots = seq_slots[first_new:].clone()
         step_slots[:hit] = -1
         k_step, v_step = kf[first_new:].clone(), vf[first_new:].clone()
@@ -78,7 +89,7 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
         vs.append(v_step)
         slots.append(step_slots)
         q_lens.append(L - first_new)
-        expected.append(dense_causal(qf[first_new:].double(), kf.double(), vf.double(),
+        expected.append(dense_causal(qf[first_new:].double(), k_ref.double(), v_ref.double(),
                                      head_dim ** -0.5, window, softcap))
     num_decodes = sum(1 for _, n in seqs if n == 1)
     assert all(n == 1 for _, n in seqs[:num_decodes]), "decodes must come first"
@@ -96,7 +107,8 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     )
     return PagedCase(torch.cat(qs).to(device), torch.cat(ks).to(device),
                      torch.cat(vs).to(device), k_cache.to(device), v_cache.to(device), meta,
-                     head_dim ** -0.5, torch.cat(expected), window, softcap)
+                     head_dim ** -0.5, torch.cat(expected), window, softcap,
+                     None if kv_scales is None else tuple(s.to(device) for s in kv_scales))
 
 
 def dense_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,

@@ -17,6 +17,10 @@ A sliding window (a layer's `window`, None for global attention) starts the cont
 seq_len - window: v1 starts its loop there, v2 lays its partitions from there (fewer of them),
 and no block before it is read, so the block manager may have freed those. A score cap
 (Gemma 2) maps each score s to softcap * tanh(s / softcap) before the softmax.
+
+An FP8 cache (`FP8_KV`) is read as e4m3 and cast to the query's dtype in registers; its KV
+head's K scale multiplies the score scale and its V scale the output (`kv_quant`), so no
+element is multiplied.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pagedserve.attention.kernels.precision import dot_precision
+from pagedserve.attention.kv_quant import is_fp8
 
 LOG2E = 1.4426950408889634
 
@@ -49,7 +54,8 @@ def _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale, cap_scal
                  HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step of q over the K/V rows at offsets `row` (masked by n_mask)."""
     offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                other=0.0).to(q.dtype)
     s = capped_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale,
                       cap_scale, SOFTCAP)
     s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -57,7 +63,8 @@ def _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale, cap_scal
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=n_mask[:, None],
+                other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -129,15 +136,18 @@ def _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
 
 
 @triton.jit
-def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qk_scale, cap_scale,
+def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr,
+                      v_scale_ptr, qk_scale, cap_scale,
                       window, stride_qs, stride_qh, stride_os, stride_oh,
                       stride_kb, stride_kt, stride_kh, stride_bts,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = 0
     if WINDOWED:
@@ -149,6 +159,8 @@ def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qk_sca
                                   stride_kh, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTCAP,
                                   DOT_PRECISION)
     out = acc / l_i[:, None]
+    if FP8_KV:
+        out = out * tl.load(v_scale_ptr + kv_head)
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -191,14 +203,15 @@ def _merge_partitions(max_ptr, sum_ptr, part_ptr, out_ptr, seq, kv_head, num_par
 
 @triton.jit(do_not_specialize=["row_blocks"])  # the block table's width may vary by step
 def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, arrivals_ptr,
-                      bt_ptr, seq_lens_ptr, qk_scale, cap_scale, window, partition, max_parts,
+                      bt_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, qk_scale, cap_scale,
+                      window, partition, max_parts,
                       row_blocks, stride_qs, stride_qh, stride_os, stride_oh,
                       stride_kb, stride_kt, stride_kh, stride_bts,
                       NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                       GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -218,10 +231,14 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
     if start >= seq_len:
         return
     end = tl.minimum(start + partition, seq_len)
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     m_i, l_i, acc = _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end,
                                       qk_scale, cap_scale, row_blocks, stride_kb, stride_kt,
                                       stride_kh, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
                                       SOFTCAP, DOT_PRECISION)
+    if FP8_KV:  # the partials' merge is linear in acc: scale it once here
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     offs_d = tl.arange(0, HEAD_DIM)
     num_parts = tl.cdiv(seq_len - first, partition)
     if num_parts == 1:  # a short sequence of the batch: nothing to merge
@@ -272,21 +289,35 @@ def attended_len(max_seq_len: int, window: int | None) -> int:
     return max_seq_len if window is None else min(max_seq_len, window)
 
 
+def scale_args(k_cache: Tensor, v_cache: Tensor,
+               kv_scales: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, bool]:
+    """(K scale, V scale, FP8_KV) as the kernels take them; without FP8 the scale pointers
+    are never read (the caches stand in)."""
+    if not is_fp8(k_cache):
+        return k_cache, v_cache, False
+    assert kv_scales is not None, "an FP8 KV cache needs its scales"
+    return *kv_scales, True
+
+
 def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     seq_lens: Tensor, scale: float, out: Tensor,
                     cfg: DecodeConfig = DecodeConfig(), window: int | None = None,
-                    softcap: float | None = None) -> Tensor:
-    """q/out [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]."""
+                    softcap: float | None = None,
+                    kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """q/out [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]; an FP8 cache's
+    kv_scales: (K, V) scales [Hkv]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    k_scale, v_scale, fp8 = scale_args(k_cache, v_cache, kv_scales)
     _decode_v1_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, *score_args(scale, softcap),
+        q, k_cache, v_cache, out, block_tables, seq_lens, k_scale, v_scale,
+        *score_args(scale, softcap),
         window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps,
+        DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 
@@ -294,7 +325,8 @@ def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     seq_lens: Tensor, max_seq_len: int, scale: float, out: Tensor,
                     cfg: DecodeConfig = DecodeConfig(), window: int | None = None,
-                    softcap: float | None = None) -> Tensor:
+                    softcap: float | None = None,
+                    kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Like v1, split over partitions of cfg.partition positions; max_seq_len (or the window)
     sizes the grid.
 
@@ -310,9 +342,11 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     parts = torch.empty(num_seqs, num_heads, max_parts, head_dim, dtype=torch.float32,
                         device=q.device)
     group_p2 = triton.next_power_of_2(group)
+    k_scale, v_scale, fp8 = scale_args(k_cache, v_cache, kv_scales)
     _decode_v2_kernel[(num_seqs, num_kv_heads, max_parts)](
         q, k_cache, v_cache, out, stats[0], stats[1], parts,
         _arrival_counters(num_seqs * num_kv_heads, q.device), block_tables, seq_lens,
+        k_scale, v_scale,
         *score_args(scale, softcap), window or 0, cfg.partition, max_parts,
         block_tables.shape[1], q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -320,7 +354,7 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         GROUP_PAD=_group_pad(group), GROUP_P2=group_p2,
         MERGE_CHUNK=max(2, MERGE_ROWS // group_p2), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, WINDOWED=window is not None,
-        SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8,
         num_warps=cfg.num_warps,
         num_stages=_v2_stages(cfg.num_stages))
     return out
@@ -404,7 +438,8 @@ def choose_v2_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                  seq_lens: Tensor, max_seq_len: int, scale: float, out: Tensor, num_sms: int,
                  cfg: DecodeConfig = DecodeConfig(), window: int | None = None,
-                 softcap: float | None = None) -> Tensor:
+                 softcap: float | None = None,
+                 kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """v1 or v2 (with a partition sized to the batch, and double-buffered tiles where the
     grid is small), by `use_v2` on the attended length (the window at most)."""
     num_seqs, num_kv_heads = q.shape[0], k_cache.shape[2]
@@ -412,6 +447,6 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
     if use_v2(num_seqs, num_kv_heads, length, num_sms):
         cfg = choose_v2_config(num_seqs, num_kv_heads, length, num_sms, cfg)
         return paged_decode_v2(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                               scale, out, cfg, window, softcap)
+                               scale, out, cfg, window, softcap, kv_scales)
     return paged_decode_v1(q, k_cache, v_cache, block_tables, seq_lens, scale, out, cfg,
-                           window, softcap)
+                           window, softcap, kv_scales)

@@ -9,7 +9,9 @@ them. Key tiles entirely below the causal diagonal of the program's first row sk
 With a sliding window (query p sees keys p - window < k <= p) a program starts at the tile
 holding its first row's first key, reads nothing before it (those blocks may be freed), and
 masks every tile; a row that sees no key of a tile yet keeps its running max finite. A score
-cap maps each score s to softcap * tanh(s / softcap), as in decode.
+cap maps each score s to softcap * tanh(s / softcap), as in decode. An FP8 cache is read as
+in decode: rows cast to the query's dtype, the KV head's scales on the score scale and the
+output.
 """
 
 from __future__ import annotations
@@ -20,16 +22,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kernels.decode import capped_scores, score_args
+from pagedserve.attention.kernels.decode import capped_scores, scale_args, score_args
 from pagedserve.attention.kernels.precision import dot_precision
 
 
 @triton.jit
 def _key_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, tile, first_key, seq_len, stride_kb,
-              stride_kt, stride_kh, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Keys and values of positions [tile, tile + BLOCK_N); MASKED: only those in
-    [first_key, seq_len) are read, the others are zeros."""
+              stride_kt, stride_kh, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Keys and values of positions [tile, tile + BLOCK_N) in `dtype`; MASKED: only those
+    in [first_key, seq_len) are read, the others are zeros."""
     offs_n = tile + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -45,17 +47,19 @@ def _key_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, tile, first_key, seq_len, strid
                + kv_head * stride_kh)
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :])
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :])
-    return offs_n, k, v
+    return offs_n, k.to(dtype), v.to(dtype)
 
 
 # first_seq (the step's number of decodes) changes every step: no variant per value class
 @triton.jit(do_not_specialize=["first_seq"])
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, qk_scale,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, k_scale_ptr,
+                    v_scale_ptr, qk_scale,
                     cap_scale, window, first_seq, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_bts,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
-                    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    FP8_KV: tl.constexpr):
     m_block = tl.program_id(0)
     seq = first_seq + tl.program_id(1)
     head = tl.program_id(2)
@@ -66,6 +70,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
     kv_head = head // GROUP
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     bt_row_ptr = bt_ptr + seq * stride_bts
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -90,7 +96,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
         masked_start = unmasked_end
     for tile in range(0, unmasked_end, BLOCK_N):
         offs_n, k, v = _key_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, tile, first_key, seq_len,
-                                 stride_kb, stride_kt, stride_kh,
+                                 stride_kb, stride_kt, stride_kh, q.dtype,
                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, False)
         s = capped_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale,
                           cap_scale, SOFTCAP)
@@ -102,7 +108,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
         m_i = m_new
     for tile in range(masked_start, causal_end, BLOCK_N):
         offs_n, k, v = _key_tile(k_ptr, v_ptr, bt_row_ptr, kv_head, tile, first_key, seq_len,
-                                 stride_kb, stride_kt, stride_kh,
+                                 stride_kb, stride_kt, stride_kh, q.dtype,
                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, True)
         s = capped_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale,
                           cap_scale, SOFTCAP)
@@ -119,6 +125,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
+    if FP8_KV:
+        out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
              + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
 
@@ -137,20 +145,22 @@ def paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Ten
                   seq_lens: Tensor, query_start_loc: Tensor, first_seq: int, num_seqs: int,
                   max_query_len: int, scale: float, out: Tensor,
                   cfg: PrefillConfig = PrefillConfig(), window: int | None = None,
-                  softcap: float | None = None) -> Tensor:
+                  softcap: float | None = None,
+                  kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attend sequences first_seq .. first_seq + num_seqs - 1; q/out are the whole step's
-    [T, Hq, D], indexed by query_start_loc."""
+    [T, Hq, D], indexed by query_start_loc; an FP8 cache's kv_scales: (K, V) scales [Hkv]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     grid = (triton.cdiv(max_query_len, cfg.block_m), num_seqs, num_heads)
+    k_scale, v_scale, fp8 = scale_args(k_cache, v_cache, kv_scales)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, k_scale, v_scale,
         *score_args(scale, softcap), window or 0, first_seq, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WINDOWED=window is not None,
-        SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
