@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.backend import get_forward_context
-from pagedserve.model import ops, parallel
+from pagedserve.model import fp8, ops, parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.moe import SparseMoE
 from pagedserve.model.rope import RotaryEmbedding
@@ -95,13 +95,16 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose CPU float32 inference goes through a `PackedWeight`."""
+    """nn.Linear whose CPU float32 inference goes through a `PackedWeight`, and whose FP8
+    weight (`fp8.to_fp8`, with its `weight_scale`) goes through `fp8.fp8_linear`."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fp8.is_fp8(self.weight):
+            return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return self.packed.linear(x, self.weight, self.bias)
 
 
@@ -186,6 +189,10 @@ class Attention(nn.Module):
         # be saved, cast or moved with the model.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # An FP8 cache's (K, V) scales [num_kv_heads] (`attention.kv_quant`), bound with the
+        # caches; the checkpoint's own, when it has them, are kept here by the loader.
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.checkpoint_kv_scales: dict[str, torch.Tensor] = {}
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -205,7 +212,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split([hq, hkv, hkv], dim=1)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale,
-                                  window=self.window, softcap=self.softcap)
+                                  window=self.window, softcap=self.softcap,
+                                  kv_scales=self.kv_scales)
         return self.o_proj(out.reshape(T, hq * self.head_dim))
 
 
@@ -317,10 +325,21 @@ class Decoder(nn.Module):
         self.rotary = {t: RotaryEmbedding(config, t)
                        for t in dict.fromkeys(map(config.layer_type, range(config.num_layers)))}
         self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
+        self.quantization: str | None = None  # "fp8": FP8 weights (set by the loader)
 
     def attention_layers(self) -> list[Attention]:
         """The attention modules in layer order, for the runner to bind `k_cache`/`v_cache`."""
         return [layer.self_attn for layer in self.layers]
+
+    def dense_linears(self) -> list[Linear]:
+        """The projections FP8 weights apply to: each layer's q/k/v, o, gate/up and down (not
+        the embedding, the LM head or MoE experts)."""
+        linears = []
+        for layer in self.layers:
+            linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            if isinstance(layer.mlp, MLP):
+                linears += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        return linears
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] for a flat batch of tokens -> final hidden states [T, H]."""

@@ -4,20 +4,23 @@ The model is built on the meta device (no random init, no memory), materialised 
 requested dtype on the requested device, and each checkpoint tensor is copied straight into its
 (possibly fused) parameter as it is read. At most one checkpoint tensor is alive beside the model.
 Under tensor parallelism a rank reads only its slice of each safetensors tensor; a GGUF tensor
-is dequantized whole, then sliced (`model.parallel`).
+is dequantized whole, then sliced (`model.parallel`). With FP8 weights (`model.fp8`) the dense
+projections are e4m3 parameters from the start: a float checkpoint tensor is quantized on the
+device as it is copied in, an FP8 one is copied as it is, with its `weight_scale`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from pagedserve.model import parallel
+from pagedserve.model import fp8, parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder, PackedWeight
 from pagedserve.native.quant import QuantizedLinear, QuantizedWeight
@@ -94,12 +97,17 @@ def _open_checkpoint(
     raise ValueError(f"{path} is neither a model folder nor a .gguf file")
 
 
+# an FP8 KV cache's scales in a checkpoint (llm-compressor): layers.N.self_attn.k_scale
+_KV_SCALE = re.compile(r"^layers\.(\d+)\.self_attn\.(k_scale|v_scale)$")
+
+
 def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into the model's (fused) parameters; fail on gaps or strays."""
     params = dict(model.named_parameters())
     # Fused parameters are complete once all their shards arrived.
     expected = {(name, i) for name in params for i in range(model.num_shards(name))}
     loaded = set()
+    layers = model.attention_layers()
     with torch.no_grad():
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
@@ -107,11 +115,28 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]]) ->
                 continue  # derived from the config, some old checkpoints store it
             if name == "lm_head.weight" and model.lm_head is None:
                 continue  # tied: the embedding is the output projection
+            if name.endswith(".input_scale"):
+                continue  # static FP8 activation scales: per-token ones are used instead
+            kv_scale = _KV_SCALE.match(name)
+            if kv_scale is not None:
+                layers[int(kv_scale[1])].checkpoint_kv_scales[kv_scale[2]] = tensor.float()
+                continue
             target, shard, rows = model.shard_range(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for this model config")
             param = params[target]
             dst = param if rows is None else param[rows]
+            if target.endswith(".weight_scale"):
+                tensor = _scale_rows(tensor, dst.shape[0], hf_name)
+            elif fp8.is_fp8(param) and not fp8.is_fp8(tensor):
+                tensor, scale = fp8.quantize_rows(tensor.to(param.device))
+                scale_target = target + "_scale"
+                scales = params[scale_target]
+                (scales if rows is None else scales[rows]).copy_(scale)
+                loaded.add((scale_target, shard))
+            elif fp8.is_fp8(tensor) and not fp8.is_fp8(param):
+                raise ValueError(f"weight {hf_name!r} is FP8 but its layer is not (FP8 "
+                                 "weights cover the dense projections only)")
             if dst.shape != tensor.shape:
                 raise ValueError(
                     f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
@@ -124,33 +149,67 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]]) ->
         raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
 
 
+def _scale_rows(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """An FP8 checkpoint's weight_scale as one float32 per output row: per channel
+    ([rows, 1] or [rows]) as it is, per tensor ([1] or []) repeated."""
+    scale = scale.float().reshape(-1)
+    if scale.numel() == 1:
+        return scale.expand(rows)
+    if scale.numel() != rows:
+        raise ValueError(f"{name} has {scale.numel()} values; FP8 weight scales are per "
+                         f"output channel ({rows}) or per tensor (1)")
+    return scale
+
+
 def load_model(
     path: str | Path | None,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     quantized: bool = False,
+    quantization: str | None = None,
 ) -> tuple[Decoder, ModelConfig, str]:
     """Load a model for inference.
 
     path: HF folder, .gguf file, or None for the default model. dtype None means the
     checkpoint's own dtype (float32 for GGUF, which we dequantize). `quantized`: the fast
     mode, for a GGUF on the CPU at float32 without tensor parallelism (else ignored): its
-    linear layers also keep the file's quantized blocks and run on them (`attach_quantized`). Returns the model in eval
-    mode, its config, and the folder/file the tokenizer loads from (see `load_tokenizer`).
+    linear layers also keep the file's quantized blocks and run on them (`attach_quantized`).
+    `quantization`: "fp8" for FP8 weights (`model.fp8`), None for the checkpoint's own (FP8
+    for an FP8 checkpoint, else none); the model's `quantization` says which ran. Returns the
+    model in eval mode, its config, and the folder/file the tokenizer loads from (see
+    `load_tokenizer`).
     """
     path = default_model_path() if path is None else Path(path).expanduser()
     config, weights = _open_checkpoint(path)
     dtype = dtype or config.dtype
+    device = torch.device(device)
+    quantization = quantization or (fp8.checkpoint_quantization(path) if path.is_dir()
+                                    else None)
     with torch.device("meta"):
         model = Decoder(config)
-    model = model.to(dtype).to_empty(device=torch.device(device))
+    model = model.to(dtype)
+    if quantization is not None:
+        _quantize_linears(model, quantization, device)
+    model = model.to_empty(device=device)
     load_weights(model, weights)
-    if quantized and path.suffix == ".gguf" and dtype == torch.float32 and (
-            torch.device(device).type == "cpu") and parallel.get_tp().size == 1:
+    model.quantization = quantization
+    if quantized and quantization is None and path.suffix == ".gguf" and (
+            dtype == torch.float32 and device.type == "cpu") and parallel.get_tp().size == 1:
         from pagedserve.model.gguf import open_quantized
 
         attach_quantized(model, open_quantized(path, config))
     return model.eval().requires_grad_(False), config, str(path)
+
+
+def _quantize_linears(model: Decoder, quantization: str, device: torch.device) -> None:
+    if quantization not in fp8.QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {fp8.QUANTIZATIONS} or None, got "
+                         f"{quantization!r}")
+    if parallel.get_tp().size > 1:
+        raise ValueError("FP8 weights are not supported with tensor parallelism yet")
+    fp8.check_device(device)
+    for linear in model.dense_linears():
+        fp8.to_fp8(linear)
 
 
 def attach_quantized(model: Decoder, weights: Iterator[tuple[str, QuantizedWeight]]) -> int:

@@ -1,0 +1,121 @@
+"""FP8 weights: the dense projections in e4m3 with a scale per output channel, activations
+quantized per token as they arrive, the product through `torch._scaled_mm` on CUDA.
+
+Why: a decode step at small batch reads every weight once, so its time is the weights' bytes
+over memory bandwidth; e4m3 halves those bytes against bf16. Activation scales are computed
+per token (row) at run time, so nothing is calibrated and an outlier token costs only its
+own row's precision.
+
+y = (x_q * s_x) @ (W_q * s_w)^T, where x_q = round_e4m3(x / s_x) with s_x = max|x_row| / 448,
+and W_q, s_w likewise per output row (`quantize_rows`). On CUDA `torch._scaled_mm` applies
+both scales in its epilogue (row-wise scaling: Ada or Hopper, bf16 output); elsewhere the
+same quantized operands are dequantized to float32 and multiplied (`reference_linear`): slow,
+but it runs such a model on the CPU, and it is what the GPU path is checked against.
+
+Which layers: the decoder's dense projections (q/k/v, o, gate/up, down: `Decoder.
+dense_linears`). The embedding, the LM head and MoE experts keep the model's dtype (as
+llm-compressor's FP8 recipes leave the LM head).
+
+Checkpoints: a bf16/fp16/fp32 checkpoint is quantized while it loads, one tensor at a time
+on the target device (a fused parameter's shards are row ranges of it, so per-row scales
+are the same per shard as on the fused weight). One already in FP8 in the compressed-tensors
+layout (llm-compressor's FP8 and FP8_DYNAMIC schemes: `quantization_config` in config.json)
+stores `weight` in e4m3 with `weight_scale` per output channel ([out, 1]) or per tensor
+([1]), and loads as it is. Its static activation scales (`input_scale`), if any, go unused:
+per-token scales are at least as precise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
+
+QUANTIZATIONS = ("fp8",)
+# An all-zero row gets this amax: its scale stays finite and its values quantize to zero.
+MIN_AMAX = 1e-12
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [rows, K] -> (e4m3 [rows, K], float32 scales [rows]): each row divided by its
+    max |value| / 448 and rounded to nearest."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=MIN_AMAX) / FP8_MAX
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.squeeze(-1)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
+               bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ the e4m3 weight [N, K] with scales [N]^T (+ bias) -> [..., N] in x's dtype."""
+    if not x.is_cuda:
+        return reference_linear(x, weight, weight_scale, bias)
+    from pagedserve.model.fp8_kernel import quantize_tokens  # Triton: imported on CUDA only
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    x_q, x_scale = quantize_tokens(rows)
+    # weight.t() is column-major, as the second operand must be; row-wise scales want a
+    # bf16 result
+    y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                         out_dtype=torch.bfloat16).to(x.dtype)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def reference_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
+                     bias: Tensor | None = None) -> Tensor:
+    """What `fp8_linear` computes, in float32 from the dequantized operands (any device)."""
+    x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    y = (x_q.float() * x_scale[:, None]) @ (weight.float() * weight_scale[:, None]).t()
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def to_fp8(linear: nn.Linear) -> None:
+    """Give a linear layer an (uninitialised) e4m3 weight and float32 scales [out] on the
+    weight's device (the meta device while a model is being built); its forward then takes
+    `fp8_linear`."""
+    weight = linear.weight
+    linear.weight = nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE,
+                                             device=weight.device), requires_grad=False)
+    linear.weight_scale = nn.Parameter(torch.empty(weight.shape[0], dtype=torch.float32,
+                                                   device=weight.device), requires_grad=False)
+
+
+def is_fp8(weight: Tensor) -> bool:
+    return weight.dtype == FP8_DTYPE
+
+
+def checkpoint_quantization(folder: Path) -> str | None:
+    """"fp8" for a compressed-tensors checkpoint with 8-bit float weights, None for one
+    without `quantization_config`; any other quantization is refused by name."""
+    config = folder / "config.json"
+    raw = json.loads(config.read_text()).get("quantization_config") if config.exists() else None
+    if not raw:
+        return None
+    method = raw.get("quant_method")
+    groups = raw.get("config_groups") or {}
+    weights = [g.get("weights") or {} for g in groups.values()]
+    if method == "compressed-tensors" and weights and all(
+            w.get("type") == "float" and w.get("num_bits") == 8
+            and w.get("strategy") in ("channel", "tensor") for w in weights):
+        return "fp8"
+    schemes = [(w.get("type"), w.get("num_bits"), w.get("strategy")) for w in weights]
+    raise ValueError(f"{folder} is quantized with {method!r} {schemes}; only FP8 "
+                     "compressed-tensors checkpoints with per-channel or per-tensor weight "
+                     "scales are supported")
+
+
+def check_device(device: torch.device) -> None:
+    """FP8 matmuls need CUDA compute capability 8.9 (Ada) or more; the CPU takes the
+    reference path."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("FP8 weights need a GPU of compute capability 8.9 or more (Ada, "
+                         "Hopper); this one is "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
