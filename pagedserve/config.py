@@ -13,6 +13,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 HASH_ALGOS = ("sha256", "xxhash")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3 (attention/kv_quant.py)
+QUANTIZATIONS = ("fp8",)  # weights (model/fp8.py)
 
 # Batch limits when left to auto. The CPU's are where its bench is best. A GPU step costs
 # about the same from a few sequences up to hundreds (decode reads the weights once either
@@ -33,8 +35,13 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": float32 on CPU (a GGUF's fast mode), bfloat16 on CUDA
     device: str = "auto"  # "auto": cuda when available, else cpu
     seed: int = 0  # seeds the global generator used by unseeded random sampling
+    # "fp8": FP8 weights in the dense projections, quantized at load unless the checkpoint
+    # is FP8 already; None = the checkpoint's own (FP8 for an FP8 checkpoint)
+    quantization: str | None = None
     # KV cache
     block_size: int = 16
+    # "fp8": the cache in e4m3 with per-layer, per-KV-head scales (half the bytes per token)
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: int | None = None  # bytes for K and V of all layers; None = measured
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory the engine may use
     cpu_kv_cache_fraction: float = 0.25  # CPU: fraction of available RAM for the KV cache
@@ -68,6 +75,9 @@ class EngineConfig:
         self._check_choice("attention_backend", ATTENTION_BACKENDS)
         self._check_choice("preemption_mode", PREEMPTION_MODES)
         self._check_choice("prefix_caching_hash_algo", HASH_ALGOS)
+        self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.quantization is not None:
+            self._check_choice("quantization", QUANTIZATIONS)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

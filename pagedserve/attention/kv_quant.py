@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pagedserve.config import KV_CACHE_DTYPES
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
-KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

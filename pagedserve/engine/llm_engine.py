@@ -128,7 +128,7 @@ class LoadedModel:
         # "float32" keeps the exact path.
         model, model_config, tokenizer_source = load_model(
             config.model, resolve_dtype(config.dtype, device), device,
-            quantized=config.dtype == "auto")
+            quantized=config.dtype == "auto", quantization=config.quantization)
         return cls(model, model_config, load_tokenizer(config.tokenizer or tokenizer_source))
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedserve.attention import kv_quant
 from pagedserve.attention.backend import get_attention_backend, set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineConfig
@@ -36,6 +37,7 @@ from pagedserve.engine.penalties import PenaltyState, to_device
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
 from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.structured.bitmask import full_bitmask
@@ -103,12 +105,15 @@ class ModelRunner:
         self.model = model
         self.model_config = model_config
         self.device = device
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.embed_tokens.weight.dtype  # the activations' (FP8 weights aside)
+        self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.backend = get_attention_backend(config.attention_backend, device)
         self.sampler = Sampler()
         self.penalties = PenaltyState(model_config.vocab_size, device)
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
+        # an FP8 cache's (K, V) scales per layer (`attention.kv_quant`); None otherwise
+        self.kv_scales: list[tuple[Tensor, Tensor] | None] = []
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
@@ -121,9 +126,9 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across all layers, K and V (one byte an element in FP8)."""
         mc = self.model_config
-        element = torch.empty(0, dtype=self.dtype).element_size()
+        element = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element
 
     def determine_num_blocks(self) -> int:
@@ -181,17 +186,29 @@ class ModelRunner:
 
         Left uninitialised (zero-filling gigabytes costs seconds at start-up): every backend
         masks slots past a sequence's length, so stale bytes are never read. Only the null
-        block is zeroed, so that a write into it (a bug) is detectable.
+        block is zeroed, so that a write into it (a bug) is detectable. An FP8 cache gets its
+        scales per layer: the checkpoint's `k_scale`/`v_scale`, else 1.0 (`kv_quant`).
         """
         mc = self.model_config
         shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device))
+        dtype = self.kv_cache_dtype
+        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=self.device),
+                           torch.empty(shape, dtype=dtype, device=self.device))
                           for _ in range(mc.num_layers)]
         for k_cache, v_cache in self.kv_caches:
             k_cache[0].zero_()
             v_cache[0].zero_()
+        self.kv_scales = [self._layer_kv_scales(layer)
+                          for layer in self.model.attention_layers()]
         self._bind_kv_cache()
+
+    def _layer_kv_scales(self, layer) -> tuple[Tensor, Tensor] | None:
+        if self.kv_cache_dtype != kv_quant.FP8_DTYPE:
+            return None
+        stored = layer.checkpoint_kv_scales
+        checkpoint = (stored["k_scale"], stored["v_scale"]) if len(stored) == 2 else None
+        return kv_quant.kv_scales(layer.num_kv_heads, checkpoint,
+                                  parallel.local_kv_heads(self.model_config), self.device)
 
     def _bind_kv_cache(self) -> None:
         """Point the attention layers at our caches (a model may be shared by engines).
@@ -203,8 +220,10 @@ class ModelRunner:
         layers = self.model.attention_layers()
         if layers[0].k_cache is self.kv_caches[0][0]:
             return
-        for attention, (k_cache, v_cache) in zip(layers, self.kv_caches):
+        for attention, (k_cache, v_cache), scales in zip(layers, self.kv_caches,
+                                                         self.kv_scales):
             attention.k_cache, attention.v_cache = k_cache, v_cache
+            attention.kv_scales = scales
         if self._unbind is not None:
             self._unbind.detach()
         self._unbind = weakref.finalize(self, _unbind_kv_cache, layers, self.kv_caches[0][0])
@@ -215,8 +234,9 @@ class ModelRunner:
         mc = self.model_config
         shape = (num_cpu_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         pin = self.device.type == "cuda"
-        self.cpu_kv_caches = [(torch.empty(shape, dtype=self.dtype, pin_memory=pin),
-                               torch.empty(shape, dtype=self.dtype, pin_memory=pin))
+        dtype = self.kv_cache_dtype
+        self.cpu_kv_caches = [(torch.empty(shape, dtype=dtype, pin_memory=pin),
+                               torch.empty(shape, dtype=dtype, pin_memory=pin))
                               for _ in range(mc.num_layers)]
 
     def setup(self, max_model_len: int) -> None:
@@ -439,6 +459,7 @@ def _unbind_kv_cache(layers: list, first_k_cache: Tensor) -> None:
     if layers[0].k_cache is first_k_cache:
         for attention in layers:
             attention.k_cache = attention.v_cache = torch.empty(0)
+            attention.kv_scales = None
 
 
 def _random_sampling_meta(logits: Tensor) -> SamplingMetadata:

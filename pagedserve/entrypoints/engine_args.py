@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.config import (ATTENTION_BACKENDS, DTYPES, HASH_ALGOS, PREEMPTION_MODES,
-                               EngineConfig)
+from pagedserve.config import (ATTENTION_BACKENDS, DTYPES, HASH_ALGOS, KV_CACHE_DTYPES,
+                               PREEMPTION_MODES, QUANTIZATIONS, EngineConfig)
 
 _SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -70,7 +70,15 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "CPU, where a GGUF runs in the fast mode (its quantized blocks, int8 "
               "activations); float32 = the exact path", choices=DTYPES),
     EngineArg("device", "cpu, cuda, cuda:1, ...; auto = cuda when available"),
+    EngineArg("quantization", "fp8: FP8 weights (e4m3, a scale per output channel; "
+              "activations quantized per token; CUDA compute capability 8.9+, the CPU runs a "
+              "slow reference), quantized at load unless the checkpoint is FP8 already",
+              choices=QUANTIZATIONS,
+              default_text="the checkpoint's: FP8 for an FP8 checkpoint, else none"),
     EngineArg("block_size", "tokens per KV block (a power of two)", metavar="N"),
+    EngineArg("kv_cache_dtype", "auto = the model's dtype; fp8 = e4m3 with a scale per layer "
+              "and KV head (the checkpoint's k_scale/v_scale, else 1.0): twice the tokens in "
+              "the same memory", choices=KV_CACHE_DTYPES),
     EngineArg("kv_cache_memory", "bytes for the paged KV cache (e.g. 512M, 2G)",
               parse=parse_size, metavar="SIZE", default_text="measured from free memory"),
     EngineArg("gpu_memory_utilization", "CUDA: fraction of GPU memory for weights, "

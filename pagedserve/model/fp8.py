@@ -34,8 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
-
-QUANTIZATIONS = ("fp8",)
+from pagedserve.config import QUANTIZATIONS
 # An all-zero row gets this amax: its scale stays finite and its values quantize to zero.
 MIN_AMAX = 1e-12
 

@@ -27,6 +27,8 @@ def test_health_and_models(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
+    # the server's CPU default: float32 activations and cache, the GGUF's own weights
+    assert models[0].kv_cache_dtype == "float32" and models[0].quantization is None
 
 
 def test_greedy_completions_equal_llm_generate(client, llm):

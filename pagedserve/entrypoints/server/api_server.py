@@ -45,6 +45,7 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
     """An app serving `engine` (an LLMEngine) under `model_name` (and `aliases`)."""
     async_engine = AsyncEngine(engine, ServerMetrics())
     max_model_len = _max_model_len(engine)
+    card = {"max_model_len": max_model_len, **_running_formats(engine)}
     serving = OpenAIServing(
         async_engine, model_name, aliases, engine.tokenizer, max_model_len, tool_call_parser)
 
@@ -67,7 +68,7 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=max_model_len)])
+        return ModelList(data=[ModelCard(id=model_name, **card)])
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -95,6 +96,14 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
 def _max_model_len(engine: Any) -> int:
     """The engine's resolved context limit (the model's, capped by what the KV cache holds)."""
     return int(engine.max_model_len)
+
+
+def _running_formats(engine: Any) -> dict[str, str | None]:
+    """The KV cache's element type and the weights' quantization, as /v1/models reports them."""
+    runner = engine.model_runner
+    kv = str(runner.kv_cache_dtype).removeprefix("torch.")
+    return {"kv_cache_dtype": "fp8_e4m3" if kv == "float8_e4m3fn" else kv,
+            "quantization": runner.model.quantization}
 
 
 class BodySizeLimit:

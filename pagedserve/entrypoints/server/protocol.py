@@ -516,6 +516,10 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "pagedserve"
     max_model_len: int | None = None
+    # what runs: the KV cache's element type ("bfloat16", "float32", "fp8_e4m3", ...) and the
+    # weights' quantization ("fp8", or None for the model's dtype)
+    kv_cache_dtype: str | None = None
+    quantization: str | None = None
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,424 @@
+"""FP8 KV cache and FP8 weights on a CUDA GPU (Ada / Hopper): speed and quality, one run.
+
+    PYTHONPATH=. python benchmarks/fp8.py --out DIR [--parts kv,kernel,quality,8b]
+
+Parts (all by default; about 7 minutes on an H100):
+  kv       workload A (benchmarks/throughput.py's: 256 requests, prompt and output lengths
+           uniform in [100, 1024]), Qwen3-0.6B shape: bf16 KV against FP8 KV on the same
+           weights in this process; KV blocks for the same memory and each run's roofline
+  kernel   paged decode at Qwen3-0.6B's attention shape on a bf16 and an FP8 cache: time and
+           effective bandwidth (cache bytes read over time) against the copy bandwidth
+  quality  Qwen3-0.6B shape, random weights, LM head untied and x25 (sharp distributions):
+           first-token agreement, greedy agreement over 48 tokens and the mean KL divergence
+           of next-token distributions (teacher-forced on the bf16 engine's tokens) against
+           the bf16 engine, for FP8 KV, FP8 weights and both; beside bf16 against
+           transformers, measured the same way (the noise floor)
+  8b       Llama-3-8B shape (random, written here in seconds from the GPU): batch-1 TPOT,
+           bf16 against FP8 weights; workload A, bf16 against FP8 weights + FP8 KV
+
+Writes DIR/fp8.json (docs/results style: one row per figure) and prints a summary line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
+HERE = Path(__file__).resolve().parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+
+import torch  # noqa: E402
+
+from pagedserve import SamplingParams  # noqa: E402
+from pagedserve.attention.backend import set_forward_context  # noqa: E402
+from pagedserve.attention.kernels import paged_decode  # noqa: E402
+from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
+from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
+from pagedserve.entrypoints.llm import LLM  # noqa: E402
+
+QUALITY_PROMPTS = 32
+QUALITY_TOKENS = 48
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+throughput = _module("throughput")
+
+
+class Results:
+    def __init__(self, out: Path) -> None:
+        self.path = out / "fp8.json"
+        self.rows: list[dict] = []
+
+    def add(self, part: str, **row) -> dict:
+        row = {"part": part, **row, "device": torch.cuda.get_device_name(),
+               "date": datetime.date.today().isoformat()}
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.rows, indent=1) + "\n")
+        print(json.dumps(row), flush=True)
+        return row
+
+
+def engine_for(loaded: LoadedModel, model_dir: str, **options) -> LLMEngine:
+    opts = dict(model=model_dir, max_model_len=4096, max_num_seqs=256,
+                max_num_batched_tokens=16384)
+    opts.update(options)
+    engine = LLMEngine(EngineConfig(**opts), loaded)
+    LLM.from_engine(engine).generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=16,
+                                     ignore_eos=True), use_tqdm=False)  # warm-up
+    return engine
+
+
+def num_blocks(engine: LLMEngine) -> int:
+    return engine.model_runner.kv_caches[0][0].shape[0]
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.model_runner.model.parameters())
+
+
+def roofline(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int],
+             bandwidth: float) -> float:
+    """Output tok/s if each decode step read the weights once and each active request's KV
+    once at the copy bandwidth (throughput.py's roofline, for any weight and KV dtype)."""
+    kv_per_token = engine.model_runner.block_bytes // engine.config.block_size
+    kv = sum(n * len(p) + n * (n - 1) // 2 for p, n in zip(prompts, out_lens)) * kv_per_token
+    seconds = (weight_bytes(engine) * max(out_lens) + kv) / bandwidth
+    return round(sum(out_lens) / seconds, 1)
+
+
+def workload_a(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int]) -> dict:
+    params = [SamplingParams(temperature=throughput.TEMPERATURE, max_tokens=n, ignore_eos=True)
+              for n in out_lens]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outputs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"seconds": round(seconds, 3), "output_tokens": tokens,
+            "output_tok_per_s": round(tokens / seconds, 1),
+            "preemptions": scheduler(engine).num_preemptions}
+
+
+def scheduler(engine: LLMEngine):
+    """The engine's scheduler, wherever the engine keeps it (on the engine or its core)."""
+    return getattr(engine, "scheduler", None) or engine.engine_core.scheduler
+
+
+def part_kv(res: Results, loaded: LoadedModel, model_dir: str, bandwidth: float) -> None:
+    prompts, out_lens = throughput.workload_prompts()
+    for kv in ("auto", "fp8"):
+        engine = engine_for(loaded, model_dir, kv_cache_dtype=kv)
+        row = workload_a(engine, prompts, out_lens)
+        res.add("kv", workload="A", model="qwen3-0.6b shape, random bf16",
+                kv_cache_dtype="bf16" if kv == "auto" else "fp8_e4m3", **row,
+                kv_blocks=num_blocks(engine), kv_block_bytes=engine.model_runner.block_bytes,
+                roofline_tok_per_s=roofline(engine, prompts, out_lens, bandwidth))
+        del engine
+        throughput.release()
+
+
+# ------------------------------------------------------------------------------- kernel
+def part_kernel(res: Results, bandwidth: float) -> None:
+    """Decode on a bf16 and an FP8 cache at Qwen3-0.6B's attention shape (16 query heads,
+    8 KV heads, head_dim 128, block 16), timed in CUDA graphs rotating over > 1 GiB of KV."""
+    kernels = _module("kernels")
+    hq, hkv, d, bs = 16, 8, 128, 16
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, context in ((256, 1024), (64, 4096), (1, 32768)):
+        seqs_per_copy, blocks = batch, context // bs
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            element = torch.empty(0, dtype=dtype).element_size()
+            kv_bytes = 2 * batch * context * hkv * d * element
+            copies = max(1, math.ceil((1 << 30) / kv_bytes))
+            total = seqs_per_copy * copies
+            k = torch.randn(total * blocks + 1, bs, hkv, d, device="cuda").to(dtype)
+            v = torch.randn_like(k, dtype=torch.float32).to(dtype)
+            tables = (torch.randperm(total * blocks, device="cuda").int() + 1).view(total,
+                                                                                    blocks)
+            lens = torch.full((total,), context, dtype=torch.int32, device="cuda")
+            q = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty_like(q)
+            scales = None
+            if dtype == torch.float8_e4m3fn:
+                scales = (torch.ones(hkv, device="cuda"), torch.ones(hkv, device="cuda"))
+
+            def call(r):
+                p = slice(r * batch, (r + 1) * batch)
+                return lambda: paged_decode(q[p], k, v, tables[p], lens[p], context,
+                                            d ** -0.5, out[p], num_sms, kv_scales=scales)
+
+            us = kernels.graph_us([call(r) for r in range(copies)])
+            gbps = kv_bytes / (us * 1e-6) / 1e9
+            res.add("kernel", kernel="paged_decode", batch=batch, context=context,
+                    kv_dtype=str(dtype).removeprefix("torch."), us=round(us, 2),
+                    gb_per_s=round(gbps, 1),
+                    pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1),
+                    tokens_per_s=round(batch / (us * 1e-6), 1))
+            del k, v, q, out, tables
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------ quality
+def quality_prompts() -> list[list[int]]:
+    import random
+
+    rng = random.Random(1)
+    return [[rng.randrange(10_000) for _ in range(rng.randint(20, 300))]
+            for _ in range(QUALITY_PROMPTS)]
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=QUALITY_TOKENS, ignore_eos=True)
+    outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@torch.inference_mode()
+def forced_logprobs(engine: LLMEngine, tokens: list[int], num_next: int) -> torch.Tensor:
+    """log-softmax [num_next, vocab] of the next-token distributions at the last num_next
+    positions of `tokens`, from one prefill through the engine's model, backend and cache
+    format (its own fresh caches, so the engine's blocks are untouched)."""
+    runner = engine.model_runner
+    device = runner.device
+    layers = runner.model.attention_layers()
+    saved = [(a.k_cache, a.v_cache, a.kv_scales) for a in layers]
+    bs, n = runner.block_size, len(tokens)
+    blocks = -(-n // bs) + 1
+    try:
+        for a, scales in zip(layers, runner.kv_scales):
+            shape = (blocks, bs, a.num_kv_heads, a.head_dim)
+            a.k_cache = torch.zeros(shape, dtype=runner.kv_cache_dtype, device=device)
+            a.v_cache = torch.zeros(shape, dtype=runner.kv_cache_dtype, device=device)
+            a.kv_scales = scales
+        meta = AttentionMetadata(
+            num_decodes=0, num_decode_tokens=0,
+            slot_mapping=torch.arange(bs, bs + n, device=device),
+            block_tables=torch.arange(1, blocks, dtype=torch.int32, device=device)[None],
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+            max_query_len=n, max_seq_len=n)
+        ids = torch.tensor(tokens, device=device)
+        with set_forward_context(meta, runner.backend):
+            hidden = runner.model(ids, torch.arange(n, device=device))
+        logits = runner.model.compute_logits(hidden[n - 1 - num_next:n - 1])
+        return logits.float().log_softmax(-1)
+    finally:
+        for a, (k, v, s) in zip(layers, saved):
+            a.k_cache, a.v_cache, a.kv_scales = k, v, s
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
+    first = statistics.mean(t[0] == r[0] for t, r in zip(tokens, reference))
+    whole = statistics.mean(t == r for t, r in zip(tokens, reference))
+    prefix = statistics.mean(next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(r))
+                             / len(r) for t, r in zip(tokens, reference))
+    return {"first_token_agreement": round(first, 4),
+            f"greedy_agreement_{QUALITY_TOKENS}": round(whole, 4),
+            "mean_matching_prefix_fraction": round(prefix, 4)}
+
+
+def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """Mean over positions of KL(reference || other), nats."""
+    kls = [(r.exp() * (r - o)).sum(-1) for r, o in zip(reference, other)]
+    return round(float(torch.cat(kls).mean()), 5)
+
+
+def part_quality(res: Results, model_dir: str, loaded: LoadedModel) -> None:
+    prompts = quality_prompts()
+    engine = engine_for(loaded, model_dir)
+    reference = greedy(engine, prompts)
+    sequences = [p + r for p, r in zip(prompts, reference)]
+    ref_lp = [forced_logprobs(engine, s, QUALITY_TOKENS) for s in sequences]
+    del engine
+    throughput.release()
+    common = {"model": "qwen3-0.6b shape, random bf16, LM head x25",
+              "prompts": len(prompts), "tokens": QUALITY_TOKENS}
+    variants = (("fp8_kv", {}, {"kv_cache_dtype": "fp8"}),
+                ("fp8_weights", {"quantization": "fp8"}, {}),
+                ("fp8_kv+fp8_weights", {"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}))
+    quantized = None
+    for name, load_opts, engine_opts in variants:
+        if load_opts and quantized is None:
+            quantized = LoadedModel.load(EngineConfig(model=model_dir, **load_opts))
+        engine = engine_for(quantized if load_opts else loaded, model_dir, **engine_opts)
+        tokens = greedy(engine, prompts)
+        lp = [forced_logprobs(engine, s, QUALITY_TOKENS) for s in sequences]
+        res.add("quality", variant=name, against="pagedserve bf16", **common,
+                **agreement(tokens, reference), mean_kl_nats=mean_kl(ref_lp, lp))
+        del engine
+        throughput.release()
+    del quantized
+    throughput.release()
+    hf_tokens, hf_lp = transformers_reference(model_dir, prompts, sequences)
+    res.add("quality", variant="bf16 (noise floor)", against="transformers bf16", **common,
+            **agreement(reference, hf_tokens), mean_kl_nats=mean_kl(hf_lp, ref_lp))
+
+
+@torch.inference_mode()
+def transformers_reference(model_dir: str, prompts: list[list[int]],
+                           sequences: list[list[int]]) -> tuple[list, list]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    tokens, lps = [], []
+    for prompt, seq in zip(prompts, sequences):
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, max_new_tokens=QUALITY_TOKENS, do_sample=False,
+                             eos_token_id=-1, pad_token_id=0)
+        tokens.append(out[0, len(prompt):].tolist())
+        logits = model(torch.tensor([seq], device="cuda")).logits[0]
+        n = len(seq)
+        lps.append(logits[n - 1 - QUALITY_TOKENS:n - 1].float().log_softmax(-1))
+    del model
+    throughput.release()
+    return tokens, lps
+
+
+# ----------------------------------------------------------------------------------- 8B
+def random_checkpoint(config_path: Path, out: Path) -> None:
+    """A Llama checkpoint of random bf16 weights (std 0.02, norms 1) made on the GPU and
+    written one shard per 4 layers, with a byte-level tokenizer: seconds where transformers'
+    initialisation of 8B parameters on the CPU takes minutes."""
+    from safetensors.torch import save_file
+
+    raw = json.loads(config_path.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    h, inter, kv = raw["hidden_size"], raw["intermediate_size"], raw["num_key_value_heads"]
+    d = raw.get("head_dim") or h // raw["num_attention_heads"]
+    q = raw["num_attention_heads"] * d
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def rand(*shape):
+        return (torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02).cpu()
+
+    weight_map, shard = {}, {}
+    layer_names = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv * d, h),
+                   "self_attn.v_proj": (kv * d, h), "self_attn.o_proj": (h, q),
+                   "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                   "mlp.down_proj": (h, inter)}
+
+    def flush(index: int) -> None:
+        name = f"model-{index:05d}.safetensors"
+        save_file(shard, out / name)
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    shard["model.embed_tokens.weight"] = rand(raw["vocab_size"], h)
+    for i in range(raw["num_hidden_layers"]):
+        for name, shape in layer_names.items():
+            shard[f"model.layers.{i}.{name}.weight"] = rand(*shape)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shard[f"model.layers.{i}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        if i % 4 == 3:
+            flush(i // 4)
+    shard["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    shard["lm_head.weight"] = rand(raw["vocab_size"], h)
+    flush(raw["num_hidden_layers"] // 4 + 1)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(raw))
+    _module("make_checkpoint").byte_level_tokenizer().save_pretrained(out)
+
+
+def tpot_batch1(engine: LLMEngine, tokens: int = 256) -> float:
+    """Mean ms per output token after the first, one request of 128 prompt tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
+    times = []
+    for seed in range(3):
+        prompt = [(seed * 131 + i * 7) % 10_000 for i in range(128)]
+        out = LLM.from_engine(engine).generate([prompt], params, use_tqdm=False)[0]
+        m = out.metrics
+        times.append((m.finished_time - m.first_token_time) / tokens * 1e3)
+    return round(statistics.median(times), 3)
+
+
+def part_8b(res: Results, root: Path, bandwidth: float) -> None:
+    model_dir = root / "llama3-8b"
+    t0 = time.perf_counter()
+    random_checkpoint(HERE / "configs" / "llama3-8b.json", model_dir)
+    print(f"8B checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
+    prompts, out_lens = throughput.workload_prompts()
+    common = {"model": "llama-3-8b shape, random bf16"}
+    tpot = {}
+    for name, quantization, kv in (("bf16", None, "auto"), ("fp8_weights", "fp8", "auto"),
+                                   ("fp8_weights+fp8_kv", "fp8", "fp8")):
+        if name != "fp8_weights+fp8_kv":
+            loaded = LoadedModel.load(EngineConfig(model=str(model_dir),
+                                                   quantization=quantization))
+        engine = engine_for(loaded, str(model_dir), kv_cache_dtype=kv)
+        if name != "fp8_weights+fp8_kv":
+            tpot[name] = tpot_batch1(engine)
+            res.add("8b", measure="tpot_batch1_ms", variant=name, tpot_ms=tpot[name],
+                    weight_bytes=weight_bytes(engine), **common,
+                    **({"ratio_vs_bf16": round(tpot[name] / tpot["bf16"], 3)}
+                       if name != "bf16" else {}))
+        if name != "fp8_weights":
+            row = workload_a(engine, prompts, out_lens)
+            res.add("8b", measure="workload_A", variant=name, **common, **row,
+                    kv_blocks=num_blocks(engine),
+                    roofline_tok_per_s=roofline(engine, prompts, out_lens, bandwidth))
+        del engine
+        throughput.release()
+        if name == "bf16":
+            del loaded
+            throughput.release()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for fp8.json")
+    parser.add_argument("--parts", default="kv,kernel,quality,8b")
+    parser.add_argument("--model", help="a Qwen3-0.6B-shaped checkpoint folder (default: made "
+                        "here, random, LM head x25)")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    res = Results(args.out)
+    root = Path(tempfile.mkdtemp(prefix="pagedserve-fp8-"))
+    bandwidth = throughput.copy_bandwidth()
+    model_dir = args.model
+    if model_dir is None and {"kv", "quality"} & set(parts):
+        model_dir = str(root / "qwen3-0.6b")
+        _module("make_checkpoint").make_checkpoint(
+            HERE / "configs" / "qwen3-0.6b.json", Path(model_dir), torch.bfloat16, 0, "bytes",
+            25.0)
+    loaded = LoadedModel.load(EngineConfig(model=model_dir)) if model_dir else None
+    if "kv" in parts:
+        part_kv(res, loaded, model_dir, bandwidth)
+    if "kernel" in parts:
+        part_kernel(res, bandwidth)
+    if "quality" in parts:
+        part_quality(res, model_dir, loaded)
+    del loaded
+    throughput.release()
+    if "8b" in parts:
+        part_8b(res, root, bandwidth)
+    print("summary:", flush=True)
+    for row in res.rows:
+        keys = ("variant", "kv_cache_dtype", "kv_dtype", "batch", "context", "measure",
+                "output_tok_per_s", "roofline_tok_per_s", "kv_blocks", "gb_per_s",
+                "pct_copy_bw", "tpot_ms", "ratio_vs_bf16", "first_token_agreement",
+                f"greedy_agreement_{QUALITY_TOKENS}", "mean_kl_nats")
+        print(row["part"], {k: row[k] for k in keys if k in row}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
