@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python benchmarks/fp8.py --out DIR [--parts kv,kernel,quality,8b]
 
-Parts (all by default; about 7 minutes on an H100):
+Parts (all by default; about 7 minutes on an H100; if one call may not last that long, run
+`--parts kv,kernel,quality` and `--parts 8b` as two):
   kv       workload A (benchmarks/throughput.py's: 256 requests, prompt and output lengths
            uniform in [100, 1024]), Qwen3-0.6B shape: bf16 KV against FP8 KV on the same
            weights in this process; KV blocks for the same memory and each run's roofline
@@ -46,7 +47,7 @@ from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 from pagedserve.entrypoints.llm import LLM  # noqa: E402
 
-QUALITY_PROMPTS = 32
+QUALITY_PROMPTS = 24
 QUALITY_TOKENS = 48
 
 
@@ -339,8 +340,9 @@ def random_checkpoint(config_path: Path, out: Path) -> None:
     _module("make_checkpoint").byte_level_tokenizer().save_pretrained(out)
 
 
-def tpot_batch1(engine: LLMEngine, tokens: int = 256) -> float:
-    """Mean ms per output token after the first, one request of 128 prompt tokens."""
+def tpot_batch1(engine: LLMEngine, tokens: int = 128) -> float:
+    """Mean ms per output token after the first, one request of 128 prompt tokens (the
+    median of 3 requests)."""
     params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
     times = []
     for seed in range(3):
