@@ -6,11 +6,16 @@ over memory bandwidth; e4m3 halves those bytes against bf16. Activation scales a
 per token (row) at run time, so nothing is calibrated and an outlier token costs only its
 own row's precision.
 
-y = (x_q * s_x) @ (W_q * s_w)^T, where x_q = round_e4m3(x / s_x) with s_x = max|x_row| / 448,
-and W_q, s_w likewise per output row (`quantize_rows`). On CUDA `torch._scaled_mm` applies
-both scales in its epilogue (row-wise scaling: Ada or Hopper, bf16 output); elsewhere the
-same quantized operands are dequantized to float32 and multiplied (`reference_linear`): slow,
-but it runs such a model on the CPU, and it is what the GPU path is checked against.
+Decode steps of at most 16 tokens take `fp8_kernel.weight_only_linear` instead: x @ (W_q *
+s_w)^T with x unquantized, the weight cast in registers (`_scaled_mm` at a handful of rows
+does not read the weights at bandwidth, which is all such a step should cost).
+
+Otherwise y = (x_q * s_x) @ (W_q * s_w)^T, where x_q = round_e4m3(x / s_x) with
+s_x = max|x_row| / 448, and W_q, s_w likewise per output row (`quantize_rows`). On CUDA
+`torch._scaled_mm` applies both scales in its epilogue (row-wise scaling: Ada or Hopper, bf16
+output); elsewhere the same quantized operands are dequantized to float32 and multiplied
+(`reference_linear`): slow, but it runs such a model on the CPU, and it is what the GPU path
+is checked against.
 
 Which layers: the decoder's dense projections (q/k/v, o, gate/up, down: `Decoder.
 dense_linears`). The embedding, the LM head and MoE experts keep the model's dtype (as
@@ -52,10 +57,15 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
     """x [..., K] @ the e4m3 weight [N, K] with scales [N]^T (+ bias) -> [..., N] in x's dtype."""
     if not x.is_cuda:
         return reference_linear(x, weight, weight_scale, bias)
-    from pagedserve.model.fp8_kernel import quantize_tokens  # Triton: imported on CUDA only
+    # Triton: imported on CUDA only
+    from pagedserve.model.fp8_kernel import (MAX_WEIGHT_ONLY_ROWS, quantize_tokens,
+                                             weight_only_linear)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    if rows.shape[0] <= MAX_WEIGHT_ONLY_ROWS:
+        y = weight_only_linear(rows, weight, weight_scale, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
     x_q, x_scale = quantize_tokens(rows)
     # weight.t() is column-major, as the second operand must be; row-wise scales want a
     # bf16 result

@@ -88,6 +88,20 @@ def test_activation_quantization_and_fp8_gemm():
     assert got.dtype == torch.bfloat16 and got.shape == (37, 1024)
     assert float((got.float() - want).norm() / want.norm()) < 1e-2
 
+    # decode-sized batches take the weight-only kernel: the dequantized weight times the
+    # unquantized activations, the same inside a CUDA graph
+    for rows in (1, 5, 16):
+        x_small = x[:rows].clone()
+        got = fp8.fp8_linear(x_small, w_q, w_scale, bias)
+        want = x_small.float() @ (w_q.float() * w_scale[:, None]).t() + bias.float()
+        assert float((got.float() - want).norm() / want.norm()) < 5e-3, rows
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fp8.fp8_linear(x_small, w_q, w_scale, bias)
+        x_small.copy_(x[rows:2 * rows])
+        graph.replay()
+        assert torch.equal(captured, fp8.fp8_linear(x_small, w_q, w_scale, bias)), rows
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
