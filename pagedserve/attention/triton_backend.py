@@ -22,11 +22,12 @@ def _num_sms(device: torch.device) -> int:
 
 class TritonBackend(AttentionBackend):
     """store_kv, then the decode kernel on the leading decodes and the prefill kernel on the
-    rest; copy_blocks is a Triton kernel, swap_blocks the base class's staged torch copy."""
+    rest; copy_blocks is a Triton kernel, swap_blocks the base class's staged torch copy.
+    decode_cfg None: each cache dtype's own launch settings (`decode.default_config`)."""
 
     name = "triton"
 
-    def __init__(self, decode_cfg: DecodeConfig = DecodeConfig(),
+    def __init__(self, decode_cfg: DecodeConfig | None = None,
                  prefill_cfg: PrefillConfig = PrefillConfig()):
         self.decode_cfg = decode_cfg
         self.prefill_cfg = prefill_cfg

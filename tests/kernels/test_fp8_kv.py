@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedserve.attention import kv_quant, torch_ref
+from pagedserve.attention.kernels import decode
 from pagedserve.attention.kernels import (PrefillConfig, copy_blocks, paged_decode_v1,
                                           paged_decode_v2, paged_prefill, store_kv)
 from pagedserve.attention.triton_backend import TritonBackend
@@ -82,6 +83,41 @@ def test_decode_reads_fp8_cache(version, num_heads, num_kv_heads):
         paged_decode_v2(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
                         m.max_seq_len, case.scale, out, SMALL_DECODE, kv_scales=case.kv_scales)
     torch.testing.assert_close(out.double(), case.expected, **TOL, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("num_sms", [1, 64])
+def test_decode_with_the_fp8_launch_settings(num_sms):
+    """paged_decode's own choice for an FP8 cache (`decode.FP8_DECODE`: 128-token tiles, v2
+    partitions of 512+ tokens, 64-token small-grid tiles): v1 where the SMs are few, v2 split
+    into partitions where they are many; contexts end inside and past a tile."""
+    seed = fresh_seed()
+    case = make_case([(c, 1) for c in (0, 130, 700, 1100)], 4, 2, 32, 16, seed=seed,
+                     kv_scales=scales(2, seed))
+    store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, case.kv_scales)
+    m = case.meta
+    assert decode.use_v2(4, 2, m.max_seq_len, num_sms) == (num_sms == 64)
+    out = torch.full_like(case.q, float("nan"))
+    decode.paged_decode(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
+                        m.max_seq_len, case.scale, out, num_sms, kv_scales=case.kv_scales)
+    torch.testing.assert_close(out.double(), case.expected, **TOL, msg=f"seed {seed}")
+
+
+def test_fp8_launch_settings_hold_bf16s_bytes_per_step():
+    """An FP8 cache's tiles and v2 partitions are twice bf16's in tokens (the same bytes);
+    bf16's stay as they were."""
+    fp8_cache = torch.empty(2, 16, 8, 128, dtype=kv_quant.FP8_DTYPE)
+    bf16 = decode.default_config(fp8_cache.to(torch.bfloat16))
+    fp8 = decode.default_config(fp8_cache)
+    assert bf16 == decode.DecodeConfig() and fp8 == decode.FP8_DECODE
+    assert fp8.block_n == 2 * bf16.block_n and fp8.partitions == tuple(
+        2 * p for p in bf16.partitions)
+    # many long sequences: the largest partition with two programs per SM
+    assert decode.choose_v2_config(32, 8, 16384, 132, bf16).partition == 1024
+    assert decode.choose_v2_config(32, 8, 16384, 132, fp8).partition == 2048
+    # batch 1 at 1k: the small-grid tiles, twice bf16's too
+    small = decode.choose_v2_config(1, 8, 1024, 132, fp8)
+    assert (small.block_n, small.num_stages) == (2 * 32, decode.SMALL_GRID_STAGES)
+    assert small.partition % small.block_n == 0
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,window", [(4, 4, None), (8, 2, 24),

@@ -265,12 +265,29 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters; defaults are the H100 choice from benchmarks/kernels.py."""
+    """Launch parameters; defaults are the H100 choice for a bf16 cache from
+    benchmarks/kernels.py (`FP8_DECODE` for an FP8 one)."""
 
     block_n: int = 64  # context positions per inner tile
     partition: int = 512  # v2 called directly; `paged_decode` picks one per batch instead
     num_warps: int = 4
     num_stages: int = 3  # as v1 counts them: K/V single-buffered up to 4, double from 5
+    # what `paged_decode` chooses v2's partition from, largest first (multiples of block_n)
+    partitions: tuple[int, ...] = (1024, 512, 256)
+    small_grid_block_n: int = 32  # v2's tile where the grid underfills the SMs
+
+
+# An FP8 cache holds a token's K/V in half the bytes: with bf16's tiles each program would
+# keep half the bytes in flight per step and sit on memory latency (H100, bf16's launch on
+# an e4m3 cache: 46-64% of copy bandwidth where bf16 reaches 85-99%). So its tiles, v2
+# partitions and small-grid tiles hold twice the tokens: the same bytes as bf16's.
+# benchmarks/fp8.py --parts kernel --sweep times the alternatives.
+FP8_DECODE = DecodeConfig(block_n=128, partitions=(2048, 1024, 512), small_grid_block_n=64)
+
+
+def default_config(k_cache: Tensor) -> DecodeConfig:
+    """The launch parameters for a cache of this dtype."""
+    return FP8_DECODE if is_fp8(k_cache) else DecodeConfig()
 
 
 def _group_pad(group: int) -> int:
@@ -392,7 +409,7 @@ def _arrival_counters(n: int, device: torch.device) -> Tensor:
     return buf
 
 
-PARTITIONS = (1024, 512, 256)  # multiples of block_n
+PARTITIONS = DecodeConfig().partitions
 
 
 def use_v2(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> bool:
@@ -404,13 +421,13 @@ def use_v2(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> 
 
 
 def choose_partition(num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                     num_sms: int) -> int:
+                     num_sms: int, partitions: tuple[int, ...] = PARTITIONS) -> int:
     """The largest partition that still yields two programs per SM: fewer partitions mean
     less partial-result traffic, but each SM needs a couple of programs to hide latency."""
-    for partition in PARTITIONS:
+    for partition in partitions:
         if num_seqs * num_kv_heads * triton.cdiv(max_seq_len, partition) >= 2 * num_sms:
             return partition
-    return PARTITIONS[-1]
+    return partitions[-1]
 
 
 # v2's tiles where even the smallest partition leaves the SMs under two programs each (batch 1
@@ -420,29 +437,32 @@ def choose_partition(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 # so at 3 or 4 the next K/V is fetched only after the math (one buffer each, triton 3.6).
 # 32-row tiles keep it at 122 registers and 38 KB of shared memory, 4 programs per SM.
 # H100 (benchmarks/kernels.py --sweep v2): batch 1 x 1k 11.4 -> 10.6 us, x 8k 19.4 -> 18.2 us;
-# no gain on grids that fill the SMs (batch 1 x 32k at 1024: 55.0 vs 54.6 us).
-SMALL_GRID_TILES = {"block_n": 32, "num_stages": 5}
+# no gain on grids that fill the SMs (batch 1 x 32k at 1024: 55.0 vs 54.6 us). The tile's
+# length is the config's `small_grid_block_n`.
+SMALL_GRID_STAGES = 5
 
 
 def choose_v2_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                      cfg: DecodeConfig = DecodeConfig()) -> DecodeConfig:
-    """cfg with the partition of `choose_partition`, and SMALL_GRID_TILES where that grid
-    still leaves the SMs under two programs each."""
-    partition = choose_partition(num_seqs, num_kv_heads, max_seq_len, num_sms)
+    """cfg with the partition of `choose_partition` among cfg.partitions, and the small-grid
+    tiles where that grid still leaves the SMs under two programs each."""
+    partition = choose_partition(num_seqs, num_kv_heads, max_seq_len, num_sms, cfg.partitions)
     cfg = replace(cfg, partition=partition)
     if num_seqs * num_kv_heads * triton.cdiv(max_seq_len, partition) < 2 * num_sms:
-        cfg = replace(cfg, **SMALL_GRID_TILES)
+        cfg = replace(cfg, block_n=cfg.small_grid_block_n, num_stages=SMALL_GRID_STAGES)
     return cfg
 
 
 def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                  seq_lens: Tensor, max_seq_len: int, scale: float, out: Tensor, num_sms: int,
-                 cfg: DecodeConfig = DecodeConfig(), window: int | None = None,
+                 cfg: DecodeConfig | None = None, window: int | None = None,
                  softcap: float | None = None,
                  kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """v1 or v2 (with a partition sized to the batch, and double-buffered tiles where the
-    grid is small), by `use_v2` on the attended length (the window at most)."""
+    grid is small), by `use_v2` on the attended length (the window at most). cfg None: the
+    cache dtype's `default_config`."""
     num_seqs, num_kv_heads = q.shape[0], k_cache.shape[2]
+    cfg = cfg or default_config(k_cache)
     length = attended_len(max_seq_len, window)
     if use_v2(num_seqs, num_kv_heads, length, num_sms):
         cfg = choose_v2_config(num_seqs, num_kv_heads, length, num_sms, cfg)
