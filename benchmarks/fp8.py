@@ -8,7 +8,11 @@ Parts (all by default; about 7 minutes on an H100; if one call may not last that
            uniform in [100, 1024]), Qwen3-0.6B shape: bf16 KV against FP8 KV on the same
            weights in this process; KV blocks for the same memory and each run's roofline
   kernel   paged decode at Qwen3-0.6B's attention shape on a bf16 and an FP8 cache: time and
-           effective bandwidth (cache bytes read over time) against the copy bandwidth
+           effective bandwidth (cache bytes read over time) against the copy bandwidth;
+           with --sweep also the FP8 cache under each candidate launch setting
+  gemv     FP8 weights at 1, 4 and 16 tokens on Llama-3-8B's projections: the weight-only
+           kernel against _scaled_mm and against bf16, as weight bandwidth; with --sweep
+           also each candidate tile setting of the weight-only kernel
   quality  Qwen3-0.6B shape, random weights, LM head untied and x25 (sharp distributions):
            first-token agreement, greedy agreement over 48 tokens and the mean KL divergence
            of next-token distributions (teacher-forced on the bf16 engine's tokens) against
@@ -31,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 # this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
@@ -41,11 +46,13 @@ import torch  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.attention.backend import set_forward_context  # noqa: E402
-from pagedserve.attention.kernels import paged_decode  # noqa: E402
+from pagedserve.attention.kernels import DecodeConfig, paged_decode  # noqa: E402
+from pagedserve.attention.kernels.decode import FP8_DECODE  # noqa: E402
 from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 from pagedserve.entrypoints.llm import LLM  # noqa: E402
+from pagedserve.model.fp8_kernel import WeightOnlyConfig  # noqa: E402
 
 QUALITY_PROMPTS = 24
 QUALITY_TOKENS = 48
@@ -137,13 +144,34 @@ def part_kv(res: Results, loaded: LoadedModel, model_dir: str, bandwidth: float)
 
 
 # ------------------------------------------------------------------------------- kernel
-def part_kernel(res: Results, bandwidth: float) -> None:
+DECODE_SHAPES = ((256, 1024), (64, 4096), (1, 32768))
+
+
+def fp8_decode_candidates() -> dict[str, DecodeConfig]:
+    """FP8 launch settings `--sweep` times beside the default (`decode.FP8_DECODE`): longer
+    tiles, more warps, double-buffered tiles (5 stages), bf16's partitions, bf16's launch."""
+    base = FP8_DECODE
+    return {"fp8 default": base,
+            "bf16 launch": DecodeConfig(),
+            "n128 w8": replace(base, num_warps=8),
+            "n128 s5": replace(base, num_stages=5),
+            "n128 w8 s5": replace(base, num_warps=8, num_stages=5),
+            "n256 w8": replace(base, block_n=256, num_warps=8),
+            "n256 w8 s4": replace(base, block_n=256, num_warps=8, num_stages=4),
+            "n64 s5": replace(base, block_n=64, num_stages=5),
+            "n128 bf16 partitions": replace(base, partitions=DecodeConfig().partitions,
+                                            small_grid_block_n=32)}
+
+
+def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:
     """Decode on a bf16 and an FP8 cache at Qwen3-0.6B's attention shape (16 query heads,
-    8 KV heads, head_dim 128, block 16), timed in CUDA graphs rotating over > 1 GiB of KV."""
+    8 KV heads, head_dim 128, block 16), timed in CUDA graphs rotating over > 1 GiB of KV;
+    each cache with its default launch settings, and with `sweep` the FP8 cache also with
+    each of `fp8_decode_candidates`."""
     kernels = _module("kernels")
     hq, hkv, d, bs = 16, 8, 128, 16
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for batch, context in ((256, 1024), (64, 4096), (1, 32768)):
+    for batch, context in DECODE_SHAPES:
         seqs_per_copy, blocks = batch, context // bs
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             element = torch.empty(0, dtype=dtype).element_size()
@@ -158,23 +186,78 @@ def part_kernel(res: Results, bandwidth: float) -> None:
             q = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16)
             out = torch.empty_like(q)
             scales = None
+            configs: dict[str, DecodeConfig | None] = {"default": None}
             if dtype == torch.float8_e4m3fn:
                 scales = (torch.ones(hkv, device="cuda"), torch.ones(hkv, device="cuda"))
+                if sweep:
+                    configs.update(fp8_decode_candidates())
 
-            def call(r):
+            def call(r, cfg):
                 p = slice(r * batch, (r + 1) * batch)
                 return lambda: paged_decode(q[p], k, v, tables[p], lens[p], context,
-                                            d ** -0.5, out[p], num_sms, kv_scales=scales)
+                                            d ** -0.5, out[p], num_sms, cfg, kv_scales=scales)
 
-            us = kernels.graph_us([call(r) for r in range(copies)])
-            gbps = kv_bytes / (us * 1e-6) / 1e9
-            res.add("kernel", kernel="paged_decode", batch=batch, context=context,
-                    kv_dtype=str(dtype).removeprefix("torch."), us=round(us, 2),
-                    gb_per_s=round(gbps, 1),
-                    pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1),
-                    tokens_per_s=round(batch / (us * 1e-6), 1))
+            for name, cfg in configs.items():
+                us = kernels.graph_us([call(r, cfg) for r in range(copies)])
+                gbps = kv_bytes / (us * 1e-6) / 1e9
+                row = {} if cfg is None else {"config": name, **asdict(cfg)}
+                res.add("kernel", kernel="paged_decode", batch=batch, context=context,
+                        kv_dtype=str(dtype).removeprefix("torch."), **row, us=round(us, 2),
+                        gb_per_s=round(gbps, 1),
+                        pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1),
+                        tokens_per_s=round(batch / (us * 1e-6), 1))
             del k, v, q, out, tables
             torch.cuda.empty_cache()
+
+
+def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
+    """FP8 weights at decode batch sizes, Llama-3-8B's projections (K x N): the weight-only
+    kernel (`fp8_kernel.weight_only_linear`; with `sweep` each of `weight_only_candidates`)
+    against `_scaled_mm` with per-token activation quantization and against the bf16 matmul,
+    timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them)."""
+    from pagedserve.model import fp8
+    from pagedserve.model.fp8_kernel import quantize_tokens, weight_only_linear
+
+    kernels = _module("kernels")
+    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+              "down": (14336, 4096)}
+
+    def scaled_mm(x, w, s):
+        x_q, x_s = quantize_tokens(x)
+        return torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=s.view(1, -1),
+                                out_dtype=torch.bfloat16)
+
+    for name, (k_dim, n_dim) in shapes.items():
+        copies = max(2, math.ceil((1 << 30) / (k_dim * n_dim)))
+        w = torch.randn(copies, n_dim, k_dim, device="cuda", dtype=torch.bfloat16) * 0.02
+        w_q, w_s = fp8.quantize_rows(w.view(-1, k_dim))
+        w_q, w_s = w_q.view(copies, n_dim, k_dim), w_s.view(copies, n_dim)
+        methods = {"bf16 matmul": (lambda x, r: x @ w[r].t(), 2),
+                   "scaled_mm": (lambda x, r: scaled_mm(x, w_q[r], w_s[r]), 1)}
+        configs = {"weight_only": None}
+        if sweep:
+            configs.update(weight_only_candidates())
+        for label, cfg in configs.items():
+            methods[label] = ((lambda c: lambda x, r: weight_only_linear(
+                x, w_q[r], w_s[r], None, *([c] if c else [])))(cfg), 1)
+        for rows in (1, 4, 16):
+            x = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
+            for label, (fn, element) in methods.items():
+                us = kernels.graph_us([(lambda r: lambda: fn(x, r))(r) for r in range(copies)])
+                gbps = n_dim * k_dim * element / (us * 1e-6) / 1e9
+                res.add("gemv", layer=name, k=k_dim, n=n_dim, rows=rows, method=label,
+                        us=round(us, 2), gb_per_s=round(gbps, 1),
+                        pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1))
+        del w, w_q, w_s
+        torch.cuda.empty_cache()
+
+
+def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
+    """Tiles `--sweep` times beside `WeightOnlyConfig()`."""
+    return {f"n{n} k{k} w{w} s{s}": WeightOnlyConfig(n, k, w, s)
+            for n, k, w, s in ((16, 256, 4, 4), (16, 1024, 4, 3), (16, 512, 8, 4),
+                               (32, 512, 4, 4), (32, 256, 4, 5), (64, 256, 4, 4),
+                               (16, 512, 4, 6))}
 
 
 # ------------------------------------------------------------------------------ quality
@@ -388,7 +471,9 @@ def part_8b(res: Results, root: Path, bandwidth: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for fp8.json")
-    parser.add_argument("--parts", default="kv,kernel,quality,8b")
+    parser.add_argument("--parts", default="kv,kernel,gemv,quality,8b")
+    parser.add_argument("--sweep", action="store_true", help="kernel and gemv: also time the "
+                        "candidate launch settings (FP8 decode tiles, weight-only tiles)")
     parser.add_argument("--model", help="a Qwen3-0.6B-shaped checkpoint folder (default: made "
                         "here, random, LM head x25)")
     args = parser.parse_args()
@@ -406,7 +491,9 @@ def main() -> None:
     if "kv" in parts:
         part_kv(res, loaded, model_dir, bandwidth)
     if "kernel" in parts:
-        part_kernel(res, bandwidth)
+        part_kernel(res, bandwidth, args.sweep)
+    if "gemv" in parts:
+        part_gemv(res, bandwidth, args.sweep)
     if "quality" in parts:
         part_quality(res, model_dir, loaded)
     del loaded
@@ -415,7 +502,8 @@ def main() -> None:
         part_8b(res, root, bandwidth)
     print("summary:", flush=True)
     for row in res.rows:
-        keys = ("variant", "kv_cache_dtype", "kv_dtype", "batch", "context", "measure",
+        keys = ("variant", "kv_cache_dtype", "kv_dtype", "batch", "context", "config",
+                "layer", "rows", "method", "us", "measure",
                 "output_tok_per_s", "roofline_tok_per_s", "kv_blocks", "gb_per_s",
                 "pct_copy_bw", "tpot_ms", "ratio_vs_bf16", "first_token_agreement",
                 f"greedy_agreement_{QUALITY_TOKENS}", "mean_kl_nats")
