@@ -149,7 +149,8 @@ DECODE_SHAPES = ((256, 1024), (64, 4096), (1, 32768))
 
 def fp8_decode_candidates() -> dict[str, DecodeConfig]:
     """FP8 launch settings `--sweep` times beside the default (`decode.FP8_DECODE`): longer
-    tiles, more warps, double-buffered tiles (5 stages), bf16's partitions, bf16's launch."""
+    tiles, more warps, double-buffered tiles (5 stages), bf16's partitions, bf16's launch, dot
+    products in float16 (`DecodeConfig.fp16_dot`: one conversion from e4m3, not bf16's)."""
     base = FP8_DECODE
     return {"fp8 default": base,
             "bf16 launch": DecodeConfig(),
@@ -160,7 +161,10 @@ def fp8_decode_candidates() -> dict[str, DecodeConfig]:
             "n256 w8 s4": replace(base, block_n=256, num_warps=8, num_stages=4),
             "n64 s5": replace(base, block_n=64, num_stages=5),
             "n128 bf16 partitions": replace(base, partitions=DecodeConfig().partitions,
-                                            small_grid_block_n=32)}
+                                            small_grid_block_n=32),
+            "fp16 dot": replace(base, fp16_dot=True),
+            "n128 w8 fp16 dot": replace(base, num_warps=8, fp16_dot=True),
+            "bf16 launch fp16 dot": DecodeConfig(fp16_dot=True)}
 
 
 def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:

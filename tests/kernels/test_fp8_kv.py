@@ -7,6 +7,8 @@ small enough that large values saturate at 448. Caches start NaN-filled (in e4m3
 tables pad with the null block, outputs start NaN. Fresh seeds each run.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -83,6 +85,31 @@ def test_decode_reads_fp8_cache(version, num_heads, num_kv_heads):
         paged_decode_v2(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
                         m.max_seq_len, case.scale, out, SMALL_DECODE, kv_scales=case.kv_scales)
     torch.testing.assert_close(out.double(), case.expected, **TOL, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_decode_fp16_dot_on_fp8_cache(version):
+    """`DecodeConfig.fp16_dot`: the dot products in float16 (q rounded to it, the cache's
+    values exact in it), float32 accumulation; a query past float16's range clamps, not inf."""
+    seed = fresh_seed()
+    case = make_case([(c, 1) for c in DECODE_CTX], 8, 2, 32, 16, seed=seed,
+                     kv_scales=scales(2, seed))
+    store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, case.kv_scales)
+    cfg = replace(SMALL_DECODE, fp16_dot=True)
+    m = case.meta
+    for q, expected in ((case.q, case.expected), (case.q * 1e6, None)):
+        out = torch.full_like(q, float("nan"))
+        if version == "v1":
+            paged_decode_v1(q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
+                            case.scale, out, cfg, kv_scales=case.kv_scales)
+        else:
+            paged_decode_v2(q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
+                            m.max_seq_len, case.scale, out, cfg, kv_scales=case.kv_scales)
+        if expected is not None:
+            torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3,
+                                       msg=f"seed {seed}")
+        else:
+            assert out.isfinite().all(), f"seed {seed}"
 
 
 @pytest.mark.parametrize("num_sms", [1, 64])

@@ -136,6 +136,16 @@ def _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
 
 
 @triton.jit
+def _dot_operand(q, F16_DOT: tl.constexpr):
+    """q as the dot products take it: with F16_DOT in float16 (clamped to its range), so an
+    e4m3 cache's rows cast to float16 (every e4m3 value exactly, in one conversion) rather
+    than bfloat16."""
+    if F16_DOT:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr,
                       v_scale_ptr, qk_scale, cap_scale,
                       window, stride_qs, stride_qh, stride_os, stride_oh,
@@ -143,7 +153,8 @@ def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, k_scal
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+                      F16_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if FP8_KV:
@@ -154,6 +165,7 @@ def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, k_scal
         start = tl.maximum(seq_len - window, 0)
     q, heads, g_mask = _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
                                      GROUP, GROUP_PAD, HEAD_DIM)
+    q = _dot_operand(q, F16_DOT)
     m_i, l_i, acc = _attend_range(q, k_ptr, v_ptr, bt_ptr + seq * stride_bts, kv_head, start,
                                   seq_len, qk_scale, cap_scale, stride_kb, stride_kt,
                                   stride_kh, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTCAP,
@@ -211,7 +223,8 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
                       GROUP_P2: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+                      F16_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -233,6 +246,7 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
     end = tl.minimum(start + partition, seq_len)
     if FP8_KV:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    q = _dot_operand(q, F16_DOT)
     m_i, l_i, acc = _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end,
                                       qk_scale, cap_scale, row_blocks, stride_kb, stride_kt,
                                       stride_kh, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
@@ -275,6 +289,8 @@ class DecodeConfig:
     # what `paged_decode` chooses v2's partition from, largest first (multiples of block_n)
     partitions: tuple[int, ...] = (1024, 512, 256)
     small_grid_block_n: int = 32  # v2's tile where the grid underfills the SMs
+    # an FP8 cache only: dot products in float16, not the query's dtype (see _dot_operand)
+    fp16_dot: bool = False
 
 
 # An FP8 cache holds a token's K/V in half the bytes: with bf16's tiles each program would
@@ -334,8 +350,8 @@ def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
-        DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8, F16_DOT=fp8 and cfg.fp16_dot,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -372,7 +388,7 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         MERGE_CHUNK=max(2, MERGE_ROWS // group_p2), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, WINDOWED=window is not None,
         SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8,
-        num_warps=cfg.num_warps,
+        F16_DOT=fp8 and cfg.fp16_dot, num_warps=cfg.num_warps,
         num_stages=_v2_stages(cfg.num_stages))
     return out
 
