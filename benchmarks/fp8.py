@@ -1,9 +1,9 @@
 """FP8 KV cache and FP8 weights on a CUDA GPU (Ada / Hopper): speed and quality, one run.
 
-    PYTHONPATH=. python benchmarks/fp8.py --out DIR [--parts kv,kernel,quality,8b]
+    PYTHONPATH=. python benchmarks/fp8.py --out DIR [--parts kv,kernel,gemv,quality,8b] [--sweep]
 
-Parts (all by default; about 7 minutes on an H100; if one call may not last that long, run
-`--parts kv,kernel,quality` and `--parts 8b` as two):
+Parts (all but 8b-tpot by default; over 7 minutes on an H100; if one call may not last that
+long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
   kv       workload A (benchmarks/throughput.py's: 256 requests, prompt and output lengths
            uniform in [100, 1024]), Qwen3-0.6B shape: bf16 KV against FP8 KV on the same
            weights in this process; KV blocks for the same memory and each run's roofline
@@ -20,6 +20,7 @@ Parts (all by default; about 7 minutes on an H100; if one call may not last that
            transformers, measured the same way (the noise floor)
   8b       Llama-3-8B shape (random, written here in seconds from the GPU): batch-1 TPOT,
            bf16 against FP8 weights; workload A, bf16 against FP8 weights + FP8 KV
+  8b-tpot  the 8b part's TPOT only (not in the default set)
 
 Writes DIR/fp8.json (docs/results style: one row per figure) and prints a summary line each.
 """
@@ -440,7 +441,9 @@ def tpot_batch1(engine: LLMEngine, tokens: int = 128) -> float:
     return round(statistics.median(times), 3)
 
 
-def part_8b(res: Results, root: Path, bandwidth: float) -> None:
+def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True) -> None:
+    """Batch-1 TPOT bf16 against FP8 weights; with `workload` also workload A, bf16 against
+    FP8 weights + FP8 KV."""
     model_dir = root / "llama3-8b"
     t0 = time.perf_counter()
     random_checkpoint(HERE / "configs" / "llama3-8b.json", model_dir)
@@ -448,8 +451,9 @@ def part_8b(res: Results, root: Path, bandwidth: float) -> None:
     prompts, out_lens = throughput.workload_prompts()
     common = {"model": "llama-3-8b shape, random bf16"}
     tpot = {}
-    for name, quantization, kv in (("bf16", None, "auto"), ("fp8_weights", "fp8", "auto"),
-                                   ("fp8_weights+fp8_kv", "fp8", "fp8")):
+    variants = (("bf16", None, "auto"), ("fp8_weights", "fp8", "auto"),
+                ("fp8_weights+fp8_kv", "fp8", "fp8"))
+    for name, quantization, kv in variants if workload else variants[:2]:
         if name != "fp8_weights+fp8_kv":
             loaded = LoadedModel.load(EngineConfig(model=str(model_dir),
                                                    quantization=quantization))
@@ -460,7 +464,7 @@ def part_8b(res: Results, root: Path, bandwidth: float) -> None:
                     weight_bytes=weight_bytes(engine), **common,
                     **({"ratio_vs_bf16": round(tpot[name] / tpot["bf16"], 3)}
                        if name != "bf16" else {}))
-        if name != "fp8_weights":
+        if name != "fp8_weights" and workload:
             row = workload_a(engine, prompts, out_lens)
             res.add("8b", measure="workload_A", variant=name, **common, **row,
                     kv_blocks=num_blocks(engine),
@@ -502,8 +506,8 @@ def main() -> None:
         part_quality(res, model_dir, loaded)
     del loaded
     throughput.release()
-    if "8b" in parts:
-        part_8b(res, root, bandwidth)
+    if "8b" in parts or "8b-tpot" in parts:
+        part_8b(res, root, bandwidth, workload="8b" in parts)
     print("summary:", flush=True)
     for row in res.rows:
         keys = ("variant", "kv_cache_dtype", "kv_dtype", "batch", "context", "config",
