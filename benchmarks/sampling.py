@@ -31,7 +31,7 @@ import triton
 
 from pagedserve.engine.filtered_sampling_kernel import FilteredKernelConfig, filtered_sample
 from pagedserve.engine.penalties import PenaltyState
-from pagedserve.engine.request import Request
+from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, apply_penalties
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -46,24 +46,24 @@ WORKLOADS = {
 
 
 def make_requests(workload: str, batch: int, vocab: int, gen: torch.Generator
-                  ) -> list[Request]:
+                  ) -> list[CachedRequestState]:
     requests = []
     for i in range(batch):
         prompt = torch.randint(vocab, (PROMPT_LEN,), generator=gen).tolist()
-        request = Request(f"r{i}", prompt, WORKLOADS[workload](i), max_tokens=1024)
+        request = CachedRequestState(f"r{i}", prompt, WORKLOADS[workload](i))
         for token in torch.randint(vocab, (OUTPUT_LEN,), generator=gen).tolist():
             request.append_output_token(token)
         requests.append(request)
     return requests
 
 
-def penalty_state(requests: list[Request], vocab: int, device: torch.device
+def penalty_state(requests: list[CachedRequestState], vocab: int, device: torch.device
                   ) -> tuple[PenaltyState, list[int]]:
     state = PenaltyState(vocab, device, initial_slots=len(requests))
     for r in requests:
         if r.sampling_params.needs_penalties:
-            state.add(r.request_id, r.prompt_token_ids, r.output_token_ids)
-    return state, state.slots([r.request_id for r in requests])
+            state.add(r.req_id, r.prompt_token_ids, r.output_token_ids)
+    return state, state.slots([r.req_id for r in requests])
 
 
 def bench_us(fn) -> float:
@@ -74,14 +74,15 @@ def bench_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
 
 
-def check(logits: torch.Tensor, requests: list[Request], vocab: int) -> None:
+def check(logits: torch.Tensor, requests: list[CachedRequestState], vocab: int) -> None:
     """Fused greedy equals torch.argmax; penalized greedy equals the reference's argmax."""
     device = logits.device
-    greedy = [Request(r.request_id, r.prompt_token_ids,
-                      SamplingParams(temperature=0.0, repetition_penalty=1.3,
-                                     frequency_penalty=0.2), 1024) for r in requests]
+    greedy = [CachedRequestState(r.req_id, r.prompt_token_ids,
+                                 SamplingParams(temperature=0.0, repetition_penalty=1.3,
+                                                frequency_penalty=0.2)) for r in requests]
     meta_all = SamplingMetadata.from_requests(
-        [Request("g", [1], SamplingParams(temperature=0.0), 8)] * len(requests), vocab, device)
+        [CachedRequestState("g", [1], SamplingParams(temperature=0.0))] * len(requests), vocab,
+        device)
     assert torch.equal(Sampler()(logits, meta_all).sampled_token_ids, logits.argmax(-1))
     for r, source in zip(greedy, requests):
         for token in source.output_token_ids:

@@ -130,7 +130,7 @@ def constrained_fraction(engine: LLMEngine, outputs: list[list[int]]) -> float:
     live = total = 0
     for tokens in outputs:
         matcher = xgr.GrammarMatcher(compiled,
-                                     override_stop_tokens=sorted(engine.eos_token_ids))
+                                     override_stop_tokens=sorted(engine.engine_core.eos_token_ids))
         for token in tokens:
             total += 1
             if matcher.is_terminated() or matcher.is_completed():

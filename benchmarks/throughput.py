@@ -85,8 +85,9 @@ class StepTimer:
         self._current: dict = {}
         runner, scheduler = engine.model_runner, engine.scheduler
         self._wrapped = [(scheduler, "schedule"), (runner, "prepare_inputs"),
-                         (runner, "execute_model"), (engine, "_complete"), (engine, "step")]
-        keys = ("schedule", "prepare", "execute", "complete", "step")
+                         (runner, "execute_model"), (engine.engine_core, "_complete"),
+                         (engine.output_processor, "process_outputs"), (engine, "step")]
+        keys = ("schedule", "prepare", "execute", "complete", "process", "step")
         for (obj, name), key in zip(self._wrapped, keys):
             self._wrap(obj, name, key)
 
@@ -107,7 +108,7 @@ class StepTimer:
             result = inner(*args, **kwargs)
             self._current[key] = self._current.get(key, 0.0) + time.perf_counter() - t0
             if key == "schedule":
-                self._current["batch"] = len(result.scheduled)
+                self._current["batch"] = len(result.req_ids)
                 self._current["decodes"] = result.num_decodes
             if key == "execute":
                 if "gpu_start" in self._current:
@@ -156,10 +157,13 @@ class StepTimer:
 
         def parts(steps):
             out = {k: mean_ms(steps, k)
-                   for k in ("schedule", "prepare", "execute", "wait", "complete", "step")}
+                   for k in ("schedule", "prepare", "execute", "wait", "complete", "process",
+                             "step")}
             out["launch"] = round(out.pop("execute") - out["prepare"], 3)
             out["forward_sample_wait"] = round(out["launch"] + out["wait"], 3)
-            out["output_processing"] = round(out.pop("complete") - out["wait"], 3)
+            # the core's token bookkeeping, then the frontend's text and RequestOutputs
+            out["output_processing"] = round(out.pop("complete") - out["wait"]
+                                             + out.pop("process"), 3)
             out["cpu"] = round(out["schedule"] + out["prepare"] + out["launch"]
                                + out["output_processing"], 3)
             gpu = self.gpu_times(steps)

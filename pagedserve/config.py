@@ -1,8 +1,9 @@
 """EngineConfig: every engine option in one dataclass, with defaults and validation.
 
 Options that depend on the model or the machine (dtype "auto", max_model_len None, the KV
-budget, the batch limits) stay unresolved here; the engine resolves them once the model is loaded and the
-KV cache is sized, so a config can be built and validated without touching any weights.
+budget, the batch limits) stay unresolved here; the engine resolves them once the model is
+loaded and the KV cache is sized, so a config can be built and validated without touching any
+weights.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ QUANTIZATIONS = ("fp8",)  # weights (model/fp8.py)
 # max_num_batched_tokens), largest first.
 CPU_BATCH_LIMITS = (64, 2048)
 GPU_BATCH_LIMITS = ((48, 256, 16384), (16, 256, 8192), (0, 128, 4096))
-
 
 
 @dataclass

@@ -10,8 +10,12 @@ less and must never block on the GPU. Two things make that so:
   device addresses are also what CUDA graphs need: a graph replays reads of the same
   addresses, so its inputs must be written in place.
 - `BlockTableRows`: each running request keeps its row of block ids in one numpy table; a
-  step appends only the blocks allocated since the last step and gathers the batch's rows
-  in one `np.take`, instead of rebuilding every request's list of block ids every step.
+  step appends only the blocks allocated since the last step (the scheduler sends just
+  those) and gathers the batch's rows in one `np.take`, instead of rebuilding every
+  request's list of block ids every step.
+
+`CachedRequestState` is the runner's per-request record, so that a step's message needs to
+carry only what changed.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pagedserve.core.block_pool import KVCacheBlock
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -78,12 +82,48 @@ class StepBuffers:
             self._uploaded.record()
 
 
-@dataclass
-class _Row:
-    index: int
-    blocks: list[KVCacheBlock]  # the manager's own list: a new list means reallocated
-    num_filled: int
-    num_nulled: int = 0  # leading entries freed out of a sliding window, zeroed here too
+@dataclass(eq=False)
+class CachedRequestState:
+    """The runner's own record of a request, from the `NewRequestData` that introduced it:
+    its tokens (the prompt, then each token it sampled, appended when the step's result is
+    read) and sampling state. Kept across preemption, dropped when the request finishes.
+
+    The sampler reads it as it reads a request (`sampler.SamplingMetadata.from_requests`).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # set for the rows a step samples: its tokens not known yet, the drawn one included
+        self.num_output_placeholders = 0
+        seed = self.sampling_params.seed
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+
+    def generator_for(self, device: torch.device) -> torch.Generator | None:
+        """The seeded generator on `device`, made there on first use: noise drawn where the
+        logits live costs no copy and no host synchronisation. Seeded draws therefore repeat
+        per device type, not across CPU and CUDA."""
+        if self.generator is not None and self.generator.device.type != device.type:
+            self.generator = torch.Generator(device).manual_seed(self.sampling_params.seed)
+        return self.generator
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
 
 class BlockTableRows:
@@ -91,49 +131,43 @@ class BlockTableRows:
 
     def __init__(self, max_blocks_per_seq: int, capacity: int = 64) -> None:
         self.table = np.zeros((capacity, max_blocks_per_seq), dtype=np.int32)
-        self._rows: dict[str, _Row] = {}
+        self._index: dict[str, int] = {}  # request id -> its row
+        self._num_filled: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
-    def rows(self, request_ids: list[str],
-             req_to_blocks: dict[str, list[KVCacheBlock]]) -> np.ndarray:
-        """Row index of each request, after appending blocks allocated since last time."""
-        out = np.empty(len(request_ids), dtype=np.int64)
-        for i, request_id in enumerate(request_ids):
-            blocks = req_to_blocks[request_id]
-            row = self._rows.get(request_id)
-            if row is None or row.blocks is not blocks:  # new, or preempted and readmitted
-                row = self._assign(request_id, blocks)
-            if len(blocks) > row.num_filled:
-                self.table[row.index, row.num_filled:len(blocks)] = [
-                    b.block_id for b in blocks[row.num_filled:]]
-                row.num_filled = len(blocks)
-            nulled = row.num_nulled
-            while nulled < len(blocks) and blocks[nulled].block_id == 0:  # the null block
-                nulled += 1
-            if nulled > row.num_nulled:
-                self.table[row.index, row.num_nulled:nulled] = 0
-                row.num_nulled = nulled
-            out[i] = row.index
-        return out
-
-    def release(self, request_ids: list[str]) -> None:
-        """Forget finished requests; their rows go back to the free list."""
-        for request_id in request_ids:
-            row = self._rows.pop(request_id, None)
-            if row is not None:
-                self._free.append(row.index)
-
-    def _assign(self, request_id: str, blocks: list[KVCacheBlock]) -> _Row:
-        old = self._rows.get(request_id)
-        if old is not None:
-            index = old.index
-        else:
+    def add(self, request_id: str, block_ids: list[int]) -> None:
+        """A row holding `block_ids` (a new request, or one resumed after preemption)."""
+        index = self._index.get(request_id)
+        if index is None:
             if not self._free:
                 self._grow()
-            index = self._free.pop()
+            index = self._index[request_id] = self._free.pop()
         self.table[index] = 0
-        row = self._rows[request_id] = _Row(index, blocks, 0)
-        return row
+        self.table[index, :len(block_ids)] = block_ids
+        self._num_filled[request_id] = len(block_ids)
+
+    def append(self, request_id: str, block_ids: list[int], num_nulled: int = 0) -> None:
+        """Add a running request's new blocks; its first `num_nulled` entries became the
+        null block (freed out of a sliding window)."""
+        filled = self._num_filled[request_id]
+        row = self._index[request_id]
+        self.table[row, filled:filled + len(block_ids)] = block_ids
+        self.table[row, :num_nulled] = 0
+        self._num_filled[request_id] = filled + len(block_ids)
+
+    def rows(self, request_ids: list[str]) -> np.ndarray:
+        """The row index of each request."""
+        index = self._index
+        return np.fromiter((index[r] for r in request_ids), dtype=np.int64,
+                           count=len(request_ids))
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished (or preempted) requests; their rows go back to the free list."""
+        for request_id in request_ids:
+            index = self._index.pop(request_id, None)
+            if index is not None:
+                del self._num_filled[request_id]
+                self._free.append(index)
 
     def _grow(self) -> None:
         capacity = self.table.shape[0]

@@ -1,6 +1,12 @@
 """ModelRunner: owns the device tensors (weights, KV cache) and turns a SchedulerOutput into
 sampled tokens.
 
+It is driven by plain data only (`messages.SchedulerOutput`): it keeps its own state per
+request (`input_batch.CachedRequestState`: prompt, the tokens it sampled, sampling
+parameters, generator) and its own block-table rows, introduced by `NewRequestData` and
+updated with the block ids each step allocated, so it reads no scheduler object and could
+run in another process. Its result is plain data too (`messages.ModelRunnerOutput`).
+
 Per step it builds every input in one go with numpy (no per-token Python loop) into
 persistent host buffers, uploaded without blocking (`input_batch.py`): input preparation
 must stay far below a step's GPU time. Only the last token of each request whose chunk
@@ -20,6 +26,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
+from collections.abc import Callable
 from itertools import chain
 
 import numpy as np
@@ -30,13 +37,11 @@ from pagedserve.attention import kv_quant
 from pagedserve.attention.backend import get_attention_backend, set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineConfig
-from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.cuda_graphs import DecodeGraphs
-from pagedserve.engine.input_batch import BlockTableRows, StepBuffers
+from pagedserve.engine.input_batch import BlockTableRows, CachedRequestState, StepBuffers
+from pagedserve.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.penalties import PenaltyState, to_device
-from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
-from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -44,23 +49,19 @@ from pagedserve.structured.bitmask import full_bitmask
 from pagedserve.structured.manager import GrammarOutput
 
 
-@dataclass
-class ModelRunnerOutput:
-    req_ids: list[str]  # requests that sampled this step, in row order
-    sampled_token_ids: list[int]
-    logprobs: LogprobsTensors | None  # rows follow req_ids
-
-
 class PendingRunnerOutput:
     """A step's sampled tokens (and logprobs) on their way to the host.
 
     On CUDA they are copied without blocking into pinned memory, followed by an event:
     `result()` waits for that event only, not for whatever steps were queued after this one.
-    On the CPU the step has already run and the tensors are the results.
+    On the CPU the step has already run and the tensors are the results. `on_result` gets
+    the token ids once they are on the host (the runner appends them to its requests).
     """
 
-    def __init__(self, req_ids: list[str], sampled: SamplerOutput | None) -> None:
+    def __init__(self, req_ids: list[str], sampled: SamplerOutput | None,
+                 on_result: Callable[[list[int]], None] | None = None) -> None:
         self.req_ids = req_ids
+        self._on_result = on_result
         self._tokens = _to_host(sampled.sampled_token_ids) if sampled is not None else None
         self._logprobs = None
         if sampled is not None and sampled.logprobs is not None:
@@ -76,10 +77,18 @@ class PendingRunnerOutput:
     def result(self) -> ModelRunnerOutput:
         """Wait for the copies (the engine's only wait on the GPU) and return the tokens."""
         if self._tokens is None:
-            return ModelRunnerOutput([], [], None)
+            return ModelRunnerOutput([], [])
         if self._ready is not None:
             self._ready.synchronize()
-        return ModelRunnerOutput(self.req_ids, self._tokens.tolist(), self._logprobs)
+        tokens = self._tokens.tolist()
+        if self._on_result is not None:
+            self._on_result(tokens)
+        logprobs = None
+        if self._logprobs is not None:
+            lp = self._logprobs
+            logprobs = LogprobsLists(lp.top_token_ids.tolist(), lp.top_logprobs.tolist(),
+                                     lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist())
+        return ModelRunnerOutput(self.req_ids, tokens, logprobs)
 
 
 def _to_host(tensor: Tensor) -> Tensor:
@@ -94,7 +103,7 @@ class StepInputs:
     positions: Tensor
     meta: AttentionMetadata
     logits_indices: Tensor  # rows of the hidden states that get sampled
-    sampling_requests: list[Request]
+    sampling_states: list[CachedRequestState]
     graph_size: int | None  # the captured decode graph that runs this step, if any
 
 
@@ -117,7 +126,8 @@ class ModelRunner:
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
-        self._to_sample: tuple[list[Request], Tensor] | None = None  # see execute_model
+        self.requests: dict[str, CachedRequestState] = {}  # every unfinished request seen
+        self._to_sample: tuple[list[CachedRequestState], Tensor] | None = None  # execute_model
         # the last step's sampled tokens on the device, and each sampling request's row
         self._last_sampled: Tensor | None = None
         self._last_sampled_rows: dict[str, int] = {}
@@ -256,12 +266,31 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def prepare_inputs(self, output: SchedulerOutput,
-                       kv_cache_manager: KVCacheManager) -> StepInputs:
+    def update_states(self, output: SchedulerOutput) -> None:
+        """Apply the step's news: forget finished requests, drop the rows of preempted ones
+        (their blocks are gone), take in new ones, add the blocks allocated this step."""
+        self.block_rows.release(output.finished_req_ids)
+        for req_id in output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.penalties.remove(req_id)
+        self.block_rows.release(output.preempted_req_ids)
+        for new in output.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, new.prompt_token_ids, new.sampling_params)
+            self.block_rows.add(new.req_id, new.block_ids)
+        cached = output.scheduled_cached_reqs
+        for req_id, resumed, block_ids, num_nulled in zip(
+                cached.req_ids, cached.resumed, cached.new_block_ids, cached.num_nulled_blocks):
+            if resumed:
+                self.block_rows.add(req_id, block_ids)
+            else:
+                self.block_rows.append(req_id, block_ids, num_nulled)
+
+    def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
         """Fill the host buffers with numpy, queue their uploads; no host-device sync."""
-        requests = [r for r, _ in output.scheduled]
+        requests = [self.requests[r] for r in output.req_ids]
         num_seqs = len(requests)
-        num_new = np.fromiter((n for _, n in output.scheduled), dtype=np.int64, count=num_seqs)
+        num_new = np.array(output.num_scheduled_tokens, dtype=np.int64)
         num_computed = np.array(output.num_computed_tokens, dtype=np.int64)
         seq_lens = num_computed + num_new
         num_tokens = int(num_new.sum())
@@ -291,8 +320,7 @@ class ModelRunner:
                                    placeholder_rows, num_tokens)
         b.input_ids.np[num_tokens:token_rows] = 0
 
-        table_rows = self.block_rows.rows([r.request_id for r in requests],
-                                          kv_cache_manager.req_to_blocks)
+        table_rows = self.block_rows.rows(output.req_ids)
         block_tables = b.block_tables.np
         np.take(self.block_rows.table, table_rows, axis=0, out=block_tables[:num_seqs])
         block_tables[num_seqs:rows] = 0
@@ -320,16 +348,26 @@ class ModelRunner:
             positions=b.positions.upload(token_rows),
             meta=meta,
             logits_indices=b.logits_indices.upload(len(sample_rows)),
-            sampling_requests=[r for r, s in zip(requests, output.samples) if s],
+            sampling_states=self._sampling_states(requests, output.samples, seq_lens),
             graph_size=graph_size)
         if len(placeholders):
             self._copy_last_sampled(inputs.input_ids,
-                                    [requests[i].request_id for i in placeholders.tolist()],
+                                    [output.req_ids[i] for i in placeholders.tolist()],
                                     placeholder_rows)
         b.mark_uploaded()
         return inputs
 
-    def _fill_known_input_ids(self, requests: list[Request], starts: np.ndarray,
+    @staticmethod
+    def _sampling_states(requests: list[CachedRequestState], samples: list[bool],
+                         seq_lens: np.ndarray) -> list[CachedRequestState]:
+        """The requests this step samples for, each told how many of its tokens are not
+        known yet, the one drawn now included (the sampler's seeded streams count them)."""
+        states = [state for state, sample in zip(requests, samples) if sample]
+        for state, seq_len in zip(states, seq_lens[np.array(samples, dtype=bool)].tolist()):
+            state.num_output_placeholders = seq_len + 1 - len(state.all_token_ids)
+        return states
+
+    def _fill_known_input_ids(self, requests: list[CachedRequestState], starts: np.ndarray,
                               ends: np.ndarray, placeholder_rows: np.ndarray,
                               num_tokens: int) -> None:
         """Write tokens [start, end) of each request into the host input ids around the
@@ -379,45 +417,59 @@ class ModelRunner:
                                      torch.tensor(output.blocks_to_swap_in))
 
     @torch.inference_mode()
-    def execute_model(self, output: SchedulerOutput,
-                      kv_cache_manager: KVCacheManager) -> PendingRunnerOutput | None:
+    def execute_model(self, output: SchedulerOutput) -> PendingRunnerOutput | None:
         """Queue the step on the device; the tokens come from the result's `result()`.
 
         A step with a row under structured outputs returns None once its forward pass is
         queued: its sampling waits for `sample_tokens`, which takes the rows' grammar
         bitmask, filled on the host while the device runs the forward pass.
         """
-        self.block_rows.release(output.finished_req_ids)
-        for req_id in output.finished_req_ids:
-            self.penalties.remove(req_id)
+        self.update_states(output)
         self.swap(output)
         self._to_sample = None
-        if output.scheduled:
-            inputs = self.prepare_inputs(output, kv_cache_manager)
+        if output.req_ids:
+            inputs = self.prepare_inputs(output)
             hidden = self._forward(inputs)
-            if inputs.sampling_requests:
+            states = inputs.sampling_states
+            if states:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                self._to_sample = (inputs.sampling_requests, logits)
-                if any(r.sampling_params.structured_outputs is not None
-                       for r in inputs.sampling_requests):
+                self._to_sample = (states, logits)
+                if any(s.sampling_params.structured_outputs is not None for s in states):
                     return None
         return self.sample_tokens(None)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput | None) -> PendingRunnerOutput:
         """Sample the step queued by `execute_model`, under `grammar`'s bitmask rows."""
-        sampled, req_ids = None, []
+        sampled, states = None, []
         if self._to_sample is not None:
-            requests, logits = self._to_sample
-            self._to_sample = None
-            req_ids = [r.request_id for r in requests]
-            sampled = self._sample(logits, requests, req_ids, grammar)
+            (states, logits), self._to_sample = self._to_sample, None
+            sampled = self._sample(logits, states, grammar)
+        req_ids = [state.req_id for state in states]
         self._last_sampled = sampled.sampled_token_ids if sampled is not None else None
         self._last_sampled_rows = dict(zip(req_ids, range(len(req_ids))))
-        return PendingRunnerOutput(req_ids, sampled)
+        return PendingRunnerOutput(req_ids, sampled, lambda tokens: _append_tokens(states, tokens))
 
-    def _bitmask(self, req_ids: list[str], grammar: GrammarOutput, vocab_size: int) -> Tensor:
+    def sampling_metadata(self, states: list[CachedRequestState], logits: Tensor,
+                          grammar: GrammarOutput | None = None) -> SamplingMetadata:
+        """The one place a step's sampling inputs are built from the runner's state. A
+        request with penalties gets its slot in `penalties` when it first samples (its
+        outputs so far are all known then) and keeps it across preemption until it finishes."""
+        penalties = self.penalties
+        for state in states:
+            if state.sampling_params.needs_penalties and state.req_id not in penalties:
+                penalties.add(state.req_id, state.prompt_token_ids, state.output_token_ids)
+        meta = SamplingMetadata.from_requests(
+            states, logits.shape[1], self.device, penalty_state=penalties,
+            penalty_slots=penalties.slots([state.req_id for state in states]))
+        if grammar is not None:
+            meta.allowed_token_bitmask = self._bitmask(states, grammar, logits.shape[1])
+        return meta
+
+    def _bitmask(self, states: list[CachedRequestState], grammar: GrammarOutput,
+                 vocab_size: int) -> Tensor:
         """The grammar's rows in sampling order, all-allowed rows for the others."""
+        req_ids = [state.req_id for state in states]
         if grammar.req_ids == req_ids:
             rows = grammar.bitmask
         else:
@@ -426,20 +478,10 @@ class ModelRunner:
             rows[[index[r] for r in grammar.req_ids]] = grammar.bitmask
         return to_device(torch.from_numpy(rows), self.device)
 
-    def _sample(self, logits: Tensor, requests: list[Request], req_ids: list[str],
+    def _sample(self, logits: Tensor, states: list[CachedRequestState],
                 grammar: GrammarOutput | None) -> SamplerOutput:
-        """Sample, and count the tokens of requests with penalties on the device. A request
-        gets its penalty slot when it first samples (its outputs so far are all known then)
-        and keeps it across preemption until it finishes."""
-        for request in requests:
-            if request.sampling_params.needs_penalties and request.request_id not in self.penalties:
-                self.penalties.add(request.request_id, request.prompt_token_ids,
-                                   request.output_token_ids)
-        meta = SamplingMetadata.from_requests(requests, logits.shape[1], self.device,
-                                              penalty_state=self.penalties,
-                                              penalty_slots=self.penalties.slots(req_ids))
-        if grammar is not None:
-            meta.allowed_token_bitmask = self._bitmask(req_ids, grammar, logits.shape[1])
+        """Sample, and count the tokens of requests with penalties on the device."""
+        meta = self.sampling_metadata(states, logits, grammar)
         sampled = self.sampler(logits, meta)
         if meta.penalties is not None:
             self.penalties.update(meta.penalties.rows, sampled.sampled_token_ids)
@@ -451,6 +493,14 @@ class ModelRunner:
             return self.graphs.replay(inputs.graph_size)
         with set_forward_context(inputs.meta, self.backend):
             return self.model(inputs.input_ids, inputs.positions)
+
+
+def _append_tokens(states: list[CachedRequestState], tokens: list[int]) -> None:
+    """The runner's requests learn what it sampled for them (by object, not id: a finished
+    request's id may already name a new request when a step in flight completes)."""
+    for state, token in zip(states, tokens):
+        state.output_token_ids.append(token)
+        state.all_token_ids.append(token)
 
 
 def _unbind_kv_cache(layers: list, first_k_cache: Tensor) -> None:

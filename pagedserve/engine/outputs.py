@@ -1,4 +1,5 @@
-"""What the engine hands back: RequestOutput, CompletionOutput, Logprob, EngineStats.
+"""What the engine hands back: RequestOutput, CompletionOutput, Logprob, RequestMetrics,
+EngineStats.
 
 `text` and `token_ids` are cumulative (what an offline caller wants); `text_delta` and
 `token_ids_delta` hold only what is new since this request's previous output (what a
@@ -9,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.engine.request import RequestMetrics
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) and the prefix-cache reuse of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Request: one sequence's state as the scheduler and the runner see it.
+"""Request: one sequence's state as the scheduler sees it (the runner keeps its own,
+`input_batch.CachedRequestState`, built from the plain-data step messages).
 
 The scheduler owns `Request` objects. The KV cache manager reads them duck-typed
 (`request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`,
@@ -16,8 +17,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -47,17 +46,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
-
-
-@dataclass
-class RequestMetrics:
-    """Wall-clock timestamps (time.time()) and the prefix-cache reuse of one request."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+FINISH_REASON_VALUES = {status: reason.value for status, reason in _FINISH_REASONS.items()}
 
 
 @dataclass(eq=False)
@@ -78,18 +67,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0  # sampled tokens scheduled but not arrived yet
         self.num_preemptions = 0
-        self.stop_reason: int | str | None = None
-        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-        seed = self.sampling_params.seed
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-
-    def generator_for(self, device: torch.device) -> torch.Generator | None:
-        """The seeded generator on `device`, made there on first use: noise drawn where the
-        logits live costs no copy and no host synchronisation. Seeded draws therefore repeat
-        per device type, not across CPU and CUDA."""
-        if self.generator is not None and self.generator.device.type != device.type:
-            self.generator = torch.Generator(device).manual_seed(self.sampling_params.seed)
-        return self.generator
+        self.stop_reason: int | None = None  # the stop token id that finished it
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -118,7 +97,8 @@ class Request:
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stop checks after a token was appended; sets the status when done.
 
-        Stop *strings* need the detokenized text and are checked by the output processor.
+        Stop *strings* need the detokenized text and are checked by the frontend's output
+        processor, which then aborts the request.
         """
         params = self.sampling_params
         last = self.output_token_ids[-1]

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.engine.penalties import PenaltyState, to_device
-from pagedserve.engine.request import Request
+from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.structured.bitmask import apply_token_bitmask
 
@@ -97,8 +97,9 @@ class SamplingMetadata:
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request], vocab_size: int, device: torch.device,
-                      fused: bool | None = None, penalty_state: PenaltyState | None = None,
+    def from_requests(cls, requests: Sequence[CachedRequestState], vocab_size: int,
+                      device: torch.device, fused: bool | None = None,
+                      penalty_state: PenaltyState | None = None,
                       penalty_slots: Sequence[int] | None = None) -> SamplingMetadata:
         """`fused` builds the fused kernels' inputs; None: when the device can run them.
         Rows with penalties read their slots (`PenaltyState.slots` of the rows' request
@@ -124,7 +125,7 @@ class SamplingMetadata:
             meta.logit_bias = _logit_bias(params, device)
         return meta
 
-    def _set_random(self, requests: Sequence[Request], greedy: list[bool],
+    def _set_random(self, requests: Sequence[CachedRequestState], greedy: list[bool],
                     device: torch.device, fused: bool) -> None:
         params = [r.sampling_params for r in requests]
 
@@ -181,7 +182,7 @@ def _logit_bias(params: Sequence[SamplingParams], device: torch.device
             to_device(torch.tensor(biases, dtype=torch.float32), device))
 
 
-def philox_rows(requests: Sequence[Request]) -> Tensor:
+def philox_rows(requests: Sequence[CachedRequestState]) -> Tensor:
     """The fused kernel's (seed, stream) per row, int64 [S, 2] on the host.
 
     A seeded row: its own seed and the index of the token being drawn, so its draws depend
@@ -203,7 +204,7 @@ def philox_rows(requests: Sequence[Request]) -> Tensor:
     return rows
 
 
-def _drawn_token_index(request: Request) -> int:
+def _drawn_token_index(request: CachedRequestState) -> int:
     return request.num_output_tokens + max(request.num_output_placeholders - 1, 0)
 
 

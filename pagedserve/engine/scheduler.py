@@ -20,48 +20,24 @@ token existed, and the runner reads it from the previous step's sampled tokens o
 device. A request that will have reached max_tokens (or max_model_len) once its placeholders
 arrive is not scheduled again. A request finished when its token arrives (a stop) may still
 have a step in flight: that step's token is dropped.
+
+What the runner gets is plain data (`messages.SchedulerOutput`): the batch's request ids,
+positions and token counts, the prompt and parameters of requests new to it, and the block
+ids `allocate_slots` handed out this step. The scheduler keeps its own list of each launched
+step's sampling requests, oldest first, to place the sampled tokens when they come back
+(steps complete in launch order).
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.swap import SwappedRequest, SwapSpace
-
-
-@dataclass
-class SchedulerOutput:
-    """This step's work: (request, num_new_tokens) with decodes (one token) first.
-
-    `num_computed_tokens[i]` is where scheduled request i's chunk starts (the request's own
-    counter already includes the chunk) and `samples[i]` says whether the chunk reaches the
-    end of the request's scheduled tokens, so that the step samples its next token.
-    The runner performs the block copies before the forward pass: swap-outs read GPU blocks
-    that this step may hand to other requests, swap-ins fill blocks this step attends to.
-    """
-
-    scheduled: list[tuple[Request, int]]
-    num_decodes: int
-    num_computed_tokens: list[int] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
-    finished_req_ids: list[str] = field(default_factory=list)  # since the last step
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 class Scheduler:
@@ -83,6 +59,7 @@ class Scheduler:
         self.num_blocks_swapped_in = 0
         self._step_output: SchedulerOutput | None = None  # the output being built
         self._finished_ids: list[str] = []
+        self._steps_in_flight: deque[list[Request]] = deque()  # sampling requests per step
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -95,9 +72,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        out = self._step_output = SchedulerOutput([], 0, finished_req_ids=self._finished_ids)
+        out = self._step_output = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
-        scheduled, preempted = out.scheduled, out.preempted
+        scheduled: list[tuple[Request, int]] = []
+        preempted = out.preempted_req_ids
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -115,7 +93,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
-        self._advance(out)
+        self._advance(scheduled, out)
         self._step_output = None
         return out
 
@@ -124,21 +102,23 @@ class Scheduler:
         return (len(request.output_token_ids) + num_pending >= request.max_tokens
                 or num_tokens + num_pending >= self.max_model_len)
 
-    @staticmethod
-    def _advance(out: SchedulerOutput) -> None:
-        """Count the scheduled chunks as computed, and a placeholder for each that samples."""
-        computed, samples = out.num_computed_tokens, out.samples
-        num_decodes = 0
-        for request, num_new in out.scheduled:
-            start = request.num_computed_tokens
-            computed.append(start)
-            end = request.num_computed_tokens = start + num_new
+    def _advance(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
+        """Write the batch into `out`; count the scheduled chunks as computed, and a
+        placeholder for each that samples."""
+        out.req_ids = [request.request_id for request, _ in scheduled]
+        out.num_scheduled_tokens = counts = [num_new for _, num_new in scheduled]
+        out.num_computed_tokens = [request.num_computed_tokens for request, _ in scheduled]
+        samples, sampling = out.samples, []
+        for request, num_new in scheduled:
+            end = request.num_computed_tokens = request.num_computed_tokens + num_new
             sample = end == len(request.all_token_ids) + request.num_output_placeholders
             if sample:
                 request.num_output_placeholders += 1
+                sampling.append(request)
             samples.append(sample)
-            num_decodes += num_new == 1
-        out.num_decodes = num_decodes
+        out.num_decodes, out.total_num_scheduled_tokens = counts.count(1), sum(counts)
+        if scheduled:
+            self._steps_in_flight.append(sampling)
 
     def _holds_its_slot(self, request: Request, num_new: int) -> bool:
         """A decode whose token lands inside its last block, neither starting a block (which
@@ -148,15 +128,34 @@ class Scheduler:
         return num_new == 1 and 0 < offset < self.block_size - 1
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             preempted: list[Request]) -> bool:
-        """Allocate, preempting from the tail until it fits; False if `request` went itself."""
-        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                             preempted: list[str]) -> bool:
+        """Allocate, preempting from the tail until it fits; False if `request` went itself.
+        The tail has not been scheduled this step, so no victim is in the batch."""
+        while (blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
             victim = self.running.pop()
             self._preempt(victim)
-            preempted.append(victim)
+            preempted.append(victim.request_id)
             if victim is request:
                 return False
+        windowed = self.kv_cache_manager.sliding_window is not None
+        if blocks or windowed:  # a window may have nulled leading blocks
+            self._step_output.scheduled_cached_reqs.append(
+                request.request_id, False, [block.block_id for block in blocks],
+                self._num_nulled_blocks(request) if windowed else 0)
         return True
+
+    def _num_nulled_blocks(self, request: Request) -> int:
+        """Leading entries of the request's table that are the null block (out of its
+        window); they are always a prefix, so a binary search finds their end."""
+        blocks = self.kv_cache_manager.req_to_blocks[request.request_id]
+        low, high = 0, len(blocks)
+        while low < high:
+            middle = (low + high) // 2
+            if blocks[middle].is_null:
+                low = middle + 1
+            else:
+                high = middle
+        return low
 
     def _preempt(self, request: Request) -> None:
         if self.swap_space is not None and request.num_computed_tokens > 0:
@@ -181,7 +180,6 @@ class Scheduler:
         self.swapped[request.request_id] = SwappedRequest(cpu_ids, request.num_computed_tokens)
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
-        now = time.time()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -195,15 +193,26 @@ class Scheduler:
             self.waiting.popleft()
             if swapped is not None:
                 self._swap_in(request, swapped, num_hit)
-            if request.status == RequestStatus.WAITING:
-                request.metrics.num_cached_tokens = num_hit
-                request.metrics.first_scheduled_time = now
+            self._add_to_batch_data(request, num_hit, num_ready)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
         return budget
+
+    def _add_to_batch_data(self, request: Request, num_hit: int, num_ready: int) -> None:
+        """What the runner needs to know of an admitted request: all of it when new; when
+        resumed after preemption, its new blocks (its tokens are the runner's already)."""
+        out = self._step_output
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit
+            out.scheduled_new_reqs.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, request.sampling_params,
+                block_ids, num_ready))
+        else:
+            out.scheduled_cached_reqs.append(request.request_id, True, block_ids)
 
     def _swap_in(self, request: Request, swapped: SwappedRequest, num_hit: int) -> None:
         """Queue the copy back of the blocks that the prefix hit did not already provide."""
@@ -221,19 +230,27 @@ class Scheduler:
             self.swap_space.free(swapped.cpu_block_ids)
 
     def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
-        """Put the sampled tokens in place of their placeholders; finish and free stopped
-        requests. A request that finished while the step was in flight drops its token.
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Put the sampled tokens of the oldest step in flight (`output`) in place of their
+        placeholders; finish and free stopped requests. A request that finished while the
+        step was in flight drops its token.
 
         Returns the requests that received a token this step.
         """
+        if not output.req_ids:
+            return []
+        sampling = self._steps_in_flight.popleft()
+        tokens = runner_output.sampled_token_ids
+        if len(tokens) != len(sampling):
+            raise RuntimeError(f"the runner sampled {len(tokens)} tokens for a step that "
+                               f"samples {len(sampling)}: outputs out of order")
         progressed = []
         block_size, max_model_len = self.block_size, self.max_model_len
-        for (request, _), sample in zip(output.scheduled, output.samples):
-            if not sample or request.is_finished:
+        for request, token in zip(sampling, tokens):
+            if request.is_finished:
                 continue
             request.num_output_placeholders -= 1
-            request.append_output_token(sampled[request.request_id])
+            request.append_output_token(token)
             progressed.append(request)
             num_tokens = len(request.all_token_ids)
             if request.check_stop(max_model_len):
@@ -267,4 +284,3 @@ class Scheduler:
         self._release_swap(request)
         self._finished_ids.append(request.request_id)
         self.requests.pop(request.request_id, None)
-        request.metrics.finished_time = time.time()

@@ -56,12 +56,6 @@ class StructuredOutputManager:
             self._grammars = GrammarCache(self._tokenizer, self._vocab_size)
         return self._grammars
 
-    def validate(self, params: Any) -> None:
-        """Compile a request's grammar now (cached), so a bad spec fails at add time."""
-        spec = params.structured_outputs
-        if spec is not None:
-            self.grammars.get(spec)
-
     def add_request(self, request: Any) -> None:
         spec = request.sampling_params.structured_outputs
         if spec is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from benchmarks.make_checkpoint import make_checkpoint
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
+from pagedserve.engine.messages import ModelRunnerOutput, SchedulerOutput, decode, encode
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
@@ -159,7 +161,7 @@ def test_mixed_batch_matches_the_synchronous_engine(loaded, free_run):
     results = []
     for async_scheduling in (False, True):
         engine = make(loaded, async_scheduling)
-        engine.eos_token_ids = frozenset({eos})
+        engine.engine_core.eos_token_ids = frozenset({eos})
         results.append(run(engine, arrivals))
         assert engine.get_stats().prefix_cache_hits >= 48
     sync, async_ = (summary(r) for r in results)
@@ -170,6 +172,41 @@ def test_mixed_batch_matches_the_synchronous_engine(loaded, free_run):
     assert sync["p8-eos"][0][0][-1] == eos and sync["p8-eos"][0][2] == "stop"
     assert all(len(sync[r][0][0]) < 24 for r in ("p1-stop-token", "p3-stop-string", "p8-eos"))
     assert len(sync["p6-n2"]) == 2 and sync["p6-n2"][0][0] != sync["p6-n2"][1][0]
+
+
+def through_msgpack(engine: LLMEngine) -> list[SchedulerOutput]:
+    """Make every message of the engine cross msgpack, as it would between processes: core
+    requests in, scheduler outputs to the runner, runner outputs back, core outputs out.
+    Returns the list the scheduler outputs the runner received will be appended to."""
+    core, runner = engine.engine_core, engine.model_runner
+    received = []
+
+    def round_trip(message):
+        return decode(encode(message), type(message))
+
+    def execute_model(scheduler_output):
+        received.append(round_trip(scheduler_output))
+        pending = execute(received[-1])
+        result = pending.result
+        pending.result = lambda: round_trip(result())
+        return pending
+
+    add, execute, step = core.add_request, runner.execute_model, core.step
+    core.add_request = lambda request: add(round_trip(request))
+    runner.execute_model = execute_model
+    core.step = lambda: round_trip(step())
+    return received
+
+
+def test_messages_through_msgpack_give_the_same_outputs(loaded, free_run):
+    arrivals = mixed_batch(free_run)
+    reference = make(loaded, async_scheduling=True)
+    serialized = make(loaded, async_scheduling=True)
+    received = through_msgpack(serialized)
+    assert summary(run(serialized, arrivals)) == summary(run(reference, arrivals))
+    assert any(out.scheduled_new_reqs for out in received)
+    assert any(out.scheduled_cached_reqs.req_ids for out in received)
+    assert any(out.finished_req_ids for out in received)
 
 
 @pytest.mark.parametrize("mode, caching", [("recompute", True), ("recompute", False),
@@ -218,7 +255,7 @@ def test_penalties_keep_a_step_in_flight_and_match(loaded):
 
     def recording_step():
         outputs = step()
-        in_flight.append(engine._in_flight is not None)
+        in_flight.append(engine.engine_core._in_flight is not None)
         return outputs
 
     engine.step = recording_step
@@ -236,7 +273,7 @@ def test_no_step_is_scheduled_past_max_tokens(loaded):
 
     def counting():
         out = schedule()
-        scheduled.extend(n for _, n in out.scheduled)
+        scheduled.extend(out.num_scheduled_tokens)
         return out
 
     engine.scheduler.schedule = counting
@@ -257,25 +294,30 @@ def test_scheduler_places_tokens_in_flight_and_caches_blocks_once_known():
     scheduler.add_request(request)
     first = scheduler.schedule()  # the prompt: samples token 3
     second = scheduler.schedule()  # decodes position 3 before token 3 is known
-    assert [(r.request_id, n) for r, n in second.scheduled] == [("r", 1)]
+    assert (second.req_ids, second.num_scheduled_tokens) == (["r"], [1])
     assert second.num_computed_tokens == [3] and second.samples == [True]
     assert request.num_output_placeholders == 2 and request.num_computed_tokens == 4
     block = manager.req_to_blocks["r"][0]
     assert block.block_hash is None  # full of scheduled tokens, one of them unknown
-    scheduler.update_from_output(first, {"r": 9})
+    scheduler.update_from_output(first, ModelRunnerOutput(["r"], [9]))
     assert request.all_token_ids == [5, 6, 7, 9] and request.num_output_placeholders == 1
     assert block.block_hash is not None
     assert manager.block_pool.get_cached_block(manager._block_hashes(request, 1)[0]) is block
-    scheduler.update_from_output(second, {"r": 4})
+    scheduler.update_from_output(second, ModelRunnerOutput(["r"], [4]))
     assert request.output_token_ids == [9, 4] and request.num_output_placeholders == 0
     scheduler.finish_requests("r", request.status.FINISHED_ABORTED)
     assert manager.get_num_free_blocks() == 15
 
 
-def test_async_scheduling_defaults_off_on_the_cpu_and_is_validated(loaded):
+def test_cpu_defaults_async_off_and_batch_limits_logged(loaded, caplog):
+    caplog.set_level(logging.INFO, logger="pagedserve.engine.core")
     engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32",
                                     kv_cache_memory=1 << 20), loaded)
     assert EngineConfig().async_scheduling is None and engine.async_scheduling is False
+    assert EngineConfig().max_num_seqs is None and EngineConfig().max_num_batched_tokens is None
     assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (64, 2048)
+    assert engine.scheduler.max_num_seqs == 64
+    logged = [r.getMessage() for r in caplog.records if "batch limits" in r.getMessage()]
+    assert len(logged) == 1 and "max_num_seqs=64, max_num_batched_tokens=2048" in logged[0]
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")

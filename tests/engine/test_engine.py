@@ -104,7 +104,7 @@ def test_stop_token_ids_and_min_tokens(engine):
 def test_eos_stops_unless_ignored(engine):
     ids = chat_ids(engine, [{"role": "user", "content": "Say only the word yes."}])
     out = drain_one(engine, ids, SamplingParams(temperature=0.0, max_tokens=64)).outputs[0]
-    assert out.finish_reason == "stop" and out.token_ids[-1] in engine.eos_token_ids
+    assert out.finish_reason == "stop" and out.token_ids[-1] in engine.engine_core.eos_token_ids
     assert out.stop_reason is None
     assert len(out.token_ids) < 24
     ignored = drain_one(engine, ids, SamplingParams(temperature=0.0, max_tokens=24,

@@ -53,7 +53,7 @@ def test_stored_removed_and_cleared_events_reach_a_subscriber(make_engine, engin
     small = 7 * engine.model_runner.block_bytes  # 6 usable blocks: a third prompt evicts
     engine = make_engine(kv_events_endpoint="tcp://127.0.0.1:*", block_size=BLOCK,
                          kv_cache_memory=small)
-    sub = subscribe(engine.kv_event_publisher.endpoint)
+    sub = subscribe(engine.engine_core.kv_event_publisher.endpoint)
     first = list(range(100, 100 + 3 * BLOCK + 5))  # 3 full blocks, then a partial one
     run(engine, "a", first)
     batches = receive(sub)
@@ -81,11 +81,11 @@ def test_stored_removed_and_cleared_events_reach_a_subscriber(make_engine, engin
 
 
 def test_events_off_by_default(engine):
-    assert engine.kv_event_publisher is None
+    assert engine.engine_core.kv_event_publisher is None
     assert not engine.kv_cache_manager.block_pool.enable_events
 
 
 def test_an_endpoint_in_use_is_a_clear_error(make_engine):
     engine = make_engine(kv_events_endpoint="tcp://127.0.0.1:*")
     with pytest.raises(ValueError, match="cannot publish KV events"):
-        make_engine(kv_events_endpoint=engine.kv_event_publisher.endpoint)
+        make_engine(kv_events_endpoint=engine.engine_core.kv_event_publisher.endpoint)

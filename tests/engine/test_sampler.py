@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedserve.engine.penalties import PenaltyState
-from pagedserve.engine.request import Request
+from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampler import (
     Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p, philox_rows)
 from pagedserve.engine.sampling_params import SamplingParams
@@ -17,9 +17,9 @@ VOCAB = 50
 CPU = torch.device("cpu")
 
 
-def make_request(i: int, prompt=(1, 2, 3), output=(), **params) -> Request:
+def make_request(i: int, prompt=(1, 2, 3), output=(), **params) -> CachedRequestState:
     params.setdefault("max_tokens", 100)
-    request = Request(f"r{i}", list(prompt), SamplingParams(**params), params["max_tokens"])
+    request = CachedRequestState(f"r{i}", list(prompt), SamplingParams(**params))
     for token in output:
         request.append_output_token(token)
     return request
@@ -76,20 +76,20 @@ def test_min_p_matches_reference():
     assert (~torch.isinf(got[3])).sum() == 1  # min_p = 1 keeps only the argmax
 
 
-def penalty_state(requests: list[Request]) -> PenaltyState:
+def penalty_state(requests: list[CachedRequestState]) -> PenaltyState:
     state = PenaltyState(VOCAB, CPU, initial_slots=1)
     for r in requests:
         if r.sampling_params.needs_penalties:
-            state.add(r.request_id, r.prompt_token_ids, r.output_token_ids)
+            state.add(r.req_id, r.prompt_token_ids, r.output_token_ids)
     return state
 
 
-def penalties(requests: list[Request], state: PenaltyState | None = None) -> dict:
+def penalties(requests: list[CachedRequestState], state: PenaltyState | None = None) -> dict:
     """from_requests' penalty arguments: a state (by default one made from the requests'
     token lists) and the rows' slots in it."""
     state = penalty_state(requests) if state is None else state
     return {"penalty_state": state,
-            "penalty_slots": state.slots([r.request_id for r in requests])}
+            "penalty_slots": state.slots([r.req_id for r in requests])}
 
 
 def test_penalties_match_reference():
@@ -141,7 +141,8 @@ def test_sampled_token_logprob_and_rank():
     assert int(out.logprobs.sampled_ranks[0]) == int((reference > reference[token]).sum()) + 1
 
 
-def _draw(batch_rows: list[Request], logits: torch.Tensor, steps: int) -> list[list[int]]:
+def _draw(batch_rows: list[CachedRequestState], logits: torch.Tensor,
+          steps: int) -> list[list[int]]:
     sampler, tokens = Sampler(), [[] for _ in batch_rows]
     for _ in range(steps):
         meta = SamplingMetadata.from_requests(batch_rows, VOCAB, CPU)

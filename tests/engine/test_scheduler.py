@@ -1,21 +1,29 @@
 """Scheduler policy on a real KVCacheManager, no model: the runner is simulated by feeding
-back one sampled token per request whose chunk reached the end of its tokens."""
+back one sampled token per request whose chunk reached the end of its tokens, and by keeping
+block-table rows from the step messages alone (after a msgpack round trip), which must match
+the manager's blocks for every scheduled request at every step."""
 
 from __future__ import annotations
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.input_batch import BlockTableRows
+from pagedserve.engine.messages import ModelRunnerOutput, SchedulerOutput, decode, encode
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
 
 BLOCK = 4
+_ROWS: dict[int, BlockTableRows] = {}  # id(scheduler) -> the simulated runner's rows
 
 
-def make(num_blocks=64, **options) -> Scheduler:
+def make(num_blocks=64, window=None, **options) -> Scheduler:
     options = {"max_num_seqs": 64, "max_num_batched_tokens": 2048} | options
     config = EngineConfig(block_size=BLOCK, **options)
-    return Scheduler(config, KVCacheManager(num_blocks, BLOCK), max_model_len=1000)
+    manager = KVCacheManager(num_blocks, BLOCK, sliding_window=window)
+    scheduler = Scheduler(config, manager, max_model_len=1000)
+    _ROWS[id(scheduler)] = BlockTableRows(max_blocks_per_seq=1000 // BLOCK, capacity=4)
+    return scheduler
 
 
 def request(i: int, prompt_len: int, max_tokens: int = 8, first_token: int = 0) -> Request:
@@ -23,27 +31,53 @@ def request(i: int, prompt_len: int, max_tokens: int = 8, first_token: int = 0) 
     return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens)
 
 
+def apply_blocks(rows: BlockTableRows, out: SchedulerOutput) -> None:
+    """What the runner does with a step's block news."""
+    rows.release(out.finished_req_ids)
+    rows.release(out.preempted_req_ids)
+    for new in out.scheduled_new_reqs:
+        rows.add(new.req_id, new.block_ids)
+    cached = out.scheduled_cached_reqs
+    for req_id, resumed, block_ids, num_nulled in zip(
+            cached.req_ids, cached.resumed, cached.new_block_ids, cached.num_nulled_blocks):
+        if resumed:
+            rows.add(req_id, block_ids)
+        else:
+            rows.append(req_id, block_ids, num_nulled)
+
+
 def run_step(scheduler: Scheduler):
     out = scheduler.schedule()
-    sampled = {r.request_id: 7 for (r, _), s in zip(out.scheduled, out.samples) if s}
-    scheduler.update_from_output(out, sampled)
+    received = decode(encode(out), SchedulerOutput)
+    assert received == out
+    rows = _ROWS[id(scheduler)]
+    apply_blocks(rows, received)
+    for req_id, row in zip(out.req_ids, rows.rows(out.req_ids).tolist()):
+        block_ids = scheduler.kv_cache_manager.get_block_ids(req_id)
+        assert rows.table[row, :len(block_ids) + 1].tolist() == block_ids + [0]
+    sampled = [r for r, s in zip(out.req_ids, out.samples) if s]
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled, [7] * len(sampled)))
     return out
+
+
+def batch(out) -> list[tuple[str, int]]:
+    return list(zip(out.req_ids, out.num_scheduled_tokens))
 
 
 def test_budget_chunked_prefill_and_decodes_first():
     scheduler = make(max_num_batched_tokens=10)
     scheduler.add_request(request(0, 6))
     out = run_step(scheduler)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 6)]
+    assert batch(out) == [("r0", 6)]
     scheduler.add_request(request(1, 20))
     out = run_step(scheduler)
     # r0 decodes (1 token, listed first), r1 gets the rest of the budget as a chunk
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 1), ("r1", 9)]
+    assert batch(out) == [("r0", 1), ("r1", 9)]
     assert out.num_decodes == 1
     out = run_step(scheduler)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 1), ("r1", 9)]
+    assert batch(out) == [("r0", 1), ("r1", 9)]
     out = run_step(scheduler)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("r0", 1), ("r1", 2)]
+    assert batch(out) == [("r0", 1), ("r1", 2)]
     assert scheduler.requests["r1"].num_output_tokens == 1  # sampled at the end of its prompt
     while scheduler.has_unfinished_requests():
         run_step(scheduler)
@@ -55,7 +89,7 @@ def test_max_num_seqs_limits_admission():
     for i in range(3):
         scheduler.add_request(request(i, 5))
     out = run_step(scheduler)
-    assert [r.request_id for r, _ in out.scheduled] == ["r0", "r1"]
+    assert out.req_ids == ["r0", "r1"]
     assert [r.request_id for r in scheduler.waiting] == ["r2"]
 
 
@@ -71,12 +105,13 @@ def test_preempts_most_recent_by_recompute_and_requeues_at_front():
         if not scheduler.has_unfinished_requests():
             break
         out = run_step(scheduler)
-        preempted += out.preempted
-        if out.preempted:  # no admission in a step that preempted: victims wait in front
-            assert list(scheduler.waiting)[:len(out.preempted)] == out.preempted[::-1]
+        victims = [scheduler.requests[r] for r in out.preempted_req_ids]
+        preempted += out.preempted_req_ids
+        if victims:  # no admission in a step that preempted: victims wait in front
+            assert list(scheduler.waiting)[:len(victims)] == victims[::-1]
             assert all(v.num_computed_tokens == 0 and v.status == RequestStatus.PREEMPTED
-                       for v in out.preempted)
-    assert preempted and preempted[0].request_id == "r2"  # the latest admitted of the three
+                       for v in victims)
+    assert preempted and preempted[0] == "r2"  # the latest admitted of the three
     assert scheduler.num_preemptions == len(preempted)
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.get_num_free_blocks() == 9
@@ -90,3 +125,47 @@ def test_finish_requests_frees_waiting_and_running():
     scheduler.finish_requests(["r0", "r1"], RequestStatus.FINISHED_ABORTED)
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.get_num_free_blocks() == 63
+
+
+def test_messages_carry_only_new_blocks_and_the_resumed_flag():
+    scheduler = make(num_blocks=10, max_num_batched_tokens=64)
+    scheduler.add_request(request(0, 6))
+    out = run_step(scheduler)
+    assert [(n.req_id, n.block_ids, n.num_computed_tokens) for n in out.scheduled_new_reqs] \
+        == [("r0", scheduler.kv_cache_manager.get_block_ids("r0"), 0)]
+    assert len(out.scheduled_new_reqs[0].block_ids) == 2 and out.samples == [True]
+    # positions 6 and 7 fit the second block: nothing new for the runner but the batch
+    for _ in range(2):
+        out = run_step(scheduler)
+        assert out.req_ids == ["r0"] and not out.scheduled_cached_reqs.req_ids
+        assert not out.scheduled_new_reqs
+    out = run_step(scheduler)  # position 8 starts a third block
+    cached = out.scheduled_cached_reqs
+    assert (cached.req_ids, cached.resumed) == (["r0"], [False])
+    assert cached.new_block_ids == [scheduler.kv_cache_manager.get_block_ids("r0")[2:]]
+    assert out.num_computed_tokens == [8] and out.num_scheduled_tokens == [1]
+
+
+def test_a_request_resumed_after_preemption_is_not_new_again():
+    scheduler = make(num_blocks=10, max_num_batched_tokens=64)
+    for i in range(3):
+        scheduler.add_request(request(i, 8, max_tokens=12))
+    new_ids, resumed_ids, preempted_ids = [], [], []
+    while scheduler.has_unfinished_requests():
+        out = run_step(scheduler)
+        new_ids += [n.req_id for n in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        resumed_ids += [r for r, resumed in zip(cached.req_ids, cached.resumed) if resumed]
+        preempted_ids += out.preempted_req_ids
+    assert sorted(new_ids) == ["r0", "r1", "r2"]
+    assert preempted_ids and sorted(resumed_ids) == sorted(preempted_ids)
+
+
+def test_blocks_nulled_out_of_a_sliding_window_reach_the_runner():
+    scheduler = make(window=6)
+    scheduler.add_request(request(0, 6, max_tokens=30))
+    nulled = []
+    while scheduler.has_unfinished_requests():
+        out = run_step(scheduler)  # checks the runner's row against the manager's blocks
+        nulled += out.scheduled_cached_reqs.num_nulled_blocks
+    assert max(nulled) >= 5  # 36 tokens, a 6-token window: the early blocks went back

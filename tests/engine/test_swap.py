@@ -66,21 +66,18 @@ def test_swap_space_allocates_all_or_nothing():
     assert space.num_free_blocks == 3
 
 
-class _Block:
-    def __init__(self, block_id):
-        self.block_id = block_id
-
-
 def test_block_table_rows_append_reassign_and_release():
     rows = BlockTableRows(max_blocks_per_seq=4, capacity=1)
-    a, b = [_Block(3)], [_Block(7), _Block(8)]
-    owners = {"a": a, "b": b}
-    idx = rows.rows(["a", "b"], owners)  # grows past capacity 1
+    rows.add("a", [3])
+    rows.add("b", [7, 8])  # grows past capacity 1
+    idx = rows.rows(["a", "b"])
     assert rows.table[idx].tolist() == [[3, 0, 0, 0], [7, 8, 0, 0]]
-    a.append(_Block(5))
-    assert rows.table[rows.rows(["a"], owners)].tolist() == [[3, 5, 0, 0]]
-    owners["a"] = [_Block(9)]  # freed and reallocated (preemption): a new list
-    assert rows.table[rows.rows(["a"], owners)].tolist() == [[9, 0, 0, 0]]
-    rows.release(["a"])
-    owners["c"] = [_Block(2)]
-    assert rows.rows(["c"], owners)[0] == idx[0]  # the released row is reused
+    rows.append("a", [5])
+    rows.append("a", [])
+    assert rows.table[rows.rows(["a"])].tolist() == [[3, 5, 0, 0]]
+    rows.add("a", [9])  # resumed after preemption: its row holds only its new blocks
+    assert rows.table[rows.rows(["a"])].tolist() == [[9, 0, 0, 0]]
+    rows.release(["a", "unknown"])
+    rows.add("c", [2])
+    assert rows.rows(["c"])[0] == idx[0]  # the released row is reused
+    assert rows.table[rows.rows(["c", "b"])].tolist() == [[2, 0, 0, 0], [7, 8, 0, 0]]

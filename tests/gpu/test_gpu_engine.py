@@ -158,7 +158,7 @@ def test_swap_round_trip_is_bitwise_and_engines_finish(loaded):
     """The runner's swap moves exact bits GPU -> pinned CPU -> other GPU blocks. Token
     agreement of swap, recompute and no preemption is reported, not asserted: the batch
     shapes differ between them, and random weights make near-ties that bf16 rounding flips."""
-    from pagedserve.engine.scheduler import SchedulerOutput
+    from pagedserve.engine.messages import SchedulerOutput
 
     engine = make_engine(loaded, kv_cache_memory=1 << 30, preemption_mode="swap",
                          swap_space=64 * (1 << 20))
@@ -167,8 +167,8 @@ def test_swap_round_trip_is_bitwise_and_engines_finish(loaded):
     k[5:8].normal_()
     v[5:8].normal_()
     before = (k[5:8].clone(), v[5:8].clone())
-    runner.swap(SchedulerOutput([], 0, blocks_to_swap_out=[(5, 0), (6, 1), (7, 2)]))
-    runner.swap(SchedulerOutput([], 0, blocks_to_swap_in=[(0, 20), (1, 21), (2, 22)]))
+    runner.swap(SchedulerOutput(blocks_to_swap_out=[(5, 0), (6, 1), (7, 2)]))
+    runner.swap(SchedulerOutput(blocks_to_swap_in=[(0, 20), (1, 21), (2, 22)]))
     assert torch.equal(k[20:23], before[0]) and torch.equal(v[20:23], before[1])
     k.zero_()
     v.zero_()

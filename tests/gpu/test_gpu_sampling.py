@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.engine.filtered_sampling_kernel import FilteredKernelConfig, filtered_sample
 from pagedserve.engine.penalties import PenaltyState
-from pagedserve.engine.request import Request
+from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
                                        apply_top_k_top_p)
 from pagedserve.engine.sampling_params import SamplingParams
@@ -27,25 +27,27 @@ CUDA = torch.device("cuda")
 VOCAB = 151936
 
 
-def requests_for(params: list[SamplingParams], vocab: int, seed: int = 0) -> list[Request]:
+def requests_for(params: list[SamplingParams], vocab: int, seed: int = 0
+                 ) -> list[CachedRequestState]:
     gen = torch.Generator().manual_seed(seed)
     requests = []
     for i, p in enumerate(params):
-        request = Request(f"r{i}", torch.randint(vocab, (64,), generator=gen).tolist(), p, 1024)
+        request = CachedRequestState(f"r{i}", torch.randint(vocab, (64,), generator=gen).tolist(),
+                                     p)
         for token in torch.randint(vocab, (32,), generator=gen).tolist():
             request.append_output_token(token)
         requests.append(request)
     return requests
 
 
-def metadata(requests: list[Request], vocab: int, fused: bool) -> SamplingMetadata:
+def metadata(requests: list[CachedRequestState], vocab: int, fused: bool) -> SamplingMetadata:
     state = PenaltyState(vocab, CUDA)
     for r in requests:
         if r.sampling_params.needs_penalties:
-            state.add(r.request_id, r.prompt_token_ids, r.output_token_ids)
+            state.add(r.req_id, r.prompt_token_ids, r.output_token_ids)
     return SamplingMetadata.from_requests(requests, vocab, CUDA, fused=fused,
                                           penalty_state=state,
-                                          penalty_slots=state.slots([r.request_id
+                                          penalty_slots=state.slots([r.req_id
                                                                      for r in requests]))
 
 
@@ -57,7 +59,7 @@ def test_greedy_rows_penalized_or_not_equal_the_reference():
               for i in range(64)]
     requests = requests_for(params, VOCAB)
     for r in requests[:8]:  # make the penalties decide: the argmax is among the seen tokens
-        r.append_output_token(int(logits[int(r.request_id[1:])].argmax()))
+        r.append_output_token(int(logits[int(r.req_id[1:])].argmax()))
     meta = metadata(requests, VOCAB, fused=True)
     tokens = Sampler()(logits, meta).sampled_token_ids
     expected = apply_penalties(logits.float(), meta.penalties).argmax(-1)

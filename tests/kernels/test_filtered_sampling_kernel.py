@@ -18,7 +18,7 @@ import torch
 from pagedserve.engine import filtered_sampling_kernel
 from pagedserve.engine.filtered_sampling_kernel import FilteredKernelConfig, filtered_sample
 from pagedserve.engine.penalties import PenaltyState
-from pagedserve.engine.request import Request
+from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
                                        apply_top_k_top_p)
 from pagedserve.engine.sampling_kernel import fused_sample
@@ -126,9 +126,9 @@ def test_nan_and_inf_in_filtered_rows():
     assert all(d[1] not in (2, 5) and d[1] < 20 for d in draws)
 
 
-def make_request(i: int, prompt, output=(), **params) -> Request:
+def make_request(i: int, prompt, output=(), **params) -> CachedRequestState:
     params.setdefault("max_tokens", 100)
-    request = Request(f"r{i}", list(prompt), SamplingParams(**params), params["max_tokens"])
+    request = CachedRequestState(f"r{i}", list(prompt), SamplingParams(**params))
     for token in output:
         request.append_output_token(token)
     return request
@@ -152,10 +152,10 @@ def test_penalized_rows_equal_the_reference_on_penalized_logits():
     state = PenaltyState(VOCAB, torch.device("cpu"))
     for r in requests:
         if r.sampling_params.needs_penalties:
-            state.add(r.request_id, r.prompt_token_ids, r.output_token_ids)
+            state.add(r.req_id, r.prompt_token_ids, r.output_token_ids)
     meta = SamplingMetadata.from_requests(requests, VOCAB, torch.device("cpu"), fused=True,
                                           penalty_state=state,
-                                          penalty_slots=state.slots([r.request_id
+                                          penalty_slots=state.slots([r.req_id
                                                                      for r in requests]))
     got = Sampler(use_triton=True)(logits, meta).sampled_token_ids
     penalized = apply_penalties(logits.float(), meta.penalties)
@@ -246,10 +246,10 @@ def test_candidate_rows_with_penalties_equal_the_reference():
     ]
     state = PenaltyState(VOCAB, torch.device("cpu"))
     for r in requests[:2]:
-        state.add(r.request_id, r.prompt_token_ids, r.output_token_ids)
+        state.add(r.req_id, r.prompt_token_ids, r.output_token_ids)
     meta = SamplingMetadata.from_requests(requests, VOCAB, torch.device("cpu"), fused=True,
                                           penalty_state=state,
-                                          penalty_slots=state.slots([r.request_id
+                                          penalty_slots=state.slots([r.req_id
                                                                      for r in requests]))
     got = filtered_sample(logits, meta.temperature, meta.greedy_mask, meta.philox, None,
                           meta.top_k, meta.top_p, meta.penalties,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedserve.engine.penalties import PenaltyState
-from pagedserve.engine.request import Request
+from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, apply_penalties
 from pagedserve.engine.sampling_kernel import (SamplingKernelConfig, choose_num_splits,
                                                fused_sample)
@@ -247,22 +247,22 @@ def test_rejects_partial_row_parameters_and_bad_tiles():
 VOCAB = 40
 
 
-def make_request(i: int, output=(), **params) -> Request:
+def make_request(i: int, output=(), **params) -> CachedRequestState:
     params.setdefault("max_tokens", 100)
-    request = Request(f"r{i}", [1, 2, 3], SamplingParams(**params), params["max_tokens"])
+    request = CachedRequestState(f"r{i}", [1, 2, 3], SamplingParams(**params))
     for token in output:
         request.append_output_token(token)
     return request
 
 
-def fused_step(requests: list[Request], logits: torch.Tensor):
+def fused_step(requests: list[CachedRequestState], logits: torch.Tensor):
     state = PenaltyState(VOCAB, torch.device("cpu"))
     for r in requests:
         if r.sampling_params.needs_penalties:
-            state.add(r.request_id, r.prompt_token_ids, r.output_token_ids)
+            state.add(r.req_id, r.prompt_token_ids, r.output_token_ids)
     meta = SamplingMetadata.from_requests(requests, VOCAB, torch.device("cpu"), fused=True,
                                           penalty_state=state,
-                                          penalty_slots=state.slots([r.request_id
+                                          penalty_slots=state.slots([r.req_id
                                                                      for r in requests]))
     assert meta.all_greedy or meta.philox is not None
     return Sampler(use_triton=True)(logits, meta), meta

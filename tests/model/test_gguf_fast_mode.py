@@ -77,7 +77,7 @@ def test_first_tokens_agree_with_float32(fast, default_loaded_model):
 
 def test_auto_dtype_is_the_fast_mode_and_float32_the_exact(monkeypatch):
     seen = []
-    monkeypatch.setattr("pagedserve.engine.llm_engine.load_model",
+    monkeypatch.setattr("pagedserve.engine.core.load_model",
                         lambda *a, **kw: seen.append(kw["quantized"]) or (_ for _ in ()).throw(
                             RuntimeError("stop")))
     for dtype in ("auto", "float32"):
@@ -88,12 +88,12 @@ def test_auto_dtype_is_the_fast_mode_and_float32_the_exact(monkeypatch):
 
 def test_bfloat16_on_a_cpu_without_bf16_compute_is_refused(monkeypatch):
     """This CPU (AVX2 only) and any without AVX-512-BF16 / AMX: a clear error before loading."""
-    import pagedserve.engine.llm_engine as llm_engine
+    import pagedserve.engine.core as core
 
-    monkeypatch.setattr(llm_engine, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
-    monkeypatch.setattr(llm_engine, "load_model", lambda *a, **kw: pytest.fail("loaded"))
+    monkeypatch.setattr(core, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    monkeypatch.setattr(core, "load_model", lambda *a, **kw: pytest.fail("loaded"))
     with pytest.raises(ValueError, match="needs AVX-512-BF16 or AMX"):
         LoadedModel.load(EngineConfig(device="cpu", dtype="bfloat16"))
-    monkeypatch.setattr(llm_engine, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(core, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     with pytest.raises(pytest.fail.Exception, match="loaded"):
         LoadedModel.load(EngineConfig(device="cpu", dtype="bfloat16"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.request import Request
+from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, to_device
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.structured.bitmask import full_bitmask
@@ -18,13 +18,13 @@ VOCAB = 100
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
 
-def requests() -> list[Request]:
+def requests() -> list[CachedRequestState]:
     params = [dict(temperature=0.0), dict(temperature=1.0, seed=1), dict(temperature=0.8),
               dict(temperature=1.0, seed=2, top_k=20, repetition_penalty=1.3),
               dict(temperature=0.0, logprobs=3)]
     out = []
     for i, p in enumerate(params):
-        request = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8, **p), 8)
+        request = CachedRequestState(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=8, **p))
         request.append_output_token(4)
         out.append(request)
     return out
@@ -67,7 +67,7 @@ def test_random_row_draws_from_the_renormalized_allowed_set():
     allowed, draws = [3, 40, 77], 4000
     logits = torch.zeros(draws, VOCAB)
     logits[:, allowed] = torch.tensor([0.0, 1.0, 2.0])
-    batch = [Request(f"r{i}", [1], SamplingParams(temperature=1.0, max_tokens=8), 8)
+    batch = [CachedRequestState(f"r{i}", [1], SamplingParams(temperature=1.0, max_tokens=8))
              for i in range(draws)]
     meta = SamplingMetadata.from_requests(batch, VOCAB, torch.device("cpu"))
     meta.allowed_token_bitmask = torch.from_numpy(bitmask(dict.fromkeys(range(draws), allowed),

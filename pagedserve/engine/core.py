@@ -1,0 +1,273 @@
+"""EngineCore: the scheduler, the KV cache manager and the model runner, stepped together.
+
+It takes tokenized requests (`EngineCoreRequest`) and returns, once per model step, the new
+token ids of every request that progressed (`EngineCoreOutputs`): plain data, no text. All
+text work (detokenization, stop strings, logprob token strings) is the frontend's
+(`output_processor.py`), so the core can run in a process of its own, where nothing but
+scheduling and launching model steps competes for its interpreter.
+
+Token-level stops (EOS, stop token ids, max_tokens, max_model_len) are decided here, by the
+scheduler; a stop string is found by the frontend, which then aborts the core request.
+
+With async scheduling (`EngineConfig.async_scheduling`) a step schedules and launches the
+next model step before it waits for the tokens of the one in flight, then processes those
+while the device runs the new one: the device's queue always holds a step, and the CPU work
+of a step hides behind the device's. Requests are scheduled with placeholders for the
+tokens in flight (see scheduler.py). Penalties need no host tokens: the runner keeps their
+counts on the device (`penalties.py`).
+
+Structured outputs (`pagedserve/structured`): the grammar bitmask of a step needs every
+earlier token of its constrained rows. Such a step launches its forward pass, then (async)
+completes the step in flight, advancing the matchers, fills the bitmask while the device
+computes, and only then launches its sampling. Overlap is kept for the forward pass and the
+bitmask work; what is given up is that the step's sampling cannot be queued before the
+previous step's tokens are back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from pagedserve.config import EngineConfig, resolve_batch_limits
+from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.core.kv_events import KVEventPublisher
+from pagedserve.engine.messages import (
+    EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput,
+    SchedulerStats, TokenLogprobs)
+from pagedserve.engine.model_runner import ModelRunner, PendingRunnerOutput
+from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.decoder import Decoder
+from pagedserve.model.loader import load_model, load_tokenizer
+from pagedserve.native.build import cpu_flags, has_bf16_compute
+from pagedserve.structured.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" picks CUDA when there is one; an unavailable device is a ValueError up front
+    (a clear message instead of torch's failure deep inside the model's loading)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} is not available: this torch "
+                             f"({torch.__version__}) has no CUDA or sees no GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} is not available: "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _check_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """bfloat16 weights on the CPU only where it computes in bfloat16 (AVX-512-BF16 or AMX;
+    torch's oneDNN kernels use them); elsewhere refuse, rather than run slower than float32."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and not has_bf16_compute(cpu_flags()):
+        raise ValueError("--dtype bfloat16 on the CPU needs AVX-512-BF16 or AMX, which this CPU "
+                         "does not report; use --dtype auto (a GGUF's fast mode) or float32")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """Weights, their config and tokenizer; shareable by several engines (read-only)."""
+
+    model: Decoder
+    model_config: ModelConfig
+    tokenizer: object
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> LoadedModel:
+        device = resolve_device(config.device)
+        _check_cpu_dtype(resolve_dtype(config.dtype, device), device)
+        # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
+        # "float32" keeps the exact path.
+        model, model_config, tokenizer_source = load_model(
+            config.model, resolve_dtype(config.dtype, device), device,
+            quantized=config.dtype == "auto", quantization=config.quantization)
+        return cls(model, model_config, load_tokenizer(config.tokenizer or tokenizer_source))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """`loaded` lets tests and benchmarks build engines with other KV budgets or
+        scheduling options over one copy of the weights instead of reloading them."""
+        torch.manual_seed(config.seed)
+        self.loaded = loaded = loaded or LoadedModel.load(config)
+        self.model_config = loaded.model_config
+        device = next(loaded.model.parameters()).device
+        self.config = config = _resolve_limits(config, device, loaded.model)
+        self.model_runner = ModelRunner(config, loaded.model, self.model_config, device)
+        self.num_blocks = num_blocks = self.model_runner.determine_num_blocks()
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            config.prefix_caching_hash_algo, hash_seed=config.prefix_caching_hash_seed,
+            sliding_window=self.model_config.kv_window,
+            enable_events=config.kv_events_endpoint is not None)
+        self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
+                                   if config.kv_events_endpoint is not None else None)
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.max_model_len = self._resolve_max_model_len(num_blocks)
+        num_cpu_blocks = 0
+        if config.preemption_mode == "swap":
+            num_cpu_blocks = config.swap_space // self.model_runner.block_bytes
+            self.model_runner.initialize_swap_space(num_cpu_blocks)
+        self.model_runner.setup(self.max_model_len)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len,
+                                   num_cpu_blocks)
+        eos = set(self.model_config.eos_token_ids)
+        if loaded.tokenizer.eos_token_id is not None:
+            eos.add(loaded.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.structured = StructuredOutputManager(loaded.tokenizer, self.model_config.vocab_size,
+                                                  self.eos_token_ids, config.max_num_seqs)
+        self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
+
+    def _resolve_max_model_len(self, num_blocks: int) -> int:
+        """The model's limit, or the user's if lower; never more than the cache can hold, so
+        any single admitted request can always run to completion alone."""
+        model_limit = self.model_config.max_model_len
+        wanted = self.config.max_model_len or model_limit
+        if wanted > model_limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's limit of {model_limit}")
+        return min(wanted, (num_blocks - 1) * self.config.block_size)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the frontend has validated (`processor.py`); max_tokens None means
+        up to max_model_len."""
+        params = request.sampling_params
+        num_prompt = len(request.prompt_token_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+        core_request = Request(
+            request.request_id, request.prompt_token_ids, params, max_tokens,
+            self.eos_token_ids, request.arrival_time, cache_salt=request.cache_salt)
+        self.scheduler.add_request(core_request)  # first: it refuses an id in use
+        self.structured.add_request(core_request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish requests at once, freeing their blocks; unknown ids are ignored. An aborted
+        request gets no further output."""
+        request_ids = list(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request_id in request_ids:
+            self.structured.remove_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a step is in flight too: its results must be collected (or dropped)."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule and launch a model step; return the tokens of the requests that progressed.
+
+        Synchronous: those of the step just launched. Async: those of the step that was in
+        flight, processed while the new one runs.
+        """
+        outputs: list[EngineCoreOutput] = []
+        scheduler_output = self.scheduler.schedule()
+        step = None
+        if not scheduler_output.is_empty:  # finished ids alone still reach the runner
+            step = (scheduler_output, self._execute(scheduler_output, outputs))
+        if self.async_scheduling:  # complete the step in flight, leave the new one running
+            step, self._in_flight = self._in_flight, step
+        if step is not None:
+            self._complete(*step, outputs)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_cache_manager.block_pool.take_events())
+        return EngineCoreOutputs(outputs, self.make_stats(), time.time())
+
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 outputs: list[EngineCoreOutput]) -> PendingRunnerOutput:
+        """Launch the step; a step with constrained rows is sampled once their bitmask is
+        filled, after the step in flight (if any) has delivered its tokens into `outputs`."""
+        pending = self.model_runner.execute_model(scheduler_output)
+        if pending is None:
+            if self._in_flight is not None:
+                previous, self._in_flight = self._in_flight, None
+                self._complete(*previous, outputs)
+            sampling_ids = [r for r, s in zip(scheduler_output.req_ids, scheduler_output.samples)
+                            if s]
+            pending = self.model_runner.sample_tokens(
+                self.structured.grammar_bitmask(sampling_ids))
+        return pending
+
+    def _complete(self, scheduler_output: SchedulerOutput, pending: PendingRunnerOutput,
+                  outputs: list[EngineCoreOutput]) -> None:
+        """Wait for a step's tokens, hand them to the scheduler, append the outputs."""
+        runner_output = pending.result()
+        progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        structured = self.structured
+        if structured.has_requests():
+            structured.accept_tokens(progressed)
+        rows = (dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
+                if runner_output.logprobs is not None else None)
+        append = outputs.append
+        for request in progressed:  # per request at every step: plain attribute reads
+            logprobs = None
+            if rows is not None and request.sampling_params.logprobs is not None:
+                logprobs = [_token_logprobs(runner_output, rows[request.request_id],
+                                            request.sampling_params.logprobs)]
+            finish_reason = FINISH_REASON_VALUES.get(request.status)
+            if finish_reason is not None and structured.has_requests():
+                structured.remove_request(request.request_id)
+            append(EngineCoreOutput(
+                request.request_id, [request.output_token_ids[-1]], logprobs,
+                finish_reason, request.stop_reason, request.num_cached_tokens))
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        manager, scheduler = self.kv_cache_manager, self.scheduler
+        prefix = manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_cache_usage=manager.usage, prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits, num_preemptions=scheduler.num_preemptions,
+            num_gpu_blocks=self.num_blocks,
+            prefix_cache_evictions=manager.block_pool.num_evictions)
+
+
+def _token_logprobs(runner_output: ModelRunnerOutput, row: int, k: int) -> TokenLogprobs:
+    lp = runner_output.logprobs
+    return TokenLogprobs(lp.top_token_ids[row][:k], lp.top_logprobs[row][:k],
+                         lp.sampled_logprobs[row], lp.sampled_ranks[row])
+
+
+def _resolve_limits(config: EngineConfig, device: torch.device, model: Decoder) -> EngineConfig:
+    """The config with max_num_seqs / max_num_batched_tokens chosen for this device and
+    model where they were left to auto (None); logged once."""
+    if config.max_num_seqs is not None and config.max_num_batched_tokens is not None:
+        return config
+    total_memory = None
+    if device.type == "cuda":
+        total_memory = torch.cuda.get_device_properties(device).total_memory
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    max_num_seqs, max_num_batched_tokens = resolve_batch_limits(
+        config, device.type, total_memory, weight_bytes)
+    logger.info("batch limits for %s: max_num_seqs=%d, max_num_batched_tokens=%d",
+                device, max_num_seqs, max_num_batched_tokens)
+    return dataclasses.replace(config, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens)
