@@ -156,8 +156,8 @@ def fp8_decode_candidates() -> dict[str, DecodeConfig]:
     base = FP8_DECODE
     return {"bf16 launch": DecodeConfig(),
             "n128 w8": replace(base, num_warps=8),
-            "n128 s5": replace(base, num_stages=5),
-            "n128 w8 s5": replace(base, num_warps=8, num_stages=5),
+            "n128 s3": replace(base, num_stages=3),
+            "n128 w8 s3": replace(base, num_warps=8, num_stages=3),
             "n256 w8": replace(base, block_n=256, num_warps=8),
             "n256 w8 s4": replace(base, block_n=256, num_warps=8, num_stages=4),
             "n64 s5": replace(base, block_n=64, num_stages=5),
@@ -260,9 +260,8 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
 def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
     """Tiles `--sweep` times beside `WeightOnlyConfig()`."""
     return {f"n{n} k{k} w{w} s{s}": WeightOnlyConfig(n, k, w, s)
-            for n, k, w, s in ((16, 256, 4, 4), (16, 1024, 4, 3), (16, 512, 8, 4),
-                               (32, 512, 4, 4), (32, 256, 4, 5), (64, 256, 4, 4),
-                               (16, 512, 4, 6))}
+            for n, k, w, s in ((16, 512, 4, 4), (32, 256, 4, 5), (32, 1024, 4, 3),
+                               (32, 512, 8, 4), (64, 256, 4, 4), (64, 512, 8, 4))}
 
 
 # ------------------------------------------------------------------------------ quality

@@ -89,9 +89,11 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
 class WeightOnlyConfig:
     """Tiles of `weight_only_linear`. BLOCK_N is small so that even a 4096-row projection
     spreads over a couple of programs per SM; BLOCK_K long so that each program keeps many
-    weight bytes in flight (a decode step's linear layers are bound by reading weights)."""
+    weight bytes in flight (a decode step's linear layers are bound by reading weights).
+    32 rather than 16 rows per program: the H100 sweep of `benchmarks/fp8.py --parts gemv
+    --sweep` (docs/benchmarks.md) had 16-row tiles no faster than bf16."""
 
-    block_n: int = 16
+    block_n: int = 32
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 4

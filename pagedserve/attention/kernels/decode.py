@@ -297,8 +297,10 @@ class DecodeConfig:
 # keep half the bytes in flight per step and sit on memory latency (H100, bf16's launch on
 # an e4m3 cache: 46-64% of copy bandwidth where bf16 reaches 85-99%). So its tiles, v2
 # partitions and small-grid tiles hold twice the tokens: the same bytes as bf16's.
-# benchmarks/fp8.py --parts kernel --sweep times the alternatives.
-FP8_DECODE = DecodeConfig(block_n=128, partitions=(2048, 1024, 512), small_grid_block_n=64)
+# Double-buffered (5 stages): the best of the H100 sweep `benchmarks/fp8.py --parts kernel
+# --sweep` times (docs/benchmarks.md).
+FP8_DECODE = DecodeConfig(block_n=128, num_stages=5, partitions=(2048, 1024, 512),
+                          small_grid_block_n=64)
 
 
 def default_config(k_cache: Tensor) -> DecodeConfig:
