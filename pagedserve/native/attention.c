@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parts.h"
 #include "simd.h"
 
 #define CHUNK 16       /* tokens per online-softmax step and per prefetch step */
@@ -279,6 +280,15 @@ static int64_t heads_per_task(const shape *sh, int64_t num_seqs, int64_t num_thr
 /* The first token a query at position seq_len - 1 sees: its sliding window's (0: none). */
 static inline int64_t window_start(int64_t seq_len, int64_t window) {
     return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
+void ps_attend(const float *q, float *out, const int32_t *block_table, int64_t seq_len,
+               int64_t window, int64_t h0, int64_t h1, const float *k_cache,
+               const float *v_cache, int64_t block_size, int64_t num_kv_heads, int64_t group,
+               int64_t dim, float scale) {
+    const shape sh = {block_size, num_kv_heads, group, dim};
+    const task tk = {q, out, block_table, window_start(seq_len, window), seq_len, h0, h1};
+    decode_task(&tk, NULL, k_cache, v_cache, &sh, scale);
 }
 
 /* Decode attention of the first num_seqs rows of q [*, num_heads, head_dim] (token stride

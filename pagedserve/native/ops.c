@@ -24,6 +24,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "parts.h"
 #include "simd.h"
 
 /* Elements a call must touch before it is split over threads: torch's own grain size for
@@ -129,6 +130,13 @@ static void norm_rows(const void *args, int64_t r0, int64_t r1) {
     }
 }
 
+void ps_add_rms_norm_rows(const float *x, int64_t ldx, float *residual, int64_t ldres,
+                          const float *w, float *out, int64_t ldout, int64_t rows, int64_t n,
+                          float eps) {
+    const struct norm_args args = {x, w, residual, out, ldx, ldres, ldout, n, eps};
+    norm_rows(&args, 0, rows);
+}
+
 /* out[r] = RMSNorm(residual[r] + x[r]) * w, the sum written into residual[r] first; with
  * residual NULL, out[r] = RMSNorm(x[r]) * w. Rows of n floats: x, residual and out have row
  * strides ldx, ldres, ldout. */
@@ -169,6 +177,11 @@ static void rotate_head(float *x, int64_t half, const float *cos, const float *s
         x[i] = rounded1(a * cos[i]) + rounded1(b * sin[i]);
         hi[i] = rounded1(b * cos[half + i]) + rounded1(a * sin[half + i]);
     }
+}
+
+void ps_rotate_head(float *x, int64_t half, const float *cos, const float *sin, const float *w,
+                    float eps) {
+    rotate_head(x, half, cos, sin, w, eps);
 }
 
 struct rotate_args {
@@ -222,25 +235,25 @@ struct silu_args {
 
 /* The tail of a row that is no multiple of 8 goes through the same vector code via a buffer,
  * so every element sees the same exp. */
+void ps_silu_mul(const float *gate, const float *up, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    if (i < n) {
+        float g[8] = {0}, u[8] = {0}, res[8];
+        for (int64_t j = 0; i + j < n; j++)
+            g[j] = gate[i + j], u[j] = up[i + j];
+        _mm256_storeu_ps(res, silu_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+        for (int64_t j = 0; i + j < n; j++)
+            out[i + j] = res[j];
+    }
+}
+
 static void silu_rows(const void *args, int64_t r0, int64_t r1) {
     const struct silu_args *a = args;
-    const int64_t n = a->n;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *gate = a->gate_up + r * a->ld, *up = gate + n;
-        float *out = a->out + r * n;
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(out + i,
-                             silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
-        if (i < n) {
-            float g[8] = {0}, u[8] = {0}, res[8];
-            for (int64_t j = 0; i + j < n; j++)
-                g[j] = gate[i + j], u[j] = up[i + j];
-            _mm256_storeu_ps(res, silu_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
-            for (int64_t j = 0; i + j < n; j++)
-                out[i + j] = res[j];
-        }
-    }
+    for (int64_t r = r0; r < r1; r++)
+        ps_silu_mul(a->gate_up + r * a->ld, a->gate_up + r * a->ld + a->n, a->out + r * a->n,
+                    a->n);
 }
 
 /* out [rows][n] (contiguous) = silu(gate_up[r][:n]) * gate_up[r][n:], gate_up rows at stride ld. */

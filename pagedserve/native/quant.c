@@ -29,6 +29,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "parts.h"
 #include "simd.h"
 
 #define QK 32      /* weights per block */
@@ -89,13 +90,6 @@ static inline float dot_f32(const float *a, const float *c, int64_t n) {
     return sum;
 }
 
-/* Activations of one call, quantized: row r, block b at q + (r * nb + b) * 32. */
-typedef struct {
-    const int8_t *q;
-    const float *d, *s;
-    int64_t nb;
-} qrows;
-
 /* R rows of x (starting at row m) times weight row n -> y[m.., n] (stride ldy). */
 #define Q4_TILE(ROWS)                                                                        \
     static void q4_tile##ROWS(const uint8_t *wq, const float *ws, const float *wm,          \
@@ -152,6 +146,37 @@ typedef void (*q8_fn)(const int8_t *, const float *, const qrows *, int64_t, flo
 static const q4_fn Q4_TILES[MR + 1] = {0, q4_tile1, q4_tile2, q4_tile3, q4_tile4};
 static const q8_fn Q8_TILES[MR + 1] = {0, q8_tile1, q8_tile2, q8_tile3, q8_tile4};
 
+/* Weight row n times activation rows m0 .. m1, in tiles of up to MR rows (the same arithmetic
+ * per activation row whatever the tiling), plus bias b, into yn[m * ldy]. */
+static inline void weight_row(int kind, const void *w, const float *scales, const float *mins,
+                              const qrows *x, int64_t m0, int64_t m1, int64_t n, float b,
+                              float *yn, int64_t ldy) {
+    const int64_t nb = x->nb;
+    for (int64_t m = m0; m < m1; m += MR) {
+        const int64_t rows = m1 - m < MR ? m1 - m : MR;
+        if (kind == 0)
+            Q4_TILES[rows]((const uint8_t *)w + n * nb * 16, scales + n * nb, mins + n * nb, x,
+                           m, b, yn + m * ldy, ldy);
+        else
+            Q8_TILES[rows]((const int8_t *)w + n * nb * QK, scales + n * 2 * nb, x, m, b,
+                           yn + m * ldy, ldy);
+    }
+}
+
+void ps_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t nb, int8_t *q, float *d,
+                      float *s) {
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * ldx, nb, q + m * nb * QK, d + m * nb, s + m * nb);
+}
+
+void ps_qlinear_range(int kind, const void *w, const float *scales, const float *mins,
+                      const qrows *x, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                      const float *bias, float *y, int64_t ldy) {
+    for (int64_t n = n0; n < n1; n++)
+        weight_row(kind, w, scales, mins, x, m0, m1, n, bias ? bias[n] : 0.0f, y + (n - n0),
+                   ldy);
+}
+
 /* kind 0: q4 (weights [N][K/2] bytes, scales and mins [N][K/32]); kind 1: q8 (weights
  * [N][K] int8, scales [N][K/16], mins NULL). x [M, K] row-major with K a multiple of 32,
  * bias [N] or NULL, y [M, N] with row stride ldy (a column range of a wider output).
@@ -175,18 +200,9 @@ int pagedserve_qlinear(int kind, const float *x, int64_t M, int64_t K, const voi
         for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
             const int64_t m1 = M - m0 < MCHUNK ? M : m0 + MCHUNK;
 #pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; n++) {
-                const float b = bias ? bias[n] : 0.0f;
-                for (int64_t m = m0; m < m1; m += MR) {
-                    const int64_t rows = m1 - m < MR ? m1 - m : MR;
-                    if (kind == 0)
-                        Q4_TILES[rows]((const uint8_t *)w + n * nb * 16, scales + n * nb,
-                                       mins + n * nb, &qx, m, b, y + m * ldy + n, ldy);
-                    else
-                        Q8_TILES[rows]((const int8_t *)w + n * K, scales + n * 2 * nb, &qx, m,
-                                       b, y + m * ldy + n, ldy);
-                }
-            }
+            for (int64_t n = 0; n < N; n++)
+                weight_row(kind, w, scales, mins, &qx, m0, m1, n, bias ? bias[n] : 0.0f, y + n,
+                           ldy);
         }
     }
     free(xq), free(xd), free(xs);
