@@ -37,8 +37,8 @@ from pagedserve.config import EngineConfig, resolve_batch_limits
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_events import KVEventPublisher
 from pagedserve.engine.messages import (
-    EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput,
-    SchedulerStats, TokenLogprobs)
+    EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsLists, ModelRunnerOutput,
+    SchedulerOutput, SchedulerStats, TokenLogprobs)
 from pagedserve.engine.model_runner import ModelRunner, PendingRunnerOutput
 from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
@@ -140,6 +140,7 @@ class EngineCore:
         self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
+        self._prompt_logprobs: dict[str, LogprobsLists] = {}  # until each request's first token
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """The model's limit, or the user's if lower; never more than the cache can hold, so
@@ -173,6 +174,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request_id in request_ids:
             self.structured.remove_request(request_id)
+            self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         """True while a step is in flight too: its results must be collected (or dropped)."""
@@ -218,6 +220,8 @@ class EngineCore:
                   outputs: list[EngineCoreOutput]) -> None:
         """Wait for a step's tokens, hand them to the scheduler, append the outputs."""
         runner_output = pending.result()
+        if runner_output.prompt_logprobs:
+            self._collect_prompt_logprobs(runner_output.prompt_logprobs)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
         structured = self.structured
         if structured.has_requests():
@@ -233,9 +237,29 @@ class EngineCore:
             finish_reason = FINISH_REASON_VALUES.get(request.status)
             if finish_reason is not None and structured.has_requests():
                 structured.remove_request(request.request_id)
+            prompt_logprobs = None
+            if self._prompt_logprobs and request.request_id in self._prompt_logprobs:
+                prompt_logprobs = self._prompt_logprobs.pop(request.request_id)
             append(EngineCoreOutput(
                 request.request_id, [request.output_token_ids[-1]], logprobs,
-                finish_reason, request.stop_reason, request.num_cached_tokens))
+                finish_reason, request.stop_reason, request.num_cached_tokens,
+                prompt_logprobs))
+
+    def _collect_prompt_logprobs(self, chunks: dict[str, LogprobsLists]) -> None:
+        """Keep a prefill chunk's prompt logprobs until the request's first token, which
+        carries them all to the frontend."""
+        kept = self._prompt_logprobs
+        for req_id, chunk in chunks.items():
+            if req_id not in self.scheduler.requests:
+                continue  # aborted while the step was in flight
+            if req_id not in kept:
+                kept[req_id] = chunk
+                continue
+            lists = kept[req_id]
+            lists.top_token_ids += chunk.top_token_ids
+            lists.top_logprobs += chunk.top_logprobs
+            lists.sampled_logprobs += chunk.sampled_logprobs
+            lists.sampled_ranks += chunk.sampled_ranks
 
     # -- introspection ------------------------------------------------------------------------
 

@@ -101,6 +101,7 @@ class CachedRequestState:
         self.output_token_ids: list[int] = []
         # set for the rows a step samples: its tokens not known yet, the drawn one included
         self.num_output_placeholders = 0
+        self.num_prompt_logprobs = 0  # prompt positions whose prompt_logprobs were reported
         seed = self.sampling_params.seed
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)

@@ -63,6 +63,16 @@ class EngineCoreRequest(Message):
     cache_salt: str | None = None
 
 
+class LogprobsLists(Message, array_like=True):
+    """Logprobs of rows: a step's sampling rows (top lists as wide as the batch's largest
+    ask), or a request's prompt positions (`sampled_*`: the prompt's own next token)."""
+
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    sampled_logprobs: list[float]
+    sampled_ranks: list[int]
+
+
 class TokenLogprobs(Message, array_like=True, gc=False):
     """The raw model distribution at one generated token (the OpenAI API's logprobs)."""
 
@@ -81,6 +91,9 @@ class EngineCoreOutput(Message, array_like=True, omit_defaults=True, gc=False):
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     stop_reason: int | None = None  # the stop token id that matched
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
+    # with the first token of a request that asked for them: one row per prompt position
+    # after the first (the logprob of that position's token given the ones before it)
+    prompt_logprobs: LogprobsLists | None = None
 
 
 class SchedulerStats(Message):
@@ -171,16 +184,9 @@ class SchedulerOutput(Message):
                     or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
-class LogprobsLists(Message, array_like=True):
-    """Logprobs of a step's sampling rows; top lists are as wide as the batch's largest ask."""
-
-    top_token_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-    sampled_logprobs: list[float]
-    sampled_ranks: list[int]
-
-
 class ModelRunnerOutput(Message, array_like=True):
     req_ids: list[str]  # the requests that sampled this step, in batch order
     sampled_token_ids: list[int]
     logprobs: LogprobsLists | None = None
+    # requests with prompt_logprobs whose prompt positions this step computed
+    prompt_logprobs: dict[str, LogprobsLists] | None = None

@@ -41,7 +41,8 @@ from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.input_batch import BlockTableRows, CachedRequestState, StepBuffers
 from pagedserve.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.penalties import PenaltyState, to_device
-from pagedserve.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata
+from pagedserve.engine.sampler import (
+    LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs)
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -59,9 +60,11 @@ class PendingRunnerOutput:
     """
 
     def __init__(self, req_ids: list[str], sampled: SamplerOutput | None,
-                 on_result: Callable[[list[int]], None] | None = None) -> None:
+                 on_result: Callable[[list[int]], None] | None = None,
+                 prompt_logprobs: dict[str, LogprobsLists] | None = None) -> None:
         self.req_ids = req_ids
         self._on_result = on_result
+        self._prompt_logprobs = prompt_logprobs  # already on the host
         self._tokens = _to_host(sampled.sampled_token_ids) if sampled is not None else None
         self._logprobs = None
         if sampled is not None and sampled.logprobs is not None:
@@ -77,7 +80,7 @@ class PendingRunnerOutput:
     def result(self) -> ModelRunnerOutput:
         """Wait for the copies (the engine's only wait on the GPU) and return the tokens."""
         if self._tokens is None:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], prompt_logprobs=self._prompt_logprobs)
         if self._ready is not None:
             self._ready.synchronize()
         tokens = self._tokens.tolist()
@@ -88,7 +91,7 @@ class PendingRunnerOutput:
             lp = self._logprobs
             logprobs = LogprobsLists(lp.top_token_ids.tolist(), lp.top_logprobs.tolist(),
                                      lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist())
-        return ModelRunnerOutput(self.req_ids, tokens, logprobs)
+        return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs)
 
 
 def _to_host(tensor: Tensor) -> Tensor:
@@ -128,6 +131,7 @@ class ModelRunner:
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request seen
         self._to_sample: tuple[list[CachedRequestState], Tensor] | None = None  # execute_model
+        self._prompt_logprobs: dict[str, LogprobsLists] | None = None  # execute_model's
         # the last step's sampled tokens on the device, and each sampling request's row
         self._last_sampled: Tensor | None = None
         self._last_sampled_rows: dict[str, int] = {}
@@ -430,6 +434,7 @@ class ModelRunner:
         if output.req_ids:
             inputs = self.prepare_inputs(output)
             hidden = self._forward(inputs)
+            self._prompt_logprobs = self._compute_prompt_logprobs(output, hidden)
             states = inputs.sampling_states
             if states:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -448,7 +453,52 @@ class ModelRunner:
         req_ids = [state.req_id for state in states]
         self._last_sampled = sampled.sampled_token_ids if sampled is not None else None
         self._last_sampled_rows = dict(zip(req_ids, range(len(req_ids))))
-        return PendingRunnerOutput(req_ids, sampled, lambda tokens: _append_tokens(states, tokens))
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        return PendingRunnerOutput(req_ids, sampled, lambda tokens: _append_tokens(states, tokens),
+                                   prompt_logprobs)
+
+    def _compute_prompt_logprobs(self, output: SchedulerOutput, hidden: Tensor
+                                 ) -> dict[str, LogprobsLists] | None:
+        """vLLM's prompt_logprobs for the requests that ask: each prompt position this step
+        computed gets the logprob of the prompt's next token and the top ones, from its hidden
+        state (the rows the sampler never sees). A position is reported once: a preempted
+        request recomputes its prompt, and its state remembers how far it got. Waits for
+        the step (a host copy), so only steps holding such requests lose their overlap."""
+        result = None
+        row = 0
+        for req_id, num_new, num_computed in zip(output.req_ids, output.num_scheduled_tokens,
+                                                 output.num_computed_tokens):
+            state = self.requests[req_id]
+            first_row, row = row, row + num_new
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            # positions [first, last) predict the prompt tokens first + 1 .. last
+            first = max(num_computed, state.num_prompt_logprobs)
+            last = min(num_computed + num_new, len(state.prompt_token_ids) - 1)
+            if first >= last:
+                continue
+            rows = hidden[first_row + first - num_computed:first_row + last - num_computed]
+            targets = torch.tensor(state.prompt_token_ids[first + 1:last + 1],
+                                   device=hidden.device)
+            result = result or {}
+            result[req_id] = self._logprobs_of(rows, targets, k)
+            state.num_prompt_logprobs = last
+        return result
+
+    def _logprobs_of(self, hidden: Tensor, targets: Tensor, k: int,
+                     rows_per_pass: int = 512) -> LogprobsLists:
+        """The logprobs of `targets` under the LM head on `hidden`, in slices of rows (a
+        float32 [rows, vocab] is what each slice costs)."""
+        lists = LogprobsLists([], [], [], [])
+        for start in range(0, hidden.shape[0], rows_per_pass):
+            logits = self.model.compute_logits(hidden[start:start + rows_per_pass]).float()
+            lp = gather_logprobs(logits.log_softmax(-1), targets[start:start + rows_per_pass], k)
+            lists.top_token_ids += lp.top_token_ids.tolist()
+            lists.top_logprobs += lp.top_logprobs.tolist()
+            lists.sampled_logprobs += lp.sampled_logprobs.tolist()
+            lists.sampled_ranks += lp.sampled_ranks.tolist()
+        return lists
 
     def sampling_metadata(self, states: list[CachedRequestState], logits: Tensor,
                           grammar: GrammarOutput | None = None) -> SamplingMetadata:

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, TokenLogprobs
+from pagedserve.engine.messages import (
+    EngineCoreOutputs, EngineCoreRequest, LogprobsLists, TokenLogprobs)
 from pagedserve.engine.outputs import (
-    CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs)
+    CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs)
 from pagedserve.engine.sampling_params import SamplingParams
 
 
@@ -47,6 +48,7 @@ class _Parent:
     final_only: bool  # report only the finished output (offline generation)
     metrics: RequestMetrics
     samples: list[_Sample] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # when asked for, once the prompt is done
 
     @property
     def finished(self) -> bool:
@@ -129,6 +131,9 @@ class OutputProcessor:
                 self._first_token(sample, out.num_cached_tokens, now)
             sample.token_ids.extend(new_ids)
             num_new += len(new_ids)
+            if out.prompt_logprobs is not None and sample.index == 0:
+                sample.parent.prompt_logprobs = self._prompt_logprobs(sample.parent,
+                                                                      out.prompt_logprobs)
             if out.new_logprobs is not None and sample.logprobs is not None:
                 self._append_logprobs(sample, new_ids, out.new_logprobs)
             if out.finish_reason is not None:
@@ -180,12 +185,27 @@ class OutputProcessor:
             sample.logprobs.append(entry)
             sample.cumulative_logprob += lp.sampled_logprob
 
+    def _prompt_logprobs(self, parent: _Parent, lists: LogprobsLists) -> PromptLogprobs:
+        """vLLM's shape: None for the first prompt token (nothing predicts it), then per
+        position the prompt token's own entry and the top ones."""
+        decode = self.tokenizer.decode
+        entries: PromptLogprobs = [None]
+        for token, top_ids, top_lps, lp, rank in zip(
+                parent.prompt_token_ids[1:], lists.top_token_ids, lists.top_logprobs,
+                lists.sampled_logprobs, lists.sampled_ranks):
+            entry = {t: Logprob(v, r + 1, decode([t]))
+                     for r, (t, v) in enumerate(zip(top_ids, top_lps))}
+            entry.setdefault(token, Logprob(lp, rank, decode([token])))
+            entries.append(entry)
+        return entries
+
     def _make_output(self, parent: _Parent) -> RequestOutput:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=[self._completion(s) for s in parent.samples], finished=parent.finished,
-            metrics=parent.metrics, num_cached_tokens=parent.metrics.num_cached_tokens)
+            metrics=parent.metrics, num_cached_tokens=parent.metrics.num_cached_tokens,
+            prompt_logprobs=parent.prompt_logprobs)
 
     @staticmethod
     def _completion(sample: _Sample) -> CompletionOutput:

@@ -30,6 +30,8 @@ class Logprob:
 
 # one dict per generated token: token id -> Logprob (the top ones plus the sampled one)
 SampleLogprobs = list[dict[int, Logprob]]
+# one per prompt token: None for the first, then the token's own entry plus the top ones
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -57,6 +59,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs
 
 
 @dataclass

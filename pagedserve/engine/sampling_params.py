@@ -33,6 +33,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many top logprobs (+ the sampled token's)
+    # vLLM's extension: per prompt position, the logprob of the prompt's next token and
+    # this many top ones. Such a request skips the prefix cache (its positions need logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # the output must match a JSON schema, any JSON object, a regex, a choice or an EBNF
     # grammar (pagedserve/structured)
@@ -73,6 +76,8 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (self.logprobs is None or self.logprobs >= 0,
              f"logprobs must be >= 0, got {self.logprobs}"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"),
             (all(s for s in self.stop_strings), "stop strings must be non-empty"),
             (self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams),

@@ -182,7 +182,9 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            blocks, num_hit = [], 0
+            if request.sampling_params.prompt_logprobs is None:  # else: every position's logits
+                blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             swapped = self.swapped.get(request.request_id)
             # tokens whose KV is present before this step: prefix hits, then swapped-in blocks
             num_ready = max(num_hit, swapped.num_computed_tokens) if swapped else num_hit
