@@ -178,9 +178,8 @@ CHAT_REFUSED = {
     "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low",
     "moderation": {}, "prompt_cache_options": {"mode": "explicit"},
     "functions": [{"name": "f"}], "function_call": "auto", "store": True,
-    "prompt_logprobs": 1,
 }
-COMPLETION_REFUSED = {"suffix": "x", "echo": True, "prompt_logprobs": 1}
+COMPLETION_REFUSED = {"suffix": "x", "echo": True}
 
 
 @pytest.mark.parametrize("route, field, value", [
@@ -194,6 +193,37 @@ def test_refused_fields_get_a_400_naming_them(server, route, field, value):
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == field and field.split("_")[0] in error["message"]
+
+
+def check_prompt_logprobs(entries: list, prompt_ids: list[int], top: int) -> None:
+    """vLLM's shape: None first, then per position the prompt token (by id) and the top."""
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for entry, token in zip(entries[1:], prompt_ids[1:]):
+        ranks = {int(t): e["rank"] for t, e in entry.items()}
+        assert token in ranks and all(e["logprob"] <= 0.0 for e in entry.values())
+        assert sorted(r for t, r in ranks.items() if r <= top) == list(range(1, top + 1))
+        assert len(entry) in (top, top + 1)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_prompt_logprobs(server, route):
+    body = {"model": MODEL_NAME, "max_tokens": 2, "prompt_logprobs": 2}
+    if route == "completions":
+        body["prompt"] = "The capital of France is"
+        prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": body["prompt"]}
+                                ).json()["tokens"]
+    else:
+        body["messages"] = ASK
+        prompt_ids = httpx.post(server.url + "/tokenize", json={"messages": ASK}).json()["tokens"]
+    resp = httpx.post(f"{server.base_url}/{route}", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    entries = data["choices"][0]["prompt_logprobs"] if route == "completions" \
+        else data["prompt_logprobs"]
+    assert data["usage"]["prompt_tokens"] == len(prompt_ids)
+    check_prompt_logprobs(entries, prompt_ids, 2)
+    streamed = httpx.post(f"{server.base_url}/{route}", json={**body, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_bad_structured_requests_get_a_400(client):

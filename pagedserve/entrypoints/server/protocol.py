@@ -7,14 +7,15 @@ a plausible-looking wrong result:
 - implemented: sampling (temperature, top_p, n, seed, stop, penalties, logit_bias), lengths,
   logprobs / top_logprobs, streaming with stream_options.include_usage, response_format
   (json_object, json_schema), tools / tool_choice / parallel_tool_calls, `user` (also the
-  prefix-cache salt); for completions echo=false, best_of equal to n;
+  prefix-cache salt), and (vLLM's extension) prompt_logprobs without streaming; for
+  completions echo=false, best_of equal to n;
 - accepted with no effect on the output, because they route, bill or monitor on OpenAI's side:
   service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention, metadata,
   store=false;
 - refused with a 400 naming the parameter: audio, modalities other than ["text"], prediction,
   web_search_options, reasoning_effort, verbosity, moderation, prompt_cache_options, the
   deprecated functions / function_call, store=true, stream_options.include_obfuscation=true,
-  suffix, echo=true, best_of other than n, and (vLLM's extension) prompt_logprobs.
+  suffix, echo=true, best_of other than n, prompt_logprobs with stream=true (as vLLM).
 Extensions (vLLM's names): top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
 ignore_eos, cache_salt, add_generation_prompt, and `structured_outputs` (exactly one of json,
 json_object, regex, choice, grammar: the output must match it). Fields nobody defines are
@@ -191,10 +192,8 @@ class SamplingRequest(BaseModel):
     prompt_cache_retention: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    # refused
-    prompt_logprobs: Any = None
-
-    _refuse = field_validator("prompt_logprobs")(_unsupported)
+    # extension: per prompt position, the prompt token's logprob and this many top ones
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -234,6 +233,9 @@ class SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise request_error("stream_options",
                                 "stream_options is only allowed when stream is true.")
+        if self.prompt_logprobs is not None and self.stream:
+            raise request_error("prompt_logprobs",
+                                "prompt_logprobs is not available when stream is true.")
         if self.structured_outputs is not None and self.response_format is not None \
                 and self.response_format.type != "text":
             raise request_error("structured_outputs", "Give either response_format or "
@@ -418,12 +420,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: one per token id, keyed by the id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# None for the first prompt token (nothing predicts it), then token id -> entry per position
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
     stop_reason: int | str | None = None  # extension: the stop string or token that fired
+    prompt_logprobs: PromptLogprobs | None = None  # extension, as vLLM places it
 
 
 class CompletionResponse(BaseModel):
@@ -472,6 +487,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # extension, as vLLM places it
 
 
 class DeltaFunctionCall(BaseModel):

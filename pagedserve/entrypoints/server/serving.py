@@ -35,7 +35,7 @@ from pagedserve.entrypoints.server.protocol import (
     ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
     CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaFunctionCall, DeltaMessage,
     DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, NamedToolChoice,
-    PromptTokensDetails, TokenizeRequest, TokenizeResponse, ToolCall, TopLogprob, UsageInfo,
+    PromptLogprob, PromptLogprobs, PromptTokensDetails, TokenizeRequest, TokenizeResponse, ToolCall, TopLogprob, UsageInfo,
     SamplingRequest, random_id)
 from pagedserve.structured.params import StructuredOutputsParams
 
@@ -87,7 +87,8 @@ class OpenAIServing:
         finals = await _unless_disconnected(_collect(streams), raw, lambda: self._abort(requests))
         return JSONResponse(CompletionResponse(
             id=base_id, model=self.model_name,
-            choices=[self._completion_choice(i * req.n + c.index, c, req.logprobs)
+            choices=[self._completion_choice(i * req.n + c.index, c, req.logprobs,
+                                             prompt_logprobs=_prompt_logprobs(out))
                      for i, out in enumerate(finals) for c in out.outputs],
             usage=_usage(finals)).model_dump())
 
@@ -113,8 +114,8 @@ class OpenAIServing:
                 logprobs=self._chat_logprobs(c.logprobs, c.token_ids, top),
                 stop_reason=c.stop_reason))
         return JSONResponse(ChatCompletionResponse(
-            id=base_id, model=self.model_name, choices=choices,
-            usage=_usage([final])).model_dump())
+            id=base_id, model=self.model_name, choices=choices, usage=_usage([final]),
+            prompt_logprobs=_prompt_logprobs(final)).model_dump())
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self._check_model(req.model)
@@ -235,6 +236,7 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs,
                 min_tokens=req.min_tokens,
                 logit_bias={int(k): v for k, v in req.logit_bias.items()}
                 if req.logit_bias else None,
@@ -326,12 +328,14 @@ class OpenAIServing:
     # ---- output conversion -----------------------------------------------------------------
 
     def _completion_choice(self, index: int, c: Any, num_top: int | None, text: str | None = None,
-                           logprobs: list | None = None) -> CompletionChoice:
+                           logprobs: list | None = None,
+                           prompt_logprobs: PromptLogprobs | None = None) -> CompletionChoice:
         if text is None:
             text, logprobs = c.text, c.logprobs
         token_ids = c.token_ids[len(c.token_ids) - len(logprobs):] if logprobs else []
         return CompletionChoice(
             index=index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            prompt_logprobs=prompt_logprobs,
             logprobs=None if num_top is None else
             self._completion_logprobs(logprobs or [], token_ids, num_top))
 
@@ -497,6 +501,16 @@ def _tail(items: list | None, count: int) -> list:
     if not items or count <= 0:
         return []
     return items[-count:]
+
+
+def _prompt_logprobs(out: Any) -> PromptLogprobs | None:
+    """The engine's prompt logprobs in the wire shape (ids as keys, vLLM's fields)."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+             for t, lp in entry.items()}
+            for entry in out.prompt_logprobs]
 
 
 def _usage(finals: list[Any]) -> UsageInfo:
