@@ -136,7 +136,8 @@ class EngineCore:
             eos.add(loaded.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.structured = StructuredOutputManager(loaded.tokenizer, self.model_config.vocab_size,
-                                                  self.eos_token_ids, config.max_num_seqs)
+                                                  self.eos_token_ids, config.max_num_seqs,
+                                                  pin_memory=device.type == "cuda")
         self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None

@@ -46,7 +46,6 @@ from pagedserve.engine.sampler import (
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
-from pagedserve.structured.bitmask import full_bitmask
 from pagedserve.structured.manager import GrammarOutput
 
 
@@ -513,20 +512,11 @@ class ModelRunner:
             states, logits.shape[1], self.device, penalty_state=penalties,
             penalty_slots=penalties.slots([state.req_id for state in states]))
         if grammar is not None:
-            meta.allowed_token_bitmask = self._bitmask(states, grammar, logits.shape[1])
+            if grammar.req_ids != [state.req_id for state in states]:
+                raise RuntimeError("the grammar bitmask's rows are not the step's sampling rows")
+            meta.allowed_token_bitmask = to_device(torch.from_numpy(grammar.bitmask),
+                                                   self.device)
         return meta
-
-    def _bitmask(self, states: list[CachedRequestState], grammar: GrammarOutput,
-                 vocab_size: int) -> Tensor:
-        """The grammar's rows in sampling order, all-allowed rows for the others."""
-        req_ids = [state.req_id for state in states]
-        if grammar.req_ids == req_ids:
-            rows = grammar.bitmask
-        else:
-            rows = full_bitmask(len(req_ids), vocab_size)
-            index = {r: i for i, r in enumerate(req_ids)}
-            rows[[index[r] for r in grammar.req_ids]] = grammar.bitmask
-        return to_device(torch.from_numpy(rows), self.device)
 
     def _sample(self, logits: Tensor, states: list[CachedRequestState],
                 grammar: GrammarOutput | None) -> SamplerOutput:

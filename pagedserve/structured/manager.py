@@ -30,9 +30,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GrammarOutput:
-    """A step's bitmask rows for its constrained sampling rows (plain data for the runner):
-    row i of `bitmask` (int32, one bit per token id, 1 = allowed) belongs to `req_ids[i]`.
-    The array is the manager's buffer, valid until its next `grammar_bitmask` call."""
+    """A step's bitmask, one row per sampling row (plain data for the runner): row i of
+    `bitmask` (int32, one bit per token id, 1 = allowed) belongs to `req_ids[i]`; an
+    unconstrained row allows every token. The array is the manager's buffer (pinned memory
+    on CUDA, so its upload does not block), valid until its next `grammar_bitmask` call."""
 
     req_ids: list[str]
     bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab_size / 32)]
@@ -40,14 +41,17 @@ class GrammarOutput:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
-                 max_num_seqs: int) -> None:
-        """`stop_token_ids`: the engine's EOS ids, the tokens a finished grammar allows."""
+                 max_num_seqs: int, pin_memory: bool = False) -> None:
+        """`stop_token_ids`: the engine's EOS ids, the tokens a finished grammar allows.
+        `pin_memory`: the bitmask goes to a GPU (its buffer is then page-locked)."""
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._grammars: GrammarCache | None = None
         self._stop_token_ids = sorted(stop_token_ids)
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
         self._batch = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
+        if pin_memory:
+            self._bitmask = self._bitmask.pin_memory()
 
     @property
     def grammars(self) -> GrammarCache:
@@ -93,12 +97,19 @@ class StructuredOutputManager:
             self._matchers.pop(request_id, None)
 
     def grammar_bitmask(self, req_ids: Sequence[str]) -> GrammarOutput | None:
-        """The bitmask rows of the constrained ones among a step's sampling rows (in
-        order), or None when none is constrained."""
-        rows = [(r, m) for r in req_ids if (m := self._matchers.get(r)) is not None
-                and not m.is_terminated()]
-        if not rows:
+        """The bitmask of a step's sampling rows (in order): a constrained row filled by
+        its matcher, the others all ones; None when no row is constrained. The rows are
+        filled in place in the step's order, so the runner uploads the buffer as it is."""
+        indices, matchers = [], []
+        for i, req_id in enumerate(req_ids):
+            matcher = self._matchers.get(req_id)
+            if matcher is not None and not matcher.is_terminated():
+                indices.append(i)
+                matchers.append(matcher)
+        if not matchers:
             return None
-        bitmask = self._bitmask[:len(rows)]
-        self._batch.batch_fill_next_token_bitmask([m for _, m in rows], bitmask)
-        return GrammarOutput([r for r, _ in rows], bitmask.numpy())
+        bitmask = self._bitmask[:len(req_ids)]
+        if len(matchers) < len(req_ids):
+            bitmask.fill_(-1)
+        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices)
+        return GrammarOutput(list(req_ids), bitmask.numpy())

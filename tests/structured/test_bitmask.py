@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xgrammar as xgr
 
 from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, to_device
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.structured.bitmask import full_bitmask
 
 VOCAB = 100
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
@@ -32,7 +32,7 @@ def requests() -> list[CachedRequestState]:
 
 def bitmask(allowed: dict[int, list[int]], rows: int) -> np.ndarray:
     """Rows not in `allowed` allow everything."""
-    mask = full_bitmask(rows, VOCAB)
+    mask = np.full(xgr.get_bitmask_shape(rows, VOCAB), -1, dtype=np.int32)  # all allowed
     for row, tokens in allowed.items():
         mask[row] = 0
         for t in tokens:
