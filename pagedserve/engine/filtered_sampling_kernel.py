@@ -39,6 +39,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from pagedserve.engine.penalties import to_device
 from pagedserve.engine.sampler import PenaltyTensors, apply_penalties
 from pagedserve.engine.sampling_kernel import (FLOAT32_MAX, LOG2E, _best_of, _gumbel2,
                                                _interpreting, _token_gumbel2)
@@ -183,10 +184,12 @@ def _search(row_ptr, ids_ptr, vocab, slot, counts_ptr, prompt_ptr, stride_slot, 
 def _filtered_sample_kernel(
         logits_ptr, stride_row, vocab, temperature_ptr, greedy_ptr, philox_ptr, min_p_ptr,
         top_k_ptr, top_p_ptr, slot_ptr, counts_ptr, prompt_ptr, stride_slot, repetition_ptr,
-        presence_ptr, frequency_ptr, ids_ptr, stride_ids, out_ptr, HAS_PENALTIES: tl.constexpr,
-        GATHERED: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, ROUNDS: tl.constexpr,
-        GPU: tl.constexpr):
+        presence_ptr, frequency_ptr, ids_ptr, stride_ids, skip_ptr, out_ptr,
+        HAS_PENALTIES: tl.constexpr, GATHERED: tl.constexpr, HAS_SKIP: tl.constexpr,
+        BLOCK: tl.constexpr, PIVOTS: tl.constexpr, ROUNDS: tl.constexpr, GPU: tl.constexpr):
     row = tl.program_id(0)
+    if HAS_SKIP:  # a row served elsewhere: an empty row, every loop runs zero times
+        vocab = tl.where(tl.load(skip_ptr + row) != 0, 0, vocab)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     ids_ptr += row.to(tl.int64) * stride_ids
     noisy = tl.load(greedy_ptr + row) == 0
@@ -308,9 +311,11 @@ def _sample_candidates(logits: Tensor, temperature: Tensor, greedy_mask: Tensor,
     the same Gumbel scores, so the same token as the full pass. A row is served so only
     when the selection provably holds all of its top k, ties at the k-th value included
     (the last candidate lies strictly below it), its maximum is finite and it is not
-    greedy; the other rows (found with one host sync) take the full pass. The top-p mass
-    is summed in a different order here, so only a row whose cut-off falls within float
-    rounding of a token's value can differ."""
+    greedy; the other rows take the full pass, launched over the whole batch with the served
+    rows skipped on the device, so nothing waits for the GPU (a host sync here would stall
+    async scheduling every sampled step). The top-p mass is summed in a different order
+    here, so only a row whose cut-off falls within float rounding of a token's value can
+    differ."""
     values, ids = _candidates(logits, penalties, config.candidates)
     # z = key / T as the kernel's filters see it: monotone in the key, so the candidate
     # order is z's order
@@ -322,43 +327,39 @@ def _sample_candidates(logits: Tensor, temperature: Tensor, greedy_mask: Tensor,
               & ~torch.isnan(values).any(1))
     out = _sample_rows(logits, temperature, greedy_mask, philox, min_p, top_k, top_p,
                        penalties, ids.to(torch.int32), config)
-    rest = (~served).nonzero().squeeze(1)
-    if rest.numel():
-        out[rest] = _sample_rows(
-            logits[rest], temperature[rest], greedy_mask[rest], philox[rest],
-            None if min_p is None else min_p[rest], top_k[rest],
-            None if top_p is None else top_p[rest],
-            None if penalties is None else _penalty_rows(penalties, rest), None, config)
-    return out
+    full = _sample_rows(logits, temperature, greedy_mask, philox, min_p, top_k, top_p,
+                        penalties, None, config, skip=served)
+    return torch.where(served, out, full)
 
 
 def _candidates(logits: Tensor, penalties: PenaltyTensors | None, count: int
                 ) -> tuple[Tensor, Tensor]:
     """The `count` largest (penalized) logits of each row, float32, and their token ids.
-    Only the rows with penalties are penalized (one host sync finds them): the others'
-    order is their raw logits'."""
+    Only the rows with penalties are penalized (the host knows which): the others' order
+    is their raw logits'."""
     values, ids = torch.topk(logits, count, dim=1)
     values = values.float()
-    if penalties is not None:
-        rows = (penalties.rows >= 0).nonzero().squeeze(1)
-        if rows.numel():
-            penalized = apply_penalties(logits[rows].float(), _penalty_rows(penalties, rows))
-            values[rows], ids[rows] = torch.topk(penalized, count, dim=1)
+    if penalties is not None and penalties.penalized_rows:
+        rows = to_device(torch.tensor(penalties.penalized_rows, dtype=torch.int64),
+                         logits.device)
+        penalized = apply_penalties(logits[rows].float(), _penalty_rows(penalties, rows))
+        values[rows], ids[rows] = torch.topk(penalized, count, dim=1)
     return values, ids
 
 
 def _penalty_rows(penalties: PenaltyTensors, rows: Tensor) -> PenaltyTensors:
     p = penalties
     return dataclasses.replace(p, rows=p.rows[rows], repetition=p.repetition[rows],
-                               presence=p.presence[rows], frequency=p.frequency[rows])
+                               presence=p.presence[rows], frequency=p.frequency[rows],
+                               penalized_rows=list(range(rows.numel())))
 
 
 def _sample_rows(logits: Tensor, temperature: Tensor, greedy_mask: Tensor, philox: Tensor,
                  min_p: Tensor | None, top_k: Tensor | None, top_p: Tensor | None,
                  penalties: PenaltyTensors | None, candidate_ids: Tensor | None,
-                 config: FilteredKernelConfig) -> Tensor:
+                 config: FilteredKernelConfig, skip: Tensor | None = None) -> Tensor:
     """One kernel launch: over each row's whole vocabulary, or with candidate_ids (int32
-    [S, C]) over those tokens only."""
+    [S, C]) over those tokens only; rows where `skip` (bool [S]) holds are left unwritten."""
     num_rows, vocab = logits.shape
     device = logits.device
     out = torch.empty(num_rows, dtype=torch.int64, device=device)
@@ -384,7 +385,7 @@ def _sample_rows(logits: Tensor, temperature: Tensor, greedy_mask: Tensor, philo
     _filtered_sample_kernel[(num_rows,)](
         logits, logits.stride(0), vocab, temperature, greedy_mask, philox, min_p, top_k, top_p,
         slot, counts, prompt, stride_slot, repetition, presence, frequency, ids, stride_ids,
-        out, HAS_PENALTIES=penalties is not None, GATHERED=candidate_ids is not None,
-        BLOCK=config.block, PIVOTS=config.pivots, ROUNDS=config.philox_rounds,
+        min_p if skip is None else skip, out, HAS_PENALTIES=penalties is not None,
+        GATHERED=candidate_ids is not None, HAS_SKIP=skip is not None, BLOCK=config.block, PIVOTS=config.pivots, ROUNDS=config.philox_rounds,
         GPU=logits.is_cuda and not _interpreting(), num_warps=config.num_warps)
     return out

@@ -73,6 +73,7 @@ class PenaltyTensors:
     repetition: Tensor  # float32 [S]
     presence: Tensor  # float32 [S]
     frequency: Tensor  # float32 [S]
+    penalized_rows: list[int]  # the rows with a slot, known on the host (no device read)
 
 
 @dataclass
@@ -169,7 +170,8 @@ def _penalty_tensors(params: list[SamplingParams], state: PenaltyState,
         prompt_mask=state.prompt_mask,
         repetition=column([p.repetition_penalty for p in params]),
         presence=column([p.presence_penalty for p in params]),
-        frequency=column([p.frequency_penalty for p in params]))
+        frequency=column([p.frequency_penalty for p in params]),
+        penalized_rows=[i for i, s in enumerate(rows) if s >= 0])
 
 
 def _logit_bias(params: Sequence[SamplingParams], device: torch.device

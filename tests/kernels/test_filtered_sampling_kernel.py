@@ -212,15 +212,18 @@ def test_top_k_rows_drawn_from_candidates_equal_the_full_pass(monkeypatch):
     launches = []
     sample_rows = filtered_sampling_kernel._sample_rows
 
-    def spy(logits, *args):
-        launches.append((len(logits), args[-2] is not None))
-        return sample_rows(logits, *args)
+    def spy(logits, *args, skip=None):
+        launches.append((len(logits), args[-2] is not None,
+                         None if skip is None else skip.tolist()))
+        return sample_rows(logits, *args, skip=skip)
 
     monkeypatch.setattr(filtered_sampling_kernel, "_sample_rows", spy)
     config = FilteredKernelConfig(block=16, pivots=64, candidates=8)
     got = filtered_sample(logits, temperature, greedy, philox, min_p, top_k, top_p,
                           config=config)
-    assert launches == [(9, True), (5, False)]  # rows 4 to 8 fall back
+    # one launch over the candidates, one full pass in which rows 0 to 3 are skipped: rows
+    # 4 to 8 fall back (decided on the device, no host sync)
+    assert launches == [(9, True, None), (9, False, [True] * 4 + [False] * 5)]
     reference = logits.clone()
     reference[8, 0] = -INF  # the reference's filters need a NaN-free row
     expected = expected_tokens(reference, temperature, greedy, philox, min_p, top_k, top_p)
