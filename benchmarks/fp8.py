@@ -217,13 +217,15 @@ def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:
 
 def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
     """FP8 weights at decode batch sizes, Llama-3-8B's projections (K x N): the weight-only
-    kernel (`fp8_kernel.weight_only_linear`; with `sweep` each of `weight_only_candidates`)
-    against `_scaled_mm` with per-token activation quantization and against the bf16 matmul,
+    kernel (`fp8_kernel.weight_only_linear`, method "weight_only"; with `sweep` also
+    "weight_only <candidate>" for each of `weight_only_candidates`; rows carry the launch
+    settings and the split of K) against `_scaled_mm` with per-token activation quantization and against the bf16 matmul,
     timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them)."""
     from pagedserve.model import fp8
-    from pagedserve.model.fp8_kernel import quantize_tokens, weight_only_linear
+    from pagedserve.model.fp8_kernel import quantize_tokens, split_k, weight_only_linear
 
     kernels = _module("kernels")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
               "down": (14336, 4096)}
 
@@ -237,31 +239,48 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
         w = torch.randn(copies, n_dim, k_dim, device="cuda", dtype=torch.bfloat16) * 0.02
         w_q, w_s = fp8.quantize_rows(w.view(-1, k_dim))
         w_q, w_s = w_q.view(copies, n_dim, k_dim), w_s.view(copies, n_dim)
-        methods = {"bf16 matmul": (lambda x, r: x @ w[r].t(), 2),
-                   "scaled_mm": (lambda x, r: scaled_mm(x, w_q[r], w_s[r]), 1)}
-        configs = {"weight_only": None}
+        methods = {"bf16 matmul": (lambda x, r: x @ w[r].t(), 2, None),
+                   "scaled_mm": (lambda x, r: scaled_mm(x, w_q[r], w_s[r]), 1, None)}
+        configs = {"weight_only": WeightOnlyConfig()}
         if sweep:
-            configs.update(weight_only_candidates())
+            configs.update({f"weight_only {k}": c for k, c in weight_only_candidates().items()})
         for label, cfg in configs.items():
             methods[label] = ((lambda c: lambda x, r: weight_only_linear(
-                x, w_q[r], w_s[r], None, *([c] if c else [])))(cfg), 1)
+                x, w_q[r], w_s[r], None, c))(cfg), 1, cfg)
         for rows in (1, 4, 16):
             x = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
-            for label, (fn, element) in methods.items():
+            for label, (fn, element, cfg) in methods.items():
+                if rows == 4 and label.startswith("weight_only "):
+                    continue  # candidates at 1 and 16 rows only: the sweep's time
                 us = kernels.graph_us([(lambda r: lambda: fn(x, r))(r) for r in range(copies)])
                 gbps = n_dim * k_dim * element / (us * 1e-6) / 1e9
+                launch = {} if cfg is None else {
+                    **asdict(cfg), "split_k": split_k(n_dim, k_dim, num_sms, cfg)[0]}
                 res.add("gemv", layer=name, k=k_dim, n=n_dim, rows=rows, method=label,
                         us=round(us, 2), gb_per_s=round(gbps, 1),
-                        pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1))
+                        pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1), **launch)
         del w, w_q, w_s
         torch.cuda.empty_cache()
 
 
 def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
-    """Tiles `--sweep` times beside `WeightOnlyConfig()`."""
-    return {f"n{n} k{k} w{w} s{s}": WeightOnlyConfig(n, k, w, s)
-            for n, k, w, s in ((16, 512, 4, 4), (32, 256, 4, 5), (32, 1024, 4, 3),
-                               (32, 512, 8, 4), (64, 256, 4, 4), (64, 512, 8, 4))}
+    """Settings `--sweep` times beside the default (`WeightOnlyConfig()`, method
+    "weight_only"), named by what differs: nK/kK tile rows/columns, wW warps, sS stages,
+    "no split" (N / block_n programs each over all of K: the default before split-K),
+    "split pP" (K split until P programs per SM), "bits" (e4m3 read by bit moves,
+    `e4m3.e4m3_bits`, not Triton's cast)."""
+    base = WeightOnlyConfig()
+    return {"no split (11:10 default)": replace(base, programs_per_sm=0),
+            "no split bits": replace(base, programs_per_sm=0, bits=True),
+            "split p2": replace(base, programs_per_sm=2),
+            "split p8": replace(base, programs_per_sm=8),
+            "bits": replace(base, bits=True),
+            "bits split p8": replace(base, bits=True, programs_per_sm=8),
+            "bits k256 s5": replace(base, bits=True, block_k=256, num_stages=5),
+            "bits n64 k256": replace(base, bits=True, block_n=64, block_k=256),
+            "bits n16 k512": replace(base, bits=True, block_n=16),
+            "bits w8": replace(base, bits=True, num_warps=8),
+            "k256 s5": replace(base, block_k=256, num_stages=5)}
 
 
 # ------------------------------------------------------------------------------ quality
@@ -440,9 +459,11 @@ def tpot_batch1(engine: LLMEngine, tokens: int = 128) -> float:
     return round(statistics.median(times), 3)
 
 
-def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True) -> None:
-    """Batch-1 TPOT bf16 against FP8 weights; with `workload` also workload A, bf16 against
-    FP8 weights + FP8 KV."""
+def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True,
+            sweep: bool = False) -> None:
+    """Batch-1 TPOT bf16 against FP8 weights; with `sweep` also FP8 weights under each of
+    `TPOT_CANDIDATES` (variant "fp8_weights <name>"); with `workload` also workload A, bf16
+    against FP8 weights + FP8 KV."""
     model_dir = root / "llama3-8b"
     t0 = time.perf_counter()
     random_checkpoint(HERE / "configs" / "llama3-8b.json", model_dir)
@@ -463,6 +484,11 @@ def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True) -
                     weight_bytes=weight_bytes(engine), **common,
                     **({"ratio_vs_bf16": round(tpot[name] / tpot["bf16"], 3)}
                        if name != "bf16" else {}))
+        if name == "fp8_weights" and sweep:
+            del engine
+            throughput.release()
+            engine = None
+            tpot_candidates(res, loaded, str(model_dir), tpot["bf16"], common)
         if name != "fp8_weights" and workload:
             row = workload_a(engine, prompts, out_lens)
             res.add("8b", measure="workload_A", variant=name, **common, **row,
@@ -473,6 +499,34 @@ def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True) -
         if name == "bf16":
             del loaded
             throughput.release()
+
+
+def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: float,
+                    common: dict) -> None:
+    """The FP8-weight model's batch-1 TPOT with the weight-only kernel's default set to each
+    of `TPOT_CANDIDATES` (`fp8_kernel.WEIGHT_ONLY`, read when the engine captures its
+    graphs)."""
+    from pagedserve.model import fp8_kernel
+
+    default = fp8_kernel.WEIGHT_ONLY
+    candidates = weight_only_candidates()
+    try:
+        for label in TPOT_CANDIDATES:
+            fp8_kernel.WEIGHT_ONLY = candidates[label]
+            engine = engine_for(loaded, model_dir)
+            ms = tpot_batch1(engine)
+            res.add("8b", measure="tpot_batch1_ms", variant=f"fp8_weights {label}",
+                    tpot_ms=ms, ratio_vs_bf16=round(ms / bf16_ms, 3),
+                    **asdict(candidates[label]), **common)
+            del engine
+            throughput.release()
+    finally:
+        fp8_kernel.WEIGHT_ONLY = default
+
+
+# weight-only settings the 8B TPOT is measured with under --sweep (names of
+# `weight_only_candidates`), beside the default
+TPOT_CANDIDATES = ("no split (11:10 default)", "bits")
 
 
 def main() -> None:
@@ -506,11 +560,11 @@ def main() -> None:
     del loaded
     throughput.release()
     if "8b" in parts or "8b-tpot" in parts:
-        part_8b(res, root, bandwidth, workload="8b" in parts)
+        part_8b(res, root, bandwidth, workload="8b" in parts, sweep=args.sweep)
     print("summary:", flush=True)
     for row in res.rows:
         keys = ("variant", "kv_cache_dtype", "kv_dtype", "batch", "context", "config",
-                "layer", "rows", "method", "us", "measure",
+                "layer", "rows", "method", "split_k", "us", "measure",
                 "output_tok_per_s", "roofline_tok_per_s", "kv_blocks", "gb_per_s",
                 "pct_copy_bw", "tpot_ms", "ratio_vs_bf16", "first_token_agreement",
                 f"greedy_agreement_{QUALITY_TOKENS}", "mean_kl_nats")

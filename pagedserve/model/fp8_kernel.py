@@ -12,6 +12,7 @@ in registers and multiplied with the activations as they are (no activation roun
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.attention.kernels.arrivals import arrival_counters
+from pagedserve.attention.kernels.e4m3 import e4m3_to
 from pagedserve.attention.kernels.precision import dot_precision
 from pagedserve.attention.kernels.store_kv import round_to_e4m3
 from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
@@ -56,13 +59,29 @@ def quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @triton.jit
-def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
-                        stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+def _weight_only_epilogue(acc, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask,
+                          stride_ym, HAS_BIAS: tl.constexpr):
+    acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr,
+                        M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, BITS: tl.constexpr):
     """y[:, n-tile] = (x @ W_q[n-tile]^T) * s_w[n-tile] (+ bias): the e4m3 weight rows are
-    cast to x's dtype in registers, the M rows of x (padded to BLOCK_M) ride along."""
+    cast to x's dtype in registers, the M rows of x (padded to BLOCK_M) ride along.
+
+    With SPLIT_K > 1 program (n, s) sums only K's slice s, stores that partial [M, BLOCK_N]
+    in float32, and the last of the n-tile's SPLIT_K programs to arrive adds the partials up
+    in slice order (the same sum whichever arrives last) and applies the epilogue."""
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -71,53 +90,107 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # W^T's columns: W's rows
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         k_mask = (k0 + offs_k) < K
         x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :],
                     other=0.0)
         w = tl.load(w_cols + (k0 + offs_k)[:, None], mask=k_mask[:, None] & n_mask[None, :],
-                    other=0.0).to(x.dtype)
-        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
-    acc *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+                    other=0.0)
+        acc += tl.dot(x, e4m3_to(w, x.dtype, BITS), input_precision=DOT_PRECISION)
+    if SPLIT_K == 1:
+        _weight_only_epilogue(acc, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_mask,
+                              n_mask, stride_ym, HAS_BIAS)
+    else:
+        # partials are [SPLIT_K, M, N]
+        mn = offs_m[:, None] * N + offs_n[None, :]
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(part_ptr + pid_k * M * N + mn, acc, mask=mn_mask)
+        # Every thread's partial stores happen before the barrier, the barrier before the
+        # counter's release: the program that sees the last arrival sees every partial.
+        tl.debug_barrier()
+        counter = arrivals_ptr + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(SPLIT_K):  # written by other programs: read from L2 (.cg)
+                total += tl.load(part_ptr + s * M * N + mn, mask=mn_mask, other=0.0,
+                                 cache_modifier=".cg")
+            _weight_only_epilogue(total, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n,
+                                  m_mask, n_mask, stride_ym, HAS_BIAS)
+            tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
 
 
 @dataclass(frozen=True)
 class WeightOnlyConfig:
-    """Tiles of `weight_only_linear`. BLOCK_N is small so that even a 4096-row projection
-    spreads over a couple of programs per SM; BLOCK_K long so that each program keeps many
-    weight bytes in flight (a decode step's linear layers are bound by reading weights).
-    32 rather than 16 rows per program: the H100 sweep of `benchmarks/fp8.py --parts gemv
-    --sweep` (docs/benchmarks.md) had 16-row tiles no faster than bf16."""
+    """Tiles of `weight_only_linear`. BLOCK_N is small and BLOCK_K long so that each program
+    keeps many weight bytes in flight (a decode step's linear layers are bound by reading
+    weights). 32 rather than 16 rows per program: the H100 sweep of `benchmarks/fp8.py
+    --parts gemv --sweep` (docs/benchmarks.md) had 16-row tiles no faster than bf16.
+
+    A projection of few rows (N / block_n programs) does not fill the GPU: a 4096-row one
+    gives 128 programs for 132 SMs, each streaming all of K. So K is split until there are
+    `programs_per_sm` programs per SM (`split_k`; 0: never split). `bits`: the weight is
+    converted by `e4m3.e4m3_bits` rather than Triton's cast."""
 
     block_n: int = 32
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 4
+    programs_per_sm: int = 4
+    bits: bool = False
 
+
+# The launch settings `weight_only_linear` takes when given none (read at each call)
+WEIGHT_ONLY = WeightOnlyConfig()
 
 # Token counts up to which `fp8.fp8_linear` takes `weight_only_linear` (tl.dot's 16 rows)
 MAX_WEIGHT_ONLY_ROWS = 16
 
 
+def split_k(n: int, k: int, num_sms: int, cfg: WeightOnlyConfig) -> tuple[int, int]:
+    """(slices of K, K per slice, a multiple of block_k): the fewest slices that give
+    cfg.programs_per_sm programs per SM, no more than K has tiles, none of them empty."""
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    wanted = min(k_tiles, triton.cdiv(cfg.programs_per_sm * num_sms, n_tiles))
+    tiles_per_split = triton.cdiv(k_tiles, max(1, wanted))
+    return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * cfg.block_k
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The SMs a launch on `device` spreads over (1 off CUDA: the interpreter runs one
+    program at a time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
                        bias: Tensor | None = None,
-                       cfg: WeightOnlyConfig = WeightOnlyConfig()) -> Tensor:
+                       cfg: WeightOnlyConfig | None = None) -> Tensor:
     """x [M <= 16, K] (rows contiguous) @ the e4m3 weight [N, K] with per-row scales [N]^T
     (+ bias) -> [M, N] in x's dtype, without quantizing x: one launch, no host sync (CUDA
-    graphs capture it)."""
+    graphs capture it; a split-K launch's float32 partials come from torch.empty, which a
+    graph's memory pool serves)."""
+    cfg = cfg or WEIGHT_ONLY
     num_rows, k = x.shape
     n = weight.shape[0]
     assert num_rows <= MAX_WEIGHT_ONLY_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
-    if num_rows > 0:
-        _weight_only_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, weight, weight_scale, weight_scale if bias is None else bias, y, num_rows, n,
-            k, x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-            BLOCK_M=MAX_WEIGHT_ONLY_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+    if num_rows == 0:
+        return y
+    splits, k_per_split = split_k(n, k, num_sms(x.device), cfg)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    if splits > 1:
+        parts = torch.empty((splits, num_rows, n), dtype=torch.float32, device=x.device)
+        arrivals = arrival_counters(n_tiles, x.device)
+    else:
+        parts = arrivals = y  # never read
+    _weight_only_kernel[(n_tiles, splits)](
+        x, weight, weight_scale, weight_scale if bias is None else bias, y, parts, arrivals,
+        num_rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=MAX_WEIGHT_ONLY_ROWS, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=splits, DOT_PRECISION=dot_precision(x.dtype),
+        BITS=cfg.bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -103,6 +103,41 @@ def test_activation_quantization_and_fp8_gemm():
         assert torch.equal(captured, fp8.fp8_linear(x_small, w_q, w_scale, bias)), rows
 
 
+def test_weight_only_variants_and_e4m3_bits():
+    """The weight-only kernel with K whole, split, and e4m3 read by bit moves (inline PTX on
+    the GPU) against the dequantized weight; `e4m3_bits` on every e4m3 value against torch."""
+    import triton
+    import triton.language as tl
+
+    from pagedserve.attention.kernels.e4m3 import e4m3_bits
+    from pagedserve.model import fp8
+    from pagedserve.model.fp8_kernel import WeightOnlyConfig, weight_only_linear
+
+    @triton.jit
+    def read_bits(x_ptr, y_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(y_ptr + offs, e4m3_bits(tl.load(x_ptr + offs), y_ptr.dtype.element_ty))
+
+    x8 = torch.arange(256, dtype=torch.uint8, device="cuda").view(FP8)
+    finite = x8.float().isfinite()
+    for dtype in (torch.bfloat16, torch.float16):
+        y = torch.empty(256, dtype=dtype, device="cuda")
+        read_bits[(1,)](x8, y, N=256)
+        assert torch.equal(y[finite].view(torch.int16), x8[finite].to(dtype).view(torch.int16))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(1000, 3000, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+    w_q, w_scale = fp8.quantize_rows(w)
+    bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 7, 16):
+        x = torch.randn(rows, 3000, device="cuda", generator=gen, dtype=torch.bfloat16)
+        want = x.float() @ (w_q.float() * w_scale[:, None]).t() + bias.float()
+        for cfg in (WeightOnlyConfig(programs_per_sm=0), WeightOnlyConfig(programs_per_sm=8),
+                    WeightOnlyConfig(bits=True), WeightOnlyConfig(bits=True, block_n=64,
+                                                                  block_k=256)):
+            got = weight_only_linear(x, w_q, w_scale, bias, cfg)
+            assert float((got.float() - want).norm() / want.norm()) < 5e-3, (rows, cfg)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("qwen3-random-fp8")

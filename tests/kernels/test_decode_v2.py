@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedserve.attention.kernels import DecodeConfig, decode, paged_decode_v2, store_kv
+from pagedserve.attention.kernels.arrivals import arrival_counters
 from pagedserve.attention.kernels.decode import choose_v2_config
 from tests.attention.paged_case import make_case
 
@@ -85,7 +86,7 @@ def test_v2_leaves_arrival_counters_zero_for_the_next_launch():
     seed = fresh_seed()
     case = make_case(RAGGED, 4, 2, 16, 16, seed=seed)
     first = decode_v2(case, TINY)
-    counters = decode._arrival_counters(len(RAGGED) * 2, case.q.device)
+    counters = arrival_counters(len(RAGGED) * 2, case.q.device)
     assert not counters.any(), "a replayed launch would merge at the wrong arrival"
     second = decode_v2(case, TINY)
     torch.testing.assert_close(second, first, atol=0, rtol=0, msg=f"seed {seed}")

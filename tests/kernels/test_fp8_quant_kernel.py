@@ -1,12 +1,20 @@
 """The FP8 linear layers' kernels under TRITON_INTERPRET=1: the activation quantization (CUDA's
 path for many tokens) against the torch quantization the CPU reference uses, bit for bit; the
-weight-only product (CUDA's path for decode steps) against the dequantized weight."""
+weight-only product (CUDA's path for decode steps, K whole or split) against the
+dequantized weight; e4m3 read by bit moves against torch's cast."""
 
 import pytest
 import torch
 
+import triton
+import triton.language as tl
+
+from pagedserve.attention.kernels.arrivals import arrival_counters
+from pagedserve.attention.kernels.e4m3 import e4m3_bits
+from pagedserve.attention.kv_quant import FP8_DTYPE
 from pagedserve.model import fp8
-from pagedserve.model.fp8_kernel import WeightOnlyConfig, quantize_tokens, weight_only_linear
+from pagedserve.model.fp8_kernel import (WeightOnlyConfig, quantize_tokens, split_k,
+                                         weight_only_linear)
 from tests.kernels.test_kernels import fresh_seed
 
 
@@ -23,16 +31,26 @@ def test_quantize_tokens_matches_quantize_rows():
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"seed {seed}"
 
 
+# (tiles, programs per SM, e4m3 by bit moves): one program per 16 rows of N; K split in 2
+# (600 = 3 tiles of 256: slices of 2 and 1 tiles); in 3 (one tile each: more slices than
+# that cannot be); by bits
+CONFIGS = [WeightOnlyConfig(16, 256, 4, 2),
+           WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=4),
+           WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64),
+           WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, bits=True)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["no split", "split 2", "split 3", "split bits"])
 @pytest.mark.parametrize("num_rows,dtype", [(1, torch.float16), (3, torch.float32),
                                             (16, torch.float16)])
-def test_weight_only_linear_matches_dequantized_weights(num_rows, dtype):
-    """Ragged N and K (not multiples of the tiles), with and without bias: the product of the
-    unquantized activations with the dequantized weight, in float32. (fp16, not bf16: the
-    interpreter's bf16 tl.dot is broken, see test_kernels.py; e4m3 casts exactly to both.)"""
+def test_weight_only_linear_matches_dequantized_weights(num_rows, dtype, cfg):
+    """Ragged N and K (not multiples of the tiles), with and without bias, K whole or split:
+    the product of the unquantized activations with the dequantized weight, in float32.
+    (fp16, not bf16: the interpreter's bf16 tl.dot is broken, see test_kernels.py; e4m3
+    casts exactly to both.)"""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     n, k = 37, 600
-    cfg = WeightOnlyConfig(block_n=16, block_k=256, num_warps=4, num_stages=2)
     w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None]
     w_q, w_scale = fp8.quantize_rows(w)
     x = torch.randn(num_rows, k, generator=gen).to(dtype)
@@ -44,3 +62,36 @@ def test_weight_only_linear_matches_dequantized_weights(num_rows, dtype):
         assert got.dtype == dtype and got.shape == (num_rows, n)
         torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=1e-2,
                                    msg=f"seed {seed}")
+    counters = arrival_counters(triton.cdiv(n, cfg.block_n), x.device)
+    assert not counters.any(), "a replayed split launch would reduce at the wrong arrival"
+
+
+def test_split_k_fills_the_sms_without_empty_slices():
+    cfg = WeightOnlyConfig(block_n=32, block_k=512, programs_per_sm=4)
+    # Llama-3-8B on 132 SMs: qkv 192 tiles x 3, o 128 x 4 (8 tiles of K, 2 per slice),
+    # down 128 x 5 (28 tiles, 6 per slice), gate_up's 896 tiles need no split
+    assert split_k(6144, 4096, 132, cfg) == (3, 3 * 512)
+    assert split_k(4096, 4096, 132, cfg) == (4, 2 * 512)
+    assert split_k(4096, 14336, 132, cfg) == (5, 6 * 512)
+    assert split_k(28672, 4096, 132, cfg) == (1, 8 * 512)
+    assert split_k(4096, 4096, 132, WeightOnlyConfig(programs_per_sm=0)) == (1, 8 * 512)
+    for n, k in ((4096, 300), (64, 100_000), (100_000, 64)):
+        splits, per = split_k(n, k, 132, cfg)
+        assert per % cfg.block_k == 0 and (splits - 1) * per < k <= splits * per
+
+
+def test_e4m3_bits_reads_every_value_exactly():
+    """Every finite e4m3 value (subnormals and both zeros included) to bfloat16 and float16
+    by `e4m3_bits`, bit for bit as torch casts it."""
+    x = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
+    finite = x.float().isfinite()
+    for dtype in (torch.bfloat16, torch.float16):
+        y = torch.empty(256, dtype=dtype)
+        _read_bits[(1,)](x, y, N=256)
+        assert torch.equal(y[finite].view(torch.int16), x[finite].to(dtype).view(torch.int16))
+
+
+@triton.jit
+def _read_bits(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, e4m3_bits(tl.load(x_ptr + offs), y_ptr.dtype.element_ty))

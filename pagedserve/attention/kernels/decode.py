@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.attention.kernels.arrivals import arrival_counters
 from pagedserve.attention.kernels.precision import dot_precision
 from pagedserve.attention.kv_quant import is_fp8
 
@@ -380,7 +381,7 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     k_scale, v_scale, fp8 = scale_args(k_cache, v_cache, kv_scales)
     _decode_v2_kernel[(num_seqs, num_kv_heads, max_parts)](
         q, k_cache, v_cache, out, stats[0], stats[1], parts,
-        _arrival_counters(num_seqs * num_kv_heads, q.device), block_tables, seq_lens,
+        arrival_counters(num_seqs * num_kv_heads, q.device), block_tables, seq_lens,
         k_scale, v_scale,
         *score_args(scale, softcap), window or 0, cfg.partition, max_parts,
         block_tables.shape[1], q.stride(0),
@@ -407,25 +408,6 @@ def _v2_stages(num_stages: int) -> int:
 # L2 at the end of the grid (H100, batch 1 x 32k at 512-token partitions: 32 rows took
 # ~1 us more than 64); 64 adds no registers to the 4-warp kernel.
 MERGE_ROWS = 64
-
-_ARRIVALS: dict[torch.device, list[Tensor]] = {}
-
-
-def _arrival_counters(n: int, device: torch.device) -> Tensor:
-    """>= n int32 zeros that v2 counts finished partitions in; each launch leaves them zero.
-
-    Kept per device so a CUDA graph adds no memset; a grown buffer does not free the old
-    one, which captured graphs still point at. A buffer first needed while a graph is being
-    captured is zeroed by a memset that the graph records, not at once, so it serves only
-    that graph and is not kept for eager calls."""
-    bufs = _ARRIVALS.setdefault(device, [])
-    if bufs and bufs[-1].numel() >= n:
-        return bufs[-1]
-    buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        bufs.append(buf)
-    return buf
-
 
 PARTITIONS = DecodeConfig().partitions
 

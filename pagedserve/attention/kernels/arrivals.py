@@ -1,0 +1,29 @@
+"""Arrival counters for single-launch reductions: the programs that split one output (decode
+v2's partitions of a sequence, a split-K product's slices of K) each bump a counter when
+their partial is stored, and the last to arrive combines the partials and zeroes the counter
+again. No second launch waits for the whole grid to drain, and no memset precedes a launch,
+so CUDA graphs replay it as it is."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_ARRIVALS: dict[torch.device, list[Tensor]] = {}
+
+
+def arrival_counters(n: int, device: torch.device) -> Tensor:
+    """>= n int32 zeros for a launch to count arrivals in; each launch leaves them zero, so
+    launches stream-ordered on one device share them.
+
+    Kept per device so a CUDA graph adds no memset; a grown buffer does not free the old
+    one, which captured graphs still point at. A buffer first needed while a graph is being
+    captured is zeroed by a memset that the graph records, not at once, so it serves only
+    that graph and is not kept for eager calls."""
+    bufs = _ARRIVALS.setdefault(device, [])
+    if bufs and bufs[-1].numel() >= n:
+        return bufs[-1]
+    buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        bufs.append(buf)
+    return buf

@@ -1,0 +1,94 @@
+"""e4m3 to a 16-bit float in registers, for kernels that read FP8 (weights, a KV cache).
+
+Triton's cast of e4m3 to bfloat16 goes e4m3 -> float16 (one packed conversion per two
+values) and then float16 -> bfloat16 one value at a time, on the SM's conversion unit, which
+retires a small fraction of what its integer and float pipes do: at the byte rate of an FP8
+stream those conversions, not memory, can set the pace. `e4m3_bits` builds the same values
+from integer ops and one multiply by a power of two instead (sm_90 SASS of the weight-only
+kernel: 128 F2F per thread per tile become PRMT/LOP3/HFMA2):
+
+e4m3fn is sign, 4 exponent bits (bias 7), 3 mantissa bits. Moving the exponent and mantissa
+bits to the bottom of a bfloat16's (8 exponent bits, bias 127, 7 mantissa bits) gives the
+value 2^(e - 127) (1 + m/8), i.e. the e4m3 value times 2^-120, and for e = 0 the subnormal
+m/8 2^-126, again the e4m3 value (m/8 2^-6) times 2^-120: one multiply by 2^120 makes both
+exact. Likewise float16 (5 exponent bits, bias 15, 10 mantissa bits) with 2^8. The NaN
+encoding (all exponent and mantissa bits set) reads as 480, not NaN; a cache or weight holds
+NaN only where the model already produced NaN.
+
+On a GPU four values go through one inline-PTX block (two byte permutes put each byte in the
+high half of a 16-bit lane, a shift and mask place its bits, a packed multiply rebiases);
+the interpreter, which runs no PTX, does the same in float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+# prmt selectors: bytes 0, 1 (resp. 2, 3) of the input into the high byte of each 16-bit half
+_SPREAD = """prmt.b32 lo, $2, 0, 0x1404;
+    prmt.b32 hi, $2, 0, 0x3424;
+"""
+_PLACE = """and.b32 s0, lo, 0x80008000;
+    and.b32 s1, hi, 0x80008000;
+    shr.b32 lo, lo, {shift};
+    shr.b32 hi, hi, {shift};
+    and.b32 lo, lo, {mask};
+    and.b32 hi, hi, {mask};
+    or.b32 lo, lo, s0;
+    or.b32 hi, hi, s1;
+    mov.b32 s0, {bias};
+    mov.b32 s1, 0x80008000;
+    fma.rn.{ty}x2 $0, lo, s0, s1;
+    fma.rn.{ty}x2 $1, hi, s0, s1;
+"""
+
+
+def _asm(ty: str, shift: int, mask: int, bias: int) -> str:
+    place = _PLACE.format(shift=shift, mask=f"0x{mask:04X}{mask:04X}", ty=ty,
+                          bias=f"0x{bias:04X}{bias:04X}")
+    return "{\n    .reg .b32 lo, hi, s0, s1;\n    " + _SPREAD + "    " + place + "}"
+
+
+# bfloat16: (b & 0x7F) << 4 is (b << 8) >> 4 masked; 2^120 is 0x7B80
+_BF16_ASM = tl.constexpr(_asm("bf16", 4, 0x07F0, 0x7B80))
+# float16: (b & 0x7F) << 7 is (b << 8) >> 1 masked; 2^8 is 0x5C00
+_F16_ASM = tl.constexpr(_asm("f16", 1, 0x3F80, 0x5C00))
+
+
+@triton.jit
+def _e4m3_bits_f32(x, dtype: tl.constexpr):
+    """The interpreter's `e4m3_bits`: the same bit moves into a float32 (exponent bias 127,
+    like bfloat16's), times 2^120, then rounded (exactly) to `dtype`."""
+    b = x.to(tl.uint8, bitcast=True).to(tl.uint32)
+    bits = ((b & 0x7F) << 20) | ((b & 0x80) << 24)
+    return (bits.to(tl.float32, bitcast=True) * 1.329227995784916e36).to(dtype)
+
+
+@triton.jit
+def e4m3_bits(x, dtype: tl.constexpr):
+    """e4m3 values x as `dtype` (bfloat16 or float16), exactly, by bit moves."""
+    if _INTERPRET:
+        y = _e4m3_bits_f32(x, dtype)
+    elif dtype == tl.float16:
+        y = tl.inline_asm_elementwise(_F16_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                      dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        y = tl.inline_asm_elementwise(_BF16_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+    return y
+
+
+@triton.jit
+def e4m3_to(x, dtype: tl.constexpr, BITS: tl.constexpr):
+    """x (e4m3) as `dtype`: by `e4m3_bits` where BITS and dtype is a 16-bit float, else
+    Triton's cast."""
+    if BITS and (dtype == tl.bfloat16 or dtype == tl.float16):
+        y = e4m3_bits(x, dtype)
+    else:
+        y = x.to(dtype)
+    return y
