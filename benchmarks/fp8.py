@@ -150,22 +150,24 @@ DECODE_SHAPES = ((256, 1024), (64, 4096), (1, 32768))
 
 def fp8_decode_candidates() -> dict[str, DecodeConfig]:
     """FP8 launch settings `--sweep` times beside the default (`decode.FP8_DECODE`, the rows
-    without a "config"): longer tiles, more warps, double-buffered tiles (5 stages), bf16's
-    partitions, bf16's launch, dot products in float16 (`DecodeConfig.fp16_dot`: one
-    conversion from e4m3, not bf16's)."""
+    without a "config"), named by what differs from it: nN tokens per tile, wW warps, sS
+    stages (5: double-buffered), "fp16 dot" (`DecodeConfig.fp16_dot`: dot products in
+    float16, one conversion from e4m3 rather than bf16's two), "bits" (`DecodeConfig.bits`:
+    e4m3 read by bit moves, `e4m3.e4m3_bits`, V converted as loaded rather than gathered
+    byte by byte from shared memory)."""
     base = FP8_DECODE
-    return {"bf16 launch": DecodeConfig(),
-            "n128 w8": replace(base, num_warps=8),
-            "n128 s3": replace(base, num_stages=3),
-            "n128 w8 s3": replace(base, num_warps=8, num_stages=3),
+    return {"n128 w8": replace(base, num_warps=8),
             "n256 w8": replace(base, block_n=256, num_warps=8),
-            "n256 w8 s4": replace(base, block_n=256, num_warps=8, num_stages=4),
-            "n64 s5": replace(base, block_n=64, num_stages=5),
-            "n128 bf16 partitions": replace(base, partitions=DecodeConfig().partitions,
-                                            small_grid_block_n=32),
             "fp16 dot": replace(base, fp16_dot=True),
-            "n128 w8 fp16 dot": replace(base, num_warps=8, fp16_dot=True),
-            "bf16 launch fp16 dot": DecodeConfig(fp16_dot=True)}
+            "fp16 dot w8": replace(base, num_warps=8, fp16_dot=True),
+            "bits": replace(base, bits=True),
+            "bits fp16 dot": replace(base, bits=True, fp16_dot=True),
+            "bits s3": replace(base, bits=True, num_stages=3),
+            "bits s4": replace(base, bits=True, num_stages=4),
+            "bits w8": replace(base, bits=True, num_warps=8),
+            "bits n64": replace(base, bits=True, block_n=64),
+            "bits n64 s3": replace(base, bits=True, block_n=64, num_stages=3),
+            "bits n256 w8": replace(base, bits=True, block_n=256, num_warps=8)}
 
 
 def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:

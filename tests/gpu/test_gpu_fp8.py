@@ -10,9 +10,11 @@ or kernel agrees on almost none). The quality figures themselves come from bench
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,9 @@ def at_most_one_step_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8), (8, 1)])
 def test_fp8_kernels_match_float64_attention(num_heads, num_kv_heads):
     from pagedserve.attention import torch_ref
-    from pagedserve.attention.kernels import paged_decode_v1, paged_decode_v2, store_kv
+    from pagedserve.attention.kernels import (DecodeConfig, paged_decode_v1, paged_decode_v2,
+                                              store_kv)
+    from pagedserve.attention.kernels.decode import FP8_DECODE
     from pagedserve.attention.triton_backend import TritonBackend
     from tests.attention.paged_case import make_case
 
@@ -59,14 +63,19 @@ def test_fp8_kernels_match_float64_attention(num_heads, num_kv_heads):
     c, m = cases[1], cases[1].meta
     store_kv(c.k, c.v, c.k_cache, c.v_cache, m.slot_mapping, kv)
     nd = m.num_decodes
-    for decode in (paged_decode_v1, paged_decode_v2):
+    # bf16's launch, FP8's, and FP8's reading e4m3 by bit moves (inline PTX), also with
+    # float16 dot products
+    configs = (DecodeConfig(), FP8_DECODE, replace(FP8_DECODE, bits=True),
+               replace(FP8_DECODE, bits=True, fp16_dot=True))
+    for decode, cfg in itertools.product((paged_decode_v1, paged_decode_v2), configs):
         out = torch.full_like(c.q[:nd], float("nan"))
         args = (c.q[:nd], c.k_cache, c.v_cache, m.block_tables[:nd], m.seq_lens[:nd])
         if decode is paged_decode_v1:
-            decode(*args, c.scale, out, kv_scales=kv)
+            decode(*args, c.scale, out, cfg, kv_scales=kv)
         else:
-            decode(*args, m.max_seq_len, c.scale, out, kv_scales=kv)
-        torch.testing.assert_close(out.double().cpu(), c.expected[:nd], atol=2e-2, rtol=2e-2)
+            decode(*args, m.max_seq_len, c.scale, out, cfg, kv_scales=kv)
+        torch.testing.assert_close(out.double().cpu(), c.expected[:nd], atol=2e-2, rtol=2e-2,
+                                   msg=str(cfg))
 
 
 def test_activation_quantization_and_fp8_gemm():

@@ -112,6 +112,28 @@ def test_decode_fp16_dot_on_fp8_cache(version):
             assert out.isfinite().all(), f"seed {seed}"
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("fp16_dot", [False, True])
+def test_decode_reads_fp8_cache_by_bits(version, fp16_dot):
+    """`DecodeConfig.bits`: e4m3 rows read by bit moves (`e4m3.e4m3_bits`) into the
+    query's 16-bit dtype, with and without float16 dot products."""
+    seed = fresh_seed()
+    case = make_case([(c, 1) for c in DECODE_CTX], 8, 2, 32, 16, dtype=torch.float16,
+                     seed=seed, kv_scales=scales(2, seed))
+    store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, case.kv_scales)
+    cfg = replace(SMALL_DECODE, bits=True, fp16_dot=fp16_dot)
+    m = case.meta
+    out = torch.full_like(case.q, float("nan"))
+    if version == "v1":
+        paged_decode_v1(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
+                        case.scale, out, cfg, kv_scales=case.kv_scales)
+    else:
+        paged_decode_v2(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
+                        m.max_seq_len, case.scale, out, cfg, kv_scales=case.kv_scales)
+    torch.testing.assert_close(out.double(), case.expected, atol=3e-3, rtol=3e-3,
+                               msg=f"seed {seed}")
+
+
 @pytest.mark.parametrize("num_sms", [1, 64])
 def test_decode_with_the_fp8_launch_settings(num_sms):
     """paged_decode's own choice for an FP8 cache (`decode.FP8_DECODE`: 128-token tiles, v2

@@ -70,25 +70,34 @@ def _e4m3_bits_f32(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def e4m3_bits(x, dtype: tl.constexpr):
-    """e4m3 values x as `dtype` (bfloat16 or float16), exactly, by bit moves."""
+def e4m3_bits(x, dtype: tl.constexpr, AS_LOADED: tl.constexpr = False):
+    """e4m3 values x as `dtype` (bfloat16 or float16), exactly, by bit moves.
+
+    AS_LOADED: convert in the layout x was loaded in (16 bytes a thread), not in the layout
+    of the tl.dot operand it feeds. Triton moves a pure elementwise op past the layout
+    conversion to a dot operand, which keeps shared memory in e4m3; but where the operand
+    wants the loaded rows transposed (P @ V's V: rows of V are contiguous in the head dim,
+    the product runs over tokens) it then gathers single bytes from shared memory (one load
+    per value) and packs them before converting. Marked impure, the conversion stays where
+    it is written, and the 16-bit result reaches the operand through shared memory with
+    Triton's transposing matrix loads, as a bf16 cache's rows do."""
     if _INTERPRET:
         y = _e4m3_bits_f32(x, dtype)
     elif dtype == tl.float16:
         y = tl.inline_asm_elementwise(_F16_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                      dtype=tl.float16, is_pure=True, pack=4)
+                                      dtype=tl.float16, is_pure=not AS_LOADED, pack=4)
     else:
         y = tl.inline_asm_elementwise(_BF16_ASM, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+                                      dtype=tl.bfloat16, is_pure=not AS_LOADED, pack=4)
     return y
 
 
 @triton.jit
-def e4m3_to(x, dtype: tl.constexpr, BITS: tl.constexpr):
-    """x (e4m3) as `dtype`: by `e4m3_bits` where BITS and dtype is a 16-bit float, else
-    Triton's cast."""
+def e4m3_to(x, dtype: tl.constexpr, BITS: tl.constexpr, AS_LOADED: tl.constexpr = False):
+    """x (e4m3) as `dtype`: by `e4m3_bits` (AS_LOADED passed on) where BITS and dtype is a
+    16-bit float, else Triton's cast."""
     if BITS and (dtype == tl.bfloat16 or dtype == tl.float16):
-        y = e4m3_bits(x, dtype)
+        y = e4m3_bits(x, dtype, AS_LOADED)
     else:
         y = x.to(dtype)
     return y
