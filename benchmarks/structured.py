@@ -36,13 +36,14 @@ from pathlib import Path
 
 # this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.host_timers
 
 import torch  # noqa: E402
 import xgrammar as xgr  # noqa: E402
 
+from benchmarks.host_timers import HostTimers  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedserve.engine.model_runner import PendingRunnerOutput  # noqa: E402
 from pagedserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.entrypoints.llm import LLM  # noqa: E402
 from pagedserve.entrypoints.server.tool_parsers import forced_tool_schema  # noqa: E402
@@ -94,46 +95,6 @@ def compile_times(engine: LLMEngine) -> dict[str, float]:
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
-
-
-class HostTimers:
-    """Wall time per engine-step phase (ms per step), to see where a constrained step's time
-    goes: the grammar's host work (fill, accept), the launches, and the wait for the
-    device's tokens. Installed on the engine's objects; `take()` returns and resets."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        core = engine.engine_core
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._wrap(core, "step", "step")
-        self._wrap(core.scheduler, "schedule", "schedule")
-        self._wrap(core.model_runner, "execute_model", "execute_model")
-        self._wrap(core.model_runner, "sample_tokens", "sample_tokens")
-        self._wrap(core.structured, "grammar_bitmask", "bitmask_fill")
-        self._wrap(core.structured, "accept_tokens", "grammar_accept")
-        self._wrap(PendingRunnerOutput, "result", "wait_for_tokens")
-
-    def _wrap(self, owner, attr: str, name: str) -> None:
-        inner = getattr(owner, attr)
-        self.seconds[name], self.calls[name] = 0.0, 0
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-                self.calls[name] += 1
-
-        setattr(owner, attr, timed)
-
-    def take(self) -> dict[str, float]:
-        steps = max(self.calls["step"], 1)
-        report = {f"{k}_ms_per_step": round(1e3 * v / steps, 3) for k, v in self.seconds.items()}
-        report["steps"] = steps
-        for k in self.seconds:
-            self.seconds[k], self.calls[k] = 0.0, 0
-        return report
 
 
 def run(llm: LLM, ids: list[list[int]], params: SamplingParams, device: torch.device
