@@ -72,6 +72,7 @@ from pathlib import Path
 # Python puts this script's folder first on sys.path, where benchmarks/kernels.py would shadow
 # the `kernels` package that transformers probes for; we import nothing from this folder.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.host_timers
 
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -309,6 +310,7 @@ def engine_flags(args: argparse.Namespace, tuned: bool) -> dict:
 def offline_rows(model: str | None, flags: dict, work: list[WorkItem], modes: list[str]
                  ) -> list[tuple[str, float, int]]:
     """(mode, seconds, output tokens) per mode, from one LLM; runs in a worker process."""
+    from benchmarks.host_timers import HostTimers
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.entrypoints.llm import LLM
 
@@ -316,6 +318,8 @@ def offline_rows(model: str | None, flags: dict, work: list[WorkItem], modes: li
     prompts = [w.prompt for w in work]
     llm.generate(prompts[:16], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up: first-use compilation and allocations
+    timers = HostTimers(llm.llm_engine)
+    timers.take()
     rows = []
     for mode in modes:
         params = [SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, seed=w.seed,
@@ -325,6 +329,7 @@ def offline_rows(model: str | None, flags: dict, work: list[WorkItem], modes: li
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
+        print(f"offline {mode}: host ms per step {timers.take()}", flush=True)
         rows.append((mode, seconds, sum(len(c.token_ids) for o in outs for c in o.outputs)))
     return rows
 
