@@ -10,9 +10,10 @@ long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
   kernel   paged decode at Qwen3-0.6B's attention shape on a bf16 and an FP8 cache: time and
            effective bandwidth (cache bytes read over time) against the copy bandwidth;
            with --sweep also the FP8 cache under each candidate launch setting
-  gemv     FP8 weights at 1, 4 and 16 tokens on Llama-3-8B's projections: the weight-only
-           kernel against _scaled_mm and against bf16, as weight bandwidth; with --sweep
-           also each candidate tile setting of the weight-only kernel
+  gemv     FP8 weights at 1, 4 and 16 tokens on Llama-3-8B's projections (and its LM head at
+           1): the weight-only kernel against _scaled_mm and against bf16, as weight
+           bandwidth; with --sweep also each candidate setting of the weight-only kernel
+           (tiles, split-K, e4m3 by bit moves) at 1 token
   quality  Qwen3-0.6B shape, random weights, LM head untied and x25 (sharp distributions):
            first-token agreement, greedy agreement over 48 tokens and the mean KL divergence
            of next-token distributions (teacher-forced on the bf16 engine's tokens) against
@@ -20,7 +21,8 @@ long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
            transformers, measured the same way (the noise floor)
   8b       Llama-3-8B shape (random, written here in seconds from the GPU): batch-1 TPOT,
            bf16 against FP8 weights; workload A, bf16 against FP8 weights + FP8 KV
-  8b-tpot  the 8b part's TPOT only (not in the default set)
+  8b-tpot  the 8b part's TPOT only (not in the default set); with --sweep also FP8 weights
+           under the weight-only candidates of TPOT_CANDIDATES
 
 Writes DIR/fp8.json (docs/results style: one row per figure) and prints a summary line each.
 """
@@ -159,11 +161,9 @@ def fp8_decode_candidates() -> dict[str, DecodeConfig]:
     return {"n128 w8": replace(base, num_warps=8),
             "n256 w8": replace(base, block_n=256, num_warps=8),
             "fp16 dot": replace(base, fp16_dot=True),
-            "fp16 dot w8": replace(base, num_warps=8, fp16_dot=True),
             "bits": replace(base, bits=True),
             "bits fp16 dot": replace(base, bits=True, fp16_dot=True),
             "bits s3": replace(base, bits=True, num_stages=3),
-            "bits s4": replace(base, bits=True, num_stages=4),
             "bits w8": replace(base, bits=True, num_warps=8),
             "bits n64": replace(base, bits=True, block_n=64),
             "bits n64 s3": replace(base, bits=True, block_n=64, num_stages=3),
@@ -218,18 +218,20 @@ def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:
 
 
 def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
-    """FP8 weights at decode batch sizes, Llama-3-8B's projections (K x N): the weight-only
-    kernel (`fp8_kernel.weight_only_linear`, method "weight_only"; with `sweep` also
-    "weight_only <candidate>" for each of `weight_only_candidates`; rows carry the launch
-    settings and the split of K) against `_scaled_mm` with per-token activation quantization and against the bf16 matmul,
-    timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them)."""
+    """FP8 weights at decode batch sizes, Llama-3-8B's projections (K x N) and, at one
+    token, its LM head (kept bf16 by `quantization="fp8"`: what quantizing it would save):
+    the weight-only kernel (`fp8_kernel.weight_only_linear`, method "weight_only"; with
+    `sweep` also "weight_only <candidate>" at one token for each of
+    `weight_only_candidates`; rows carry the launch settings and the split of K) against
+    `_scaled_mm` with per-token activation quantization and against the bf16 matmul, timed
+    in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them)."""
     from pagedserve.model import fp8
     from pagedserve.model.fp8_kernel import quantize_tokens, split_k, weight_only_linear
 
     kernels = _module("kernels")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-              "down": (14336, 4096)}
+              "down": (14336, 4096), "lm_head": (4096, 128256)}
 
     def scaled_mm(x, w, s):
         x_q, x_s = quantize_tokens(x)
@@ -244,7 +246,7 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
         methods = {"bf16 matmul": (lambda x, r: x @ w[r].t(), 2, None),
                    "scaled_mm": (lambda x, r: scaled_mm(x, w_q[r], w_s[r]), 1, None)}
         configs = {"weight_only": WeightOnlyConfig()}
-        if sweep:
+        if sweep and name != "lm_head":
             configs.update({f"weight_only {k}": c for k, c in weight_only_candidates().items()})
         for label, cfg in configs.items():
             methods[label] = ((lambda c: lambda x, r: weight_only_linear(
@@ -252,8 +254,10 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
         for rows in (1, 4, 16):
             x = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
             for label, (fn, element, cfg) in methods.items():
-                if rows == 4 and label.startswith("weight_only "):
-                    continue  # candidates at 1 and 16 rows only: the sweep's time
+                if rows > 1 and label.startswith("weight_only "):
+                    continue  # candidates at batch 1 only: the sweep's time
+                if rows > 1 and name == "lm_head":
+                    continue
                 us = kernels.graph_us([(lambda r: lambda: fn(x, r))(r) for r in range(copies)])
                 gbps = n_dim * k_dim * element / (us * 1e-6) / 1e9
                 launch = {} if cfg is None else {
@@ -270,7 +274,8 @@ def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
     "weight_only"), named by what differs: nK/kK tile rows/columns, wW warps, sS stages,
     "no split" (N / block_n programs each over all of K: the default before split-K),
     "split pP" (K split until P programs per SM), "bits" (e4m3 read by bit moves,
-    `e4m3.e4m3_bits`, not Triton's cast)."""
+    `e4m3.e4m3_bits`, not Triton's cast), "fma" (one row multiplied in float32 per thread
+    without tl.dot, `fp8_kernel._row_times_w`)."""
     base = WeightOnlyConfig()
     return {"no split (11:10 default)": replace(base, programs_per_sm=0),
             "no split bits": replace(base, programs_per_sm=0, bits=True),
@@ -281,8 +286,14 @@ def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
             "bits k256 s5": replace(base, bits=True, block_k=256, num_stages=5),
             "bits n64 k256": replace(base, bits=True, block_n=64, block_k=256),
             "bits n16 k512": replace(base, bits=True, block_n=16),
-            "bits w8": replace(base, bits=True, num_warps=8),
-            "k256 s5": replace(base, block_k=256, num_stages=5)}
+            "k256 s5": replace(base, block_k=256, num_stages=5),
+            "fma n16 k256": replace(base, fma=True, block_n=16, block_k=256),
+            "fma n8 k512": replace(base, fma=True, block_n=8, block_k=512),
+            "fma n16 k256 split p8": replace(base, fma=True, block_n=16, block_k=256,
+                                             programs_per_sm=8),
+            "fma bits n16 k256": replace(base, fma=True, bits=True, block_n=16, block_k=256),
+            "fma n32 k256 w8": replace(base, fma=True, block_n=32, block_k=256,
+                                       num_warps=8)}
 
 
 # ------------------------------------------------------------------------------ quality
@@ -528,7 +539,7 @@ def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: 
 
 # weight-only settings the 8B TPOT is measured with under --sweep (names of
 # `weight_only_candidates`), beside the default
-TPOT_CANDIDATES = ("no split (11:10 default)", "bits")
+TPOT_CANDIDATES = ("bits", "fma n16 k256")
 
 
 def main() -> None:

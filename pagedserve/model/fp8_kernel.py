@@ -69,11 +69,35 @@ def _weight_only_epilogue(acc, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_m
 
 
 @triton.jit
+def _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, stride_wn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+    """One row x[k_start:k_stop] times W[n-tile, k_start:k_stop]^T -> [1, BLOCK_N] float32,
+    without tl.dot: each thread multiplies and adds its own weights in float32 over the whole
+    loop, and the threads' sums meet once at the end. tl.dot would pad the row to 16 (shared
+    memory for 15 rows of zeros, fewer programs per SM) and wants the weight in x's dtype.
+    Triton's pipeliner stages only a dot's operands in shared memory, so the next tile's
+    weights are loaded by hand, one iteration ahead, into registers."""
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w = tl.load(w_rows + (k_start + offs_k)[None, :],
+                mask=n_mask[:, None] & ((k_start + offs_k) < k_stop)[None, :], other=0.0)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        k_next = k0 + BLOCK_K + offs_k
+        w_next = tl.load(w_rows + k_next[None, :],
+                         mask=n_mask[:, None] & (k_next < k_stop)[None, :], other=0.0)
+        x = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < k_stop, other=0.0)
+        acc += e4m3_to(w, tl.float32, BITS) * x.to(tl.float32)[None, :]
+        w = w_next
+    return tl.sum(acc, 1)[None, :]
+
+
+@triton.jit
 def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr,
                         M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, BITS: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, BITS: tl.constexpr,
+                        FMA: tl.constexpr):
     """y[:, n-tile] = (x @ W_q[n-tile]^T) * s_w[n-tile] (+ bias): the e4m3 weight rows are
     cast to x's dtype in registers, the M rows of x (padded to BLOCK_M) ride along.
 
@@ -87,17 +111,22 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # W^T's columns: W's rows
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_start = pid_k * k_per_split
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        k_mask = (k0 + offs_k) < K
-        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_cols + (k0 + offs_k)[:, None], mask=k_mask[:, None] & n_mask[None, :],
-                    other=0.0)
-        acc += tl.dot(x, e4m3_to(w, x.dtype, BITS), input_precision=DOT_PRECISION)
+    k_stop = tl.minimum(k_start + k_per_split, K)
+    if FMA:
+        acc = _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, stride_wn,
+                           BLOCK_N, BLOCK_K, BITS)
+    else:
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # W^T's columns: W's rows
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            x = tl.load(x_rows + (k0 + offs_k)[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_cols + (k0 + offs_k)[:, None],
+                        mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc += tl.dot(x, e4m3_to(w, x.dtype, BITS), input_precision=DOT_PRECISION)
     if SPLIT_K == 1:
         _weight_only_epilogue(acc, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_mask,
                               n_mask, stride_ym, HAS_BIAS)
@@ -130,7 +159,8 @@ class WeightOnlyConfig:
     A projection of few rows (N / block_n programs) does not fill the GPU: a 4096-row one
     gives 128 programs for 132 SMs, each streaming all of K. So K is split until there are
     `programs_per_sm` programs per SM (`split_k`; 0: never split). `bits`: the weight is
-    converted by `e4m3.e4m3_bits` rather than Triton's cast."""
+    converted by `e4m3.e4m3_bits` rather than Triton's cast. `fma`: a single row (batch 1)
+    is multiplied without tl.dot (`_row_times_w`)."""
 
     block_n: int = 32
     block_k: int = 512
@@ -138,6 +168,7 @@ class WeightOnlyConfig:
     num_stages: int = 4
     programs_per_sm: int = 4
     bits: bool = False
+    fma: bool = False
 
 
 # The launch settings `weight_only_linear` takes when given none (read at each call)
@@ -187,10 +218,12 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
         arrivals = arrival_counters(n_tiles, x.device)
     else:
         parts = arrivals = y  # never read
+    fma = cfg.fma and num_rows == 1
     _weight_only_kernel[(n_tiles, splits)](
         x, weight, weight_scale, weight_scale if bias is None else bias, y, parts, arrivals,
         num_rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_WEIGHT_ONLY_ROWS, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=splits, DOT_PRECISION=dot_precision(x.dtype),
-        BITS=cfg.bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_BIAS=bias is not None, BLOCK_M=1 if fma else MAX_WEIGHT_ONLY_ROWS,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits,
+        DOT_PRECISION=dot_precision(x.dtype), BITS=cfg.bits, FMA=fma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -113,8 +113,9 @@ def test_activation_quantization_and_fp8_gemm():
 
 
 def test_weight_only_variants_and_e4m3_bits():
-    """The weight-only kernel with K whole, split, and e4m3 read by bit moves (inline PTX on
-    the GPU) against the dequantized weight; `e4m3_bits` on every e4m3 value against torch."""
+    """The weight-only kernel with K whole, split, e4m3 read by bit moves (inline PTX on the
+    GPU), one row without tl.dot, against the dequantized weight; `e4m3_bits` on every e4m3
+    value against torch."""
     import triton
     import triton.language as tl
 
@@ -142,7 +143,9 @@ def test_weight_only_variants_and_e4m3_bits():
         want = x.float() @ (w_q.float() * w_scale[:, None]).t() + bias.float()
         for cfg in (WeightOnlyConfig(programs_per_sm=0), WeightOnlyConfig(programs_per_sm=8),
                     WeightOnlyConfig(bits=True), WeightOnlyConfig(bits=True, block_n=64,
-                                                                  block_k=256)):
+                                                                  block_k=256),
+                    WeightOnlyConfig(fma=True, block_n=16, block_k=256),
+                    WeightOnlyConfig(fma=True, bits=True, block_n=8, block_k=512)):
             got = weight_only_linear(x, w_q, w_scale, bias, cfg)
             assert float((got.float() - want).norm() / want.norm()) < 5e-3, (rows, cfg)
 

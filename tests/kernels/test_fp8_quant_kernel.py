@@ -31,16 +31,19 @@ def test_quantize_tokens_matches_quantize_rows():
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"seed {seed}"
 
 
-# (tiles, programs per SM, e4m3 by bit moves): one program per 16 rows of N; K split in 2
-# (600 = 3 tiles of 256: slices of 2 and 1 tiles); in 3 (one tile each: more slices than
-# that cannot be); by bits
-CONFIGS = [WeightOnlyConfig(16, 256, 4, 2),
-           WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=4),
-           WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64),
-           WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, bits=True)]
+# one program per 16 rows of N; K split in 2 (600 = 3 tiles of 256: slices of 2 and 1
+# tiles); in 3 (one tile each: more slices than that cannot be); e4m3 by bit moves
+CONFIGS = {"no split": WeightOnlyConfig(16, 256, 4, 2),
+           "split 2": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=4),
+           "split 3": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64),
+           "split bits": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, bits=True),
+           # one row without tl.dot (more rows take tl.dot still)
+           "fma": WeightOnlyConfig(16, 256, 4, 2, fma=True),
+           "fma split 3 bits": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, bits=True,
+                                                fma=True)}
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["no split", "split 2", "split 3", "split bits"])
+@pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("num_rows,dtype", [(1, torch.float16), (3, torch.float32),
                                             (16, torch.float16)])
 def test_weight_only_linear_matches_dequantized_weights(num_rows, dtype, cfg):

@@ -62,8 +62,8 @@ _F16_ASM = tl.constexpr(_asm("f16", 1, 0x3F80, 0x5C00))
 
 @triton.jit
 def _e4m3_bits_f32(x, dtype: tl.constexpr):
-    """The interpreter's `e4m3_bits`: the same bit moves into a float32 (exponent bias 127,
-    like bfloat16's), times 2^120, then rounded (exactly) to `dtype`."""
+    """The bit moves into a float32 (exponent bias 127, like bfloat16's), times 2^120, then
+    rounded (exactly) to `dtype`: the interpreter's `e4m3_bits`, and float32 reads."""
     b = x.to(tl.uint8, bitcast=True).to(tl.uint32)
     bits = ((b & 0x7F) << 20) | ((b & 0x80) << 24)
     return (bits.to(tl.float32, bitcast=True) * 1.329227995784916e36).to(dtype)
@@ -94,9 +94,11 @@ def e4m3_bits(x, dtype: tl.constexpr, AS_LOADED: tl.constexpr = False):
 
 @triton.jit
 def e4m3_to(x, dtype: tl.constexpr, BITS: tl.constexpr, AS_LOADED: tl.constexpr = False):
-    """x (e4m3) as `dtype`: by `e4m3_bits` (AS_LOADED passed on) where BITS and dtype is a
-    16-bit float, else Triton's cast."""
-    if BITS and (dtype == tl.bfloat16 or dtype == tl.float16):
+    """x (e4m3) as `dtype`: where BITS by bit moves (`e4m3_bits` for a 16-bit float,
+    AS_LOADED passed on; the same into float32), else Triton's cast."""
+    if BITS and dtype == tl.float32:
+        y = _e4m3_bits_f32(x, dtype)
+    elif BITS and (dtype == tl.bfloat16 or dtype == tl.float16):
         y = e4m3_bits(x, dtype, AS_LOADED)
     else:
         y = x.to(dtype)
