@@ -154,20 +154,24 @@ def fp8_decode_candidates() -> dict[str, DecodeConfig]:
     """FP8 launch settings `--sweep` times beside the default (`decode.FP8_DECODE`, the rows
     without a "config"), named by what differs from it: nN tokens per tile, wW warps, sS
     stages (5: double-buffered), "fp16 dot" (`DecodeConfig.fp16_dot`: dot products in
-    float16, one conversion from e4m3 rather than bf16's two), "bits" (`DecodeConfig.bits`:
-    e4m3 read by bit moves, `e4m3.e4m3_bits`, V converted as loaded rather than gathered
-    byte by byte from shared memory)."""
+    float16, one conversion from e4m3 rather than bf16's two), "bits" (`bits_k` and
+    `bits_v`: e4m3 read by bit moves, `e4m3.e4m3_bits`, V converted as loaded rather than
+    gathered byte by byte from shared memory), "bits v" (V's only)."""
     base = FP8_DECODE
+    bits = replace(base, bits_k=True, bits_v=True)
+    bits_v = replace(base, bits_v=True)
     return {"n128 w8": replace(base, num_warps=8),
-            "n256 w8": replace(base, block_n=256, num_warps=8),
             "fp16 dot": replace(base, fp16_dot=True),
-            "bits": replace(base, bits=True),
-            "bits fp16 dot": replace(base, bits=True, fp16_dot=True),
-            "bits s3": replace(base, bits=True, num_stages=3),
-            "bits w8": replace(base, bits=True, num_warps=8),
-            "bits n64": replace(base, bits=True, block_n=64),
-            "bits n64 s3": replace(base, bits=True, block_n=64, num_stages=3),
-            "bits n256 w8": replace(base, bits=True, block_n=256, num_warps=8)}
+            "bits": bits,
+            "bits fp16 dot": replace(bits, fp16_dot=True),
+            "bits v fp16 dot": replace(bits_v, fp16_dot=True),
+            "bits v": bits_v,
+            "bits v fp16 dot n64": replace(bits_v, fp16_dot=True, block_n=64),
+            "bits v fp16 dot w8": replace(bits_v, fp16_dot=True, num_warps=8),
+            "bits s3": replace(bits, num_stages=3),
+            "bits n64": replace(bits, block_n=64),
+            "bits n64 s3": replace(bits, block_n=64, num_stages=3),
+            "bits n256 w8": replace(bits, block_n=256, num_warps=8)}
 
 
 def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:

@@ -64,9 +64,10 @@ def test_fp8_kernels_match_float64_attention(num_heads, num_kv_heads):
     store_kv(c.k, c.v, c.k_cache, c.v_cache, m.slot_mapping, kv)
     nd = m.num_decodes
     # bf16's launch, FP8's, and FP8's reading e4m3 by bit moves (inline PTX), also with
-    # float16 dot products
-    configs = (DecodeConfig(), FP8_DECODE, replace(FP8_DECODE, bits=True),
-               replace(FP8_DECODE, bits=True, fp16_dot=True))
+    # float16 dot products, also V's only
+    configs = (DecodeConfig(), FP8_DECODE, replace(FP8_DECODE, bits_k=True, bits_v=True),
+               replace(FP8_DECODE, bits_k=True, bits_v=True, fp16_dot=True),
+               replace(FP8_DECODE, bits_v=True, fp16_dot=True))
     for decode, cfg in itertools.product((paged_decode_v1, paged_decode_v2), configs):
         out = torch.full_like(c.q[:nd], float("nan"))
         args = (c.q[:nd], c.k_cache, c.v_cache, m.block_tables[:nd], m.seq_lens[:nd])

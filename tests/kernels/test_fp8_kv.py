@@ -113,15 +113,15 @@ def test_decode_fp16_dot_on_fp8_cache(version):
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
-@pytest.mark.parametrize("fp16_dot", [False, True])
-def test_decode_reads_fp8_cache_by_bits(version, fp16_dot):
-    """`DecodeConfig.bits`: e4m3 rows read by bit moves (`e4m3.e4m3_bits`) into the
-    query's 16-bit dtype, with and without float16 dot products."""
+@pytest.mark.parametrize("fp16_dot,bits_k", [(False, True), (True, True), (True, False)])
+def test_decode_reads_fp8_cache_by_bits(version, fp16_dot, bits_k):
+    """`DecodeConfig.bits_k/bits_v`: e4m3 rows read by bit moves (`e4m3.e4m3_bits`) into
+    the query's 16-bit dtype (K's too or only V's), with and without float16 dot products."""
     seed = fresh_seed()
     case = make_case([(c, 1) for c in DECODE_CTX], 8, 2, 32, 16, dtype=torch.float16,
                      seed=seed, kv_scales=scales(2, seed))
     store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping, case.kv_scales)
-    cfg = replace(SMALL_DECODE, bits=True, fp16_dot=fp16_dot)
+    cfg = replace(SMALL_DECODE, bits_k=bits_k, bits_v=True, fp16_dot=fp16_dot)
     m = case.meta
     out = torch.full_like(case.q, float("nan"))
     if version == "v1":

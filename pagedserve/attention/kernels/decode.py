@@ -54,12 +54,13 @@ def capped_scores(s, qk_scale, cap_scale, SOFTCAP: tl.constexpr):
 @triton.jit
 def _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale, cap_scale,
                  HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 E4M3_BITS: tl.constexpr, V_AS_LOADED: tl.constexpr = True):
+                 K_BITS: tl.constexpr, V_BITS: tl.constexpr):
     """One online-softmax step of q over the K/V rows at offsets `row` (masked by n_mask);
-    an e4m3 cache's rows read by `e4m3.e4m3_bits` where E4M3_BITS, else cast."""
+    an e4m3 cache's K (V) rows read by `e4m3.e4m3_bits` where K_BITS (V_BITS), V's as
+    loaded, else cast."""
     offs_d = tl.arange(0, HEAD_DIM)
     k = e4m3_to(tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=n_mask[:, None],
-                        other=0.0), q.dtype, E4M3_BITS)
+                        other=0.0), q.dtype, K_BITS)
     s = capped_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale,
                       cap_scale, SOFTCAP)
     s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -68,7 +69,7 @@ def _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale, cap_scal
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = e4m3_to(tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=n_mask[:, None],
-                        other=0.0), q.dtype, E4M3_BITS, V_AS_LOADED)
+                        other=0.0), q.dtype, V_BITS, True)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -78,7 +79,8 @@ def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, qk_scale, ca
                   stride_kb, stride_kt, stride_kh,
                   GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, K_BITS: tl.constexpr,
+                  V_BITS: tl.constexpr):
     """Online-softmax attention of q [GROUP_PAD, D] over context positions [start, end).
 
     Returns (max, sum-exp, unnormalized output) in the log2 domain.
@@ -94,7 +96,7 @@ def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, start, end, qk_scale, ca
                + kv_head * stride_kh)
         m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
                                      cap_scale, HEAD_DIM, SOFTCAP, DOT_PRECISION,
-                                     E4M3_BITS)
+                                     K_BITS, V_BITS)
     return m_i, l_i, acc
 
 
@@ -112,7 +114,8 @@ def _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end, q
                       cap_scale, row_blocks, stride_kb, stride_kt, stride_kh,
                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, E4M3_BITS: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, K_BITS: tl.constexpr,
+                  V_BITS: tl.constexpr):
     """`_attend_range` with the first tile's block ids given (`block`, loaded before the
     sequence length was known) and each next tile's loaded one iteration ahead."""
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -126,7 +129,7 @@ def _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end, q
         block = _load_tile_blocks(bt_row_ptr, tile + BLOCK_N, row_blocks, BLOCK_SIZE, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, row, n_mask, m_i, l_i, acc, qk_scale,
                                      cap_scale, HEAD_DIM, SOFTCAP, DOT_PRECISION,
-                                     E4M3_BITS)
+                                     K_BITS, V_BITS)
     return m_i, l_i, acc
 
 
@@ -160,7 +163,7 @@ def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, k_scal
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-                      F16_DOT: tl.constexpr, E4M3_BITS: tl.constexpr):
+                      F16_DOT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if FP8_KV:
@@ -175,7 +178,7 @@ def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, k_scal
     m_i, l_i, acc = _attend_range(q, k_ptr, v_ptr, bt_ptr + seq * stride_bts, kv_head, start,
                                   seq_len, qk_scale, cap_scale, stride_kb, stride_kt,
                                   stride_kh, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFTCAP,
-                                  DOT_PRECISION, E4M3_BITS)
+                                  DOT_PRECISION, K_BITS, V_BITS)
     out = acc / l_i[:, None]
     if FP8_KV:
         out = out * tl.load(v_scale_ptr + kv_head)
@@ -230,7 +233,7 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-                      F16_DOT: tl.constexpr, E4M3_BITS: tl.constexpr):
+                      F16_DOT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -256,7 +259,7 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
     m_i, l_i, acc = _attend_partition(q, k_ptr, v_ptr, bt_row_ptr, block, kv_head, start, end,
                                       qk_scale, cap_scale, row_blocks, stride_kb, stride_kt,
                                       stride_kh, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                                      SOFTCAP, DOT_PRECISION, E4M3_BITS)
+                                      SOFTCAP, DOT_PRECISION, K_BITS, V_BITS)
     if FP8_KV:  # the partials' merge is linear in acc: scale it once here
         acc = acc * tl.load(v_scale_ptr + kv_head)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -297,10 +300,11 @@ class DecodeConfig:
     small_grid_block_n: int = 32  # v2's tile where the grid underfills the SMs
     # an FP8 cache only: dot products in float16, not the query's dtype (see _dot_operand)
     fp16_dot: bool = False
-    # an FP8 cache only: rows read by bit moves (`e4m3.e4m3_bits`: integer and half-precision
-    # ops, not the conversion unit), V's as loaded (16 bytes a thread, then to the dot
-    # through shared memory as bf16 rows go) rather than gathered byte by byte
-    bits: bool = False
+    # an FP8 cache only: K's (V's) rows read by bit moves (`e4m3.e4m3_bits`: integer and
+    # half-precision ops, not the conversion unit); V's as loaded (16 bytes a thread, then
+    # to the dot through shared memory as bf16 rows go) rather than gathered byte by byte
+    bits_k: bool = False
+    bits_v: bool = False
 
 
 # An FP8 cache holds a token's K/V in half the bytes: with bf16's tiles each program would
@@ -363,7 +367,8 @@ def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8, F16_DOT=fp8 and cfg.fp16_dot,
-        E4M3_BITS=fp8 and cfg.bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        K_BITS=fp8 and cfg.bits_k, V_BITS=fp8 and cfg.bits_v, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
@@ -400,7 +405,8 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         MERGE_CHUNK=max(2, MERGE_ROWS // group_p2), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, WINDOWED=window is not None,
         SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8,
-        F16_DOT=fp8 and cfg.fp16_dot, E4M3_BITS=fp8 and cfg.bits, num_warps=cfg.num_warps,
+        F16_DOT=fp8 and cfg.fp16_dot, K_BITS=fp8 and cfg.bits_k,
+        V_BITS=fp8 and cfg.bits_v, num_warps=cfg.num_warps,
         num_stages=_v2_stages(cfg.num_stages))
     return out
 
