@@ -6,7 +6,8 @@ Parts (all but 8b-tpot by default; over 7 minutes on an H100; if one call may no
 long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
   kv       workload A (benchmarks/throughput.py's: 256 requests, prompt and output lengths
            uniform in [100, 1024]), Qwen3-0.6B shape: bf16 KV against FP8 KV on the same
-           weights in this process; KV blocks for the same memory and each run's roofline
+           weights in this process; KV blocks for the same memory and each run's roofline;
+           with --sweep also FP8 KV under the decode candidates of KV_CANDIDATES
   kernel   paged decode at Qwen3-0.6B's attention shape on a bf16 and an FP8 cache: time and
            effective bandwidth (cache bytes read over time) against the copy bandwidth;
            with --sweep also the FP8 cache under each candidate launch setting
@@ -133,17 +134,36 @@ def scheduler(engine: LLMEngine):
     return getattr(engine, "scheduler", None) or engine.engine_core.scheduler
 
 
-def part_kv(res: Results, loaded: LoadedModel, model_dir: str, bandwidth: float) -> None:
+def part_kv(res: Results, loaded: LoadedModel, model_dir: str, bandwidth: float,
+            sweep: bool = False) -> None:
+    """Workload A with a bf16 and an FP8 KV cache; with `sweep` also the FP8 cache under
+    each of `KV_CANDIDATES` (`decode.FP8_DECODE`, read at each launch; "config" says which)."""
+    from pagedserve.attention.kernels import decode
+
     prompts, out_lens = throughput.workload_prompts()
-    for kv in ("auto", "fp8"):
-        engine = engine_for(loaded, model_dir, kv_cache_dtype=kv)
-        row = workload_a(engine, prompts, out_lens)
+    runs = [("auto", None), ("fp8", None)]
+    if sweep:
+        candidates = fp8_decode_candidates()
+        runs += [("fp8", name) for name in KV_CANDIDATES]
+    default = decode.FP8_DECODE
+    for kv, config in runs:
+        decode.FP8_DECODE = default if config is None else candidates[config]
+        try:
+            engine = engine_for(loaded, model_dir, kv_cache_dtype=kv)
+            row = workload_a(engine, prompts, out_lens)
+        finally:
+            decode.FP8_DECODE = default
         res.add("kv", workload="A", model="qwen3-0.6b shape, random bf16",
-                kv_cache_dtype="bf16" if kv == "auto" else "fp8_e4m3", **row,
+                kv_cache_dtype="bf16" if kv == "auto" else "fp8_e4m3",
+                **({} if config is None else {"config": config}), **row,
                 kv_blocks=num_blocks(engine), kv_block_bytes=engine.model_runner.block_bytes,
                 roofline_tok_per_s=roofline(engine, prompts, out_lens, bandwidth))
         del engine
         throughput.release()
+
+
+# FP8 decode settings workload A is run with under --sweep (names of `fp8_decode_candidates`)
+KV_CANDIDATES = ("bits v fp16 dot", "bits v fp16 dot n64")
 
 
 # ------------------------------------------------------------------------------- kernel
@@ -159,19 +179,19 @@ def fp8_decode_candidates() -> dict[str, DecodeConfig]:
     gathered byte by byte from shared memory), "bits v" (V's only)."""
     base = FP8_DECODE
     bits = replace(base, bits_k=True, bits_v=True)
-    bits_v = replace(base, bits_v=True)
+    v16 = replace(base, bits_v=True, fp16_dot=True)
     return {"n128 w8": replace(base, num_warps=8),
             "fp16 dot": replace(base, fp16_dot=True),
             "bits": bits,
             "bits fp16 dot": replace(bits, fp16_dot=True),
-            "bits v fp16 dot": replace(bits_v, fp16_dot=True),
-            "bits v": bits_v,
-            "bits v fp16 dot n64": replace(bits_v, fp16_dot=True, block_n=64),
-            "bits v fp16 dot w8": replace(bits_v, fp16_dot=True, num_warps=8),
             "bits s3": replace(bits, num_stages=3),
             "bits n64": replace(bits, block_n=64),
-            "bits n64 s3": replace(bits, block_n=64, num_stages=3),
-            "bits n256 w8": replace(bits, block_n=256, num_warps=8)}
+            "bits v": replace(base, bits_v=True),
+            "bits v fp16 dot": v16,
+            "bits v fp16 dot s3": replace(v16, num_stages=3),
+            "bits v fp16 dot n64": replace(v16, block_n=64),
+            "bits v fp16 dot n64 s3": replace(v16, block_n=64, num_stages=3),
+            "bits v fp16 dot w8": replace(v16, num_warps=8)}
 
 
 def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:
@@ -563,7 +583,7 @@ def main() -> None:
             25.0)
     loaded = LoadedModel.load(EngineConfig(model=model_dir)) if model_dir else None
     if "kv" in parts:
-        part_kv(res, loaded, model_dir, bandwidth)
+        part_kv(res, loaded, model_dir, bandwidth, args.sweep)
     if "kernel" in parts:
         part_kernel(res, bandwidth, args.sweep)
     if "gemv" in parts:
