@@ -602,6 +602,34 @@ def main() -> None:
                 "pct_copy_bw", "tpot_ms", "ratio_vs_bf16", "first_token_agreement",
                 f"greedy_agreement_{QUALITY_TOKENS}", "mean_kl_nats")
         print(row["part"], {k: row[k] for k in keys if k in row}, flush=True)
+    for line in fastest(res.rows):
+        print(line, flush=True)
+
+
+def fastest(rows: list[dict]) -> list[str]:
+    """One line per measured case with the fastest FP8 setting against the default's time:
+    decode per (batch, context), weight-only per (layer, tokens), the 8B TPOT, workload A."""
+    groups: dict[tuple, list[tuple[float, str]]] = {}
+    for r in rows:
+        if r["part"] == "kernel" and r["kv_dtype"] == "float8_e4m3fn":
+            key, t, name = ("decode", r["batch"], r["context"]), r["us"], r.get("config")
+        elif r["part"] == "gemv" and r["method"].startswith("weight_only"):
+            key, t, name = ("gemv", r["layer"], r["rows"]), r["us"], r["method"]
+        elif r["part"] == "8b" and r["variant"].startswith("fp8_weights") and "tpot_ms" in r:
+            key, t, name = ("8b tpot",), r["tpot_ms"], r["variant"]
+        elif r["part"] == "kv" and r["kv_cache_dtype"] == "fp8_e4m3":
+            key, t, name = ("workload A fp8 kv",), -r["output_tok_per_s"], r.get("config")
+        else:
+            continue
+        groups.setdefault(key, []).append((t, name or "default"))
+    lines = []
+    for key, timed in groups.items():
+        best_t, best = min(timed)
+        default_t = next((t for t, n in timed if n in ("default", "weight_only",
+                                                         "fp8_weights")), None)
+        lines.append(f"fastest {' '.join(map(str, key))}: {best!r} {abs(best_t)} "
+                     f"(default {None if default_t is None else abs(default_t)})")
+    return lines
 
 
 if __name__ == "__main__":
