@@ -91,6 +91,7 @@ class LoadedModel:
     model: Decoder
     model_config: ModelConfig
     tokenizer: object
+    tokenizer_source: str | None = None  # what `tokenizer` was loaded from, for another process
 
     @classmethod
     def load(cls, config: EngineConfig) -> LoadedModel:
@@ -101,7 +102,8 @@ class LoadedModel:
         model, model_config, tokenizer_source = load_model(
             config.model, resolve_dtype(config.dtype, device), device,
             quantized=config.dtype == "auto", quantization=config.quantization)
-        return cls(model, model_config, load_tokenizer(config.tokenizer or tokenizer_source))
+        tokenizer_source = config.tokenizer or tokenizer_source
+        return cls(model, model_config, load_tokenizer(tokenizer_source), tokenizer_source)
 
 
 class EngineCore:

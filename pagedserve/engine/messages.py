@@ -190,3 +190,27 @@ class ModelRunnerOutput(Message, array_like=True):
     logprobs: LogprobsLists | None = None
     # requests with prompt_logprobs whose prompt positions this step computed
     prompt_logprobs: dict[str, LogprobsLists] | None = None
+
+
+# -- engine-core process start-up (core_proc.py -> core_client.py) ----------------------------
+
+class EngineCoreReady(Message):
+    """The core's answer once its model is loaded and its KV cache sized: what the frontend
+    process needs and cannot know before (the limits resolved from the device and the model)."""
+
+    tokenizer: str  # the folder or .gguf file the frontend loads its tokenizer from
+    vocab_size: int
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_dtype: str  # as /v1/models reports it: "bfloat16", "fp8_e4m3", ...
+    quantization: str | None
+    device: str
+
+
+class EngineCoreFailed(Message):
+    """Why the core could not start, or why it stopped: sent before the process exits."""
+
+    error: str

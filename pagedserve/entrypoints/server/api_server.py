@@ -4,8 +4,8 @@ Shutdown on SIGINT/SIGTERM: uvicorn stops accepting connections and waits for in
 requests; after `--graceful-timeout` seconds we abort the ones still running in the engine, so
 each client gets a last chunk with finish_reason "abort" and `[DONE]` (or a complete JSON
 body) instead of a cut connection. Handlers still alive a few seconds later are cancelled by
-uvicorn (and abort their requests), then the lifespan hook stops the engine loop, which
-aborts anything left so every block is returned before the process exits.
+uvicorn (and abort their requests), then the lifespan hook stops the engine-core process
+(see async_engine.py for the process layout and what happens when the core dies).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -26,7 +26,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve.entrypoints.engine_args import engine_options
 from pagedserve.entrypoints.server.async_engine import AsyncEngine
 from pagedserve.entrypoints.server.errors import APIError, install_error_handlers
-from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.entrypoints.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard,
     ModelList, TokenizeRequest, TokenizeResponse)
@@ -39,30 +38,30 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 2 << 20
 
 
-def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
+def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (),
               tool_call_parser: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """An app serving `engine` (an LLMEngine) under `model_name` (and `aliases`)."""
-    async_engine = AsyncEngine(engine, ServerMetrics())
-    max_model_len = _max_model_len(engine)
-    card = {"max_model_len": max_model_len, **_running_formats(engine)}
+    """An app serving `engine` under `model_name` (and `aliases`)."""
+    ready = engine.ready
+    card = {"max_model_len": ready.max_model_len, "kv_cache_dtype": ready.kv_cache_dtype,
+            "quantization": ready.quantization}
     serving = OpenAIServing(
-        async_engine, model_name, aliases, engine.tokenizer, max_model_len, tool_call_parser)
+        engine, model_name, aliases, engine.tokenizer, ready.max_model_len, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        engine.start()
         yield
-        await async_engine.shutdown()
+        await engine.shutdown()
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
-    app.state.async_engine = async_engine
+    app.state.async_engine = engine
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health() -> Response:
-        if async_engine.is_running:
+        if engine.is_running:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine not running"}, status_code=503)
 
@@ -72,7 +71,7 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -91,19 +90,6 @@ def build_app(engine: Any, model_name: str, aliases: tuple[str, ...] = (),
         return await asyncio.to_thread(serving.detokenize, req)
 
     return app
-
-
-def _max_model_len(engine: Any) -> int:
-    """The engine's resolved context limit (the model's, capped by what the KV cache holds)."""
-    return int(engine.max_model_len)
-
-
-def _running_formats(engine: Any) -> dict[str, str | None]:
-    """The KV cache's element type and the weights' quantization, as /v1/models reports them."""
-    runner = engine.model_runner
-    kv = str(runner.kv_cache_dtype).removeprefix("torch.")
-    return {"kv_cache_dtype": "fp8_e4m3" if kv == "float8_e4m3fn" else kv,
-            "quantization": runner.model.quantization}
 
 
 class BodySizeLimit:
@@ -195,21 +181,32 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """Load the engine, then serve until SIGINT/SIGTERM."""
-    from pagedserve.engine.llm_engine import LLMEngine
+    """Start the engine-core process, then serve until SIGINT/SIGTERM, or until the core
+    dies: then every in-flight request gets an error and the server exits non-zero (a
+    RuntimeError, which the CLI reports and turns into exit code 1)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.core_client import EngineCoreClient
+    from pagedserve.model.loader import load_tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine.from_options(**engine_options(args), seed=args.seed)
-    name = args.served_model_name or (Path(args.model).stem if args.model else DEFAULT_MODEL_NAME)
-    aliases = (args.model,) if args.model else ()
-    app = build_app(engine, name, aliases, args.tool_call_parser, args.max_body_size)
-    # uvicorn cancels handlers still running after its own timeout; ours fires first and
-    # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_timeout + _CANCEL_AFTER_S)
-    server = _Server(config, app.state.async_engine, args.graceful_timeout)
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+    client = EngineCoreClient(EngineConfig.from_options(**engine_options(args), seed=args.seed))
+    try:
+        engine = AsyncEngine(client, load_tokenizer(client.ready.tokenizer))
+        name = args.served_model_name or (Path(args.model).stem if args.model
+                                          else DEFAULT_MODEL_NAME)
+        aliases = (args.model,) if args.model else ()
+        app = build_app(engine, name, aliases, args.tool_call_parser, args.max_body_size)
+        # uvicorn cancels handlers still running after its own timeout; ours fires first and
+        # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.graceful_timeout + _CANCEL_AFTER_S)
+        server = _Server(config, engine, args.graceful_timeout)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+    finally:
+        client.shutdown()
+    if engine.error is not None:
+        raise RuntimeError(str(engine.error))
 
 
 _CANCEL_AFTER_S = 5.0  # after the abort, how long handlers get to send their last bytes
@@ -221,6 +218,11 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, grace: float) -> None:
         super().__init__(config)
         self._async_engine, self._grace = async_engine, grace
+        async_engine.on_dead = self._engine_died
+
+    def _engine_died(self) -> None:
+        """Stop serving: handlers deliver their errors during the graceful shutdown."""
+        self.should_exit = True
 
     async def shutdown(self, sockets: list | None = None) -> None:
         timer = asyncio.get_running_loop().call_later(self._grace, self._async_engine.finish_all)

@@ -1,107 +1,143 @@
-"""AsyncEngine: one background thread owns the LLMEngine; asyncio handlers talk to it by queue.
+"""AsyncEngine: the server's engine, its frontend on the event loop and its core in a process.
 
-The engine is not thread-safe and its `step()` blocks for a whole forward pass, so it cannot
-run on the event loop. Handlers put commands (add, abort, stop) on a thread-safe queue; the
-loop thread applies them between steps, so the engine only ever sees one caller. Outputs go
-back to each request's own asyncio queue through `loop.call_soon_threadsafe`, the one safe way
-to wake a coroutine from another thread.
+The API process keeps the frontend halves of the engine: the Processor (validation, n > 1 fan
+out) and the OutputProcessor (detokenization, stop strings, logprob strings, RequestOutputs).
+The EngineCore runs in its own process (`engine/core_proc.py`) behind `EngineCoreClient`. One
+asyncio task reads the core's outputs, one message per model step, runs them through the
+OutputProcessor and puts each request's RequestOutput on that request's queue. Everything here
+runs on the event loop, so no lock is needed: a request is added, aborted and delivered to
+from one thread.
+
+When the core process dies (killed, crashed, or a step raised) every in-flight request gets
+`EngineDeadError` (a 503, or an error event in a stream that has started), `is_running`
+turns False (so /health answers 503), and `on_dead` tells the server to exit, non-zero. The
+server does not restart the core: its KV cache and every request in it are gone, and a
+supervisor (systemd, Kubernetes) that restarts the whole server is simpler and cleaner than
+a half-restarted one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedserve.engine.messages import EngineCoreOutputs, SchedulerStats
+from pagedserve.engine.output_processor import OutputProcessor
+from pagedserve.engine.outputs import EngineStats, RequestOutput
+from pagedserve.engine.processor import Processor
+from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.server.metrics import RequestTiming, ServerMetrics
+from pagedserve.structured.grammar import GrammarCache
+
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 logger = logging.getLogger(__name__)
-
-_IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the command queue before re-checking
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shutdown or a failed step); the request cannot finish."""
 
 
 @dataclass
 class _Stream:
-    """Loop-thread bookkeeping of one request, plus the handler's queue to deliver to."""
+    """One request's queue of outputs, and its timing for the metrics."""
 
-    loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     arrival: float  # time.monotonic() when the handler submitted it
     first_token: float | None = None
     num_output_tokens: int = 0
 
-    def deliver(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.outputs.put_nowait, item)
-
-
-@dataclass
-class _Add:
-    request_id: str
-    kwargs: dict
-    stream: _Stream
-    accepted: asyncio.Future = field(repr=False)
-
 
 class AsyncEngine:
-    """Runs `engine.step()` in a daemon thread and streams `RequestOutput`s to coroutines."""
+    """Streams `RequestOutput`s of the core process's steps to coroutines."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineCoreClient, tokenizer: Any,
+                 metrics: ServerMetrics | None = None) -> None:
+        self.client = client
+        self.ready = ready = client.ready
+        self.tokenizer = tokenizer
         self.metrics = metrics or ServerMetrics()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # owned by the loop thread
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self.processor = Processor(tokenizer, ready.vocab_size, ready.max_model_len,
+                                   self._grammars)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.on_dead: Callable[[], None] | None = None  # called once if the core dies
+        self.error: EngineDeadError | None = None
+        self._grammar_cache: GrammarCache | None = None
+        self._grammar_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._reader: asyncio.Task | None = None
+        self._stopping = False
 
-    # ---- lifecycle (event-loop side) -------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.ready.max_model_len
+
+    def _grammars(self) -> GrammarCache:
+        """This process's grammar cache (the core compiles its own): built on first use, from
+        the worker thread that processes a structured request."""
+        with self._grammar_lock:
+            if self._grammar_cache is None:
+                self._grammar_cache = GrammarCache(self.tokenizer, self.ready.vocab_size)
+            return self._grammar_cache
+
+    # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
+        """Start reading the core's outputs and watching its process (on the running loop)."""
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.client.sentinel, self._core_exited)
+        self._reader = loop.create_task(self._read_outputs(), name="pagedserve-outputs")
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._reader is not None and self.error is None and not self._stopping
 
-    async def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort whatever is still in flight and stop the loop thread."""
-        if self._thread is None:
+    async def shutdown(self) -> None:
+        """Fail whatever is still in flight and stop the core process."""
+        if self._reader is None:
             return
-        self._commands.put(("stop",))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        self._stopping = True
+        asyncio.get_running_loop().remove_reader(self.client.sentinel)
+        self._reader.cancel()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        await asyncio.to_thread(self.client.shutdown)
 
-    # ---- requests (event-loop side) --------------------------------------------------------
+    # ---- requests ----------------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, **add_kwargs: Any) -> AsyncIterator[Any]:
-        """Submit a request; once the engine accepted it, return its stream of outputs.
+    async def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
+                          prompt_token_ids: list[int] | None = None,
+                          cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request; return its stream of outputs, up to the finished one.
 
-        Raises the engine's ValueError (bad input) here, before any output exists, so the
-        handler can still answer 400. The returned iterator yields `RequestOutput`s up to the
-        finished one; if the consumer stops early the request is aborted. A caller that never
-        iterates it must call `abort(request_id)` itself.
+        Raises ValueError (bad input) here, before any output exists, so the handler can still
+        answer 400. If the consumer stops early the request is aborted; a caller that never
+        iterates the stream must call `abort(request_id)` itself.
         """
-        if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), time.monotonic())
-        accepted = loop.create_future()
-        self._commands.put(("add", _Add(request_id, add_kwargs, stream, accepted)))
+        self._check_running()
+        args = (request_id, prompt, params, prompt_token_ids, None, cache_salt)
+        if params.structured_outputs is not None:  # compiling a grammar takes a while
+            token_ids, core_requests = await asyncio.to_thread(self.processor.process, *args)
+            self._check_running()
+        else:
+            token_ids, core_requests = self.processor.process(*args)
+        self.output_processor.add_request(request_id, prompt, token_ids, params, core_requests)
+        stream = _Stream(asyncio.Queue(), time.monotonic())
+        self._streams[request_id] = stream
         try:
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)  # queued after the add, so it always finds the request
+            for core_request in core_requests:
+                self.client.add_request(core_request)
+        except EngineDeadError:
+            self.abort(request_id)
             raise
         return self._outputs(request_id, stream)
 
-    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[Any]:
+    def _check_running(self) -> None:
+        if not self.is_running:
+            raise self.error or EngineDeadError("the engine is not running")
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -117,81 +153,71 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort silently: for a consumer that is gone and wants no more outputs."""
-        self._commands.put(("abort", request_id))
+        self._finish(request_id)
 
     def finish_all(self) -> None:
         """Abort every in-flight request but still deliver its final ("abort") output, so
         handlers end their responses properly; used when a graceful shutdown runs out of time."""
-        self._commands.put(("finish_all",))
+        for request_id in list(self._streams):
+            self._finish(request_id, deliver=True)
 
-    # ---- the loop thread -------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while True:
-                block = not self.engine.has_unfinished_requests()
-                if not self._apply_commands(block):
-                    break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                self.metrics.update_engine_stats(self.engine.get_stats())
-        except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiters
-            logger.exception("engine loop failed")
-            self._error = exc
-        finally:
-            self._fail_all(self._error or EngineDeadError("the server is shutting down"))
-
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply queued commands; wait for one when idle. Returns False on stop."""
-        try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block \
-                else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            kind = command[0]
-            if kind == "stop":
-                return False
-            if kind == "add":
-                self._add(command[1])
-            elif kind == "abort":
-                self._abort(command[1])
-            elif kind == "finish_all":
-                self.engine.abort_request(list(self._streams))
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _add(self, add: _Add) -> None:
-        try:
-            self.engine.add_request(add.request_id, **add.kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported to the handler, which answers 400
-            add.stream.loop.call_soon_threadsafe(_settle, add.accepted, exc)
-            return
-        self._streams[add.request_id] = add.stream
-        add.stream.loop.call_soon_threadsafe(_settle, add.accepted, None)
-
-    def _abort(self, request_id: str) -> None:
+    def _finish(self, request_id: str, deliver: bool = False) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is None:
-            return  # finished (or rejected) before the abort arrived
-        self.engine.abort_request([request_id])
+            return  # finished (or rejected) before the abort
+        output, core_ids = self.output_processor.abort_request(request_id, time.time())
+        if core_ids and self.error is None and not self._stopping:
+            try:
+                self.client.abort_requests(core_ids)
+            except EngineDeadError:
+                pass  # the core is gone with the request; the process watch reports it
+        if deliver and output is not None:
+            stream.outputs.put_nowait(output)
         self._record_finish(stream, "abort")
 
-    def _step(self) -> None:
-        for output in self.engine.step():
+    # ---- the core's outputs ------------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
+        try:
+            while True:
+                self._process(await self.client.get_outputs())
+        except EngineDeadError as exc:
+            self._die(exc)
+        except Exception as exc:  # noqa: BLE001 - a broken frontend fails like a dead core
+            logger.exception("processing the engine core's outputs failed")
+            self._die(EngineDeadError(f"processing the engine's outputs failed: {exc}"))
+
+    def _process(self, core_outputs: EngineCoreOutputs) -> None:
+        """One step: its outputs to their requests, stop strings' aborts to the core."""
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.client.abort_requests(stopped)
+        now = time.monotonic()
+        for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
-                continue  # aborted while this step ran
+                continue
             num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
             if num_tokens and stream.first_token is None:
-                stream.first_token = time.monotonic()
+                stream.first_token = now
             stream.num_output_tokens = num_tokens
-            stream.deliver(output)
+            stream.outputs.put_nowait(output)
             if output.finished:
                 del self._streams[output.request_id]
                 self._record_finish(stream, _finish_reason(output))
+        if core_outputs.scheduler_stats is not None:
+            self.metrics.update_engine_stats(self._engine_stats(core_outputs.scheduler_stats))
+
+    def _engine_stats(self, stats: SchedulerStats) -> EngineStats:
+        processed = self.output_processor
+        return EngineStats(
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            kv_cache_usage=stats.kv_cache_usage, prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits, num_preemptions=stats.num_preemptions,
+            prompt_tokens_total=processed.prompt_tokens_total,
+            generation_tokens_total=processed.generation_tokens_total,
+            num_gpu_blocks=stats.num_gpu_blocks,
+            prefix_cache_evictions=stats.prefix_cache_evictions)
 
     def _record_finish(self, stream: _Stream, reason: str) -> None:
         done = time.monotonic()
@@ -199,32 +225,33 @@ class AsyncEngine:
         self.metrics.observe_request(
             RequestTiming(ttft, done - stream.arrival, stream.num_output_tokens), reason)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        """Wake every waiter with an error, and free the engine's blocks where possible."""
+    # ---- the core's death --------------------------------------------------------------------
+
+    def _core_exited(self) -> None:
+        """The process sentinel became readable: the core is gone."""
+        asyncio.get_running_loop().remove_reader(self.client.sentinel)
+        self.client.process.join(1)  # reap it, for its exit code
+        self._die(EngineDeadError(f"the engine core process exited unexpectedly (exit code "
+                                  f"{self.client.process.exitcode})"))
+
+    def _die(self, error: EngineDeadError) -> None:
+        if self.error is not None or self._stopping:
+            return
+        self.error = error
+        logger.error("%s; the server stops", error)
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        self._fail_all(error)
+        if self.on_dead is not None:
+            self.on_dead()
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """Wake every waiter with the error; the frontend forgets its requests."""
         streams, self._streams = self._streams, {}
-        if streams:
-            try:
-                self.engine.abort_request(list(streams))
-            except Exception:  # noqa: BLE001 - the engine may be the thing that broke
-                logger.exception("aborting in-flight requests failed")
-        for stream in streams.values():
-            stream.deliver(exc)
-        while True:  # requests submitted but never added must not wait forever either
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if command[0] == "add":
-                command[1].stream.loop.call_soon_threadsafe(_settle, command[1].accepted, exc)
-
-
-def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():  # the handler was cancelled meanwhile; its abort is already queued
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
+        now = time.time()
+        for request_id, stream in streams.items():
+            self.output_processor.abort_request(request_id, now)
+            stream.outputs.put_nowait(error)
 
 
 def _finish_reason(output: Any) -> str:

@@ -1,0 +1,154 @@
+"""The engine-core process: an `EngineCore` stepped in a busy loop behind two ZeroMQ sockets.
+
+Why a process of its own: in one process the HTTP event loop, pydantic, SSE chunks and
+detokenization share the interpreter lock with the engine, so between two model steps the
+device waits for Python work that has nothing to do with the step. Here the process does
+nothing but scheduling and launching steps; the API process (`core_client.py`) keeps
+tokenization, detokenization, stop strings, logprob formatting and HTTP.
+
+Wire protocol (`encode` / `decode` of `messages.py`, msgpack): every message is two frames,
+a one-byte kind and its payload.
+
+    frontend -> core (PUSH -> PULL)   ADD       EngineCoreRequest
+                                      ABORT     list of request ids
+                                      SHUTDOWN  (empty)
+    core -> frontend (PUSH -> PULL)   READY     EngineCoreReady, once, when the model is loaded
+                                      OUTPUTS   EngineCoreOutputs, once per step for the batch
+                                      FAILED    EngineCoreFailed, then the process exits 1
+
+The loop drains every queued input without blocking, runs one step when there is work and
+sends that step's outputs in one message; with no work it blocks on the input socket. It
+leaves when told to (SHUTDOWN) and when its parent is gone (`os.getppid()` changes; on Linux
+the kernel also kills it at once, `PR_SET_PDEATHSIG`), so it never outlives the server.
+SIGINT is ignored: a Ctrl-C reaches the whole process group, and the parent decides how the
+core stops (after its graceful shutdown), not the terminal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core import EngineCore
+from pagedserve.engine.messages import (EngineCoreFailed, EngineCoreOutputs, EngineCoreReady,
+                                        EngineCoreRequest, decode, encode)
+
+logger = logging.getLogger(__name__)
+
+# frame kinds (the first frame of every message)
+ADD, ABORT, SHUTDOWN = b"a", b"x", b"q"
+READY, OUTPUTS, FAILED = b"r", b"o", b"f"
+
+_IDLE_POLL_MS = 1000  # an idle core wakes this often to check that its parent is alive
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+# start-up errors whose message is the whole story (bad options, a missing file)
+_USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    parent_pid: int, log_level: int) -> None:
+    """The process's entry point (a `multiprocessing` spawn target): build the core, report
+    READY or FAILED to the parent, then serve until shutdown. Exits 1 after a failure."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    try:
+        core = EngineCore(config)
+    except Exception as exc:  # noqa: BLE001 - every start-up failure reaches the parent
+        _fail(outputs, exc, "the engine core failed to start")
+    outputs.send_multipart([READY, encode(ready_message(core))])
+    try:
+        EngineCoreProc(core, inputs, outputs, parent_pid).run()
+    except Exception as exc:  # noqa: BLE001 - a failed step: say why, then exit 1
+        _fail(outputs, exc, "the engine core failed")
+    finally:
+        context.destroy(linger=0)
+
+
+def ready_message(core: EngineCore) -> EngineCoreReady:
+    config, runner = core.config, core.model_runner
+    kv = str(runner.kv_cache_dtype).removeprefix("torch.")
+    return EngineCoreReady(
+        tokenizer=core.loaded.tokenizer_source,
+        vocab_size=core.model_config.vocab_size, max_model_len=core.max_model_len,
+        num_gpu_blocks=core.num_blocks, block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_cache_dtype="fp8_e4m3" if kv == "float8_e4m3fn" else kv,
+        quantization=runner.model.quantization, device=str(runner.device))
+
+
+class EngineCoreProc:
+    """The busy loop: inputs, a step when there is work, that step's outputs."""
+
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket,
+                 parent_pid: int) -> None:
+        self.core, self.inputs, self.outputs = core, inputs, outputs
+        self.parent_pid = parent_pid
+        self._stats_sent = True  # the frontend's view of the core's stats is current
+
+    def run(self) -> None:
+        core, poller = self.core, zmq.Poller()
+        poller.register(self.inputs, zmq.POLLIN)
+        while True:
+            if not core.has_unfinished_requests():
+                self._send_idle_stats()
+                poller.poll(_IDLE_POLL_MS)
+            if not self._drain_inputs() or os.getppid() != self.parent_pid:
+                return
+            if core.has_unfinished_requests():
+                self.outputs.send_multipart([OUTPUTS, encode(core.step())], copy=False)
+                self._stats_sent = True  # a step's message carries its stats
+
+    def _drain_inputs(self) -> bool:
+        """Apply every queued message; False once told to shut down."""
+        while True:
+            try:
+                kind, payload = self.inputs.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            if kind.bytes == ADD:
+                self.core.add_request(decode(payload.buffer, EngineCoreRequest))
+            elif kind.bytes == ABORT:
+                self.core.abort_requests(decode(payload.buffer, list[str]))
+            elif kind.bytes == SHUTDOWN:
+                return False
+            self._stats_sent = False
+
+    def _send_idle_stats(self) -> None:
+        """Once the core goes idle, the stats after its last change (an abort between steps
+        changes them without a step), so the frontend's metrics do not show stale counts."""
+        if not self._stats_sent:
+            message = EngineCoreOutputs([], self.core.make_stats(), time.time())
+            self.outputs.send_multipart([OUTPUTS, encode(message)])
+            self._stats_sent = True
+
+
+def _fail(outputs: zmq.Socket, exc: Exception, what: str) -> None:
+    """Report `exc` to the parent and exit 1. A user error's message is the whole story; any
+    other failure is also logged here with its traceback."""
+    if not isinstance(exc, _USER_ERRORS):
+        logger.exception(what)
+    outputs.send_multipart([FAILED, encode(EngineCoreFailed(str(exc) or type(exc).__name__))])
+    outputs.close(linger=5000)  # the message must leave before the process does
+    sys.exit(1)
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this process when its parent dies, even by SIGKILL."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
