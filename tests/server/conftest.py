@@ -58,6 +58,48 @@ class Server:
             time.sleep(0.2)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, theirs, ...), from /proc (Linux)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:  # the task or the process is gone
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (an exited process not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def engine_core_pid(server: Server) -> int:
+    """The server's engine-core process (its multiprocessing spawn child)."""
+    for pid in descendants(server.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            return pid
+    raise AssertionError("the server has no engine-core process")
+
+
+def wait_gone(pids: list[int], timeout: float = 60.0) -> list[int]:
+    """The pids still alive after waiting up to `timeout` seconds for them to exit."""
+    deadline = time.monotonic() + timeout
+    while any(map(is_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pid for pid in pids if is_alive(pid)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,24 +1,32 @@
-"""SIGTERM/SIGINT with a stream in flight: the client gets a clean end, the process exits."""
+"""SIGTERM/SIGINT with a stream in flight: the client gets a clean end, the server and its
+engine-core process exit."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 
 import httpx
 import pytest
 
-from tests.server.conftest import start_server, stop_server
+from tests.server.conftest import (descendants, engine_core_pid, start_server, stop_server,
+                                   wait_gone)
 
 
-# uvicorn re-raises SIGTERM after its graceful shutdown; SIGINT ends as a handled Ctrl-C
-@pytest.mark.parametrize("sig, returncode", [(signal.SIGTERM, -signal.SIGTERM),
-                                             (signal.SIGINT, 0)], ids=["SIGTERM", "SIGINT"])
-def test_signal_aborts_in_flight_stream_cleanly(tmp_path, sig, returncode):
+# uvicorn re-raises SIGTERM after its graceful shutdown; SIGINT ends as a handled Ctrl-C. A
+# Ctrl-C in a terminal reaches the engine core too (the whole process group): it leaves the
+# stopping to the server, so the stream still ends cleanly.
+@pytest.mark.parametrize("sig, returncode, to_core", [
+    (signal.SIGTERM, -signal.SIGTERM, False), (signal.SIGINT, 0, False),
+    (signal.SIGINT, 0, True)], ids=["SIGTERM", "SIGINT", "ctrl-c"])
+def test_signal_aborts_in_flight_stream_cleanly(tmp_path, sig, returncode, to_core):
     log = (tmp_path / "server.log").open("w+")
     server = start_server("--graceful-timeout", "1", stderr=log)
     try:
+        core = engine_core_pid(server)
+        children = descendants(server.proc.pid)  # the core among them
         first_tokens = threading.Event()
         events: list[str] = []
 
@@ -37,6 +45,8 @@ def test_signal_aborts_in_flight_stream_cleanly(tmp_path, sig, returncode):
         client.start()
         assert first_tokens.wait(120)
         server.proc.send_signal(sig)
+        if to_core:
+            os.kill(core, sig)
         client.join(120)
         assert not client.is_alive()
         server.proc.wait(60)
@@ -44,6 +54,7 @@ def test_signal_aborts_in_flight_stream_cleanly(tmp_path, sig, returncode):
         stop_server(server)
 
     assert server.proc.returncode == returncode
+    assert wait_gone(children) == []
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["choices"][0]["finish_reason"] == "abort"

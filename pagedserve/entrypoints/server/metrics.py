@@ -1,9 +1,9 @@
 """Prometheus metrics of the server: engine state, token counters and request latencies.
 
 Engine-wide numbers (queue lengths, KV usage, prefix-cache and token totals) are owned by the
-engine; the engine loop thread hands us a fresh `EngineStats` snapshot after every step and a
+engine; the AsyncEngine hands us a fresh `EngineStats` snapshot after every step and a
 custom collector exposes the latest one at scrape time, so the HTTP side never touches the
-engine. Latency histograms are observed once per finished request from the loop thread's own
+engine. Latency histograms are observed once per finished request from the event loop's own
 monotonic clock.
 """
 
@@ -98,7 +98,7 @@ class ServerMetrics:
                                 ["finish_reason"], registry=self.registry)
 
     def update_engine_stats(self, stats: Any) -> None:
-        """Called from the engine loop thread; a plain reference swap, read at scrape time."""
+        """Called once per core step; a plain reference swap, read at scrape time."""
         self._engine.stats = stats
 
     def observe_request(self, timing: RequestTiming, finish_reason: str) -> None:
