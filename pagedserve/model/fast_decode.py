@@ -65,8 +65,14 @@ class _Model(Structure):
 @cache
 def _kernel():
     return function("pagedserve_decode_step", POINTER(_Model), c_void_p, c_void_p, c_int64,
-                    c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_int,
+                    c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int,
                     restype=c_int)
+
+
+@cache
+def _workspace_bytes():
+    return function("pagedserve_decode_workspace", POINTER(_Model), c_int64, c_int,
+                    restype=c_int64)
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -130,6 +136,7 @@ class FastDecode:
             final.weight.data_ptr(), self._layers)
         # (k, v) caches the specs point at, per layer
         self._caches: list[tuple[weakref.ref, weakref.ref]] = []
+        self._scratch = torch.empty(0, dtype=torch.uint8)
 
     @classmethod
     def for_model(cls, model: Decoder) -> FastDecode | None:
@@ -156,6 +163,14 @@ class FastDecode:
         self._caches = [(weakref.ref(a.k_cache), weakref.ref(a.v_cache)) for a in attns]
         return True
 
+    def _workspace(self, count: int, threads: int) -> int:
+        """The address of a scratch buffer for a step of `count` rows: kept across steps
+        (a fresh one each step would be page-faulted in each step), grown when too small."""
+        size = _workspace_bytes()(byref(self._spec), count, threads)
+        if self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.uint8)
+        return self._scratch.data_ptr()
+
     def __call__(self, input_ids: Tensor, positions: Tensor) -> Tensor | None:
         """The step's final hidden states [T, H] as `Decoder.forward` returns them, or None
         when the step is not one for this path."""
@@ -173,12 +188,11 @@ class FastDecode:
             return None
         h = self.model.embed_tokens(input_ids)
         out = torch.empty_like(h)
+        threads = torch.get_num_threads()
         status = _kernel()(byref(self._spec), h.data_ptr(), out.data_ptr(), count,
                            positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                            tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
-                           torch.get_num_threads())
-        if status == -1:
-            raise MemoryError("fast decode: no memory for the step's buffers")
+                           self._workspace(count, threads), threads)
         if status == -2:
             raise IndexError(f"a position of {positions.tolist()} is outside the RoPE tables "
                              f"({self._cos.shape[0]} positions)")

@@ -3,28 +3,43 @@
  * Why: at batch 1 a step of a small model is a few hundred small kernels (30 layers x norm,
  * q/k/v, RoPE, store + attention, o, norm, gate/up, SiLU, down), each a Python call, a torch
  * allocation and an OpenMP fork/join. Their overhead, not the weights' bytes, was most of the
- * step. Here the step is one parallel region: the threads split each projection's output rows,
- * meet at a barrier where the next op needs all of its input (after q/k/v, attention, o, the
- * MLP's gate/up and down: 5 per layer), and repeat the cheap row-wise work (the norms, the
- * residual stream, the activations' int8 quantization: one [M, hidden] row block each)
- * on every thread rather than wait for one thread to do it.
+ * step. Here the step is one parallel region.
+ *
+ * Each op's work is cut into chunks (32 weight rows of a projection, one (sequence, kv head)
+ * of attention), which the threads claim as they go, each starting at its own share and then
+ * taking what is left. No thread waits for another at a barrier: on a shared machine a thread
+ * is often descheduled for milliseconds, and a step has 5 such meeting points per layer (150
+ * for the default model), so barriers made two threads far slower than one under load. A
+ * thread that finds a chunk claimed but not done spins for about twice its own last chunk's
+ * time, then computes that chunk itself: a descheduled thread costs the others one chunk of
+ * work, never its whole absence. Duplicates write identical bytes, and nothing a chunk reads is
+ * ever written again during the step (each layer has its own output buffers, and RoPE works on
+ * a thread's copy of the heads), so a late thread that finishes a chunk already done changes
+ * nothing. The only join is the region's end.
+ *
+ * The row-wise work between projections (the residual stream, the norms, the activations'
+ * int8 quantization: one [M, hidden] block) is repeated by every thread on its own copy.
  *
  * Each op is the code the separate kernels run (`parts.h`), on the same values in the same
  * order: the step's output is bit for bit the per-op fast mode's (quant.c's int8 activations,
- * ops.c's norms / RoPE / SiLU, attention.c's decode attention). Only how rows are dealt to
- * threads differs, and no result depends on that.
+ * ops.c's norms / RoPE / SiLU, attention.c's decode attention), whichever thread computes a
+ * chunk.
  *
- * Wrapped by model/fast_decode.py, which decides when a step takes this path.
+ * Wrapped by model/fast_decode.py, which decides when a step takes this path and owns the
+ * workspace (`pagedserve_decode_workspace` bytes, reused across steps).
  */
+#include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+#include <x86intrin.h>
 
 #include "parts.h"
 
 #define QK 32
 #define MAX_PARTS 4
+#define ROWS 32                 /* weight rows per projection chunk */
+#define MIN_PATIENCE 20000      /* TSC ticks to wait for a claimed chunk, at least */
 
 /* One run of output rows of a quantized weight (quant.py's QuantizedWeight). */
 typedef struct {
@@ -64,13 +79,67 @@ typedef struct {
     int64_t bt_stride, bt_width;
 } ps_batch;
 
-/* A thread's share [lo, hi) of n rows, cut at multiples of `align`. */
-static void share(int64_t n, int t, int T, int64_t align, int64_t *lo, int64_t *hi) {
-    const int64_t units = (n + align - 1) / align;
-    *lo = units * t / T * align;
-    *hi = units * (t + 1) / T * align;
-    if (*lo > n) *lo = n;
-    if (*hi > n) *hi = n;
+enum { FREE = 0, CLAIMED = 1, DONE = 2 };
+enum { QKV, ATTN, O, GATE_UP, DOWN, OPS }; /* a layer's ops, in order */
+
+/* Sizes of everything the step lays out in its workspace. */
+typedef struct {
+    int64_t M, T, H, I, D, hq, hkv, width, attn_width, k_max;
+    int64_t chunks[OPS], layer_chunks, layer_floats;
+} plan;
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static plan make_plan(const ps_model *m, int64_t M, int64_t T) {
+    plan p = {M, T, m->hidden, m->intermediate, m->head_dim, m->num_heads, m->num_kv_heads};
+    p.width = (p.hq + 2 * p.hkv) * p.D;
+    p.attn_width = p.hq * p.D;
+    p.k_max = p.H > p.attn_width ? p.H : p.attn_width;
+    if (p.I > p.k_max) p.k_max = p.I;
+    p.chunks[QKV] = ceil_div(p.width, ROWS);
+    p.chunks[ATTN] = M * p.hkv;
+    p.chunks[O] = ceil_div(p.H, ROWS);
+    p.chunks[GATE_UP] = ceil_div(p.I, ROWS);
+    p.chunks[DOWN] = ceil_div(p.H, ROWS);
+    p.layer_chunks = 0;
+    for (int i = 0; i < OPS; i++) p.layer_chunks += p.chunks[i];
+    /* qkv, attention out, o out, SiLU(gate) * up, down out */
+    p.layer_floats = M * (p.width + p.attn_width + p.H + p.I + p.H);
+    return p;
+}
+
+/* A thread's own buffers: its copy of the residual stream and of the normed rows, the int8
+ * activations of the projection at hand, one chunk of gate/up, RoPE'd heads of one task. */
+typedef struct {
+    float *residual, *x, *gate_up, *heads, *d, *s;
+    int8_t *q;
+} scratch;
+
+static int64_t scratch_floats(const plan *p) {
+    return p->M * (2 * p->H + 2 * ROWS + 2 * (p->k_max / QK)) + (p->hq / p->hkv + 1) * p->D
+           + p->M * p->k_max / 4 + 16;
+}
+
+/* Workspace: per layer its output buffers, then every chunk's state, then each thread's
+ * scratch. */
+static int64_t workspace_bytes(const plan *p, int64_t layers) {
+    return 4 * (layers * p->layer_floats + p->T * scratch_floats(p))
+           + 4 * (layers * p->layer_chunks + p->M) + 64;
+}
+
+/* One layer's output buffers. */
+typedef struct {
+    float *qkv, *attn, *o, *act, *mlp;
+} outputs;
+
+static outputs layer_outputs(const plan *p, float *base, int64_t layer) {
+    outputs b;
+    b.qkv = base + layer * p->layer_floats;
+    b.attn = b.qkv + p->M * p->width;
+    b.o = b.attn + p->M * p->attn_width;
+    b.act = b.o + p->M * p->H;
+    b.mlp = b.act + p->M * p->I;
+    return b;
 }
 
 /* Rows n0 .. n1 of a linear layer for activation rows 0 .. M into y[m * ldy + n - n0]. */
@@ -89,90 +158,141 @@ static void linear_rows(const ps_qlinear *l, const qrows *x, int64_t M, int64_t 
     }
 }
 
-/* A thread's own buffers: its copy of the residual stream and of the normed rows, the int8
- * activations of the projection at hand, and its slice of gate/up. */
-typedef struct {
-    float *residual, *x, *gate_up, *d, *s;
-    int8_t *q;
-} scratch;
+/* What every chunk of an op needs. `input` (M rows of k floats, row stride k) is quantized
+ * into the thread's scratch before its first chunk: a thread that finds every chunk done
+ * skips that too. */
+typedef struct op op;
+typedef void (*chunk_fn)(const op *o, int64_t c);
+struct op {
+    chunk_fn run;
+    const ps_model *m;
+    const ps_layer *L;
+    const ps_batch *b;
+    const plan *p;
+    const outputs *out;
+    scratch *w;
+    const float *input;
+    int64_t k;
+    qrows x;
+};
 
-/* x [M, K] (row stride ldx) quantized into the thread's buffers. */
-static qrows quantize(scratch *w, const float *x, int64_t ldx, int64_t M, int64_t K) {
-    ps_quantize_rows(x, ldx, M, K / QK, w->q, w->d, w->s);
-    return (qrows){w->q, w->d, w->s, K / QK};
+static void qkv_chunk(const op *o, int64_t c) {
+    const int64_t n0 = c * ROWS, n1 = n0 + ROWS < o->p->width ? n0 + ROWS : o->p->width;
+    linear_rows(&o->L->qkv, &o->x, o->p->M, n0, n1, o->out->qkv + n0, o->p->width);
 }
 
-/* Buffers every thread reads: each op's output, written in row slices. */
-typedef struct {
-    float *qkv, *attn, *o, *act, *mlp;
-} shared;
+static void o_chunk(const op *o, int64_t c) {
+    const int64_t n0 = c * ROWS, n1 = n0 + ROWS < o->p->H ? n0 + ROWS : o->p->H;
+    linear_rows(&o->L->o, &o->x, o->p->M, n0, n1, o->out->o + n0, o->p->H);
+}
 
-/* RoPE, K/V store and attention of the tasks (sequence, kv head) this thread owns: tasks are
- * dealt in contiguous runs of about equal context length. */
-static void attention(const ps_model *m, const ps_layer *L, const ps_batch *b, const shared *sh,
-                      int t, int T) {
-    const int64_t hq = m->num_heads, hkv = m->num_kv_heads, D = m->head_dim;
-    const int64_t group = hq / hkv, width = (hq + 2 * hkv) * D, row = hkv * D;
-    int64_t total = 0, before = 0;
-    for (int64_t i = 0; i < b->M; i++) total += b->seq_lens[i];
-    for (int64_t task = 0; task < b->M * hkv; task++) {
-        const int64_t i = task / hkv, g = task % hkv, weight = b->seq_lens[i];
-        const int64_t owner = T * (2 * before + weight) / (2 * total * hkv);
-        before += weight;
-        if (owner != t) continue;
-        float *qkv = sh->qkv + i * width;
-        const float *cos = m->cos + b->positions[i] * D, *sin = m->sin + b->positions[i] * D;
-        float *k = qkv + (hq + g) * D, *v = qkv + (hq + hkv + g) * D;
-        ps_rotate_head(k, D / 2, cos, sin, L->k_norm, m->eps);
-        for (int64_t j = 0; j < group; j++)
-            ps_rotate_head(qkv + (g * group + j) * D, D / 2, cos, sin, L->q_norm, m->eps);
-        if (b->slots[i] >= 0) {
-            memcpy(L->k_cache + b->slots[i] * row + g * D, k, sizeof(float) * (size_t)D);
-            memcpy(L->v_cache + b->slots[i] * row + g * D, v, sizeof(float) * (size_t)D);
-        }
-        ps_attend(qkv + g * group * D, sh->attn + i * hq * D + g * group * D,
-                  b->block_tables + i * b->bt_stride, b->seq_lens[i], L->window, g, g + 1,
-                  L->k_cache, L->v_cache, m->block_size, hkv, group, D, m->scale);
+static void down_chunk(const op *o, int64_t c) {
+    const int64_t n0 = c * ROWS, n1 = n0 + ROWS < o->p->H ? n0 + ROWS : o->p->H;
+    linear_rows(&o->L->down, &o->x, o->p->M, n0, n1, o->out->mlp + n0, o->p->H);
+}
+
+/* Gate rows lo .. hi and up rows I + lo .. I + hi side by side, then SiLU(gate) * up. */
+static void gate_up_chunk(const op *o, int64_t c) {
+    const int64_t I = o->p->I, lo = c * ROWS, hi = lo + ROWS < I ? lo + ROWS : I, n = hi - lo;
+    float *gu = o->w->gate_up;
+    linear_rows(&o->L->gate_up, &o->x, o->p->M, lo, hi, gu, 2 * n);
+    linear_rows(&o->L->gate_up, &o->x, o->p->M, I + lo, I + hi, gu + n, 2 * n);
+    for (int64_t i = 0; i < o->p->M; i++)
+        ps_silu_mul(gu + i * 2 * n, gu + i * 2 * n + n, o->out->act + i * I + lo, n);
+}
+
+/* Sequence i, kv head g: RoPE on a copy of its k head and query heads, the new K/V row
+ * stored in its slot, then its decode attention. */
+static void attention_chunk(const op *o, int64_t c) {
+    const plan *p = o->p;
+    const ps_model *m = o->m;
+    const ps_layer *L = o->L;
+    const ps_batch *b = o->b;
+    const int64_t i = c / p->hkv, g = c % p->hkv, D = p->D, group = p->hq / p->hkv;
+    const float *qkv = o->out->qkv + i * p->width;
+    const float *cos = m->cos + b->positions[i] * D, *sin = m->sin + b->positions[i] * D;
+    float *q = o->w->heads, *k = q + group * D;
+    memcpy(q, qkv + g * group * D, sizeof(float) * (size_t)(group * D));
+    memcpy(k, qkv + (p->hq + g) * D, sizeof(float) * (size_t)D);
+    ps_rotate_head(k, D / 2, cos, sin, L->k_norm, m->eps);
+    for (int64_t j = 0; j < group; j++)
+        ps_rotate_head(q + j * D, D / 2, cos, sin, L->q_norm, m->eps);
+    if (b->slots[i] >= 0) {
+        const int64_t row = b->slots[i] * p->hkv * D + g * D;
+        memcpy(L->k_cache + row, k, sizeof(float) * (size_t)D);
+        memcpy(L->v_cache + row, qkv + (p->hq + p->hkv + g) * D, sizeof(float) * (size_t)D);
+    }
+    ps_attend(q, o->out->attn + i * p->attn_width + g * group * D,
+              b->block_tables + i * b->bt_stride, b->seq_lens[i], L->window, g, g + 1,
+              L->k_cache, L->v_cache, m->block_size, p->hkv, group, D, m->scale);
+}
+
+static void compute(op *o, int64_t c, int *ready) {
+    if (!*ready && o->input) {
+        ps_quantize_rows(o->input, o->k, o->p->M, o->k / QK, o->w->q, o->w->d, o->w->s);
+        o->x = (qrows){o->w->q, o->w->d, o->w->s, o->k / QK};
+    }
+    *ready = 1;
+    o->run(o, c);
+}
+
+/* Every chunk of the op done, by this thread or another: first the ones nobody has claimed,
+ * from this thread's share onwards, then any still running elsewhere, waited for up to twice
+ * this thread's own last chunk time and then computed here. */
+static void run_op(op *o, int32_t *state, int64_t n, int t, int T) {
+    int ready = 0;
+    uint64_t patience = MIN_PATIENCE;
+    const int64_t start = n * t / T;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t c = (start + j) % n;
+        int32_t expected = FREE;
+        if (__atomic_load_n(&state[c], __ATOMIC_ACQUIRE) != FREE ||
+            !__atomic_compare_exchange_n(&state[c], &expected, CLAIMED, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue;
+        const uint64_t t0 = __rdtsc();
+        compute(o, c, &ready);
+        const uint64_t took = 2 * (__rdtsc() - t0);
+        if (took > patience) patience = took;
+        __atomic_store_n(&state[c], DONE, __ATOMIC_RELEASE);
+    }
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t c = (start + j) % n;
+        if (__atomic_load_n(&state[c], __ATOMIC_ACQUIRE) == DONE) continue;
+        const uint64_t t0 = __rdtsc();
+        while (__atomic_load_n(&state[c], __ATOMIC_ACQUIRE) != DONE && __rdtsc() - t0 < patience)
+            _mm_pause();
+        if (__atomic_load_n(&state[c], __ATOMIC_ACQUIRE) == DONE) continue;
+        compute(o, c, &ready);
+        __atomic_store_n(&state[c], DONE, __ATOMIC_RELEASE);
     }
 }
 
 /* One layer on thread t of T. `h`: the previous layer's MLP output (first layer: the
  * embeddings, which also start the residual stream). */
-static void layer(const ps_model *m, const ps_layer *L, const ps_batch *b, const float *h,
-                  int first, const shared *sh, scratch *w, int t, int T) {
-    const int64_t M = b->M, H = m->hidden, I = m->intermediate;
-    const int64_t width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
-    const int64_t attn_width = m->num_heads * m->head_dim;
-    int64_t lo, hi;
-    if (first) memcpy(w->residual, h, sizeof(float) * (size_t)(M * H));
-    ps_add_rms_norm_rows(h, H, first ? NULL : w->residual, H, L->input_norm, w->x, H, M, H,
-                         m->eps);
-    qrows x = quantize(w, w->x, H, M, H);
-    share(width, t, T, 16, &lo, &hi);
-    linear_rows(&L->qkv, &x, M, lo, hi, sh->qkv + lo, width);
-#pragma omp barrier
-    attention(m, L, b, sh, t, T);
-#pragma omp barrier
-    x = quantize(w, sh->attn, attn_width, M, attn_width);
-    share(H, t, T, 16, &lo, &hi);
-    linear_rows(&L->o, &x, M, lo, hi, sh->o + lo, H);
-#pragma omp barrier
-    ps_add_rms_norm_rows(sh->o, H, w->residual, H, L->post_norm, w->x, H, M, H, m->eps);
-    x = quantize(w, w->x, H, M, H);
-    share(I, t, T, 16, &lo, &hi);
-    const int64_t n = hi - lo;
-    if (n > 0) {  /* gate rows lo .. hi, then up rows I + lo .. I + hi, side by side */
-        linear_rows(&L->gate_up, &x, M, lo, hi, w->gate_up, 2 * n);
-        linear_rows(&L->gate_up, &x, M, I + lo, I + hi, w->gate_up + n, 2 * n);
-        for (int64_t i = 0; i < M; i++)
-            ps_silu_mul(w->gate_up + i * 2 * n, w->gate_up + i * 2 * n + n,
-                        sh->act + i * I + lo, n);
-    }
-#pragma omp barrier
-    x = quantize(w, sh->act, I, M, I);
-    share(H, t, T, 16, &lo, &hi);
-    linear_rows(&L->down, &x, M, lo, hi, sh->mlp + lo, H);
-#pragma omp barrier
+static void layer(const ps_model *m, const ps_batch *b, const plan *p, int64_t l,
+                  const float *h, float *buffers, int32_t *states, scratch *w, int t, int T) {
+    const ps_layer *L = &m->layers[l];
+    const int64_t M = p->M, H = p->H;
+    const outputs out = layer_outputs(p, buffers, l);
+    int32_t *state = states + l * p->layer_chunks;
+    if (l == 0) memcpy(w->residual, h, sizeof(float) * (size_t)(M * H));
+    ps_add_rms_norm_rows(h, H, l ? w->residual : NULL, H, L->input_norm, w->x, H, M, H, m->eps);
+    op o = {qkv_chunk, m, L, b, p, &out, w, w->x, H};
+    run_op(&o, state, p->chunks[QKV], t, T);
+    state += p->chunks[QKV];
+    o.run = attention_chunk, o.input = NULL;
+    run_op(&o, state, p->chunks[ATTN], t, T);
+    state += p->chunks[ATTN];
+    o.run = o_chunk, o.input = out.attn, o.k = p->attn_width;
+    run_op(&o, state, p->chunks[O], t, T);
+    state += p->chunks[O];
+    ps_add_rms_norm_rows(out.o, H, w->residual, H, L->post_norm, w->x, H, M, H, m->eps);
+    o.run = gate_up_chunk, o.input = w->x, o.k = H;
+    run_op(&o, state, p->chunks[GATE_UP], t, T);
+    state += p->chunks[GATE_UP];
+    o.run = down_chunk, o.input = out.act, o.k = p->I;
+    run_op(&o, state, p->chunks[DOWN], t, T);
 }
 
 /* Whether the batch is safe to run: every position inside the RoPE tables, every slot -1 or
@@ -192,49 +312,59 @@ static int check(const ps_model *m, const ps_batch *b) {
     return 0;
 }
 
+/* Bytes of workspace a step of M sequences on num_threads threads needs. */
+int64_t pagedserve_decode_workspace(const ps_model *m, int64_t M, int num_threads) {
+    const plan p = make_plan(m, M, num_threads > 0 ? num_threads : 1);
+    return workspace_bytes(&p, m->num_layers);
+}
+
 /* h [M, hidden]: the step's embeddings -> out [M, hidden]: the final norm of the last layer's
  * residual stream, as the decoder's forward returns it. Writes the step's K/V into the caches.
- * Returns 0; -1 without memory for the buffers; -2 or -3 (nothing written) when `check`
- * rejects the batch. */
+ * workspace: pagedserve_decode_workspace(m, M, num_threads) bytes, 64-byte aligned.
+ * Returns 0, or -2 / -3 (nothing written) when `check` rejects the batch. */
 int pagedserve_decode_step(const ps_model *m, const float *h, float *out, int64_t M,
                            const int64_t *positions, const int64_t *slots,
                            const int32_t *block_tables, int64_t bt_stride, int64_t bt_width,
-                           const int32_t *seq_lens, int num_threads) {
+                           const int32_t *seq_lens, void *workspace, int num_threads) {
     const ps_batch b = {M, positions, slots, block_tables, seq_lens, bt_stride, bt_width};
     const int status = check(m, &b);
     if (status) return status;
-    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
-    const int64_t width = (m->num_heads + 2 * m->num_kv_heads) * D;
-    int64_t k_max = H > m->num_heads * D ? H : m->num_heads * D;
-    if (I > k_max) k_max = I;
     const int T = num_threads > 0 ? num_threads : 1;
-    const int64_t slice = (I + 15) / 16 * 16 / T + 16; /* most gate/up rows a thread takes */
-    const size_t shared_floats = (size_t)(M * (width + m->num_heads * D + H + I + H));
-    const size_t own_floats = (size_t)(M * (2 * H + 2 * slice + 2 * (k_max / QK)));
-    float *all = malloc(sizeof(float) * (shared_floats + T * own_floats));
-    int8_t *q_all = malloc((size_t)(T * M * k_max));
-    if (!all || !q_all) {
-        free(all), free(q_all);
-        return -1;
-    }
-    shared sh;
-    sh.qkv = all;
-    sh.attn = sh.qkv + M * width;
-    sh.o = sh.attn + M * m->num_heads * D;
-    sh.act = sh.o + M * H;
-    sh.mlp = sh.act + M * I;
+    const plan p = make_plan(m, M, T);
+    float *buffers = workspace;
+    int32_t *states = (int32_t *)(buffers + m->num_layers * p.layer_floats);
+    const int64_t num_states = m->num_layers * p.layer_chunks + M;
+    float *scratches = (float *)(states + num_states);
+    memset(states, 0, sizeof(int32_t) * (size_t)num_states);
+    int32_t *final_state = states + m->num_layers * p.layer_chunks;
 #pragma omp parallel num_threads(T)
     {
         const int t = omp_get_thread_num(), threads = omp_get_num_threads();
-        float *mine = all + shared_floats + (size_t)t * own_floats;
-        scratch w = {mine, mine + M * H, mine + 2 * M * H, mine + M * (2 * H + 2 * slice), NULL,
-                     q_all + (size_t)t * M * k_max};
-        w.s = w.d + M * (k_max / QK);
-        for (int64_t l = 0; l < m->num_layers; l++)
-            layer(m, &m->layers[l], &b, l ? sh.mlp : h, l == 0, &sh, &w, t, threads);
-        if (t == 0)
-            ps_add_rms_norm_rows(sh.mlp, H, w.residual, H, m->final_norm, out, H, M, H, m->eps);
+        float *mine = scratches + (int64_t)t * scratch_floats(&p);
+        scratch w;
+        w.residual = mine;
+        w.x = w.residual + M * p.H;
+        w.gate_up = w.x + M * p.H;
+        w.d = w.gate_up + M * 2 * ROWS;
+        w.s = w.d + M * (p.k_max / QK);
+        w.heads = w.s + M * (p.k_max / QK);
+        w.q = (int8_t *)(w.heads + (p.hq / p.hkv + 1) * p.D);
+        const float *h_in = h;
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            if (__atomic_load_n(&final_state[M - 1], __ATOMIC_ACQUIRE) == DONE) break;
+            layer(m, &b, &p, l, h_in, buffers, states, &w, t, threads);
+            h_in = layer_outputs(&p, buffers, l).mlp;
+        }
+        /* the final norm, a row at a time, by whoever gets there first */
+        for (int64_t i = 0; i < M; i++) {
+            int32_t expected = FREE;
+            if (__atomic_compare_exchange_n(&final_state[i], &expected, CLAIMED, 0,
+                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                ps_add_rms_norm_rows(h_in + i * p.H, p.H, w.residual + i * p.H, p.H,
+                                     m->final_norm, out + i * p.H, p.H, 1, p.H, m->eps);
+                __atomic_store_n(&final_state[i], DONE, __ATOMIC_RELEASE);
+            }
+        }
     }
-    free(all), free(q_all);
     return 0;
 }
