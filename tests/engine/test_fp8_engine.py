@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import LLM, encode_chat
-from pagedserve.entrypoints.server.api_server import _running_formats
+from pagedserve.engine.core_proc import ready_message
 
 QUESTIONS = ["Why is the sky blue?", "Name three rivers in Europe.",
              "What is a paged KV cache?", "Write a haiku about autumn."]
@@ -42,7 +42,8 @@ def test_fp8_kv_cache_holds_4x_float32_blocks_and_keeps_greedy_tokens(make_engin
     assert runner.kv_scales[0][0].tolist() == [1.0] * k_cache.shape[2]  # no checkpoint scales
     tokens = greedy(fp8)
     assert [t[0] for t in tokens] == [r[0] for r in reference]
-    assert _running_formats(fp8) == {"kv_cache_dtype": "fp8_e4m3", "quantization": None}
+    ready = ready_message(fp8.engine_core)  # what /v1/models reports
+    assert (ready.kv_cache_dtype, ready.quantization) == ("fp8_e4m3", None)
 
 
 def test_fp8_weights_on_the_cpu_reference_path(reference):
@@ -58,7 +59,8 @@ def test_fp8_weights_on_the_cpu_reference_path(reference):
     assert proj.weight.dtype == torch.float8_e4m3fn and proj.weight_scale.dtype == torch.float32
     tokens = greedy(engine, max_tokens=1)  # the reference product is slow: one token
     assert sum(t[0] == r[0] for t, r in zip(tokens, reference)) >= 3
-    assert _running_formats(engine) == {"kv_cache_dtype": "float32", "quantization": "fp8"}
+    ready = ready_message(engine.engine_core)
+    assert (ready.kv_cache_dtype, ready.quantization) == ("float32", "fp8")
 
 
 def test_bad_fp8_options_are_refused():
