@@ -167,7 +167,7 @@ class WeightOnlyConfig:
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 4
-    bits: bool = False
+    bits: bool = True  # the H100's Llama-3-8B batch-1 TPOT: 4.48 ms with, 4.70 without
     fma: bool = False
 
 

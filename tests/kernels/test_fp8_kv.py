@@ -136,9 +136,9 @@ def test_decode_reads_fp8_cache_by_bits(version, fp16_dot, bits_k):
 
 @pytest.mark.parametrize("num_sms", [1, 64])
 def test_decode_with_the_fp8_launch_settings(num_sms):
-    """paged_decode's own choice for an FP8 cache (`decode.FP8_DECODE`: 128-token tiles, v2
-    partitions of 512+ tokens, 64-token small-grid tiles): v1 where the SMs are few, v2 split
-    into partitions where they are many; contexts end inside and past a tile."""
+    """paged_decode's own choice for an FP8 cache (`decode.FP8_DECODE`): v1 where the SMs
+    are few, v2 split into partitions where they are many; contexts end inside and past a
+    tile. A float32 query keeps float32 dot products (float16 ones would round it)."""
     seed = fresh_seed()
     case = make_case([(c, 1) for c in (0, 130, 700, 1100)], 4, 2, 32, 16, seed=seed,
                      kv_scales=scales(2, seed))
@@ -152,13 +152,13 @@ def test_decode_with_the_fp8_launch_settings(num_sms):
 
 
 def test_fp8_launch_settings_hold_bf16s_bytes_per_step():
-    """An FP8 cache's tiles and v2 partitions are twice bf16's in tokens (the same bytes);
-    bf16's stay as they were."""
+    """An FP8 cache's v2 partitions are twice bf16's in tokens (the same bytes), its tiles
+    as bf16's in tokens (half the bytes, double-buffered); bf16's stay as they were."""
     fp8_cache = torch.empty(2, 16, 8, 128, dtype=kv_quant.FP8_DTYPE)
     bf16 = decode.default_config(fp8_cache.to(torch.bfloat16))
     fp8 = decode.default_config(fp8_cache)
     assert bf16 == decode.DecodeConfig() and fp8 == decode.FP8_DECODE
-    assert fp8.block_n == 2 * bf16.block_n and fp8.partitions == tuple(
+    assert fp8.block_n == bf16.block_n and fp8.partitions == tuple(
         2 * p for p in bf16.partitions)
     # many long sequences: the largest partition with two programs per SM
     assert decode.choose_v2_config(32, 8, 16384, 132, bf16).partition == 1024

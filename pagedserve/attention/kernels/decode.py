@@ -311,10 +311,17 @@ class DecodeConfig:
 # keep half the bytes in flight per step and sit on memory latency (H100, bf16's launch on
 # an e4m3 cache: 46-64% of copy bandwidth where bf16 reaches 85-99%). So its tiles, v2
 # partitions and small-grid tiles hold twice the tokens: the same bytes as bf16's.
-# Double-buffered (5 stages): the best of the H100 sweep `benchmarks/fp8.py --parts kernel
-# --sweep` times (docs/benchmarks.md).
-FP8_DECODE = DecodeConfig(block_n=128, num_stages=5, partitions=(2048, 1024, 512),
-                          small_grid_block_n=64)
+# V read by bit moves and float16 dot products, 64-token double-buffered tiles: the fastest
+# at every shape of the H100 sweep `benchmarks/fp8.py --parts kernel --sweep` (88-91% of copy
+# bandwidth at batch 256 / 64 against 68-72% with Triton's casts; docs/benchmarks.md).
+FP8_DECODE = DecodeConfig(block_n=64, num_stages=5, partitions=(2048, 1024, 512),
+                          small_grid_block_n=64, bits_v=True, fp16_dot=True)
+
+
+def _f16_dot(fp8: bool, cfg: DecodeConfig, q: Tensor) -> bool:
+    """float16 dot products only for a 16-bit query: they are at least its precision
+    there, but would round a float32 query's."""
+    return fp8 and cfg.fp16_dot and q.element_size() == 2
 
 
 def default_config(k_cache: Tensor) -> DecodeConfig:
@@ -366,7 +373,7 @@ def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
-        DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8, F16_DOT=fp8 and cfg.fp16_dot,
+        DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8, F16_DOT=_f16_dot(fp8, cfg, q),
         K_BITS=fp8 and cfg.bits_k, V_BITS=fp8 and cfg.bits_v, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
@@ -405,7 +412,7 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         MERGE_CHUNK=max(2, MERGE_ROWS // group_p2), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, WINDOWED=window is not None,
         SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8,
-        F16_DOT=fp8 and cfg.fp16_dot, K_BITS=fp8 and cfg.bits_k,
+        F16_DOT=_f16_dot(fp8, cfg, q), K_BITS=fp8 and cfg.bits_k,
         V_BITS=fp8 and cfg.bits_v, num_warps=cfg.num_warps,
         num_stages=_v2_stages(cfg.num_stages))
     return out
