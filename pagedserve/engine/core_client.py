@@ -48,6 +48,7 @@ class EngineCoreClient:
         self._inputs = self._bind(zmq.PUSH, "input")
         self._outputs = self._bind(zmq.PULL, "output")
         self._async_outputs: zmq.asyncio.Socket | None = None
+        self._failure: EngineDeadError | None = None  # reported by the core, not yet raised
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="pagedserve-engine-core",
             args=(config, self._address("input"), self._address("output"), os.getpid(),
@@ -96,11 +97,34 @@ class EngineCoreClient:
             raise EngineDeadError("the engine core is not running") from exc
 
     async def get_outputs(self) -> EngineCoreOutputs:
-        """The next step's outputs; EngineDeadError carrying the core's message if it
-        reported a failure instead."""
+        """The outputs of the next step, merged with those of every later step already
+        waiting, in order. A frontend that falls behind the core (many streams, a fast device)
+        then catches up in one pass, one RequestOutput and one SSE chunk per request for
+        several steps, instead of paying its per-output work once per step. EngineDeadError,
+        with the core's message, once the core reports a failure."""
+        socket = self._async_socket()
+        merged = await self._next(socket)
+        while True:
+            try:
+                message = await self._next(socket, zmq.NOBLOCK)
+            except zmq.Again:
+                return merged
+            except EngineDeadError as exc:  # deliver what came before it first
+                self._failure = exc
+                return merged
+            merged.outputs += message.outputs
+            merged.scheduler_stats, merged.timestamp = message.scheduler_stats, message.timestamp
+
+    def _async_socket(self) -> zmq.asyncio.Socket:
+        if self._failure is not None:
+            raise self._failure
         if self._async_outputs is None:  # bound to the running loop on first use
             self._async_outputs = zmq.asyncio.Socket.from_socket(self._outputs)
-        kind, payload = await self._async_outputs.recv_multipart(copy=False)
+        return self._async_outputs
+
+    @staticmethod
+    async def _next(socket: zmq.asyncio.Socket, flags: int = 0) -> EngineCoreOutputs:
+        kind, payload = await socket.recv_multipart(flags, copy=False)
         if kind.bytes == OUTPUTS:
             return decode(payload.buffer, EngineCoreOutputs)
         if kind.bytes == FAILED:
