@@ -326,12 +326,23 @@ def offline_rows(model: str | None, flags: dict, work: list[WorkItem], modes: li
                                  **SAMPLED) if mode == "sampled" and w.sampled else
                   SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True)
                   for w in work]
+        sync_debug(True)  # a host-device sync inside a step stalls async scheduling
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
+        sync_debug(False)
         print(f"offline {mode}: host ms per step {timers.take()}", flush=True)
         rows.append((mode, seconds, sum(len(c.token_ids) for o in outs for c in o.outputs)))
     return rows
+
+
+def sync_debug(on: bool) -> None:
+    """On CUDA, torch warns (once per code location, with its stack) at every operation
+    that makes the host wait for the device: the log then names any sync in the step path."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("warn" if on else "default")
 
 
 def run_offline(model: str | None, flags: dict, work: list[WorkItem], modes: list[str]
