@@ -117,6 +117,7 @@ class FastDecode:
         config, first = model.config, model.layers[0].self_attn
         self._cos, self._sin = next(iter(model.rotary.values())).tables(
             torch.device("cpu"), torch.float32)
+        self._attns = model.attention_layers()
         self._layers = (_Layer * len(model.layers))()
         for spec, layer in zip(self._layers, model.layers):
             attn = layer.self_attn
@@ -146,7 +147,7 @@ class FastDecode:
         """Point the specs at the layers' current caches; False unless they are float32
         [num_blocks, block_size, Hkv, D] and contiguous (not an FP8 cache, say). The caches
         are held weakly: an engine's caches must go when the engine does."""
-        attns = self.model.attention_layers()
+        attns = self._attns
         if len(self._caches) == len(attns) and all(
                 k() is a.k_cache and v() is a.v_cache for a, (k, v) in zip(attns, self._caches)):
             return True
