@@ -193,6 +193,18 @@ def quality(args, model: Path, ids: list[int], reference: torch.Tensor) -> dict:
         reference, fast_tops(fast_logits, args.quality_tokens), ids)}
 
 
+def table_rows(result: dict) -> list[dict]:
+    """One row per figure, both engines side by side, with the device and date."""
+    return [{"figure": figure, "unit": unit, "pagedserve": result["pagedserve"][key],
+             "llama_server": result["llama_server"][key], "ratio": result["ratios"][ratio],
+             "device": result["cpu"]["model"], "date": result["date"]}
+            for figure, key, unit, ratio in [
+                ("one request at a time", "single_tok_s", "output tok/s", "single"),
+                (f"{CONCURRENCY} concurrent requests", "concurrent_tok_s", "output tok/s",
+                 "concurrent"),
+                ("TTFT, ~1,000-token prompt", "ttft_s", "s (ratio: llama / ours)", "ttft")]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help=".gguf file; default: SmolLM2-135M Q4_1")
@@ -256,6 +268,7 @@ def main() -> None:
     result["ratios"] = {"single": ps["single_tok_s"] / ll["single_tok_s"],
                         "concurrent": ps["concurrent_tok_s"] / ll["concurrent_tok_s"],
                         "ttft": ll["ttft_s"] / ps["ttft_s"]}
+    result["rows"] = table_rows(result)
     (args.out / "cpu.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
