@@ -69,6 +69,12 @@ class EngineConfig:
     # step overlaps the GPU's; None = on for CUDA, off for the CPU (which runs a step
     # synchronously: there is nothing to overlap)
     async_scheduling: bool | None = None
+    # tensor parallelism: ranks that each hold a shard of the weights and of the KV heads,
+    # one worker process each (engine/executor.py); on CUDA rank r uses GPU r
+    tensor_parallel_size: int = 1
+    # None: the engine starts its workers on this host; an address ("tcp://*:5600"): it binds
+    # there and waits for tensor_parallel_size workers started elsewhere (torchrun)
+    tensor_parallel_address: str | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -88,6 +94,12 @@ class EngineConfig:
         if self.async_scheduling not in (None, True, False):
             raise ValueError("async_scheduling must be True, False or None (auto), "
                              f"got {self.async_scheduling!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_address is not None and self.tensor_parallel_size == 1:
+            raise ValueError("tensor_parallel_address needs tensor_parallel_size > 1")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError("FP8 weights are not supported with tensor parallelism yet")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

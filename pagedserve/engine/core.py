@@ -36,15 +36,17 @@ import torch
 from pagedserve.config import EngineConfig, resolve_batch_limits
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_events import KVEventPublisher
+from pagedserve.engine.executor import (
+    Executor, MultiprocExecutor, PendingOutput, UniprocExecutor)
 from pagedserve.engine.messages import (
-    EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsLists, ModelRunnerOutput,
-    SchedulerOutput, SchedulerStats, TokenLogprobs)
-from pagedserve.engine.model_runner import ModelRunner, PendingRunnerOutput
+    EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVCacheSpec, LogprobsLists,
+    ModelRunnerOutput, SchedulerOutput, SchedulerStats, TokenLogprobs)
+from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
-from pagedserve.model.loader import load_model, load_tokenizer
+from pagedserve.model.loader import load_model, load_tokenizer, model_path, read_model_config
 from pagedserve.native.build import cpu_flags, has_bf16_compute
 from pagedserve.structured.manager import StructuredOutputManager
 
@@ -96,27 +98,47 @@ class LoadedModel:
     @classmethod
     def load(cls, config: EngineConfig) -> LoadedModel:
         device = resolve_device(config.device)
-        _check_cpu_dtype(resolve_dtype(config.dtype, device), device)
-        # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
-        # "float32" keeps the exact path.
-        model, model_config, tokenizer_source = load_model(
-            config.model, resolve_dtype(config.dtype, device), device,
-            quantized=config.dtype == "auto", quantization=config.quantization)
+        model, model_config, tokenizer_source = load_on_device(config, device)
         tokenizer_source = config.tokenizer or tokenizer_source
         return cls(model, model_config, load_tokenizer(tokenizer_source), tokenizer_source)
+
+
+def load_on_device(config: EngineConfig,
+                   device: torch.device) -> tuple[Decoder, ModelConfig, str]:
+    """The model on `device` (this rank's shard under tensor parallelism), its config and
+    tokenizer source."""
+    _check_cpu_dtype(resolve_dtype(config.dtype, device), device)
+    # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
+    # "float32" keeps the exact path.
+    return load_model(config.model, resolve_dtype(config.dtype, device), device,
+                      quantized=config.dtype == "auto", quantization=config.quantization)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """`loaded` lets tests and benchmarks build engines with other KV budgets or
-        scheduling options over one copy of the weights instead of reloading them."""
+        scheduling options over one copy of the weights instead of reloading them (one
+        process only: tensor-parallel workers load their own shards)."""
         torch.manual_seed(config.seed)
-        self.loaded = loaded = loaded or LoadedModel.load(config)
-        self.model_config = loaded.model_config
-        device = next(loaded.model.parameters()).device
-        self.config = config = _resolve_limits(config, device, loaded.model)
-        self.model_runner = ModelRunner(config, loaded.model, self.model_config, device)
-        self.num_blocks = num_blocks = self.model_runner.determine_num_blocks()
+        self.loaded = loaded
+        self.executor = executor = _make_executor(config, loaded)
+        try:
+            self._setup(config, executor)
+        except BaseException:
+            executor.shutdown()
+            raise
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+
+    def _setup(self, config: EngineConfig, executor: Executor) -> None:
+        self.model_config = executor.model_config
+        if self.loaded is not None:
+            self.tokenizer = self.loaded.tokenizer
+            self.tokenizer_source = self.loaded.tokenizer_source
+        else:  # the workers load the weights
+            self.tokenizer_source = config.tokenizer or str(model_path(config.model))
+            self.tokenizer = load_tokenizer(self.tokenizer_source)
+        self.config = config = _resolve_limits(config, executor)
+        self.num_blocks = num_blocks = executor.determine_num_blocks(config)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             config.prefix_caching_hash_algo, hash_seed=config.prefix_caching_hash_seed,
@@ -124,26 +146,37 @@ class EngineCore:
             enable_events=config.kv_events_endpoint is not None)
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint is not None else None)
-        self.model_runner.initialize_kv_cache(num_blocks)
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         num_cpu_blocks = 0
         if config.preemption_mode == "swap":
-            num_cpu_blocks = config.swap_space // self.model_runner.block_bytes
-            self.model_runner.initialize_swap_space(num_cpu_blocks)
-        self.model_runner.setup(self.max_model_len)
+            num_cpu_blocks = config.swap_space // executor.block_bytes
+        executor.initialize(KVCacheSpec(num_blocks, num_cpu_blocks, self.max_model_len))
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len,
                                    num_cpu_blocks)
         eos = set(self.model_config.eos_token_ids)
-        if loaded.tokenizer.eos_token_id is not None:
-            eos.add(loaded.tokenizer.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.structured = StructuredOutputManager(loaded.tokenizer, self.model_config.vocab_size,
-                                                  self.eos_token_ids, config.max_num_seqs,
-                                                  pin_memory=device.type == "cuda")
-        self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+            config.max_num_seqs,  # pinned for an in-process runner on CUDA to upload
+            pin_memory=isinstance(executor, UniprocExecutor) and executor.device_type == "cuda")
+        self.async_scheduling = (executor.device_type == "cuda"
+                                 if config.async_scheduling is None
                                  else config.async_scheduling)
-        self._in_flight: tuple[SchedulerOutput, PendingRunnerOutput] | None = None
         self._prompt_logprobs: dict[str, LogprobsLists] = {}  # until each request's first token
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The in-process runner (tensor_parallel_size 1 only: otherwise each rank has one)."""
+        runner = getattr(self.executor, "model_runner", None)
+        if runner is None:
+            raise AttributeError("a tensor-parallel engine has no model runner in this "
+                                 "process: each worker has its own")
+        return runner
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """The model's limit, or the user's if lower; never more than the cache can hold, so
@@ -205,21 +238,20 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.make_stats(), time.time())
 
     def _execute(self, scheduler_output: SchedulerOutput,
-                 outputs: list[EngineCoreOutput]) -> PendingRunnerOutput:
+                 outputs: list[EngineCoreOutput]) -> PendingOutput:
         """Launch the step; a step with constrained rows is sampled once their bitmask is
         filled, after the step in flight (if any) has delivered its tokens into `outputs`."""
-        pending = self.model_runner.execute_model(scheduler_output)
+        pending = self.executor.execute_model(scheduler_output)
         if pending is None:
             if self._in_flight is not None:
                 previous, self._in_flight = self._in_flight, None
                 self._complete(*previous, outputs)
             sampling_ids = [r for r, s in zip(scheduler_output.req_ids, scheduler_output.samples)
                             if s]
-            pending = self.model_runner.sample_tokens(
-                self.structured.grammar_bitmask(sampling_ids))
+            pending = self.executor.sample_tokens(self.structured.grammar_bitmask(sampling_ids))
         return pending
 
-    def _complete(self, scheduler_output: SchedulerOutput, pending: PendingRunnerOutput,
+    def _complete(self, scheduler_output: SchedulerOutput, pending: PendingOutput,
                   outputs: list[EngineCoreOutput]) -> None:
         """Wait for a step's tokens, hand them to the scheduler, append the outputs."""
         runner_output = pending.result()
@@ -283,18 +315,25 @@ def _token_logprobs(runner_output: ModelRunnerOutput, row: int, k: int) -> Token
                          lp.sampled_logprobs[row], lp.sampled_ranks[row])
 
 
-def _resolve_limits(config: EngineConfig, device: torch.device, model: Decoder) -> EngineConfig:
+def _make_executor(config: EngineConfig, loaded: LoadedModel | None) -> Executor:
+    if config.tensor_parallel_size == 1:
+        loaded = loaded or LoadedModel.load(config)
+        return UniprocExecutor(loaded.model, loaded.model_config)
+    if loaded is not None:
+        raise ValueError("tensor_parallel_size > 1 loads the weights in each worker: "
+                         "an engine cannot share loaded weights then")
+    return MultiprocExecutor(config, read_model_config(config.model))
+
+
+def _resolve_limits(config: EngineConfig, executor: Executor) -> EngineConfig:
     """The config with max_num_seqs / max_num_batched_tokens chosen for this device and
     model where they were left to auto (None); logged once."""
     if config.max_num_seqs is not None and config.max_num_batched_tokens is not None:
         return config
-    total_memory = None
-    if device.type == "cuda":
-        total_memory = torch.cuda.get_device_properties(device).total_memory
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    total_memory, weight_bytes = executor.memory_info()
     max_num_seqs, max_num_batched_tokens = resolve_batch_limits(
-        config, device.type, total_memory, weight_bytes)
+        config, executor.device_type, total_memory, weight_bytes)
     logger.info("batch limits for %s: max_num_seqs=%d, max_num_batched_tokens=%d",
-                device, max_num_seqs, max_num_batched_tokens)
+                executor.device_type, max_num_seqs, max_num_batched_tokens)
     return dataclasses.replace(config, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens)

@@ -39,7 +39,7 @@ class LLMEngine:
         self.config = core.config  # with the batch limits resolved
         self.loaded = core.loaded
         self.model_config = core.model_config
-        self.tokenizer = core.loaded.tokenizer
+        self.tokenizer = core.tokenizer
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size,
                                    core.max_model_len, lambda: core.structured.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -77,6 +77,11 @@ class LLMEngine:
     @property
     def structured(self) -> StructuredOutputManager:
         return self.engine_core.structured
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (else when the engine is collected or the
+        process exits); a no-op in one process."""
+        self.engine_core.shutdown()
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -4,8 +4,8 @@ Two boundaries cross them, so neither side needs the other's objects:
 
 - frontend <-> engine core: `EngineCoreRequest` in (one per sample: the frontend has already
   fanned out n), `EngineCoreOutputs` back, one per model step for the whole batch;
-- scheduler -> model runner (and, later, every tensor-parallel worker): `SchedulerOutput`,
-  answered by `ModelRunnerOutput`.
+- scheduler -> model runner (in process, or every tensor-parallel worker: `executor.py`):
+  `SchedulerOutput`, answered by `ModelRunnerOutput`.
 
 Every field is plain data (str, int, float, lists, SamplingParams, which is a dataclass), never
 a torch tensor or a scheduler `Request`, so a message can go through msgpack to another process
@@ -213,4 +213,55 @@ class EngineCoreReady(Message):
 class EngineCoreFailed(Message):
     """Why the core could not start, or why it stopped: sent before the process exits."""
 
+    error: str
+
+
+# -- engine core <-> tensor-parallel workers (executor.py, worker.py) -------------------------
+
+class WorkerHello(Message):
+    """A worker's first word once connected: which rank it is."""
+
+    rank: int
+    size: int
+    pid: int
+    host: str
+
+
+class WorkerLoaded(Message):
+    """A rank's weights are in: what the engine needs to choose its batch limits."""
+
+    device_type: str  # "cuda" | "cpu"
+    total_memory: int | None  # the GPU's, None on the CPU
+    weight_bytes: int  # this rank's shard
+    kv_cache_dtype: str  # e.g. "bfloat16", "float8_e4m3fn"
+    quantization: str | None
+
+
+class WorkerBlocks(Message):
+    """The KV blocks that fit a rank's free memory, and the bytes of one on that rank."""
+
+    num_blocks: int
+    block_bytes: int
+
+
+class KVCacheSpec(Message):
+    """The one KV cache shape every rank allocates (block tables are the same on every rank)."""
+
+    num_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+
+
+class GrammarBitmask(Message, array_like=True):
+    """`structured.manager.GrammarOutput` as bytes: int32 rows of `num_words` words."""
+
+    req_ids: list[str]
+    bitmask: bytes
+    num_words: int
+
+
+class WorkerFailure(Message):
+    """A rank's exception, as text: the engine raises it."""
+
+    rank: int
     error: str

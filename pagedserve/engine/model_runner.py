@@ -119,6 +119,8 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype  # the activations' (FP8 weights aside)
         self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
+        # this rank's KV heads (tensor parallelism shards the cache by KV head)
+        self.num_kv_heads = len(parallel.local_kv_heads(model_config))
         self.backend = get_attention_backend(config.attention_backend, device)
         self.sampler = Sampler()
         self.penalties = PenaltyState(model_config.vocab_size, device)
@@ -139,10 +141,11 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V (one byte an element in FP8)."""
+        """Bytes of one block across all layers, K and V (one byte an element in FP8), on
+        this rank."""
         mc = self.model_config
         element = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * element
 
     def determine_num_blocks(self) -> int:
         budget = self.config.kv_cache_memory
@@ -203,7 +206,7 @@ class ModelRunner:
         scales per layer: the checkpoint's `k_scale`/`v_scale`, else 1.0 (`kv_quant`).
         """
         mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         dtype = self.kv_cache_dtype
         self.kv_caches = [(torch.empty(shape, dtype=dtype, device=self.device),
                            torch.empty(shape, dtype=dtype, device=self.device))
@@ -245,7 +248,7 @@ class ModelRunner:
         """CPU copies of the per-layer caches for preemption by swapping; pinned on CUDA so
         the copies are DMA transfers (pageable memory ran at 1 GB/s on the H100 machine)."""
         mc = self.model_config
-        shape = (num_cpu_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (num_cpu_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         pin = self.device.type == "cuda"
         dtype = self.kv_cache_dtype
         self.cpu_kv_caches = [(torch.empty(shape, dtype=dtype, pin_memory=pin),

@@ -114,6 +114,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("enforce_eager", "CUDA: run decode steps eagerly instead of as CUDA graphs"),
     EngineArg("async_scheduling", "prepare step N+1 on the CPU while the device runs step N",
               default_text="on for CUDA, off on the CPU"),
+    EngineArg("tensor_parallel_size", "ranks that shard the model (one worker process each, "
+              "GPU r for rank r; gloo on the CPU)", metavar="N"),
+    EngineArg("tensor_parallel_address", "bind here (e.g. tcp://*:5600) and wait for the "
+              "workers started by torchrun (python -m pagedserve.engine.worker) instead of "
+              "starting them", metavar="ADDRESS", default_text="start them on this host"),
 )
 
 NOT_FLAGS = {

@@ -180,7 +180,7 @@ def load_model(
     model in eval mode, its config, and the folder/file the tokenizer loads from (see
     `load_tokenizer`).
     """
-    path = default_model_path() if path is None else Path(path).expanduser()
+    path = model_path(path)
     config, weights = _open_checkpoint(path)
     dtype = dtype or config.dtype
     device = torch.device(device)
@@ -201,6 +201,17 @@ def load_model(
         attach_quantized(model, open_quantized(path, config))
         model.fast_decode = FastDecode.for_model(model)
     return model.eval().requires_grad_(False), config, str(path)
+
+
+def model_path(path: str | Path | None) -> Path:
+    """The checkpoint `path` names (None: the default model); also the tokenizer's source."""
+    return default_model_path() if path is None else Path(path).expanduser()
+
+
+def read_model_config(path: str | Path | None) -> ModelConfig:
+    """A checkpoint's config without its weights: what a tensor-parallel engine core needs,
+    whose workers load the weights."""
+    return _open_checkpoint(model_path(path))[0]
 
 
 def _quantize_linears(model: Decoder, quantization: str, device: torch.device) -> None:

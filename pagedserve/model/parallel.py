@@ -113,6 +113,15 @@ def _split(total: int, what: str, tp: TensorParallel) -> int:
     return total // tp.size
 
 
+def check_shardable(config: ModelConfig, size: int) -> None:
+    """A ValueError now, before any worker starts, for a model `size` ranks cannot split."""
+    if config.num_experts:
+        raise ValueError("tensor parallelism does not shard the experts of an MoE model yet")
+    tp = TensorParallel(0, size)
+    local_q_heads(config, tp)
+    local_intermediate(config, tp)
+
+
 def local_q_heads(config: ModelConfig, tp: TensorParallel | None = None) -> range:
     """The query heads this rank computes: a contiguous range."""
     tp = tp or _STATE

@@ -1,0 +1,127 @@
+"""`LLM(tensor_parallel_size=2)` on the CPU: two gloo worker processes give TP=1's tokens.
+
+The engines run the same requests with the same scheduling options and the same number of
+KV blocks (a rank's block holds half the KV heads, so it gets half the bytes): chunked
+prefill (a 24-token step budget against prompts of up to 61 tokens), prefix-cache hits
+(prompts sharing their first 32 tokens), preemption (a KV cache too small for the batch),
+n > 1 with seeded random sampling, logprobs, and async scheduling (the executor's launch,
+then collect). Then the faults: a worker that cannot start and one killed mid-run give an
+ExecutorError, not a hang, and leave no worker behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from pagedserve.engine.executor import ExecutorError
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.entrypoints.llm import LLM
+from pagedserve.model import parallel
+from pagedserve.model.loader import read_model_config
+from pagedserve.model.parallel import TensorParallel
+
+NUM_BLOCKS = 24  # blocks of 4 tokens: fewer than the batch needs at once
+
+
+def kv_bytes_per_block(folder: str, tp: int, block_size: int = 4) -> int:
+    """A rank's bytes per block in float32 (rank 0 keeps as many KV heads as any)."""
+    config = read_model_config(folder)
+    kv_heads = len(parallel.local_kv_heads(config, TensorParallel(0, tp)))
+    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * 4
+
+
+def engine(folder: str, tp: int, **options) -> LLM:
+    return LLM(folder, device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+               max_num_batched_tokens=24, seed=0, tensor_parallel_size=tp,
+               kv_cache_memory=NUM_BLOCKS * kv_bytes_per_block(folder, tp), **options)
+
+
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 2000, (32,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 2000, (n,), generator=gen).tolist()
+               for n in (5, 29, 11)]
+    prompts += [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (7, 40)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, n=2, seed=11, max_tokens=10,
+                             ignore_eos=True)
+    return prompts, [greedy, greedy, greedy, sampled, greedy]
+
+
+def run(llm: LLM) -> list[list[tuple]]:
+    prompts, params = workload()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outputs]
+
+
+def assert_same_outputs(got: list[list[tuple]], want: list[list[tuple]]) -> None:
+    for g_request, w_request in zip(got, want, strict=True):
+        for (g_tokens, g_lps), (w_tokens, w_lps) in zip(g_request, w_request, strict=True):
+            assert g_tokens == w_tokens
+            for g, w in zip(g_lps or [], w_lps or [], strict=True):
+                assert list(g) == list(w)  # the same top tokens, in the same order
+                for token in w:
+                    assert g[token].logprob == pytest.approx(w[token].logprob, abs=1e-4)
+
+
+def stats(llm: LLM):
+    return llm.llm_engine.get_stats()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tp2_tokens_equal_tp1(llama, async_scheduling):
+    reference = engine(llama, 1, async_scheduling=async_scheduling)
+    want = run(reference)
+    tp2 = engine(llama, 2, async_scheduling=async_scheduling)
+    try:
+        assert tp2.llm_engine.num_blocks == reference.llm_engine.num_blocks == NUM_BLOCKS
+        got = run(tp2)
+        assert_same_outputs(got, want)
+        s1, s2 = stats(reference), stats(tp2)
+        assert s2.num_preemptions == s1.num_preemptions > 0
+        assert s2.prefix_cache_hits == s1.prefix_cache_hits > 0
+        assert len(got[3]) == 2 and got[3][0][0] != got[3][1][0]  # n=2 drew two samples
+        assert run(tp2) == got  # and again, with every block freed and reused
+    finally:
+        tp2.llm_engine.shutdown()
+
+
+def test_tp2_tokens_equal_tp1_when_kv_heads_do_not_split(llama_kv3):
+    want = run(engine(llama_kv3, 1))
+    tp2 = engine(llama_kv3, 2)
+    try:
+        assert_same_outputs(run(tp2), want)
+    finally:
+        tp2.llm_engine.shutdown()
+
+
+def test_a_model_the_ranks_cannot_split_is_refused_before_any_worker_starts(llama):
+    with pytest.raises(ValueError, match="divisible by tensor_parallel_size"):
+        engine(llama, 3)  # 8 query heads
+
+
+def test_a_worker_that_cannot_start_is_an_error(llama, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # what the workers are started with
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"worker rank \d .* exited with code 1"):
+        engine(llama, 2)
+    assert time.monotonic() - start < 60
+
+
+def test_a_killed_worker_is_an_error_and_no_worker_is_left(llama):
+    tp2 = engine(llama, 2)
+    executor = tp2.llm_engine.engine_core.executor
+    procs = list(executor._procs)
+    os.kill(procs[1].pid, signal.SIGKILL)
+    prompts, params = workload()
+    with pytest.raises(ExecutorError, match=r"rank 1 .* killed by signal 9"):
+        tp2.generate(prompts, params, use_tqdm=False)
+    assert all(proc.poll() is not None for proc in procs)  # rank 0 was stopped too
+    with pytest.raises(ExecutorError, match="rank 1"):  # and the engine stays failed
+        tp2.generate(prompts[:1], params[:1], use_tqdm=False)

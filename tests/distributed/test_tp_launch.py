@@ -1,0 +1,99 @@
+"""The two other ways to run a tensor-parallel engine, on the CPU with gloo: workers started
+by torchrun (env:// rendezvous) connecting to an engine that waits for them, and the server
+started with --tensor-parallel-size 2. Both must give TP=1's greedy tokens; a worker killed
+under the server turns the next request into an error, not a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve.engine.executor import WORKER_ENV
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.entrypoints.llm import LLM
+from tests.server.conftest import free_port, start_server, stop_server
+
+REPO = Path(__file__).resolve().parents[2]
+OPTIONS = dict(device="cpu", dtype="float32", kv_cache_memory=8 << 20, seed=0)
+PROMPTS = ["The paged cache", "Two ranks, one model: "]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def greedy(llm: LLM) -> list[tuple[list[int], str]]:
+    """Token ids and text (the byte tokenizer decodes only ids < 259 to text)."""
+    return [(o.outputs[0].token_ids, o.outputs[0].text)
+            for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference(llama) -> list[tuple[list[int], str]]:
+    return greedy(LLM(llama, **OPTIONS))
+
+
+def test_torchrun_workers_serve_an_engine_that_waits_for_them(llama, reference):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    # `python -m torch.distributed.run` is the `torchrun` command
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         "-m", "pagedserve.engine.worker", "--engine", address],
+        env={**os.environ, **WORKER_ENV, "PYTHONPATH": str(REPO)})
+    try:
+        llm = LLM(llama, tensor_parallel_size=2, tensor_parallel_address=address, **OPTIONS)
+        assert greedy(llm) == reference
+        llm.llm_engine.shutdown()
+        assert torchrun.wait(timeout=60) == 0  # the workers were told to stop, and did
+    finally:
+        if torchrun.poll() is None:
+            torchrun.kill()
+            torchrun.wait()
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The tensor-parallel workers `parent` started (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"pagedserve.engine.worker" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def complete(url: str, prompt: str) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny-llama3", "prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0.0,
+        "ignore_eos": True})
+
+
+def test_server_with_two_ranks_answers_and_reports_a_dead_worker(llama, reference):
+    server = start_server("--model", llama, "--tensor-parallel-size", "2", "--device", "cpu",
+                          "--dtype", "float32")
+    try:
+        answers = [complete(server.url, p) for p in PROMPTS]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert [a.json()["choices"][0]["text"] for a in answers] == [t for _, t in reference]
+        workers = worker_pids(server.proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        failed = complete(server.url, PROMPTS[0])
+        assert failed.status_code == 503
+        assert "worker rank 1" in failed.text
+        deadline = time.monotonic() + 30
+        while worker_pids(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert worker_pids(server.proc.pid) == []  # rank 0 was stopped too
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+    finally:
+        stop_server(server)
