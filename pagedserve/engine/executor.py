@@ -328,9 +328,7 @@ class MultiprocExecutor(Executor):
             if self._socket in events:
                 identity, kind, payload = self._socket.recv_multipart()
                 if kind == b"error":
-                    failure = decode(payload, WorkerFailure)
-                    self._fail(f"tensor-parallel worker rank {failure.rank} failed:\n"
-                               f"{failure.error}")
+                    self._fail_reported(decode(payload, WorkerFailure))
                 return int(identity.removeprefix(b"rank")), kind, payload
             self._check_processes()
             if self._monitor in events:
@@ -342,17 +340,30 @@ class MultiprocExecutor(Executor):
                 self._fail(f"the {self.size} tensor-parallel workers did not all connect "
                            f"in {HELLO_TIMEOUT_S:.0f} s")
 
-    def _check_processes(self) -> None:
-        """Fail if a worker we started has exited, naming every one that has (the first to
-        go takes the others' collectives down with it, whatever the rank order)."""
-        exited = []
+    def _exited(self) -> dict[int, str]:
+        """The workers we started that have exited, and how."""
+        exited = {}
         for rank, proc in enumerate(self._procs):
             code = proc.poll()
             if code is not None:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                exited.append(f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}")
+                exited[rank] = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
+        return exited
+
+    def _check_processes(self) -> None:
+        """Fail if a worker we started has exited, naming every one that has (the first to
+        go takes the others' collectives down with it, whatever the rank order)."""
+        exited = self._exited()
         if exited:
-            self._fail("; ".join(exited))
+            self._fail("; ".join(exited.values()))
+
+    def _fail_reported(self, failure: WorkerFailure) -> None:
+        """A rank raised. If another rank has died, that is the cause (a collective with a
+        dead peer raises on the living): name it first."""
+        time.sleep(POLL_MS / 1000)  # the dead one's exit may not be reaped yet
+        causes = [how for rank, how in self._exited().items() if rank != failure.rank]
+        self._fail("; ".join(causes + [f"tensor-parallel worker rank {failure.rank} failed:\n"
+                                       f"{failure.error}"]))
 
     def _check(self) -> None:
         if self._error is not None:
@@ -412,4 +423,4 @@ def _stop_workers(context: zmq.Context, sock: zmq.Socket, procs: list[subprocess
             proc.kill()
             proc.wait()
     sock.disable_monitor()
-    context.destroy(linger=0)
+    context.destroy(linger=1000)  # the stop calls reach workers started elsewhere

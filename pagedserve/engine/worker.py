@@ -52,10 +52,11 @@ from pagedserve.structured.manager import GrammarOutput
 
 class Worker:
     def __init__(self, rank: int, size: int, local_rank: int, init_method: str,
-                 sock: zmq.Socket) -> None:
+                 sock: zmq.Socket, stopping: threading.Event) -> None:
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.init_method = init_method
         self.socket = sock
+        self.stopping = stopping  # set once told to stop
         self.runner: ModelRunner | None = None
         self.pending: collections.deque[PendingRunnerOutput] = collections.deque()
         self.handlers = {b"load": self.load, b"profile": self.profile,
@@ -67,6 +68,7 @@ class Worker:
         while True:
             method, payload = self.socket.recv_multipart()
             if method == b"shutdown":
+                self.stopping.set()
                 return
             self.handlers[method](payload)
 
@@ -129,12 +131,13 @@ class Worker:
             self.reply(b"output", encode(output))
 
 
-def _watch(monitor: zmq.Socket, parent_pid: int | None) -> None:
-    """End this process when the engine is gone; runs in a daemon thread."""
+def _watch(monitor: zmq.Socket, parent_pid: int | None, stopping: threading.Event) -> None:
+    """End this process when the engine is gone (unless it told us to stop: then it goes
+    away as we do); runs in a daemon thread."""
     while True:
         if monitor.poll(1000):
             event = recv_monitor_message(monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_DISCONNECTED and not stopping.is_set():
                 os._exit(1)
         if parent_pid is not None and os.getppid() != parent_pid:
             os._exit(1)
@@ -170,11 +173,13 @@ def main(argv: list[str] | None = None) -> None:
     sock.setsockopt(zmq.IDENTITY, rank_identity(args.rank))
     set_heartbeat(sock)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    threading.Thread(target=_watch, args=(monitor, args.parent_pid), daemon=True).start()
+    stopping = threading.Event()
+    threading.Thread(target=_watch, args=(monitor, args.parent_pid, stopping),
+                     daemon=True).start()
     sock.connect(args.engine)
     sock.send_multipart([b"hello", encode(WorkerHello(args.rank, args.size, os.getpid(),
                                                       socket.gethostname()))])
-    worker = Worker(args.rank, args.size, args.local_rank, args.init_method, sock)
+    worker = Worker(args.rank, args.size, args.local_rank, args.init_method, sock, stopping)
     try:
         worker.serve()
     except BaseException:  # noqa: BLE001 - whatever it was, the engine must hear of it

@@ -5,8 +5,10 @@ under the server turns the next request into an error, not a hang."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ import pytest
 from pagedserve.engine.executor import WORKER_ENV
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import LLM
-from tests.server.conftest import free_port, start_server, stop_server
+from tests.server.conftest import start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
 OPTIONS = dict(device="cpu", dtype="float32", kv_cache_memory=8 << 20, seed=0)
@@ -37,12 +39,22 @@ def reference(llama) -> list[tuple[list[int], str]]:
     return greedy(LLM(llama, **OPTIONS))
 
 
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports (each socket held open until all are chosen)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def test_torchrun_workers_serve_an_engine_that_waits_for_them(llama, reference):
-    address = f"tcp://127.0.0.1:{free_port()}"
+    engine_port, master_port = free_ports(2)
+    address = f"tcp://127.0.0.1:{engine_port}"
     # `python -m torch.distributed.run` is the `torchrun` command
     torchrun = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         "--master-addr", "127.0.0.1", "--master-port", str(master_port),
          "-m", "pagedserve.engine.worker", "--engine", address],
         env={**os.environ, **WORKER_ENV, "PYTHONPATH": str(REPO)})
     try:
