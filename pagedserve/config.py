@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 HASH_ALGOS = ("sha256", "xxhash")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3 (attention/kv_quant.py)
 QUANTIZATIONS = ("fp8",)  # weights (model/fp8.py)
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights (model/dummy.py)
 
 # Batch limits when left to auto. The CPU's are where its bench is best. A GPU step costs
 # about the same from a few sequences up to hundreds (decode reads the weights once either
@@ -38,6 +39,9 @@ class EngineConfig:
     # "fp8": FP8 weights in the dense projections, quantized at load unless the checkpoint
     # is FP8 already; None = the checkpoint's own (FP8 for an FP8 checkpoint)
     quantization: str | None = None
+    # "dummy": random weights for a folder with only config.json and a tokenizer, the same
+    # whatever the tensor-parallel size (model/dummy.py); for measuring shapes
+    load_format: str = "auto"
     # KV cache
     block_size: int = 16
     # "fp8": the cache in e4m3 with per-layer, per-KV-head scales (half the bytes per token)
@@ -82,6 +86,7 @@ class EngineConfig:
         self._check_choice("preemption_mode", PREEMPTION_MODES)
         self._check_choice("prefix_caching_hash_algo", HASH_ALGOS)
         self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        self._check_choice("load_format", LOAD_FORMATS)
         if self.quantization is not None:
             self._check_choice("quantization", QUANTIZATIONS)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -98,8 +103,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_address is not None and self.tensor_parallel_size == 1:
             raise ValueError("tensor_parallel_address needs tensor_parallel_size > 1")
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise ValueError("FP8 weights are not supported with tensor parallelism yet")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

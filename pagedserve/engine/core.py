@@ -111,7 +111,8 @@ def load_on_device(config: EngineConfig,
     # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
     # "float32" keeps the exact path.
     return load_model(config.model, resolve_dtype(config.dtype, device), device,
-                      quantized=config.dtype == "auto", quantization=config.quantization)
+                      quantized=config.dtype == "auto", quantization=config.quantization,
+                      load_format=config.load_format)
 
 
 class EngineCore:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.config import (ATTENTION_BACKENDS, DTYPES, HASH_ALGOS, KV_CACHE_DTYPES,
-                               PREEMPTION_MODES, QUANTIZATIONS, EngineConfig)
+                               LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS, EngineConfig)
 
 _SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -75,6 +75,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "slow reference), quantized at load unless the checkpoint is FP8 already",
               choices=QUANTIZATIONS,
               default_text="the checkpoint's: FP8 for an FP8 checkpoint, else none"),
+    EngineArg("load_format", "auto = the checkpoint's weights; dummy = random weights "
+              "(the folder needs only config.json and a tokenizer), for measuring shapes",
+              choices=LOAD_FORMATS),
     EngineArg("block_size", "tokens per KV block (a power of two)", metavar="N"),
     EngineArg("kv_cache_dtype", "auto = the model's dtype; fp8 = e4m3 with a scale per layer "
               "and KV head (the checkpoint's k_scale/v_scale, else 1.0): twice the tokens in "

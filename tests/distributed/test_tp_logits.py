@@ -42,9 +42,9 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     return folders
 
 
-def paged_logits(folder: str) -> list[torch.Tensor]:
+def paged_logits(folder: str, load_format: str = "auto") -> list[torch.Tensor]:
     """Every fed token's logits through a fixed mix of prefill, chunked prefill and decode."""
-    model, config, _ = load_model(folder, torch.float32, "cpu")
+    model, config, _ = load_model(folder, torch.float32, "cpu", load_format=load_format)
     gen = torch.Generator().manual_seed(1)
     a, b = (torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (11, 14))
     driver = PagedDriver(model)
@@ -57,8 +57,8 @@ def paged_logits(folder: str) -> list[torch.Tensor]:
     return out
 
 
-def tp_logits(folders: list[str]) -> list[list[torch.Tensor]]:
-    return [paged_logits(folder) for folder in folders]
+def tp_logits(folders: list[str], load_format: str = "auto") -> list[list[torch.Tensor]]:
+    return [paged_logits(folder, load_format) for folder in folders]
 
 
 def test_tp2_logits_equal_tp1(checkpoints):
@@ -72,6 +72,21 @@ def test_tp2_logits_equal_tp1(checkpoints):
             torch.testing.assert_close(g0, w, rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"{case} output {step}: {m}")
             assert torch.equal(g0.argmax(-1), w.argmax(-1))
+
+
+def test_tp2_dummy_weights_equal_tp1(tmp_path):
+    """Random weights for a config-only folder are drawn whole and then sharded, so two
+    ranks compute what one does (the GPU benchmark compares TP sizes on them)."""
+    config = json.loads((CONFIGS / "tiny-qwen3.json").read_text())
+    config.update(vocab_size=2001, num_hidden_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    folder = str(tmp_path)
+    want = paged_logits(folder, "dummy")
+    assert want[0].std() > 0.01  # not all zeros or ones
+    rank0, rank1 = run_on_ranks(tp_logits, [folder], "dummy", size=2)
+    for w, g0, g1 in zip(want, rank0[0], rank1[0]):
+        assert torch.equal(g0, g1)
+        torch.testing.assert_close(g0, w, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("heads,kv_heads,size", [
