@@ -411,13 +411,23 @@ def _free_port() -> int:
 
 def _stop_workers(context: zmq.Context, sock: zmq.Socket, procs: list[subprocess.Popen],
                   size: int) -> None:
-    """Ask every rank to exit, wait a little, kill the ones still running, close the socket."""
+    """Ask every rank to exit and wait for its goodbye (a worker that saw our socket close
+    before it read the request would take it for our death), kill the ones still running,
+    close the socket."""
+    asked = 0
     for rank in range(size):
         try:
             sock.send_multipart([rank_identity(rank), b"shutdown", b""], flags=zmq.NOBLOCK)
+            asked += 1
         except zmq.ZMQError:
             pass  # that rank is gone or never came
     deadline = time.monotonic() + STOP_TIMEOUT_S
+    byes = 0
+    while byes < asked and time.monotonic() < deadline:
+        if procs and all(proc.poll() is not None for proc in procs):
+            break
+        if sock.poll(POLL_MS):
+            byes += sock.recv_multipart()[1] == b"bye"
     for proc in procs:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))

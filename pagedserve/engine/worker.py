@@ -69,6 +69,7 @@ class Worker:
             method, payload = self.socket.recv_multipart()
             if method == b"shutdown":
                 self.stopping.set()
+                self.reply(b"bye")
                 return
             self.handlers[method](payload)
 
