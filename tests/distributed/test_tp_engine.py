@@ -4,8 +4,8 @@ The engines run the same requests with the same scheduling options and the same 
 KV blocks (a rank's block holds half the KV heads, so it gets half the bytes): chunked
 prefill (a 24-token step budget against prompts of up to 61 tokens), prefix-cache hits
 (prompts sharing their first 32 tokens), preemption (a KV cache too small for the batch),
-n > 1 with seeded random sampling, logprobs, and async scheduling (the executor's launch,
-then collect). Then the faults: a worker that cannot start and one killed mid-run give an
+n > 1 with seeded random sampling, logprobs, a grammar-constrained request (sampled once its
+bitmask is sent), and async scheduling (the executor's launch, then collect). Then the faults: a worker that cannot start and one killed mid-run give an
 ExecutorError, not a hang, and leave no worker behind.
 """
 
@@ -25,7 +25,9 @@ from pagedserve.entrypoints.llm import LLM
 from pagedserve.model import parallel
 from pagedserve.model.loader import read_model_config
 from pagedserve.model.parallel import TensorParallel
+from pagedserve.structured.params import StructuredOutputsParams
 
+CHOICES = ["alpha", "beta", "gamma"]
 NUM_BLOCKS = 24  # blocks of 4 tokens: fewer than the batch needs at once
 
 
@@ -51,12 +53,15 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=3)
     sampled = SamplingParams(temperature=0.9, top_p=0.95, n=2, seed=11, max_tokens=10,
                              ignore_eos=True)
-    return prompts, [greedy, greedy, greedy, sampled, greedy]
+    choice = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=(
+        StructuredOutputsParams(choice=CHOICES)))  # the executor's grammar-bitmask path
+    return prompts + [prompts[4][:9]], [greedy, greedy, greedy, sampled, greedy, choice]
 
 
 def run(llm: LLM) -> list[list[tuple]]:
     prompts, params = workload()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert outputs[5].outputs[0].text in CHOICES
     return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outputs]
 
 
