@@ -6,7 +6,9 @@ TP=2 against TP=1 on Llama-3-8B's shape, then a shape that fits only on two GPUs
 Parts (all by default, in this order):
   topo       `nvidia-smi topo -m`: how the two GPUs are linked
   allreduce  NCCL all-reduce of bf16 tensors (8 KiB = one decode token's hidden state of
-             Llama-3-8B, 1, 16 and 256 MiB): time and bus bandwidth, 2 ranks
+             Llama-3-8B, 1, 16 and 256 MiB): time and bus bandwidth, 2 ranks; and whether an
+             all-reduce captured in a CUDA graph replays right between eager collectives (if
+             not, the TP=2 engines run with --enforce-eager, and the rows say so)
   logits     Llama-3-8B shape, TP=1 and TP=2 on the same random weights: the first generated
              token's top-20 logprobs of 16 prompts (largest difference), and greedy agreement
   tpot       batch-1 decode TPOT, TP=2 / TP=1 (target <= 0.65)
@@ -35,6 +37,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +53,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 PARTS = ("topo", "allreduce", "logits", "tpot", "workload", "big")
 ENGINE_PARTS = ("logits", "tpot", "workload")
 CHILD_TIMEOUT_S = 420
+ALLREDUCE_TIMEOUT_S = 120  # a captured all-reduce that hangs on replay must not eat the run
 TOP_LOGPROBS = 20
 
 
@@ -67,12 +71,15 @@ class Scale:
         self.logit_prompts = 4 if tiny else 16
         self.allreduce_bytes = ([8 << 10, 1 << 20] if tiny
                                 else [8 << 10, 1 << 20, 16 << 20, 256 << 20])
+        # TP>1 without CUDA graphs: set when the all-reduce part finds a captured all-reduce
+        # that does not replay right (the engines would then hang or compute garbage)
+        self.eager_tp = False
 
-    def engine_options(self) -> dict:
+    def engine_options(self, tp: int) -> dict:
         if self.tiny:
             return dict(device="cpu", dtype="float32", kv_cache_memory=64 << 20,
                         max_model_len=256)
-        return dict(max_model_len=4096)
+        return dict(max_model_len=4096, enforce_eager=self.eager_tp and tp > 1)
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -111,9 +118,10 @@ def child_engine(spec: dict) -> dict:
     from pagedserve.entrypoints.llm import LLM
 
     scale = Scale(spec["tiny"])
+    scale.eager_tp = spec["eager_tp"]
     t0 = time.perf_counter()
     llm = LLM(spec["folder"], tensor_parallel_size=spec["tp"], load_format="dummy",
-              **scale.engine_options())
+              **scale.engine_options(spec["tp"]))
     out = {"startup_s": round(time.perf_counter() - t0, 1),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "kv_blocks": llm.llm_engine.num_blocks}
@@ -199,9 +207,44 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
         seconds = (time.perf_counter() - t0) / iters
         rows.append({"bytes": nbytes, "us": round(seconds * 1e6, 2),
                      "bus_gb_per_s": round(2 * (size - 1) / size * nbytes / seconds / 1e9, 2)})
+    graphs = _graph_check(rank, size, device) if cuda else None
     if rank == 0:
-        queue.put({"rows": rows, "device": torch.cuda.get_device_name() if cuda else "cpu"})
-    dist.destroy_process_group()
+        queue.put({"rows": rows, "graph_allreduce_ok": graphs,
+                   "device": torch.cuda.get_device_name() if cuda else "cpu"})
+
+
+def _graph_check(rank: int, size: int, device) -> bool:
+    """An all-reduce captured in a CUDA graph, replayed between eager all-reduces and
+    all-gathers (as the engine's decode graphs run between eager prefills and the LM head's
+    gather): right sums every time?"""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.zeros(4096, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            y = x * 2
+            dist.all_reduce(y)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * 2
+        dist.all_reduce(y)
+    ok = True
+    for step in range(5):
+        x.fill_(rank + step)
+        graph.replay()
+        eager = torch.full((1024,), float(rank), device=device)
+        dist.all_reduce(eager)
+        parts = [torch.empty(8, device=device) for _ in range(size)]
+        dist.all_gather(parts, torch.full((8,), float(rank), device=device))
+        torch.cuda.synchronize()
+        want = 2 * sum(r + step for r in range(size))
+        ok &= bool((y == want).all()) and bool((eager == sum(range(size))).all())
+    return ok
 
 
 def _sync(cuda: bool) -> None:
@@ -210,21 +253,31 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def run_child(kind: str, spec: dict) -> dict:
-    """`kind` in a fresh interpreter; its result, or {"error": ...}."""
+def run_child(kind: str, spec: dict, timeout: float = CHILD_TIMEOUT_S) -> dict:
+    """`kind` in a fresh interpreter, in a session of its own so that a timeout kills it with
+    every process it started (ranks hung in NCCL would hold their GPUs); its result, or
+    {"error": ...}."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, json.dumps(spec)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {CHILD_TIMEOUT_S} s"}
-    sys.stderr.write(done.stderr[-4000:])
-    for line in done.stdout.splitlines():
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"error": f"timed out after {timeout} s"}
+    finally:
+        try:  # its workers, should any outlive it
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.stderr.write(stderr[-4000:])
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line.removeprefix("RESULT "))
-    return {"error": f"exit code {done.returncode}: {done.stderr[-2000:]}"}
+    return {"error": f"exit code {proc.returncode}: {stderr[-2000:]}"}
 
 
 def child_main(kind: str, spec: str) -> None:
@@ -259,11 +312,16 @@ def part_topo(res: Results) -> None:
 
 
 def part_allreduce(res: Results, scale: Scale) -> None:
-    result = run_child("allreduce", {"tiny": scale.tiny, "sizes": scale.allreduce_bytes})
+    result = run_child("allreduce", {"tiny": scale.tiny, "sizes": scale.allreduce_bytes},
+                       timeout=ALLREDUCE_TIMEOUT_S)
     if "error" in result:
         res.add(2, None, "allreduce_bus_gb_per_s", None, error=result["error"])
+        scale.eager_tp = not scale.tiny  # perhaps a captured all-reduce hung: no graphs
         return
     res.device = result["device"]
+    if result["graph_allreduce_ok"] is not None:
+        res.add(2, None, "cuda_graph_allreduce_ok", result["graph_allreduce_ok"])
+        scale.eager_tp = not result["graph_allreduce_ok"]
     for row in result["rows"]:
         res.add(2, None, "allreduce_bus_gb_per_s", row["bus_gb_per_s"], bytes=row["bytes"],
                 us=row["us"], dtype="bfloat16")
@@ -274,13 +332,14 @@ def engine_runs(res: Results, scale: Scale, root: Path, parts: list[str]) -> dic
     results = {}
     for tp in (1, 2):
         result = run_child("engine", {"tp": tp, "folder": str(folder), "parts": parts,
-                                      "tiny": scale.tiny})
+                                      "tiny": scale.tiny, "eager_tp": scale.eager_tp})
         results[tp] = result
         if "error" in result:
             res.add(tp, scale.shape, "engine", None, error=result["error"])
             continue
         res.device = result["device"]
-        res.add(tp, scale.shape, "startup_s", result["startup_s"], kv_blocks=result["kv_blocks"])
+        res.add(tp, scale.shape, "startup_s", result["startup_s"], kv_blocks=result["kv_blocks"],
+                cuda_graphs=not (scale.eager_tp and tp > 1) and not scale.tiny)
     return results
 
 
@@ -325,7 +384,7 @@ def report_logits(res: Results, scale: Scale, one: dict, two: dict) -> None:
 def part_big(res: Results, scale: Scale, root: Path) -> None:
     folder = model_folder(root, scale.big_shape)
     result = run_child("engine", {"tp": 2, "folder": str(folder), "parts": ["workload"],
-                                  "tiny": scale.tiny})
+                                  "tiny": scale.tiny, "eager_tp": scale.eager_tp})
     if "error" in result:
         res.add(2, scale.big_shape, "workload_A_output_tok_per_s", None, error=result["error"])
         return
@@ -333,7 +392,7 @@ def part_big(res: Results, scale: Scale, root: Path) -> None:
     res.add(2, scale.big_shape, "workload_A_output_tok_per_s", result["output_tok_per_s"],
             seconds=result["workload_s"], output_tokens=result["output_tokens"],
             preemptions=result["preemptions"], kv_blocks=result["kv_blocks"],
-            startup_s=result["startup_s"])
+            startup_s=result["startup_s"], cuda_graphs=not scale.eager_tp and not scale.tiny)
 
 
 def main() -> None:

@@ -189,8 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         sock.close(linger=2000)  # let the report leave
         os._exit(1)  # a collective may be stuck: no teardown
     sock.close()
-    parallel.destroy_tensor_parallel()
-    os._exit(0)  # without waiting for the watchdog thread
+    # no destroy_process_group: after CUDA graphs captured NCCL calls it can hang; the
+    # process's exit releases the communicator
+    os._exit(0)
 
 
 if __name__ == "__main__":
