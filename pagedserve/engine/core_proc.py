@@ -79,15 +79,15 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 
 def ready_message(core: EngineCore) -> EngineCoreReady:
-    config, runner = core.config, core.model_runner
-    kv = str(runner.kv_cache_dtype).removeprefix("torch.")
+    config, executor = core.config, core.executor  # one process, or tensor-parallel workers
+    kv = executor.kv_cache_dtype
     return EngineCoreReady(
-        tokenizer=core.loaded.tokenizer_source,
+        tokenizer=core.tokenizer_source,
         vocab_size=core.model_config.vocab_size, max_model_len=core.max_model_len,
         num_gpu_blocks=core.num_blocks, block_size=config.block_size,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_dtype="fp8_e4m3" if kv == "float8_e4m3fn" else kv,
-        quantization=runner.model.quantization, device=str(runner.device))
+        quantization=executor.quantization, device=executor.device_name)
 
 
 class EngineCoreProc:

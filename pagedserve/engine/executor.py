@@ -90,6 +90,7 @@ class Executor(ABC):
 
     model_config: ModelConfig
     device_type: str  # "cuda" | "cpu"
+    device_name: str  # for people: "cuda:0", or "cuda x 2 (tensor parallel)"
     kv_cache_dtype: str  # the KV cache's element type, e.g. "bfloat16"
     quantization: str | None  # of the weights
     block_bytes: int  # one KV block on one rank, all layers (known after determine_num_blocks)
@@ -147,6 +148,7 @@ class UniprocExecutor(Executor):
         self.model_config = model_config
         self.device = next(model.parameters()).device
         self.device_type = self.device.type
+        self.device_name = str(self.device)
         self.quantization = model.quantization
         self.model_runner: ModelRunner | None = None
 
@@ -218,7 +220,7 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.device_type = loaded[0].device_type
-        self.kv_cache_dtype = loaded[0].kv_cache_dtype
+        self.device_name = f"{self.device_type} x {self.size} (tensor parallel)"
         self.quantization = loaded[0].quantization
         memories = [r.total_memory for r in loaded if r.total_memory is not None]
         self._memory = (min(memories) if memories else None,
@@ -254,6 +256,7 @@ class MultiprocExecutor(Executor):
     def determine_num_blocks(self, config: EngineConfig) -> int:
         blocks = self._call(b"profile", encode(config), WorkerBlocks)
         self.block_bytes = max(b.block_bytes for b in blocks)
+        self.kv_cache_dtype = blocks[0].kv_cache_dtype
         return min(b.num_blocks for b in blocks)  # the smallest rank's
 
     def initialize(self, spec: KVCacheSpec) -> None:

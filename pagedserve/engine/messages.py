@@ -233,7 +233,6 @@ class WorkerLoaded(Message):
     device_type: str  # "cuda" | "cpu"
     total_memory: int | None  # the GPU's, None on the CPU
     weight_bytes: int  # this rank's shard
-    kv_cache_dtype: str  # e.g. "bfloat16", "float8_e4m3fn"
     quantization: str | None
 
 
@@ -242,6 +241,7 @@ class WorkerBlocks(Message):
 
     num_blocks: int
     block_bytes: int
+    kv_cache_dtype: str  # e.g. "bfloat16", "float8_e4m3fn"
 
 
 class KVCacheSpec(Message):

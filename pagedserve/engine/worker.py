@@ -90,7 +90,7 @@ class Worker:
         self.model, self.model_config, _ = load_on_device(config, device)
         self.reply(b"ok", encode(WorkerLoaded(
             device.type, total_memory(device), weight_bytes(self.model),
-            dtype_name(self.model.embed_tokens.weight.dtype), self.model.quantization)))
+            self.model.quantization)))
 
     def rank_device(self, config: EngineConfig) -> torch.device:
         """GPU local_rank when the engine's device is CUDA (whatever index it names), else
@@ -104,7 +104,8 @@ class Worker:
         config = decode(payload, EngineConfig)
         self.runner = ModelRunner(config, self.model, self.model_config, self.device)
         num_blocks = self.runner.determine_num_blocks()
-        self.reply(b"ok", encode(WorkerBlocks(num_blocks, self.runner.block_bytes)))
+        self.reply(b"ok", encode(WorkerBlocks(num_blocks, self.runner.block_bytes,
+                                              dtype_name(self.runner.kv_cache_dtype))))
 
     def initialize(self, payload: bytes) -> None:
         initialize_runner(self.runner, decode(payload, KVCacheSpec))
