@@ -1,4 +1,4 @@
-"""CPU attention backend: the native paged-decode kernel for decodes and short prefills.
+"""CPU attention backend: the native paged-decode kernel for decodes and prefills.
 
 The decode step is where the CPU engine spends its attention time, and there the reference's
 gather of every decode's context into a padded copy costs more than the attention itself; the
@@ -7,9 +7,12 @@ same call that stores the step's new K/V rows. A short prefill chunk goes throug
 call as one decode per new token (token i of a chunk of n ending at seq_len L attends to the
 first L - n + i + 1 tokens, which the store has just completed): each token then re-reads its
 context, cheap while contexts are short (chat prompts: 37 tokens, 0.3 ms per sequence and
-layer through the reference's SDPA, ~0.14 s of a 0.6 s prefill step). A step with a longer
-prefill keeps the reference's `paged_prefills` for its prefills, whose tiled SDPA reuses
-each K/V row across queries.
+layer through the reference's SDPA, ~0.14 s of a 0.6 s prefill step) and still cheaper than
+torch's CPU SDPA at 900 and 2,000 tokens (a whole 893-token prefill 4.0 s against 6.1 s,
+~1,900 tokens 11-17 s against 20 s on the 2-core dev box; docs/benchmarks.md, issue 17):
+the kernel skips the masked half and its rows come from cache. Only a step with a prefill
+longer than MAX_NATIVE_PREFILL_LEN (more than the CPU's default chunk) keeps the reference's
+`paged_prefills`, whose tiled SDPA reuses each K/V row across queries.
 
 The kernel trusts the block ids, slots and lengths it is given, so those are checked once per
 step, when the first layer builds the step's `StepIndices`; every later layer only calls the
@@ -30,7 +33,7 @@ from pagedserve.native import attention as native
 
 
 # Prefills attended per token by the kernel when none in the step is longer than this.
-MAX_NATIVE_PREFILL_LEN = 256
+MAX_NATIVE_PREFILL_LEN = 4096
 
 
 def step_indices(meta: AttentionMetadata, k_cache: Tensor) -> native.StepIndices:
