@@ -9,7 +9,7 @@ core's own error message (raised as RuntimeError).
 
 Sends never block: the core may be dead, and a PUSH socket with no peer would wait forever;
 such a send fails as `EngineDeadError` instead. `shutdown()` asks the core to stop, then
-terminates and finally kills it, so no process is left behind whatever state it is in.
+kills it if it has not left in time, so no process is left behind whatever state it is in.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ class EngineCoreClient:
         return self.process.sentinel
 
     def shutdown(self, timeout: float = _SHUTDOWN_TIMEOUT_S) -> None:
-        """Stop the core (asking first, then SIGTERM, then SIGKILL) and release the sockets.
-        Idempotent."""
+        """Stop the core (asking first, then SIGKILL: it ignores SIGTERM) and release the
+        sockets. Idempotent."""
         process = self.process
         if process.is_alive():
             try:
@@ -149,10 +149,7 @@ class EngineCoreClient:
                 pass
             process.join(timeout)
         if process.is_alive():
-            logger.warning("the engine core did not stop in %.0f s; terminating it", timeout)
-            process.terminate()
-            process.join(5)
-        if process.is_alive():
+            logger.warning("the engine core did not stop in %.0f s; killing it", timeout)
             process.kill()
             process.join()
         if not self._context.closed:

@@ -20,8 +20,10 @@ The loop drains every queued input without blocking, runs one step when there is
 sends that step's outputs in one message; with no work it blocks on the input socket. It
 leaves when told to (SHUTDOWN) and when its parent is gone (`os.getppid()` changes; on Linux
 the kernel also kills it at once, `PR_SET_PDEATHSIG`), so it never outlives the server.
-SIGINT is ignored: a Ctrl-C reaches the whole process group, and the parent decides how the
-core stops (after its graceful shutdown), not the terminal.
+SIGINT and SIGTERM are ignored: a Ctrl-C reaches the whole process group and a service
+manager (systemd) signals every process of the service, and the parent decides how the core
+stops, after its graceful shutdown, so that in-flight streams still end cleanly. (SIGKILL, or
+the parent's death, still ends it at once.)
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     """The process's entry point (a `multiprocessing` spawn target): build the core, report
     READY or FAILED to the parent, then serve until shutdown. Exits 1 after a failure."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
