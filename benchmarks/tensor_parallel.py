@@ -38,6 +38,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -53,7 +54,9 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 PARTS = ("topo", "allreduce", "logits", "tpot", "workload", "big")
 ENGINE_PARTS = ("logits", "tpot", "workload")
 CHILD_TIMEOUT_S = 420
-ALLREDUCE_TIMEOUT_S = 120  # a captured all-reduce that hangs on replay must not eat the run
+BANDWIDTH_TIMEOUT_S = 120  # NCCL start-up and the bandwidth sizes
+GRAPH_CHECK_TIMEOUT_S = 60  # a captured all-reduce that hangs on replay must not eat the run
+ALLREDUCE_TIMEOUT_S = BANDWIDTH_TIMEOUT_S + GRAPH_CHECK_TIMEOUT_S + 60
 TOP_LOGPROBS = 20
 
 
@@ -172,14 +175,41 @@ def run_workload(llm, scale: Scale) -> dict:
 
 # ------------------------------------------------------------------ children (all-reduce)
 def child_allreduce(spec: dict) -> dict:
+    """Two ranks; rank 0 sends the bandwidth rows, then the graph check's verdict (a capture
+    that hangs on replay costs the verdict, not the rows)."""
+    import queue as queues
+
     import torch.multiprocessing as mp
 
-    from pagedserve.engine.executor import WORKER_ENV, _free_port
+    from pagedserve.engine.executor import WORKER_ENV
 
     os.environ.update(WORKER_ENV)
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_allreduce_rank, args=(2, _free_port(), spec, queue), nprocs=2)
-    return queue.get()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_allreduce_rank, args=(rank, 2, port, spec, results))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        out = results.get(timeout=BANDWIDTH_TIMEOUT_S)
+        try:
+            out["graph_allreduce_ok"] = results.get(timeout=GRAPH_CHECK_TIMEOUT_S)
+        except queues.Empty:
+            out["graph_allreduce_ok"] = False
+            out["graph_check"] = f"no verdict in {GRAPH_CHECK_TIMEOUT_S} s (a hung replay?)"
+        return out
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
@@ -207,10 +237,17 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
         seconds = (time.perf_counter() - t0) / iters
         rows.append({"bytes": nbytes, "us": round(seconds * 1e6, 2),
                      "bus_gb_per_s": round(2 * (size - 1) / size * nbytes / seconds / 1e9, 2)})
-    graphs = _graph_check(rank, size, device) if cuda else None
     if rank == 0:
-        queue.put({"rows": rows, "graph_allreduce_ok": graphs,
-                   "device": torch.cuda.get_device_name() if cuda else "cpu"})
+        queue.put({"rows": rows, "device": torch.cuda.get_device_name() if cuda else "cpu"})
+    verdict = None
+    if cuda:
+        try:
+            verdict = _graph_check(rank, size, device)
+        except Exception:  # noqa: BLE001 - a capture that fails is the answer
+            traceback.print_exc()
+            verdict = False
+    if rank == 0:
+        queue.put(verdict)
 
 
 def _graph_check(rank: int, size: int, device) -> bool:

@@ -26,8 +26,9 @@ it, and on NCCL stages the bytes through each GPU on the stream the forward pass
 and the collective group carries the model's all-reduces alone.
 
 Sampling is done on every rank: each gathers the full logits and samples with the same
-generators (seeded alike, called alike), so every rank holds the same tokens on its device,
-which it needs for the next step's placeholder rows; rank 0's are reported.
+generators (seeded alike, called alike), then takes rank 0's tokens (one broadcast of the
+token ids), so every rank holds the same tokens on its device, which it needs for the next
+step's placeholder rows; rank 0's are reported.
 
 Faults: while it waits, the executor watches the workers it started (their exit codes) and
 the socket's disconnections (any worker's, torchrun's included). A rank that raises sends
@@ -91,6 +92,7 @@ class Executor(ABC):
     model_config: ModelConfig
     device_type: str  # "cuda" | "cpu"
     device_name: str  # for people: "cuda:0", or "cuda x 2 (tensor parallel)"
+    dtype: str  # the weights' and activations' type, e.g. "bfloat16"
     kv_cache_dtype: str  # the KV cache's element type, e.g. "bfloat16"
     quantization: str | None  # of the weights
     block_bytes: int  # one KV block on one rank, all layers (known after determine_num_blocks)
@@ -149,6 +151,7 @@ class UniprocExecutor(Executor):
         self.device = next(model.parameters()).device
         self.device_type = self.device.type
         self.device_name = str(self.device)
+        self.dtype = dtype_name(model.embed_tokens.weight.dtype)
         self.quantization = model.quantization
         self.model_runner: ModelRunner | None = None
 
@@ -221,6 +224,7 @@ class MultiprocExecutor(Executor):
             raise
         self.device_type = loaded[0].device_type
         self.device_name = f"{self.device_type} x {self.size} (tensor parallel)"
+        self.dtype = loaded[0].dtype
         self.quantization = loaded[0].quantization
         memories = [r.total_memory for r in loaded if r.total_memory is not None]
         self._memory = (min(memories) if memories else None,

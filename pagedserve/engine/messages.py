@@ -233,6 +233,7 @@ class WorkerLoaded(Message):
     device_type: str  # "cuda" | "cpu"
     total_memory: int | None  # the GPU's, None on the CPU
     weight_bytes: int  # this rank's shard
+    dtype: str  # the activations', e.g. "bfloat16"
     quantization: str | None
 
 

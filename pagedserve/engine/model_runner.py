@@ -523,9 +523,13 @@ class ModelRunner:
 
     def _sample(self, logits: Tensor, states: list[CachedRequestState],
                 grammar: GrammarOutput | None) -> SamplerOutput:
-        """Sample, and count the tokens of requests with penalties on the device."""
+        """Sample, and count the tokens of requests with penalties on the device. Under
+        tensor parallelism every rank samples the same gathered logits with the same
+        generators, and then takes rank 0's tokens: each rank feeds them to its next step, so
+        they must agree to the bit even if a sampling kernel were not deterministic."""
         meta = self.sampling_metadata(states, logits, grammar)
         sampled = self.sampler(logits, meta)
+        parallel.broadcast_(sampled.sampled_token_ids)
         if meta.penalties is not None:
             self.penalties.update(meta.penalties.rows, sampled.sampled_token_ids)
         return sampled

@@ -90,7 +90,7 @@ class Worker:
         self.model, self.model_config, _ = load_on_device(config, device)
         self.reply(b"ok", encode(WorkerLoaded(
             device.type, total_memory(device), weight_bytes(self.model),
-            self.model.quantization)))
+            dtype_name(self.model.embed_tokens.weight.dtype), self.model.quantization)))
 
     def rank_device(self, config: EngineConfig) -> torch.device:
         """GPU local_rank when the engine's device is CUDA (whatever index it names), else

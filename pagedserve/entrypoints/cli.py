@@ -239,10 +239,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = bench_prompts(args, engine.tokenizer)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
                             ignore_eos=args.ignore_eos, seed=args.seed)
-    print(f"device {engine.model_runner.device}, torch threads {torch.get_num_threads()}, "
+    executor = engine.engine_core.executor
+    print(f"device {executor.device_name}, torch threads {torch.get_num_threads()}, "
           f"{len(prompts)} {args.dataset} prompts (mean {sum(map(len, prompts)) / len(prompts):.0f}"
           f" tokens) x {args.output_len} new tokens, {engine.num_blocks} KV blocks")
-    peer = load_transformers(args.model, engine.model_runner.dtype) \
+    peer = load_transformers(args.model, getattr(torch, executor.dtype)) \
         if args.compare_transformers else None
     results, speedups = [], []
     for round_ in range(args.repeat):  # alternate the engines: load on a shared box drifts

@@ -93,6 +93,14 @@ def all_reduce_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def broadcast_(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x on every rank, in place (a no-op with one rank)."""
+    tp = _STATE
+    if tp.size > 1:
+        dist.broadcast(x, src=0, group=tp.group)
+    return x
+
+
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Each rank's [..., n] -> [..., size * n], rank order, on every rank."""
     tp = _STATE
