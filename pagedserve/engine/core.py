@@ -176,6 +176,10 @@ class EngineCore:
                                  "process: each worker has its own")
         return runner
 
+    def check_health(self) -> None:
+        """Raise ExecutorError if a tensor-parallel worker has died (a no-op in one process)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self.executor.shutdown()
 

@@ -109,6 +109,7 @@ class EngineCoreProc:
             if not core.has_unfinished_requests():
                 self._send_idle_stats()
                 poller.poll(_IDLE_POLL_MS)
+                core.check_health()  # a dead tensor-parallel worker fails the core now
             if not self._drain_inputs() or os.getppid() != self.parent_pid:
                 return
             if core.has_unfinished_requests():

@@ -116,6 +116,10 @@ class Executor(ABC):
     @abstractmethod
     def sample_tokens(self, grammar: GrammarOutput | None) -> PendingOutput: ...
 
+    def check_health(self) -> None:
+        """Raise if the executor can no longer run steps (a worker has died); for an idle
+        engine, which would otherwise find out only at its next step."""
+
     def shutdown(self) -> None:
         """Release what the executor holds outside this process (its workers)."""
 
@@ -340,11 +344,7 @@ class MultiprocExecutor(Executor):
                     self._fail_reported(decode(payload, WorkerFailure))
                 return int(identity.removeprefix(b"rank")), kind, payload
             self._check_processes()
-            if self._monitor in events:
-                recv_monitor_message(self._monitor)
-                time.sleep(POLL_MS / 1000)  # a dead worker's exit code makes a better message
-                self._check_processes()
-                self._fail("a tensor-parallel worker disconnected: its process has died")
+            self._check_disconnected()
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"the {self.size} tensor-parallel workers did not all connect "
                            f"in {HELLO_TIMEOUT_S:.0f} s")
@@ -377,6 +377,20 @@ class MultiprocExecutor(Executor):
     def _check(self) -> None:
         if self._error is not None:
             raise ExecutorError(self._error)
+
+    def _check_disconnected(self) -> None:
+        """Fail if a worker's connection dropped (torchrun's workers included)."""
+        if self._monitor.poll(0):
+            recv_monitor_message(self._monitor)
+            time.sleep(POLL_MS / 1000)  # a dead worker's exit code makes a better message
+            self._check_processes()
+            self._fail("a tensor-parallel worker disconnected: its process has died")
+
+    def check_health(self) -> None:
+        self._check()
+        if self._stop.alive:  # not shut down
+            self._check_processes()
+            self._check_disconnected()
 
     def _fail(self, message: str) -> None:
         """Stop at once: ranks blocked in a collective with a dead peer would not answer."""
