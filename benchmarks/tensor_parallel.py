@@ -24,7 +24,11 @@ fresh subprocess: a TP=2 engine built in a process that had run a TP=1 engine cr
 illegal memory access, and each engine should size its KV cache on clean GPUs. A part that
 fails is recorded as an `error` row and the run goes on.
 
-Writes DIR/tensor_parallel.json: rows of tp, shape, metric, value, device, date (and the
+Expected to take 6-7 minutes on the H200 pair. If one device call may not last that long, run
+`--only topo,allreduce,logits,tpot,workload`, then `--only allreduce,big` (the all-reduce part
+is short and decides whether the TP=2 engines may use CUDA graphs).
+
+Appends to DIR/tensor_parallel.json: rows of tp, shape, metric, value, device, date (and the
 part's details). `--tiny` runs the same logic on the CPU (gloo, a tiny Llama, a scaled-down
 workload): a check of the script, not a measurement.
 """
@@ -329,7 +333,9 @@ def child_main(kind: str, spec: str) -> None:
 class Results:
     def __init__(self, out: Path) -> None:
         self.path = out / "tensor_parallel.json"
-        self.rows: list[dict] = []
+        # appended to an earlier run's rows (a run split over two calls ends in one file)
+        self.rows: list[dict] = (json.loads(self.path.read_text()) if self.path.exists()
+                                 else [])
         self.device = "unknown"
 
     def add(self, tp: int | None, shape: str | None, metric: str, value, **details) -> None:

@@ -82,7 +82,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("kv_cache_dtype", "auto = the model's dtype; fp8 = e4m3 with a scale per layer "
               "and KV head (the checkpoint's k_scale/v_scale, else 1.0): twice the tokens in "
               "the same memory", choices=KV_CACHE_DTYPES),
-    EngineArg("kv_cache_memory", "bytes for the paged KV cache (e.g. 512M, 2G)",
+    EngineArg("kv_cache_memory", "bytes for the paged KV cache (e.g. 512M, 2G; per rank "
+              "under tensor parallelism)",
               parse=parse_size, metavar="SIZE", default_text="measured from free memory"),
     EngineArg("gpu_memory_utilization", "CUDA: fraction of GPU memory for weights, "
               "activations and the KV cache", metavar="FRACTION"),
