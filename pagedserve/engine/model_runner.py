@@ -42,7 +42,7 @@ from pagedserve.engine.input_batch import BlockTableRows, CachedRequestState, St
 from pagedserve.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.penalties import PenaltyState, to_device
 from pagedserve.engine.sampler import (
-    LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs)
+    LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, warm_up_sampler)
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -256,14 +256,17 @@ class ModelRunner:
                               for _ in range(mc.num_layers)]
 
     def setup(self, max_model_len: int) -> None:
-        """Allocate the step buffers and, on CUDA unless enforce_eager, capture the decode
-        graphs. Called once the KV cache is allocated and max_model_len is known."""
+        """Allocate the step buffers, compile the sampling kernels and, on CUDA unless
+        enforce_eager, capture the decode graphs. Called once the KV cache is allocated and
+        max_model_len is known."""
         config = self.config
         max_blocks = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(max(config.max_num_batched_tokens, config.max_num_seqs),
                                    config.max_num_seqs, max_blocks, self.device)
         self.block_rows = BlockTableRows(max_blocks, capacity=2 * config.max_num_seqs)
         self.graphs = None
+        warm_up_sampler(self.sampler, self.model_config.vocab_size, self.dtype, self.device,
+                        config.max_num_seqs)
         if self.device.type == "cuda" and not config.enforce_eager:
             self._bind_kv_cache()
             self.graphs = DecodeGraphs(self.model, self.backend, self.buffers,

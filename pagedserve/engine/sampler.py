@@ -297,6 +297,47 @@ class Sampler:
         return (probs / noise).argmax(-1)
 
 
+# Row mixes that between them launch every kernel variant a CUDA step can take: plain
+# greedy / temperature, the candidate path (with its full pass over the rows it skips) with
+# and without penalties, and the full filtered pass with and without penalties.
+_WARM_UP_MIXES = (
+    (SamplingParams(temperature=0.0),),
+    (SamplingParams(temperature=0.8),),
+    (SamplingParams(temperature=0.0),
+     SamplingParams(top_k=40, top_p=0.95, repetition_penalty=1.1, seed=0)),
+    (SamplingParams(top_k=40, min_p=0.05),),
+    (SamplingParams(top_p=0.9),),
+    (SamplingParams(top_p=0.9, presence_penalty=0.5, frequency_penalty=0.5),),
+)
+
+
+def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device,
+            max_rows: int) -> None:
+    """Run every sampling path once on random logits, at one row and at `max_rows`, so
+    Triton compiles its kernels (and xgrammar its bitmask kernel) at start-up. Otherwise the
+    first request with top-k or penalties pays seconds of compiling inside a step, and every
+    request in that batch waits. Nothing to compile off CUDA."""
+    if not fused_sampling_available(device):
+        return
+    penalties = PenaltyState(vocab_size, device)
+    for i, mix in enumerate(_WARM_UP_MIXES):
+        for rows in sorted({len(mix), max(max_rows, len(mix))}):
+            states = [CachedRequestState(f"warm-up-{i}-{rows}-{j}", [0, 1], mix[j % len(mix)])
+                      for j in range(rows)]
+            for state in states:
+                if state.sampling_params.needs_penalties:
+                    penalties.add(state.req_id, state.prompt_token_ids)
+            meta = SamplingMetadata.from_requests(
+                states, vocab_size, device, penalty_state=penalties,
+                penalty_slots=penalties.slots([state.req_id for state in states]))
+            if i == 0:
+                meta.allowed_token_bitmask = torch.full(
+                    (rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
+            sampler(torch.randn(rows, vocab_size, device=device).to(dtype), meta)
+            for state in states:
+                penalties.remove(state.req_id)
+
+
 def apply_penalties(logits: Tensor, penalties: PenaltyTensors) -> Tensor:
     """Repetition (tokens of the prompt or output: divide positive, multiply negative
     logits), then frequency (times the output count) and presence (seen in the output)

@@ -261,3 +261,41 @@ def test_candidate_rows_with_penalties_equal_the_reference():
     expected = expected_tokens(penalized, meta.temperature, meta.greedy_mask, meta.philox,
                                torch.zeros(3), meta.top_k, meta.top_p)
     assert got.tolist() == expected, f"seed {seed}"
+
+
+def test_start_up_warm_up_launches_every_kernel_variant_a_step_can(monkeypatch):
+    """`warm_up_sampler` (run at engine start on CUDA) must reach each compiled variant: the
+    plain kernel's greedy and random rows, the filtered kernel with and without penalties,
+    over candidates, as the full pass with skipped rows and as the plain full pass, and the
+    grammar bitmask; otherwise the first request needing one compiles it inside a step."""
+    from pagedserve.engine import sampler as sampler_module
+
+    launched = set()
+    sample_rows = filtered_sampling_kernel._sample_rows
+    apply_bitmask = sampler_module.apply_token_bitmask
+
+    def spy_rows(logits, temperature, greedy_mask, philox, min_p, top_k, top_p, penalties,
+                 candidate_ids, config, skip=None):
+        launched.add(("filtered", penalties is not None, candidate_ids is not None,
+                      skip is not None))
+        return sample_rows(logits, temperature, greedy_mask, philox, min_p, top_k, top_p,
+                           penalties, candidate_ids, config, skip)
+
+    def spy_plain(logits, temperature, greedy_mask, philox):
+        launched.add(("plain", temperature is None))
+        return fused_sample(logits, temperature, greedy_mask, philox)
+
+    def spy_bitmask(logits, bitmask):
+        launched.add(("bitmask",))
+        return apply_bitmask(logits, bitmask)
+
+    monkeypatch.setattr(filtered_sampling_kernel, "_sample_rows", spy_rows)
+    monkeypatch.setattr(sampler_module, "_fused_kernels",
+                        lambda: sampler_module._Kernels(spy_plain, filtered_sample))
+    monkeypatch.setattr(sampler_module, "fused_sampling_available", lambda device: True)
+    monkeypatch.setattr(sampler_module, "apply_token_bitmask", spy_bitmask)
+    sampler_module.warm_up_sampler(Sampler(use_triton=True), 300, torch.bfloat16,
+                                   torch.device("cpu"), max_rows=3)
+    assert launched == {("plain", True), ("plain", False), ("bitmask",)} | {
+        ("filtered", penalized, gathered, skip) for penalized in (False, True)
+        for gathered, skip in ((True, False), (False, True), (False, False))}
