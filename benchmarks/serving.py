@@ -6,8 +6,9 @@ with the same engine flags for every row but the last:
   offline sampled          the same requests; every fourth uses temperature 1, top_p 0.95,
                            top_k 40, repetition_penalty 1.1 and its own seed
   served                   the greedy requests through a `pagedserve serve` process started
-                           by this script, `--concurrency` streaming clients (256); output
-                           tokens counted from each stream's usage chunk
+                           by this script, `--concurrency` streaming clients (256) spread
+                           over `--client-procs` processes; output tokens counted from each
+                           stream's usage chunk
   served, Poisson R/s      the same server, requests arriving as a Poisson process at each
                            `--rates` R: TTFT and TPOT p50/p99 against achieved throughput
   offline greedy, default flags   as the first row, with no engine flag given
@@ -381,10 +382,44 @@ def start_server(model: str | None, flags: dict) -> tuple[subprocess.Popen, str]
         time.sleep(0.5)
 
 
+def drive_procs(url: str, work: list[WorkItem], concurrency: int, rate: float, seed: int,
+                procs: int) -> tuple[list[Result], float]:
+    """`drive`, split over `procs` client processes. One Python process parsing every
+    stream's chunks saturates its core long before the server does (httpx's pool alone
+    rescans every connection per request), and then the client is what gets measured.
+    For all-at-once arrivals each process takes every procs-th request and an equal share
+    of the concurrency; Poisson arrivals are split at random, which leaves each process a
+    Poisson process at rate / procs and their sum one at `rate`. All start at one instant."""
+    procs = max(1, min(procs, len(work)))
+    if procs == 1:
+        return asyncio.run(drive(url, work, concurrency, rate, seed))
+    rng = random.Random(seed)
+    shares: list[list[WorkItem]] = [[] for _ in range(procs)]
+    for i, w in enumerate(work):
+        shares[i % procs if math.isinf(rate) else rng.randrange(procs)].append(w)
+    start_at = time.monotonic() + 5.0  # after every process has imported and connected
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=context) as pool:
+        parts = [pool.submit(_drive_share, url, share, -(-concurrency // procs), rate / procs,
+                             seed + i, start_at) for i, share in enumerate(shares) if share]
+        parts = [part.result() for part in parts]
+    results = [Result(**r) for rows, _ in parts for r in rows]
+    return results, max(end for _, end in parts) - start_at
+
+
+def _drive_share(url: str, work: list[WorkItem], concurrency: int, rate: float, seed: int,
+                 start_at: float) -> tuple[list[dict], float]:
+    """One client process: its results as dicts (the class lives in the script's __main__)
+    and the CLOCK_MONOTONIC time, shared by every process, when its last stream ended."""
+    results, _ = asyncio.run(drive(url, work, concurrency, rate, seed, start_at))
+    return [asdict(r) for r in results], time.monotonic()
+
+
 async def drive(url: str, work: list[WorkItem], concurrency: int, rate: float,
-                seed: int) -> tuple[list[Result], float]:
+                seed: int, start_at: float | None = None) -> tuple[list[Result], float]:
     """Every request of `work`, streaming, at most `concurrency` in flight; arrivals are a
-    Poisson process at `rate` per second (inf: all at once)."""
+    Poisson process at `rate` per second (inf: all at once), from `start_at` (a
+    time.monotonic() value) if given."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
@@ -395,6 +430,8 @@ async def drive(url: str, work: list[WorkItem], concurrency: int, rate: float,
             async with slots:
                 return await send(http, model, w.prompt, "all", w.max_tokens)
 
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         tasks = []
         start = time.perf_counter()
         for w in work:
@@ -412,9 +449,9 @@ def served_rows(args: argparse.Namespace, work: list[WorkItem], flags: dict) -> 
         rows = []
         for rate in [math.inf, *args.rates]:
             subset = work if math.isinf(rate) else work[:args.rate_requests]
-            results, seconds = asyncio.run(
-                drive(url, subset, args.concurrency if math.isinf(rate) else len(subset), rate,
-                      args.seed + 1))
+            results, seconds = drive_procs(
+                url, subset, args.concurrency if math.isinf(rate) else len(subset), rate,
+                args.seed + 1, args.client_procs)
             done = [r for r in results if r.ok]
             tokens = sum(r.output_tokens for r in done)
             path = (f"served, {args.concurrency} streaming clients" if math.isinf(rate)
@@ -489,6 +526,7 @@ def run_suite(args: argparse.Namespace) -> None:
     common = {"device": device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "model": args.model or "default (SmolLM2-135M-Instruct)",
+              "client_procs": args.client_procs,
               "workload": {k: getattr(args, k) for k in (
                   "num_requests", "prompt_median", "output_median", "sigma", "min_len",
                   "max_prompt_len", "max_output_len", "seed")}}
@@ -522,6 +560,10 @@ def main() -> None:
     suite.add_argument("--max-prompt-len", type=int, default=1024)
     suite.add_argument("--max-output-len", type=int, default=1024)
     suite.add_argument("--concurrency", type=int, default=256, help="streaming clients")
+    suite.add_argument("--client-procs", type=int,
+                       default=min(8, max(1, (os.cpu_count() or 2) // 2)),
+                       help="processes the streaming clients are spread over "
+                       "(default: half the cores, at most 8)")
     suite.add_argument("--rates", type=float, nargs="*", default=[8, 16, 32, 64],
                        help="Poisson request rates (req/s) of the latency sweep")
     suite.add_argument("--rate-requests", type=int, default=500,

@@ -61,6 +61,16 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # SamplingParams.prompt_logprobs
 
+    def absorb(self, earlier: RequestOutput) -> None:
+        """Stand for `earlier` too, an output of this request that nobody consumed: its
+        deltas go in front of ours (text and token_ids are cumulative already)."""
+        previous = {c.index: c for c in earlier.outputs}
+        for c in self.outputs:
+            p = previous.get(c.index)
+            if p is not None:
+                c.text_delta = p.text_delta + c.text_delta
+                c.token_ids_delta = p.token_ids_delta + c.token_ids_delta
+
 
 @dataclass
 class EngineStats:

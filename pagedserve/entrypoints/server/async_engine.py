@@ -4,7 +4,7 @@ The API process keeps the frontend halves of the engine: the Processor (validati
 out) and the OutputProcessor (detokenization, stop strings, logprob strings, RequestOutputs).
 The EngineCore runs in its own process (`engine/core_proc.py`) behind `EngineCoreClient`. One
 asyncio task reads the core's outputs, one message per model step, runs them through the
-OutputProcessor and puts each request's RequestOutput on that request's queue. Everything here
+OutputProcessor and hands each request's RequestOutput to that request's stream. Everything here
 runs on the event loop, so no lock is needed: a request is added, aborted and delivered to
 from one thread.
 
@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
@@ -42,12 +42,34 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Stream:
-    """One request's queue of outputs, and its timing for the metrics."""
+    """One request's outputs waiting for their consumer, and its timing for the metrics.
 
-    outputs: asyncio.Queue
+    A consumer that falls behind (a slow client, or an event loop busy with other streams)
+    takes everything that arrived meanwhile as one output, deltas joined, as vLLM's output
+    collector does: under load the server sends fewer, larger chunks instead of a backlog
+    that grows step by step. An error replaces whatever is pending: the request is over.
+    """
+
     arrival: float  # time.monotonic() when the handler submitted it
     first_token: float | None = None
     num_output_tokens: int = 0
+    _pending: RequestOutput | BaseException | None = None
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        pending = self._pending
+        if isinstance(pending, BaseException):
+            return
+        if isinstance(item, RequestOutput) and pending is not None:
+            item.absorb(pending)
+        self._pending = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._pending = self._pending, None
+        return item
 
 
 class AsyncEngine:
@@ -123,7 +145,7 @@ class AsyncEngine:
         else:
             token_ids, core_requests = self.processor.process(*args)
         self.output_processor.add_request(request_id, prompt, token_ids, params, core_requests)
-        stream = _Stream(asyncio.Queue(), time.monotonic())
+        stream = _Stream(time.monotonic())
         self._streams[request_id] = stream
         try:
             for core_request in core_requests:
@@ -141,7 +163,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                output = await stream.outputs.get()
+                output = await stream.get()
                 if isinstance(output, BaseException):
                     finished = True
                     raise output
@@ -172,7 +194,7 @@ class AsyncEngine:
             except EngineDeadError:
                 pass  # the core is gone with the request; the process watch reports it
         if deliver and output is not None:
-            stream.outputs.put_nowait(output)
+            stream.put(output)
         self._record_finish(stream, "abort")
 
     # ---- the core's outputs ------------------------------------------------------------------
@@ -201,7 +223,7 @@ class AsyncEngine:
             if num_tokens and stream.first_token is None:
                 stream.first_token = now
             stream.num_output_tokens = num_tokens
-            stream.outputs.put_nowait(output)
+            stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
                 self._record_finish(stream, _finish_reason(output))
@@ -251,7 +273,7 @@ class AsyncEngine:
         now = time.time()
         for request_id, stream in streams.items():
             self.output_processor.abort_request(request_id, now)
-            stream.outputs.put_nowait(error)
+            stream.put(error)
 
 
 def _finish_reason(output: Any) -> str:
