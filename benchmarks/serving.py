@@ -98,6 +98,7 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    chunks: int = 0  # streamed chunks that carried choices (a chunk may hold several tokens)
     itl: list[float] = field(default_factory=list)
 
     @property
@@ -157,6 +158,7 @@ async def send(http: httpx.AsyncClient, model: str, prompt: str | list[int], gro
                     result.cached_tokens = details.get("cached_tokens") or 0
                 if not chunk.get("choices"):
                     continue  # the usage chunk
+                result.chunks += 1
                 if last is None:
                     result.ttft = now - start
                 else:
@@ -460,10 +462,12 @@ def served_rows(args: argparse.Namespace, work: list[WorkItem], flags: dict) -> 
                          "seconds": seconds, "output_tokens": tokens,
                          "requests": len(subset), "failed": len(results) - len(done),
                          "request_rate": None if math.isinf(rate) else rate,
+                         "tokens_per_chunk": tokens / max(1, sum(r.chunks for r in done)),
                          "ttft_s": percentiles([r.ttft for r in done]),
                          "tpot_s": percentiles([r.tpot for r in done]),
                          "errors": sorted({r.error for r in results if r.error})[:3]})
-            print(f"{path}: {tokens / seconds:,.0f} output tok/s", flush=True)
+            print(f"{path}: {tokens / seconds:,.0f} output tok/s, "
+                  f"{rows[-1]['tokens_per_chunk']:.2f} tokens per chunk", flush=True)
         return rows
     finally:
         proc.send_signal(signal.SIGTERM)

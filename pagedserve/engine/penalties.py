@@ -59,7 +59,8 @@ class PenaltyState:
         self.prompt_mask[slot].zero_()
         self.output_counts[slot].zero_()
         if prompt_token_ids:
-            self.prompt_mask[slot, self._upload(prompt_token_ids)] = True
+            # index_fill_, not `mask[slot, ids] = True`: that index_put waits for the device
+            self.prompt_mask[slot].index_fill_(0, self._upload(prompt_token_ids), True)
         if output_token_ids:
             ids = self._upload(output_token_ids)
             self.output_counts[slot].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
