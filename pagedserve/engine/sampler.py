@@ -311,31 +311,24 @@ _WARM_UP_MIXES = (
 )
 
 
-def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device,
-            max_rows: int) -> None:
+def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype,
+                    device: torch.device, max_rows: int) -> None:
     """Run every sampling path once on random logits, at one row and at `max_rows`, so
     Triton compiles its kernels (and xgrammar its bitmask kernel) at start-up. Otherwise the
     first request with top-k or penalties pays seconds of compiling inside a step, and every
-    request in that batch waits. Nothing to compile off CUDA."""
+    request in that batch waits. Nothing to compile off CUDA. The rows' token lists are
+    complete, so `from_requests` builds their penalty state itself."""
     if not fused_sampling_available(device):
         return
-    penalties = PenaltyState(vocab_size, device)
     for i, mix in enumerate(_WARM_UP_MIXES):
         for rows in sorted({len(mix), max(max_rows, len(mix))}):
-            states = [CachedRequestState(f"warm-up-{i}-{rows}-{j}", [0, 1], mix[j % len(mix)])
+            states = [CachedRequestState(f"warm-up-{j}", [0, 1], mix[j % len(mix)])
                       for j in range(rows)]
-            for state in states:
-                if state.sampling_params.needs_penalties:
-                    penalties.add(state.req_id, state.prompt_token_ids)
-            meta = SamplingMetadata.from_requests(
-                states, vocab_size, device, penalty_state=penalties,
-                penalty_slots=penalties.slots([state.req_id for state in states]))
+            meta = SamplingMetadata.from_requests(states, vocab_size, device)
             if i == 0:
                 meta.allowed_token_bitmask = torch.full(
                     (rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
-            sampler(torch.randn(rows, vocab_size, device=device).to(dtype), meta)
-            for state in states:
-                penalties.remove(state.req_id)
+            sampler(torch.randn(rows, vocab_size, dtype=dtype, device=device), meta)
 
 
 def apply_penalties(logits: Tensor, penalties: PenaltyTensors) -> Tensor:
