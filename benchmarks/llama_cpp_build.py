@@ -62,8 +62,10 @@ def build_llama_server(sdist: Path | None = None) -> Path:
         configure.remove("-G")
         configure.remove("Ninja")
     subprocess.run(configure, check=True)
+    # a shared box builds with fewer jobs: cmake's own CMAKE_BUILD_PARALLEL_LEVEL wins
+    jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
     subprocess.run(["cmake", "--build", str(home / "build"), "--target", "llama-server",
-                    "-j", str(os.cpu_count() or 1)], check=True)
+                    "-j", jobs], check=True)
     return binary
 
 
