@@ -1,10 +1,11 @@
 """Host time per engine-step phase, for benchmarks that need to see where a step goes.
 
 Wraps methods of one engine's objects with wall-clock timers: the step, scheduling, the
-runner's launches, the structured-output manager's host work and the wait for the device's
-tokens. A phase that grows with the device's work shows up as `wait_for_tokens` (or inside
-`execute_model`, which waits for its input buffers' previous uploads); one that grows with
-Python work shows up in its own phase.
+runner's launches, the structured-output manager's calls on the engine thread (handing a
+job to its workers, waiting for a bitmask) and the wait for the device's tokens. A phase
+that grows with the device's work shows up as `wait_for_tokens` (or inside `execute_model`,
+which waits for its input buffers' previous uploads); one that grows with Python work shows
+up in its own phase.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pagedserve.engine.model_runner import PendingRunnerOutput
 
 class HostTimers:
     """Wall time per engine-step phase (ms per step), to see where a constrained step's time
-    goes: the grammar's host work (fill, accept), the launches, and the wait for the
+    goes: the grammar's host work (submit, wait), the launches, and the wait for the
     device's tokens. Installed on the engine's objects; `take()` returns and resets."""
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -28,8 +29,11 @@ class HostTimers:
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(core.model_runner, "execute_model", "execute_model")
         self._wrap(core.model_runner, "sample_tokens", "sample_tokens")
-        self._wrap(core.structured, "grammar_bitmask", "bitmask_fill")
-        self._wrap(core.structured, "accept_tokens", "grammar_accept")
+        # the grammar work runs on the manager's workers: `grammar_submit` is the engine
+        # thread's share (planning the job), `grammar_wait` the part it waits for (not
+        # hidden behind the engine thread's own work)
+        self._wrap(core.structured, "submit", "grammar_submit")
+        self._wrap(core.structured, "take_bitmask", "grammar_wait")
         self._wrap(PendingRunnerOutput, "result", "wait_for_tokens")
 
     def _wrap(self, owner, attr: str, name: str) -> None:

@@ -7,8 +7,10 @@ generate the same number of tokens, and throughput is output tokens per second. 
 that completes before max_tokens leaves its row free from there on (only EOS would follow,
 and EOS is ignored), so the script replays each output through a fresh matcher and reports
 the fraction of tokens that were generated under a live grammar. Runs alternate
-free / constrained `--repeats` times; the best of each is compared. The time the engine
-spends filling bitmasks is recorded from a wrapper around the manager's method.
+free / constrained `--repeats` times; the best of each is compared. Host time per step is
+recorded by `host_timers.py` (the grammar's share: `grammar_submit`, the engine thread
+handing a step's work to the manager's workers, and `grammar_wait`, the time it waits for
+them); `benchmarks/grammar_host.py` measures the grammar work alone, without a model.
 
 The grammar compile time is measured on a fresh GrammarCache: the token table
 (`TokenizerInfo`, once per tokenizer) and the first compile of each schema (the benchmark's,
@@ -134,6 +136,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kv-cache-memory", type=int, default=None)
+    parser.add_argument("--grammar-threads", type=int, default=None,
+                        help="the manager's grammar worker threads (0: on the engine thread; "
+                             "default: half the CPUs, at most 8)")
     parser.add_argument("--out", type=Path, required=True, help="folder for structured.json")
     args = parser.parse_args()
 
@@ -142,6 +147,8 @@ def main() -> None:
         options["kv_cache_memory"] = args.kv_cache_memory
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, **options))
     device = next(engine.model_runner.model.parameters()).device
+    if args.grammar_threads is not None:
+        engine.structured.set_num_threads(args.grammar_threads)
     llm = LLM.from_engine(engine)
     vocab = min(engine.model_config.vocab_size, len(engine.tokenizer))
     compile_ms = compile_times(engine)
@@ -178,6 +185,7 @@ def main() -> None:
         else platform.processor() or platform.machine(),
         "model": args.model or "SmolLM2-135M-Instruct (default)",
         "xgrammar": version("xgrammar"),
+        "grammar_threads": engine.structured.num_threads,
         "args": {k: str(v) for k, v in vars(args).items()},
         "compile": compile_ms,
         "throughput_tok_s": results,

@@ -17,11 +17,15 @@ tokens in flight (see scheduler.py). Penalties need no host tokens: the runner k
 counts on the device (`penalties.py`).
 
 Structured outputs (`pagedserve/structured`): the grammar bitmask of a step needs every
-earlier token of its constrained rows. Such a step launches its forward pass, then (async)
-completes the step in flight, advancing the matchers, fills the bitmask while the device
-computes, and only then launches its sampling. Overlap is kept for the forward pass and the
-bitmask work; what is given up is that the step's sampling cannot be queued before the
-previous step's tokens are back.
+earlier token of its constrained rows, and the grammar work runs on the manager's worker
+threads. Async, a step with constrained rows launches its forward pass, completes the step in
+flight and hands its tokens and the new step's rows to the workers (advance the matchers,
+fill the rows), then returns its outputs without launching the new step's sampling: the
+workers fill while this thread builds the outputs, the frontend processes them and the next
+step is scheduled; the next `step()` takes the bitmask and launches that sampling before its
+own forward pass. Synchronous, the workers advance the matchers while the step's outputs are
+processed and the next one is scheduled and launched, and the bitmask is filled while the
+device runs the forward pass.
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ class EngineCore:
             executor.shutdown()
             raise
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        # async: a launched step whose sampling waits for its grammar bitmask
+        self._awaiting_bitmask: SchedulerOutput | None = None
 
     def _setup(self, config: EngineConfig, executor: Executor) -> None:
         self.model_config = executor.model_config
@@ -181,7 +187,10 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        try:
+            self.structured.shutdown()
+        finally:
+            self.executor.shutdown()
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         """The model's limit, or the user's if lower; never more than the cache can hold, so
@@ -219,7 +228,8 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while a step is in flight too: its results must be collected (or dropped)."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or self._awaiting_bitmask is not None)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -231,9 +241,11 @@ class EngineCore:
         """
         outputs: list[EngineCoreOutput] = []
         scheduler_output = self.scheduler.schedule()
+        if self._awaiting_bitmask is not None:  # before the next forward pass is launched
+            self._sample_awaiting()
         step = None
         if not scheduler_output.is_empty:  # finished ids alone still reach the runner
-            step = (scheduler_output, self._execute(scheduler_output, outputs))
+            step = self._execute(scheduler_output, outputs)
         if self.async_scheduling:  # complete the step in flight, leave the new one running
             step, self._in_flight = self._in_flight, step
         if step is not None:
@@ -242,30 +254,48 @@ class EngineCore:
             self.kv_event_publisher.publish(self.kv_cache_manager.block_pool.take_events())
         return EngineCoreOutputs(outputs, self.make_stats(), time.time())
 
-    def _execute(self, scheduler_output: SchedulerOutput,
-                 outputs: list[EngineCoreOutput]) -> PendingOutput:
-        """Launch the step; a step with constrained rows is sampled once their bitmask is
-        filled, after the step in flight (if any) has delivered its tokens into `outputs`."""
+    def _execute(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]
+                 ) -> tuple[SchedulerOutput, PendingOutput] | None:
+        """Launch the step. A step with constrained rows is sampled once their bitmask is
+        filled: at once when synchronous; async, the step in flight is completed into
+        `outputs` first (its tokens advance the matchers), and the step is left awaiting
+        its bitmask (None is returned) while the workers fill it."""
         pending = self.executor.execute_model(scheduler_output)
-        if pending is None:
-            if self._in_flight is not None:
-                previous, self._in_flight = self._in_flight, None
-                self._complete(*previous, outputs)
-            sampling_ids = [r for r, s in zip(scheduler_output.req_ids, scheduler_output.samples)
-                            if s]
-            pending = self.executor.sample_tokens(self.structured.grammar_bitmask(sampling_ids))
-        return pending
+        if pending is not None:
+            return scheduler_output, pending
+        sampling_ids = [r for r, s in zip(scheduler_output.req_ids, scheduler_output.samples)
+                        if s]
+        if not self.async_scheduling:
+            return scheduler_output, self.executor.sample_tokens(
+                self.structured.grammar_bitmask(sampling_ids))
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._complete(*previous, outputs, sampling_ids)
+        else:
+            self.structured.submit((), sampling_ids)
+        self._awaiting_bitmask = scheduler_output
+        return None
+
+    def _sample_awaiting(self) -> None:
+        """Launch the sampling of the step that awaits its bitmask; it is then in flight."""
+        scheduler_output, self._awaiting_bitmask = self._awaiting_bitmask, None
+        pending = self.executor.sample_tokens(self.structured.take_bitmask())
+        self._in_flight = (scheduler_output, pending)
 
     def _complete(self, scheduler_output: SchedulerOutput, pending: PendingOutput,
-                  outputs: list[EngineCoreOutput]) -> None:
-        """Wait for a step's tokens, hand them to the scheduler, append the outputs."""
+                  outputs: list[EngineCoreOutput],
+                  next_sampling_ids: list[str] | None = None) -> None:
+        """Wait for a step's tokens, hand them to the scheduler, append the outputs. The
+        tokens go to the grammar workers, with the rows of the next step to fill if given."""
         runner_output = pending.result()
         if runner_output.prompt_logprobs:
             self._collect_prompt_logprobs(runner_output.prompt_logprobs)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
         structured = self.structured
-        if structured.has_requests():
-            structured.accept_tokens(progressed)
+        if next_sampling_ids is not None:
+            structured.submit(progressed, next_sampling_ids)
+        elif structured.has_requests():
+            structured.submit(progressed)
         rows = (dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
                 if runner_output.logprobs is not None else None)
         append = outputs.append

@@ -1,23 +1,39 @@
 """StructuredOutputManager: the engine core's matchers and each step's grammar bitmask.
 
 It sits beside the scheduler, as vLLM's manager of the same name does. A constrained request
-gets a matcher over its compiled grammar when it is added; the manager fills one bitmask row
-per constrained row that samples in a step and advances a matcher with every token its
-request receives. The matcher's state is a function of the request's output tokens alone,
+gets a matcher over its compiled grammar when it is added; the manager advances a matcher
+with every token its request receives and fills one bitmask row per constrained row that
+samples in a step. The matcher's state is a function of the request's output tokens alone,
 which survive preemption (by recompute or swap), so a preempted request resumes with its
 matcher as it left it; each child of an n > 1 request is a request with its own matcher.
 
-Filling rows is host work; `BatchGrammarMatcher` spreads it over threads outside the GIL.
-The engine asks for the bitmask after it has launched the step's forward pass, so this work
-overlaps the device's (see llm_engine.py).
+The grammar work is host work in the engine's step, so it runs on worker threads while the
+engine thread does its own: `submit` queues a job (advance these matchers by their requests'
+last tokens, then fill these rows) and returns at once; `take_bitmask` waits for it. Each
+worker makes one xgrammar call per part of the job (`batch_accept_token`, a single-threaded
+`batch_fill_next_token_bitmask`); both release the GIL. A matcher always goes to the same
+worker (its slot modulo the worker count), and a worker takes its jobs in order, so a row is
+only filled after its matcher has accepted every earlier token, with no barrier between jobs.
+xgrammar's own threaded batch fill is not used: it starts and joins a new thread pool on
+every call.
+
+While a job is outstanding the interpreter's switch interval is lowered (`_GIL_SWITCH_S`): a
+worker needs the GIL for a few lines between its xgrammar calls, and at the default 5 ms it
+would wait for the engine thread's whole step of Python before it even started.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
+import queue
+import sys
+import threading
+import weakref
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,31 +43,153 @@ from pagedserve.structured.grammar import GrammarCache
 
 logger = logging.getLogger(__name__)
 
+_GIL_SWITCH_S = 2e-4  # while grammar jobs are outstanding (see the module docstring)
+_MAX_DEFAULT_THREADS = 8
+
+
+def default_num_threads() -> int:
+    """Half the CPUs this process may run on, at most 8. The other half is left to the
+    engine thread, the API process (tokenizing, detokenizing, HTTP) and the CUDA and
+    OpenMP threads; past 8, a step's 256 rows split into chunks of under 32 rows, where a
+    worker's wake-up and GIL hand-offs (tens of µs) cost more than the rows it takes over.
+    On a 2-core machine: one worker, which still takes the work off the engine thread."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_DEFAULT_THREADS, cpus // 2))
+
 
 @dataclass
 class GrammarOutput:
     """A step's bitmask, one row per sampling row (plain data for the runner): row i of
     `bitmask` (int32, one bit per token id, 1 = allowed) belongs to `req_ids[i]`; an
-    unconstrained row allows every token. The array is the manager's buffer (pinned memory
-    on CUDA, so its upload does not block), valid until its next `grammar_bitmask` call."""
+    unconstrained row allows every token. The array is one of the manager's two buffers
+    (pinned memory on CUDA, so its upload does not block), valid until the `take_bitmask`
+    after next."""
 
     req_ids: list[str]
     bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab_size / 32)]
 
 
+@dataclass(eq=False)
+class _Entry:
+    request_id: str
+    matcher: xgr.GrammarMatcher
+    slot: int  # lowest free first, so slot % workers spreads the live ones evenly
+
+
+@dataclass(eq=False)
+class _Task:
+    """One worker's part of a job: accept these tokens, then fill these rows."""
+
+    accept_entries: list[_Entry] = field(default_factory=list)
+    accept_matchers: list[xgr.GrammarMatcher] = field(default_factory=list)
+    accept_tokens: list[int] = field(default_factory=list)
+    fill_matchers: list[xgr.GrammarMatcher] = field(default_factory=list)
+    fill_rows: list[int] = field(default_factory=list)
+
+    def run(self, filler: xgr.BatchGrammarMatcher, bitmask: np.ndarray | None
+            ) -> list[bool] | None:
+        """The accept results, or None if every token was accepted."""
+        refused = None
+        if self.accept_matchers:
+            results = xgr.BatchGrammarMatcher.batch_accept_token(self.accept_matchers,
+                                                                 self.accept_tokens)
+            if not all(results):
+                refused = results
+        if self.fill_matchers:
+            filler.batch_fill_next_token_bitmask(self.fill_matchers, bitmask, self.fill_rows)
+        return refused
+
+    @property
+    def empty(self) -> bool:
+        return not (self.accept_matchers or self.fill_matchers)
+
+
+@dataclass(eq=False)
+class _Job:
+    tasks: list[_Task]
+    done: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    pending: int = 0  # tasks handed out and not yet reported
+    switched: bool = False  # holds the lowered switch interval until finished
+    req_ids: list[str] | None = None  # a fill job: the step's sampling rows, in order
+    buffer: np.ndarray | None = None  # the whole buffer its rows are filled in
+    bitmask: np.ndarray | None = None  # its first len(req_ids) rows; None: no row constrained
+
+
+class _Switch:
+    """The interpreter's switch interval, lowered while any manager has a job outstanding."""
+
+    lock = threading.Lock()
+    outstanding = 0
+    saved = 0.0
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls.lock:
+            cls.outstanding += 1
+            if cls.outstanding == 1:
+                cls.saved = sys.getswitchinterval()
+                if cls.saved > _GIL_SWITCH_S:
+                    sys.setswitchinterval(_GIL_SWITCH_S)
+
+    @classmethod
+    def leave(cls) -> None:
+        with cls.lock:
+            cls.outstanding -= 1
+            if cls.outstanding == 0 and cls.saved > _GIL_SWITCH_S:
+                sys.setswitchinterval(cls.saved)
+
+
+def _work(inbox: queue.SimpleQueue) -> None:
+    """A worker: run tasks in the order they come, report each to its job's queue."""
+    filler = xgr.BatchGrammarMatcher(max_threads=1)  # sequential, on this thread
+    while True:
+        item = inbox.get()
+        if item is None:
+            return
+        index, task, bitmask, done = item
+        try:
+            done.put((index, task.run(filler, bitmask), None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
+            done.put((index, None, exc))
+
+
+def _stop_workers(inboxes: list[queue.SimpleQueue]) -> None:
+    for inbox in inboxes:
+        inbox.put(None)
+
+
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
-                 max_num_seqs: int, pin_memory: bool = False) -> None:
+                 max_num_seqs: int, pin_memory: bool = False,
+                 num_threads: int | None = None) -> None:
         """`stop_token_ids`: the engine's EOS ids, the tokens a finished grammar allows.
-        `pin_memory`: the bitmask goes to a GPU (its buffer is then page-locked)."""
+        `pin_memory`: the bitmask goes to a GPU (its buffers are then page-locked).
+        `num_threads`: grammar worker threads (None: `default_num_threads()`); 0 does the
+        work on the calling thread, inside `submit`."""
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._grammars: GrammarCache | None = None
         self._stop_token_ids = sorted(stop_token_ids)
-        self._matchers: dict[str, xgr.GrammarMatcher] = {}
-        self._batch = xgr.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
-        self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
+        self._stop_set = frozenset(self._stop_token_ids)
+        self._entries: dict[str, _Entry] = {}
+        self._free_slots: list[int] = []  # a heap of released slots below _next_slot
+        self._next_slot = 0
+        # two buffers, used in turn: a bitmask being uploaded is never the one being filled
+        buffers = [xgr.allocate_token_bitmask(max_num_seqs, vocab_size) for _ in range(2)]
         if pin_memory:
-            self._bitmask = self._bitmask.pin_memory()
+            buffers = [b.pin_memory() for b in buffers]
+        self._buffer_tensors = buffers  # owns the (pinned) memory
+        self._buffers = [b.numpy() for b in buffers]
+        # the rows of each buffer that a grammar filled when it was last used; others are -1
+        self._dirty = [np.zeros(max_num_seqs, dtype=bool) for _ in range(2)]
+        self._next_buffer = 0
+        self._jobs: deque[_Job] = deque()
+        self._inline_filler: xgr.BatchGrammarMatcher | None = None
+        self._inboxes: list[queue.SimpleQueue] = []
+        self._finalizer: weakref.finalize | None = None
+        self.num_threads = default_num_threads() if num_threads is None else num_threads
 
     @property
     def grammars(self) -> GrammarCache:
@@ -60,6 +198,8 @@ class StructuredOutputManager:
             self._grammars = GrammarCache(self._tokenizer, self._vocab_size)
         return self._grammars
 
+    # -- requests -----------------------------------------------------------------------------
+
     def add_request(self, request: Any) -> None:
         spec = request.sampling_params.structured_outputs
         if spec is None:
@@ -67,49 +207,202 @@ class StructuredOutputManager:
         matcher = xgr.GrammarMatcher(self.grammars.get(spec),
                                      override_stop_tokens=self._stop_token_ids)
         for token_id in request.output_token_ids:  # a request that arrives with output
-            self._accept(request.request_id, matcher, token_id)
-        self._matchers[request.request_id] = matcher
+            if matcher.is_terminated():
+                return  # past the grammar's end: unconstrained
+            if not matcher.accept_token(token_id):
+                logger.error("request %s: token %d does not match its grammar; its output is "
+                             "not constrained", request.request_id, token_id)
+                return
+        if matcher.is_terminated():
+            return
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        else:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self._entries[request.request_id] = _Entry(request.request_id, matcher, slot)
 
     def remove_request(self, request_id: str) -> None:
-        self._matchers.pop(request_id, None)
+        """Forget a finished or aborted request's matcher. A job already queued may still
+        use it (the row's token is then discarded); no later job does."""
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            heapq.heappush(self._free_slots, entry.slot)
 
     def has_requests(self) -> bool:
-        return bool(self._matchers)
+        return bool(self._entries)
 
     def is_constrained(self, request_id: str) -> bool:
-        return request_id in self._matchers
+        """The request's next tokens are masked by its grammar: it has a matcher, which has
+        not accepted a stop token."""
+        return request_id in self._entries
 
-    def accept_tokens(self, requests: Iterable[Any]) -> None:
-        """Advance the matchers of requests that just received a token."""
-        for request in requests:
-            matcher = self._matchers.get(request.request_id)
-            if matcher is not None:
-                self._accept(request.request_id, matcher, request.output_token_ids[-1])
+    @property
+    def num_matchers(self) -> int:
+        return len(self._entries)
 
-    def _accept(self, request_id: str, matcher: xgr.GrammarMatcher, token_id: int) -> None:
-        if matcher.is_terminated():
-            return  # past the grammar's end (EOS ignored, e.g. under min_tokens): unconstrained
-        if not matcher.accept_token(token_id):
-            # only reachable if a token was sampled without its mask: stop constraining
-            # rather than mask every token from here on
-            logger.error("request %s: token %d does not match its grammar; its output is no "
-                         "longer constrained", request_id, token_id)
-            self._matchers.pop(request_id, None)
+    # -- the step's work ----------------------------------------------------------------------
 
     def grammar_bitmask(self, req_ids: Sequence[str]) -> GrammarOutput | None:
-        """The bitmask of a step's sampling rows (in order): a constrained row filled by
-        its matcher, the others all ones; None when no row is constrained. The rows are
-        filled in place in the step's order, so the runner uploads the buffer as it is."""
-        indices, matchers = [], []
-        for i, req_id in enumerate(req_ids):
-            matcher = self._matchers.get(req_id)
-            if matcher is not None and not matcher.is_terminated():
-                indices.append(i)
-                matchers.append(matcher)
-        if not matchers:
+        """The bitmask of a step's sampling rows, now: `submit` then `take_bitmask`."""
+        self.submit((), req_ids)
+        return self.take_bitmask()
+
+    def submit(self, requests: Iterable[Any] = (),
+               sampling_ids: Sequence[str] | None = None) -> None:
+        """Queue a job and return: advance the matchers of `requests` (each just received
+        its last output token), then, if `sampling_ids` is given (a step's sampling rows,
+        in order), fill their bitmask rows, which `take_bitmask` returns. A matcher is
+        advanced and filled by one worker, in the order of the calls.
+
+        A stop token is accepted here, on the calling thread (after the matcher's queued
+        work): it ends the grammar, the request goes unconstrained (e.g. under ignore_eos),
+        and a terminated matcher must not be filled."""
+        if sampling_ids is not None and any(job.req_ids is not None for job in self._jobs):
+            raise RuntimeError("a bitmask is being filled: take it before the next one")
+        workers = max(self.num_threads, 1)
+        job = _Job([_Task() for _ in range(workers)])
+        tasks, entries = job.tasks, self._entries
+        if entries:
+            stop_set = self._stop_set
+            for request in requests:
+                entry = entries.get(request.request_id)
+                if entry is None:
+                    continue
+                token = request.output_token_ids[-1]
+                if token in stop_set:
+                    self._accept_stop(entry, token)
+                    continue
+                task = tasks[entry.slot % workers]
+                task.accept_entries.append(entry)
+                task.accept_matchers.append(entry.matcher)
+                task.accept_tokens.append(token)
+        if sampling_ids is not None:
+            job.req_ids = list(sampling_ids)
+            self._plan_fill(job, workers)
+        if all(task.empty for task in tasks):
+            if job.req_ids is not None:
+                self._jobs.append(job)  # nothing to wait for: its rows are all free
+            return
+        self._jobs.append(job)
+        if self.num_threads == 0:
+            if self._inline_filler is None:
+                self._inline_filler = xgr.BatchGrammarMatcher(max_threads=1)
+            for index, task in enumerate(tasks):
+                if not task.empty:
+                    job.pending += 1
+                    try:
+                        job.done.put((index, task.run(self._inline_filler, job.buffer), None))
+                    except Exception as exc:  # noqa: BLE001 - raised by take_bitmask
+                        job.done.put((index, None, exc))
+            return
+        if not self._inboxes:
+            self._start_workers()
+        _Switch.enter()
+        job.switched = True
+        for index, task in enumerate(tasks):
+            if not task.empty:
+                job.pending += 1
+                self._inboxes[index].put((index, task, job.buffer, job.done))
+
+    def _accept_stop(self, entry: _Entry, token: int) -> None:
+        """A stop token ends the grammar if accepted; either way the request goes free."""
+        self.wait()  # its earlier tokens first (in the engine's order, nothing is queued)
+        if not entry.matcher.accept_token(token):
+            logger.error("request %s: token %d does not match its grammar; its output is no "
+                         "longer constrained", entry.request_id, token)
+        self.remove_request(entry.request_id)
+
+    def _plan_fill(self, job: _Job, workers: int) -> None:
+        """Give each constrained row to its matcher's worker. The rows left free are reset
+        to all ones where this buffer last held a grammar's row."""
+        index = self._next_buffer
+        self._next_buffer ^= 1
+        buffer, dirty = self._buffers[index], self._dirty[index]
+        num_rows = len(job.req_ids)
+        filled = np.zeros(len(dirty), dtype=bool)
+        entries, tasks = self._entries, job.tasks
+        if entries:
+            for row, req_id in enumerate(job.req_ids):
+                entry = entries.get(req_id)
+                if entry is not None:
+                    task = tasks[entry.slot % workers]
+                    task.fill_matchers.append(entry.matcher)
+                    task.fill_rows.append(row)
+                    filled[row] = True
+        reset = np.flatnonzero(dirty & ~filled)
+        if len(reset):
+            buffer[reset] = -1
+        self._dirty[index] = filled
+        if filled[:num_rows].any():
+            job.buffer, job.bitmask = buffer, buffer[:num_rows]
+
+    def take_bitmask(self) -> GrammarOutput | None:
+        """Wait for the bitmask queued by the last `submit` with rows (and every job queued
+        before it); None if none of its rows was constrained."""
+        jobs, self._jobs = self._jobs, deque()
+        taken = None
+        for job in jobs:
+            if job.req_ids is not None:
+                taken = job
+        self._finish(jobs)
+        if taken is None or taken.bitmask is None:
             return None
-        bitmask = self._bitmask[:len(req_ids)]
-        if len(matchers) < len(req_ids):
-            bitmask.fill_(-1)
-        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices)
-        return GrammarOutput(list(req_ids), bitmask.numpy())
+        return GrammarOutput(taken.req_ids, taken.bitmask)
+
+    def wait(self) -> None:
+        """Wait for every queued job; a bitmask not taken yet stays to be taken."""
+        jobs = self._jobs
+        self._jobs = deque(job for job in jobs if job.req_ids is not None)
+        self._finish(jobs)
+
+    def _finish(self, jobs: Iterable[_Job]) -> None:
+        """Collect the jobs' reports (once each); drop the matchers that refused a token;
+        raise the first failure once all are collected."""
+        error = None
+        for job in jobs:
+            while job.pending:
+                index, refused, exc = job.done.get()
+                job.pending -= 1
+                if exc is not None:
+                    error = error or exc
+                elif refused is not None:
+                    self._drop_refused(job.tasks[index], refused)
+            if job.switched:
+                job.switched = False
+                _Switch.leave()
+        if error is not None:
+            raise RuntimeError("a grammar worker failed") from error
+
+    def _drop_refused(self, task: _Task, accepted: list[bool]) -> None:
+        for entry, ok, token in zip(task.accept_entries, accepted, task.accept_tokens):
+            if not ok and self._entries.get(entry.request_id) is entry:
+                logger.error("request %s: token %d does not match its grammar; its output is "
+                             "no longer constrained", entry.request_id, token)
+                self.remove_request(entry.request_id)
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _start_workers(self) -> None:
+        self._inboxes = [queue.SimpleQueue() for _ in range(self.num_threads)]
+        for i, inbox in enumerate(self._inboxes):
+            threading.Thread(target=_work, args=(inbox,), name=f"grammar-{i}",
+                             daemon=True).start()
+        # the threads hold only their queues: a manager dropped without shutdown stops them
+        self._finalizer = weakref.finalize(self, _stop_workers, self._inboxes)
+
+    def set_num_threads(self, num_threads: int) -> None:
+        """Change the worker count (0: inline) between steps."""
+        if any(job.req_ids is not None for job in self._jobs):
+            raise RuntimeError("a bitmask is being filled: take it first")
+        self.shutdown()
+        self.num_threads = num_threads
+
+    def shutdown(self) -> None:
+        """Finish the queued work and stop the worker threads (a later job starts them)."""
+        try:
+            self.wait()
+        finally:
+            if self._finalizer is not None:
+                self._finalizer()
+                self._finalizer = None
+            self._inboxes = []

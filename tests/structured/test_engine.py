@@ -188,3 +188,63 @@ def test_logit_bias(loaded):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("d", None, SamplingParams(logit_bias={259: 1.0}),
                            prompt_token_ids=prompt(0))
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_grammar_workers_give_the_reference_tokens(loaded, reference, threads,
+                                                   async_scheduling):
+    """Inline and on several workers, async and not: the same tokens (the default worker
+    count is what `reference` ran with)."""
+    engine = make(loaded, async_scheduling=async_scheduling)
+    engine.structured.set_num_threads(threads)
+    assert run(engine, mixed_batch()) == reference
+    assert engine.structured.num_matchers == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_abort_while_a_bitmask_is_filled_leaves_no_matcher(loaded, reference,
+                                                           async_scheduling):
+    """Requests aborted while their rows await a bitmask (async) or while their matchers
+    are being advanced (sync): no matcher is left, the others keep their tokens."""
+    engine = make(loaded, async_scheduling=async_scheduling)
+    batch = mixed_batch()
+    for request_id, ids, params in batch:
+        engine.add_request(request_id, None, params, prompt_token_ids=ids)
+    finals: dict = {}
+    aborted = False
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for out in outputs:
+            if out.finished:
+                finals[out.request_id] = [(c.token_ids, c.text, c.finish_reason)
+                                          for c in out.outputs]
+        if not aborted and any(o.request_id == "json-greedy" and len(o.outputs[0].token_ids) > 3
+                               for o in outputs):
+            if async_scheduling:
+                assert engine.engine_core._awaiting_bitmask is not None
+            engine.abort_request(["json-greedy", "regex"])
+            aborted = True
+            assert not engine.structured.is_constrained("json-greedy")
+            assert not engine.structured.is_constrained("regex")
+    assert aborted
+    assert "json-greedy" not in finals or finals["json-greedy"][0][2] == "abort"
+    for request_id in ("json-sampled", "choice", "free-greedy", "free-sampled"):
+        assert finals[request_id] == reference[request_id]
+    assert engine.structured.num_matchers == 0
+    assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_grammar_that_ends_under_ignore_eos_goes_free(loaded, async_scheduling):
+    """EOS ends the grammar; with ignore_eos the request goes on unconstrained (its matcher
+    is dropped, never filled after its end) and its text starts with the valid JSON."""
+    engine = make(loaded, async_scheduling=async_scheduling)
+    params = constrained(max_tokens=120, ignore_eos=True)
+    out = run(engine, [("j", prompt(0), params)])
+    tokens, text, reason = out["j"][0]
+    assert reason == "length" and len(tokens) == 120
+    end = tokens.index(2)  # the grammar's EOS
+    prefix = engine.tokenizer.decode(tokens[:end])
+    jsonschema.validate(json.loads(prefix), PERSON)
+    assert engine.structured.num_matchers == 0
