@@ -112,11 +112,13 @@ static plan make_plan(const ps_model *m, int64_t M, int64_t T) {
  * activations of the projection at hand, one chunk of gate/up, RoPE'd heads of one task. */
 typedef struct {
     float *residual, *x, *gate_up, *heads, *d, *s;
+    int32_t *c;
     int8_t *q;
 } scratch;
 
+/* In floats (4 bytes), the int32 and int8 parts included. */
 static int64_t scratch_floats(const plan *p) {
-    return p->M * (2 * p->H + 2 * ROWS + 2 * (p->k_max / QK)) + (p->hq / p->hkv + 1) * p->D
+    return p->M * (2 * p->H + 2 * ROWS + 4 * (p->k_max / QK)) + (p->hq / p->hkv + 1) * p->D
            + p->M * p->k_max / 4 + 16;
 }
 
@@ -229,8 +231,9 @@ static void attention_chunk(const op *o, int64_t c) {
 
 static void compute(op *o, int64_t c, int *ready) {
     if (!*ready && o->input) {
-        ps_quantize_rows(o->input, o->k, o->p->M, o->k / QK, o->w->q, o->w->d, o->w->s);
-        o->x = (qrows){o->w->q, o->w->d, o->w->s, o->k / QK};
+        ps_quantize_rows(o->input, o->k, o->p->M, o->k / QK, o->w->q, o->w->d, o->w->s,
+                         o->w->c);
+        o->x = (qrows){o->w->q, o->w->d, o->w->s, o->w->c, o->k / QK};
     }
     *ready = 1;
     o->run(o, c);
@@ -347,7 +350,8 @@ int pagedserve_decode_step(const ps_model *m, const float *h, float *out, int64_
         w.gate_up = w.x + M * p.H;
         w.d = w.gate_up + M * 2 * ROWS;
         w.s = w.d + M * (p.k_max / QK);
-        w.heads = w.s + M * (p.k_max / QK);
+        w.c = (int32_t *)(w.s + M * (p.k_max / QK));
+        w.heads = (float *)(w.c + 2 * M * (p.k_max / QK));
         w.q = (int8_t *)(w.heads + (p.hq / p.hkv + 1) * p.D);
         const float *h_in = h;
         for (int64_t l = 0; l < m->num_layers; l++) {

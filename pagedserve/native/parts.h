@@ -8,19 +8,22 @@
 #include <stdint.h>
 
 /* quant.c: activations quantized to int8 per 32-block: row r, block b at q + (r * nb + b) * 32,
- * with scale d[r * nb + b] and d * sum(q) in s[r * nb + b]. */
+ * with scale d[r * nb + b], d * sum(q) in s[r * nb + b] and -128 * sum(q) of its two halves
+ * of 16 in c[(r * nb + b) * 2 + 0/1]. */
 typedef struct {
     const int8_t *q;
     const float *d, *s;
+    const int32_t *c;
     int64_t nb;
 } qrows;
 
-/* Rows 0 .. M of x (row stride ldx, nb blocks of 32 each) quantized into q, d, s. */
+/* Rows 0 .. M of x (row stride ldx, nb blocks of 32 each) quantized into q, d, s, c. */
 void ps_quantize_rows(const float *x, int64_t ldx, int64_t M, int64_t nb, int8_t *q, float *d,
-                      float *s);
+                      float *s, int32_t *c);
 
 /* y[m * ldy + n - n0] = x_m . w_n (+ bias[n]) for activation rows m0 .. m1 and weight rows
- * n0 .. n1 of one weight (kind 0: q4, 1: q8; layouts as in quant.c; bias NULL: none). */
+ * n0 .. n1 of one weight (kind 0: q4, 1: q8; layouts as in quant.c, in groups of 16 rows;
+ * bias NULL: none). A range that starts or ends inside a group computes the whole group. */
 void ps_qlinear_range(int kind, const void *w, const float *scales, const float *mins,
                       const qrows *x, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
                       const float *bias, float *y, int64_t ldy);

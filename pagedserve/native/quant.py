@@ -1,10 +1,13 @@
 """Block-quantized linear layers on the CPU (`quant.c`): GGUF weights kept quantized.
 
-`QuantizedWeight` holds a weight in one of the kernel's two layouts (see quant.c);
+`QuantizedWeight` holds a weight row by row in one of two kinds (q4, q8; see quant.c);
 `pagedserve.model.gguf_blocks` repacks a GGUF file's blocks into them without changing a
-value. `QuantizedLinear` multiplies int8-quantized activations into them; its results differ
-from a float matmul on the dequantized weights by the activations' rounding (relative 1e-3 or
-so per output).
+value, and the GGUF cache stores them so. `GroupedWeight` is the same weight in the kernel's
+layout (groups of 16 rows interleaved 4 weights at a time, quant.c), made when a
+`QuantizedLinear` is built: moving bytes only, `unpack` gives the weight back exactly.
+`QuantizedLinear` multiplies int8-quantized activations into them; its results differ from a
+float matmul on the dequantized weights by the activations' rounding (relative 1e-3 or so per
+output).
 K must be a multiple of 32, as every GGUF block type makes it.
 """
 
@@ -19,6 +22,7 @@ import torch
 from pagedserve.native.build import function
 
 BLOCK = 32  # weights per kernel block; K must be a multiple
+GROUP = 16  # weight rows interleaved in the kernel's layout (quant.c's GR)
 
 
 @cache
@@ -74,6 +78,71 @@ class QuantizedWeight:
         return (q * self.scales[..., None] + self.mins[..., None]).view(n, k)
 
 
+@dataclass(frozen=True)
+class GroupedWeight:
+    """A `QuantizedWeight` of `rows` rows in quant.c's layout, rows padded with zeros to
+    groups of 16. kind "q4": qs uint8 [groups, blocks * 256] (per block 4 chunks of 16 rows x
+    4 bytes, low nibbles weights 4c.., high nibbles 16 + 4c..), scales and mins float32
+    [groups, blocks * 16]. kind "q8": qs uint8 [groups, blocks * 512] (8 chunks, q + 128),
+    scales float32 [groups, 2 * blocks * 16], mins None."""
+
+    kind: str
+    rows: int
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        per_block = 256 if self.kind == "q4" else 512
+        return self.rows, self.qs.shape[1] // per_block * BLOCK
+
+    @classmethod
+    def pack(cls, w: QuantizedWeight) -> GroupedWeight:
+        n, k = w.shape
+        groups, nb = -(-n // GROUP), k // BLOCK
+        if w.kind == "q4":
+            qs = _interleave(w.qs.view(n, nb, 4, 4), groups)
+        else:
+            qs = _interleave((w.qs.to(torch.int16) + 128).to(torch.uint8).view(n, nb, 8, 4),
+                             groups)
+        mins = None if w.mins is None else _interleave(w.mins[..., None, None], groups)
+        return cls(w.kind, n, qs.view(groups, -1), _interleave(w.scales[..., None, None],
+                   groups).view(groups, -1), None if mins is None else mins.view(groups, -1))
+
+    def unpack(self) -> QuantizedWeight:
+        n, k = self.shape
+        groups, nb = self.qs.shape[0], k // BLOCK
+        if self.kind == "q4":
+            qs = _deinterleave(self.qs.view(groups, nb, 4, GROUP, 4), n).reshape(n, -1)
+        else:
+            raw = _deinterleave(self.qs.view(groups, nb, 8, GROUP, 4), n).reshape(n, -1)
+            qs = (raw.to(torch.int16) - 128).to(torch.int8)
+        per = nb if self.kind == "q4" else 2 * nb
+        scales = _deinterleave(self.scales.view(groups, per, 1, GROUP, 1), n).reshape(n, -1)
+        mins = None if self.mins is None else _deinterleave(
+            self.mins.view(groups, per, 1, GROUP, 1), n).reshape(n, -1)
+        return QuantizedWeight(self.kind, qs, scales, mins)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.unpack().dequantize()
+
+
+def _interleave(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[n, blocks, chunks, c] row-wise -> [groups, blocks, chunks, 16, c], rows zero-padded."""
+    n = t.shape[0]
+    padded = torch.zeros(groups * GROUP, *t.shape[1:], dtype=t.dtype)
+    padded[:n] = t
+    return padded.view(groups, GROUP, *t.shape[1:]).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _deinterleave(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of `_interleave`: [groups, blocks, chunks, 16, c] -> [n, blocks, chunks, c]."""
+    groups = t.shape[0]
+    rows = t.permute(0, 3, 1, 2, 4).reshape(groups * GROUP, *t.shape[1:3], t.shape[4])
+    return rows[:n]
+
+
 class QuantizedLinear:
     """The output dim of one linear layer as quantized parts (the shards of a fused q/k/v or
     gate/up; consecutive ones of one kind are merged, so usually a single part). A file may
@@ -86,7 +155,8 @@ class QuantizedLinear:
                 merged[-1].append(part)
             else:
                 merged.append([part])
-        self.parts = [QuantizedWeight.cat(run) if len(run) > 1 else run[0] for run in merged]
+        self.parts = [GroupedWeight.pack(QuantizedWeight.cat(run) if len(run) > 1 else run[0])
+                      for run in merged]
         ks = {p.shape[1] for p in self.parts}
         if len(ks) != 1:
             raise ValueError(f"quantized parts with different input sizes {sorted(ks)}")

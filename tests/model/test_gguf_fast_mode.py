@@ -2,9 +2,13 @@
 (int8 activations), and its quality stays within bounds of the exact float32 path's.
 
 Measured on the fixed text (`benchmarks/cpu_quality.py`): mean KL ~0.01 nats, perplexity
-within 0.5% of float32's, ~95% top-1 agreement; the test reads its first 512 tokens. The bounds leave room for other CPUs'
-summation orders but fail on a wrong kernel or layout (a wrong nibble order or scale gives
-KL > 1 and perplexity in the hundreds)."""
+within 1% of float32's, ~95% top-1 agreement. The test reads the whole text (895 tokens): the
+fast mode's perplexity moves by up to 2% on its first 512 tokens when only the float32
+summation order changes (relative 3e-7 noise on every linear layer's input flips some int8
+roundings of the activations downstream: 16.86 to 17.09-17.21 against float32's 16.86 on an
+Intel AVX-512 box), by less on the whole. The bounds leave room for that but fail on a wrong
+kernel or layout (a wrong nibble order or scale gives KL > 1 and perplexity in the
+hundreds)."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from pagedserve.native import quant
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="native kernels unavailable")
 
-TEXT_TOKENS = 512  # of the ~900: enough for the bounds, half the CI time
+TEXT_TOKENS = 895  # the whole text: fewer tokens leave the perplexity to rounding noise
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "List three uses of copper.", "Why is the sky blue?",
              "Give me a short recipe for pancakes.", "What does a CPU cache do?",

@@ -20,7 +20,7 @@ from gguf.quants import dequantize
 
 from pagedserve.model.gguf_blocks import GGUF_TYPES, from_gguf
 from pagedserve.native import build, quant
-from pagedserve.native.quant import QuantizedLinear
+from pagedserve.native.quant import GroupedWeight, QuantizedLinear
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -51,14 +51,15 @@ def quantize_rows(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=RUNNABLE, ids=lambda v: v.name)
 def variant(request, tmp_path_factory):
-    """Point the wrapper at this variant's library (built once) for the module's tests."""
+    """Point the wrapper at this variant's library (built once) for the module's tests; the
+    library itself is the fixture's value."""
     lib = ctypes.CDLL(str(build._compile(tmp_path_factory.mktemp(request.param.name),
                                          request.param)))
     fn = lib.pagedserve_qlinear
     fn.argtypes, fn.restype = quant._kernel().argtypes, ctypes.c_int
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(quant, "_kernel", lambda: fn)
-        yield request.param
+        yield lib
 
 
 def test_this_cpu_runs_the_avx2_variant_at_least():
@@ -77,7 +78,25 @@ def test_repacking_keeps_every_value(qtype):
 
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 70])
+@pytest.mark.parametrize("n", [1, 16, 37])
+def test_grouped_layout_moves_bytes_only(qtype, n):
+    """The kernel's layout (groups of 16 rows, padded) gives back every byte and scale."""
+    rng = np.random.default_rng(n)
+    k = 512 if qtype in (T.Q4_K, T.Q6_K) else 96
+    weight = from_gguf(random_blocks(qtype, n, k, rng), qtype)
+    grouped = GroupedWeight.pack(weight)
+    assert grouped.shape == (n, k) and grouped.qs.shape[0] == -(-n // 16)
+    back = grouped.unpack()
+    assert back.kind == weight.kind
+    for a, b in [(back.qs, weight.qs), (back.scales, weight.scales), (back.mins, weight.mins)]:
+        assert (a is None and b is None) or torch.equal(a, b)
+    # a padded row is zero everywhere: its scales (and q4 mins) make its outputs 0
+    pad = grouped.scales.view(grouped.qs.shape[0], -1, 16)[-1, :, n % 16 or 16:]
+    assert not pad.any()
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16, 70])
 @pytest.mark.parametrize("n", [1, 7, 37])
 def test_matches_float64_reference(variant, qtype, rows, n):
     seed = int(torch.seed() % 2**31)
@@ -148,3 +167,41 @@ def test_wrong_input_is_rejected():
         linear(torch.zeros(2, 64, dtype=torch.float64))
     with pytest.raises(ValueError, match="has no quantized kernel"):
         from_gguf(np.zeros((2, 64), dtype=np.uint8), T.Q5_0)
+
+
+class _QRows(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("s", ctypes.c_void_p),
+                ("c", ctypes.c_void_p), ("nb", ctypes.c_int64)]
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_row_ranges_inside_groups_match_the_whole(variant, qtype):
+    """decode.c asks for ranges of weight rows that may start or end inside a group of 16
+    (`ps_qlinear_range`): each range writes exactly its outputs, bit for bit the whole
+    layer's, and nothing outside them."""
+    rng = np.random.default_rng(6)
+    n, k, m = 45, 256, 11
+    weight = from_gguf(random_blocks(qtype, n, k, rng), qtype)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    whole = QuantizedLinear([weight])(x, bias)
+    part = GroupedWeight.pack(weight)
+    nb = k // 32
+    q = torch.empty(m, k, dtype=torch.int8)
+    d, s, c = torch.empty(m, nb), torch.empty(m, nb), torch.empty(m, 2 * nb, dtype=torch.int32)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    variant.ps_quantize_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
+    variant.ps_quantize_rows(x.data_ptr(), k, m, nb, q.data_ptr(), d.data_ptr(), s.data_ptr(),
+                             c.data_ptr())
+    rows = _QRows(q.data_ptr(), d.data_ptr(), s.data_ptr(), c.data_ptr(), nb)
+    fn = variant.ps_qlinear_range
+    fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ctypes.POINTER(_QRows), i64, i64, i64, i64,
+                   ptr, ptr, i64]
+    for n0, n1 in [(0, 45), (3, 12), (5, 21), (15, 17), (16, 32), (30, 45), (44, 45)]:
+        width = n1 - n0
+        y = torch.full((m, width + 2), float("nan"))  # one guard column each side
+        fn(0 if part.kind == "q4" else 1, part.qs.data_ptr(), part.scales.data_ptr(),
+           None if part.mins is None else part.mins.data_ptr(), ctypes.byref(rows), 2, m,
+           n0, n1, bias.data_ptr(), y[:, 1:].data_ptr(), width + 2)
+        assert torch.equal(y[2:, 1:-1], whole[2:, n0:n1]), (n0, n1)
+        assert y[:, 0].isnan().all() and y[:, -1].isnan().all() and y[:2].isnan().all()
