@@ -18,7 +18,8 @@ Reported per configuration, ms per step: `submit` and `wait` on the engine threa
 workers' busy time summed (`worker_cpu`), and `added`: the step's time minus the host work
 alone, i.e. what the grammar costs the engine thread. Lead's H100 host (16 cores):
     python benchmarks/grammar_host.py --model /tmp/ckpt --threads 0,1,2,4,8 --out /tmp/gh
-Here (default model's tokenizer and vocabulary):
+Here (default model's tokenizer; --vocab-size 151936 is Qwen3's LM head over it, the
+checkpoint of the H100 runs; --full-width puts its 102,784 padding ids in the token table):
     python benchmarks/grammar_host.py --steps 32 --threads 0,1
 """
 
@@ -235,10 +236,20 @@ def main() -> None:
     parser.add_argument("--host-work-ms", type=float, default=3.0,
                         help="the engine thread's own Python per step, which the grammar "
                              "work overlaps")
+    parser.add_argument("--full-width", action="store_true",
+                        help="token table over the model's whole vocabulary, padding ids "
+                             "included (as before grammar_vocab_size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="folder for grammar_host.json")
     args = parser.parse_args()
 
+    if args.full_width:
+        from pagedserve.structured import grammar as grammar_module
+
+        def full(tokenizer, vocab_size: int) -> int:
+            return vocab_size
+
+        grammar_module.grammar_vocab_size = manager_module.grammar_vocab_size = full
     config = read_model_config(args.model)
     tokenizer = load_tokenizer(str(model_path(args.model)))
     vocab = args.vocab_size or config.vocab_size
@@ -248,7 +259,7 @@ def main() -> None:
     grammars = StructuredOutputManager(tokenizer, vocab, eos, 1, num_threads=0).grammars
     grammars.get(FakeParams.structured_outputs)
     print(f"token table and compile: {(time.perf_counter() - start) * 1e3:.0f} ms; vocab "
-          f"{vocab} (tokenizer {len(tokenizer)}), batch {args.batch}, host work "
+          f"{vocab} (tokenizer {len(tokenizer)}, grammar {grammars.vocab_size}), batch {args.batch}, host work "
           f"{args.host_work_ms} ms, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}",
           flush=True)
     results = []
@@ -266,6 +277,7 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "load_before": os.getloadavg(), "vocab_size": vocab,
+            "grammar_vocab_size": grammars.vocab_size,
             "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
 
 

@@ -16,9 +16,17 @@ from torch import Tensor
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
     """Set the logits of tokens whose bit is 0 to -inf, in place; returns `logits`.
 
-    `bitmask`: int32 [rows, ceil(vocab / 32)] on the logits' device."""
+    `bitmask`: int32 [rows, words] on the logits' device, words = ceil(vocab / 32), or fewer
+    where the grammar covers fewer ids than the LM head has rows (`grammar_vocab_size`):
+    the ids past its last bit are then allowed in a row exactly when that bit is set (the
+    sign bit of the row's last word), i.e. masked in a constrained row, free in a free one."""
     if not logits.is_contiguous():
         logits = logits.contiguous()
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1])
+    vocab, covered = logits.shape[1], bitmask.shape[1] * 32
+    if covered >= vocab:
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab)
+        return logits
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered)
+    logits[:, covered:].masked_fill_(bitmask[:, -1:] >= 0, float("-inf"))
     return logits
 

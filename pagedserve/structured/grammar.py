@@ -24,11 +24,25 @@ from pagedserve.structured.params import StructuredOutputsParams
 _MAX_CACHED = 256  # distinct grammars kept; the oldest compiled is dropped first
 
 
+def grammar_vocab_size(tokenizer: Any, vocab_size: int) -> int:
+    """The ids a grammar's token table and bitmask rows cover: the model's logits width
+    `vocab_size`, or, where the LM head is wider than the tokenizer by more than a 32-bit
+    word, the tokenizer's ids and at least one padding id, rounded up to a word. xgrammar
+    takes every id past the tokenizer for a special token and scans the list of them at
+    each accepted token and each row it fills: SmolLM2's tokenizer under Qwen3's
+    151,936-row head has 102,784, which made both 7x slower. The last id of a narrower row
+    is padding, never allowed by a grammar, so `apply_token_bitmask` extends it to the ids
+    past the row: masked under a grammar, allowed in a free row (all ones)."""
+    words = (len(tokenizer) + 1 + 31) // 32
+    return min(vocab_size, words * 32)
+
+
 class GrammarCache:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         """`vocab_size`: the model's logits width, which may exceed the tokenizer's (padding
-        rows); the extra ids are never allowed."""
-        self.vocab_size = vocab_size
+        rows); the extra ids are never allowed. The token table covers
+        `grammar_vocab_size` ids (`self.vocab_size`)."""
+        self.vocab_size = vocab_size = grammar_vocab_size(tokenizer, vocab_size)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False,
                                              max_threads=min(8, os.cpu_count() or 1))

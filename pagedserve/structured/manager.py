@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import xgrammar as xgr
 
-from pagedserve.structured.grammar import GrammarCache
+from pagedserve.structured.grammar import GrammarCache, grammar_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -165,19 +165,25 @@ class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
                  max_num_seqs: int, pin_memory: bool = False,
                  num_threads: int | None = None) -> None:
-        """`stop_token_ids`: the engine's EOS ids, the tokens a finished grammar allows.
-        `pin_memory`: the bitmask goes to a GPU (its buffers are then page-locked).
+        """`stop_token_ids`: the engine's EOS ids, the tokens a finished grammar allows (those
+        the tokenizer has: a config's EOS may lie past a borrowed tokenizer's ids).
+        `pin_memory`: the bitmask goes to a GPU (its buffers are then page-locked). The
+        bitmask rows cover `grammar_vocab_size` ids, fewer than `vocab_size` where the LM
+        head has many padding rows.
         `num_threads`: grammar worker threads (None: `default_num_threads()`); 0 does the
         work on the calling thread, inside `submit`."""
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._grammars: GrammarCache | None = None
-        self._stop_token_ids = sorted(stop_token_ids)
-        self._stop_set = frozenset(self._stop_token_ids)
+        width = grammar_vocab_size(tokenizer, vocab_size)
+        # None: no EOS id is the tokenizer's; then those xgrammar detects in its vocabulary
+        self._stop_token_ids: list[int] | None = sorted(
+            t for t in stop_token_ids if t < width) or None
+        self._stop_set = frozenset(self._stop_token_ids or ())
         self._entries: dict[str, _Entry] = {}
         self._free_slots: list[int] = []  # a heap of released slots below _next_slot
         self._next_slot = 0
         # two buffers, used in turn: a bitmask being uploaded is never the one being filled
-        buffers = [xgr.allocate_token_bitmask(max_num_seqs, vocab_size) for _ in range(2)]
+        buffers = [xgr.allocate_token_bitmask(max_num_seqs, width) for _ in range(2)]
         if pin_memory:
             buffers = [b.pin_memory() for b in buffers]
         self._buffer_tensors = buffers  # owns the (pinned) memory
@@ -204,8 +210,11 @@ class StructuredOutputManager:
         spec = request.sampling_params.structured_outputs
         if spec is None:
             return
-        matcher = xgr.GrammarMatcher(self.grammars.get(spec),
-                                     override_stop_tokens=self._stop_token_ids)
+        compiled = self.grammars.get(spec)
+        if self._stop_token_ids is None:
+            self._stop_token_ids = list(self.grammars.tokenizer_info.stop_token_ids)
+            self._stop_set = frozenset(self._stop_token_ids)
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids)
         for token_id in request.output_token_ids:  # a request that arrives with output
             if matcher.is_terminated():
                 return  # past the grammar's end: unconstrained

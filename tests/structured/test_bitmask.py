@@ -13,6 +13,7 @@ import xgrammar as xgr
 from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, to_device
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.structured.bitmask import apply_token_bitmask
 
 VOCAB = 100
 DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
@@ -78,3 +79,20 @@ def test_random_row_draws_from_the_renormalized_allowed_set():
     assert set(tokens.tolist()) <= set(allowed)
     for token, p in zip(allowed, expected):
         assert abs((tokens == token).float().mean().item() - p) < 0.03
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_a_bitmask_narrower_than_the_logits_extends_its_last_bit(device):
+    """A grammar over fewer ids than the LM head has rows (`grammar_vocab_size`): the ids
+    past the bitmask follow its last bit, masked in a constrained row, free in a free one."""
+    vocab, covered = 200, 64
+    logits = torch.randn(3, vocab, device=device)
+    mask = np.full((3, covered // 32), -1, dtype=np.int32)
+    mask[0] = 0
+    mask[0, 0] = 1 << 5  # row 0 allows id 5 only (its last bit, id 63, is 0)
+    mask[2, 1] = 0x7FFFFFFF  # row 2 allows all but id 63, so nothing past it
+    out = apply_token_bitmask(logits.clone(), to_device(torch.from_numpy(mask), device)).cpu()
+    reference = logits.cpu()
+    assert torch.isfinite(out[0]).tolist() == [i == 5 for i in range(vocab)]
+    assert torch.equal(out[1], reference[1])
+    assert torch.isfinite(out[2]).tolist() == [i < 63 for i in range(vocab)]

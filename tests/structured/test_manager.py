@@ -232,3 +232,26 @@ def test_shutdown_stops_the_workers(tokenizer):
     for thread in workers() - already:
         thread.join(timeout=5)
     assert not workers() - already
+
+
+def test_an_lm_head_wider_than_the_tokenizer(tokenizer):
+    """The rows cover the tokenizer's ids and a padding word (not the head's 1,000 rows: each
+    padding id is one more special token xgrammar scans per token); an EOS id past the
+    tokenizer is left out of the stop tokens instead of failing; applied to logits of the
+    head's width, a constrained row allows exactly its grammar's ids, a free row all."""
+    import torch
+
+    from pagedserve.structured.bitmask import apply_token_bitmask
+
+    manager = StructuredOutputManager(tokenizer, 1000, [EOS, 999], 4, num_threads=1)
+    assert manager.grammars.vocab_size == 288  # 259 ids + 1, rounded to 32
+    request = Request("x", StructuredOutputsParams(regex="[a-c]+"))
+    manager.add_request(request)
+    manager.submit([], ["free", "x"])
+    grammar = manager.take_bitmask()
+    assert grammar.bitmask.shape == (2, 9)
+    logits = apply_token_bitmask(torch.zeros(2, 1000), torch.from_numpy(grammar.bitmask.copy()))
+    assert torch.isfinite(logits[0]).all()
+    allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert allowed == sorted(tokenizer.convert_tokens_to_ids(list("abc")))
+    manager.shutdown()
