@@ -205,6 +205,24 @@ def table_rows(result: dict) -> list[dict]:
                 ("TTFT, ~1,000-token prompt", "ttft_s", "s (ratio: llama / ours)", "ttft")]]
 
 
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def previous_runs(path: Path) -> list[dict]:
+    """The runs an existing cpu.json records (its own summary first, then the runs it kept),
+    so that a new run adds to the file instead of replacing what other CPUs measured."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    keep = ("date", "commit", "cpu", "threads", "load_avg_start", "load_avg_end", "rows")
+    return [{k: old[k] for k in keep if k in old}, *old.get("previous_runs", [])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help=".gguf file; default: SmolLM2-135M Q4_1")
@@ -269,6 +287,8 @@ def main() -> None:
                         "concurrent": ps["concurrent_tok_s"] / ll["concurrent_tok_s"],
                         "ttft": ll["ttft_s"] / ps["ttft_s"]}
     result["rows"] = table_rows(result)
+    result["commit"] = _commit()
+    result["previous_runs"] = previous_runs(args.out / "cpu.json")
     (args.out / "cpu.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
