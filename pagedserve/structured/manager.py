@@ -79,34 +79,49 @@ class _Entry:
     request_id: str
     matcher: xgr.GrammarMatcher
     slot: int  # lowest free first, so slot % workers spreads the live ones evenly
+    handle: Any = field(init=False)  # the C++ matcher, as the batch calls take it
+
+    def __post_init__(self) -> None:
+        self.handle = self.matcher._handle
 
 
 @dataclass(eq=False)
 class _Task:
-    """One worker's part of a job: accept these tokens, then fill these rows."""
+    """One worker's part of a job: accept these tokens, then fill these rows.
+
+    It calls xgrammar's bindings on the matchers' handles: the Python wrappers turn the
+    accept's result into a list one FFI call per element, and every FFI call gives up the
+    GIL, which a worker then waits to get back while the engine thread runs Python. Here a
+    task costs two calls; the result is read by the engine thread (`0 in results`, one
+    call) when it collects the job."""
 
     accept_entries: list[_Entry] = field(default_factory=list)
-    accept_matchers: list[xgr.GrammarMatcher] = field(default_factory=list)
+    accept_handles: list[Any] = field(default_factory=list)
     accept_tokens: list[int] = field(default_factory=list)
-    fill_matchers: list[xgr.GrammarMatcher] = field(default_factory=list)
+    fill_handles: list[Any] = field(default_factory=list)
     fill_rows: list[int] = field(default_factory=list)
 
-    def run(self, filler: xgr.BatchGrammarMatcher, bitmask: np.ndarray | None
-            ) -> list[bool] | None:
-        """The accept results, or None if every token was accepted."""
-        refused = None
-        if self.accept_matchers:
-            results = xgr.BatchGrammarMatcher.batch_accept_token(self.accept_matchers,
-                                                                 self.accept_tokens)
-            if not all(results):
-                refused = results
-        if self.fill_matchers:
-            filler.batch_fill_next_token_bitmask(self.fill_matchers, bitmask, self.fill_rows)
-        return refused
+    def run(self, filler: Any, bitmask: np.ndarray | None) -> Any:
+        """The accept's results (an FFI array of 0/1, one per token), or None."""
+        results = None
+        if self.accept_handles:
+            results = _BATCH_ACCEPT(self.accept_handles, self.accept_tokens, False)
+        if self.fill_handles:
+            filler.batch_fill_next_token_bitmask(self.fill_handles, bitmask, self.fill_rows,
+                                                 False)
+        return results
 
     @property
     def empty(self) -> bool:
-        return not (self.accept_matchers or self.fill_matchers)
+        return not (self.accept_handles or self.fill_handles)
+
+
+_BATCH_ACCEPT = xgr.base._core.BatchGrammarMatcher.batch_accept_token
+
+
+def _filler() -> Any:
+    """xgrammar's batch fill on the calling thread only (max_threads=1: no thread pool)."""
+    return xgr.BatchGrammarMatcher(max_threads=1)._handle
 
 
 @dataclass(eq=False)
@@ -146,7 +161,7 @@ class _Switch:
 
 def _work(inbox: queue.SimpleQueue) -> None:
     """A worker: run tasks in the order they come, report each to its job's queue."""
-    filler = xgr.BatchGrammarMatcher(max_threads=1)  # sequential, on this thread
+    filler = _filler()
     while True:
         item = inbox.get()
         if item is None:
@@ -194,7 +209,7 @@ class StructuredOutputManager:
         self._dirty = [np.zeros(max_num_seqs, dtype=bool) for _ in range(2)]
         self._next_buffer = 0
         self._jobs: deque[_Job] = deque()
-        self._inline_filler: xgr.BatchGrammarMatcher | None = None
+        self._inline_filler: Any = None
         self._inboxes: list[queue.SimpleQueue] = []
         self._finalizer: weakref.finalize | None = None
         self.num_threads = default_num_threads() if num_threads is None else num_threads
@@ -285,7 +300,7 @@ class StructuredOutputManager:
                     continue
                 task = tasks[entry.slot % workers]
                 task.accept_entries.append(entry)
-                task.accept_matchers.append(entry.matcher)
+                task.accept_handles.append(entry.handle)
                 task.accept_tokens.append(token)
         if sampling_ids is not None:
             job.req_ids = list(sampling_ids)
@@ -297,7 +312,7 @@ class StructuredOutputManager:
         self._jobs.append(job)
         if self.num_threads == 0:
             if self._inline_filler is None:
-                self._inline_filler = xgr.BatchGrammarMatcher(max_threads=1)
+                self._inline_filler = _filler()
             for index, task in enumerate(tasks):
                 if not task.empty:
                     job.pending += 1
@@ -337,7 +352,7 @@ class StructuredOutputManager:
                 entry = entries.get(req_id)
                 if entry is not None:
                     task = tasks[entry.slot % workers]
-                    task.fill_matchers.append(entry.matcher)
+                    task.fill_handles.append(entry.handle)
                     task.fill_rows.append(row)
                     filled[row] = True
         reset = np.flatnonzero(dirty & ~filled)
@@ -372,19 +387,19 @@ class StructuredOutputManager:
         error = None
         for job in jobs:
             while job.pending:
-                index, refused, exc = job.done.get()
+                index, results, exc = job.done.get()
                 job.pending -= 1
                 if exc is not None:
                     error = error or exc
-                elif refused is not None:
-                    self._drop_refused(job.tasks[index], refused)
+                elif results is not None and 0 in results:
+                    self._drop_refused(job.tasks[index], list(results))
             if job.switched:
                 job.switched = False
                 _Switch.leave()
         if error is not None:
             raise RuntimeError("a grammar worker failed") from error
 
-    def _drop_refused(self, task: _Task, accepted: list[bool]) -> None:
+    def _drop_refused(self, task: _Task, accepted: list[int]) -> None:
         for entry, ok, token in zip(task.accept_entries, accepted, task.accept_tokens):
             if not ok and self._entries.get(entry.request_id) is entry:
                 logger.error("request %s: token %d does not match its grammar; its output is "
