@@ -137,6 +137,8 @@ def test_outputs_match_their_constraints_and_free_rows_are_unchanged(loaded, ref
     {"async_scheduling": True, "num_blocks": 12},  # preempted and resumed (recompute)
     {"async_scheduling": False, "num_blocks": 12, "preemption_mode": "swap",
      "swap_space": 64 * BLOCK_BYTES},
+    {"async_scheduling": True, "num_blocks": 12, "preemption_mode": "swap",
+     "swap_space": 64 * BLOCK_BYTES},
 ])
 def test_async_and_preemption_give_the_synchronous_tokens(loaded, reference, options):
     engine = make(loaded, **options)
