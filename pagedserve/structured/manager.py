@@ -128,15 +128,15 @@ def _filler() -> Any:
 class _Job:
     tasks: list[_Task]
     done: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    pending: int = 0  # tasks handed out and not yet reported
-    switched: bool = False  # holds the lowered switch interval until finished
+    pending: int = 0  # tasks handed out and not yet collected by the engine thread
+    unrun: int = 0  # tasks handed to workers and not yet run (guarded by _Switch.lock)
     req_ids: list[str] | None = None  # a fill job: the step's sampling rows, in order
     buffer: np.ndarray | None = None  # the whole buffer its rows are filled in
     bitmask: np.ndarray | None = None  # its first len(req_ids) rows; None: no row constrained
 
 
 class _Switch:
-    """The interpreter's switch interval, lowered while any manager has a job outstanding."""
+    """The interpreter's switch interval, lowered while any manager's workers have work."""
 
     lock = threading.Lock()
     outstanding = 0
@@ -152,8 +152,12 @@ class _Switch:
                     sys.setswitchinterval(_GIL_SWITCH_S)
 
     @classmethod
-    def leave(cls) -> None:
+    def task_done(cls, job: _Job) -> None:
+        """A worker ran one of the job's tasks; the job's last one ends its hold."""
         with cls.lock:
+            job.unrun -= 1
+            if job.unrun:
+                return
             cls.outstanding -= 1
             if cls.outstanding == 0 and cls.saved > _GIL_SWITCH_S:
                 sys.setswitchinterval(cls.saved)
@@ -166,11 +170,13 @@ def _work(inbox: queue.SimpleQueue) -> None:
         item = inbox.get()
         if item is None:
             return
-        index, task, bitmask, done = item
+        index, task, job = item
         try:
-            done.put((index, task.run(filler, bitmask), None))
+            report = (index, task.run(filler, job.buffer), None)
         except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
-            done.put((index, None, exc))
+            report = (index, None, exc)
+        _Switch.task_done(job)  # first: whoever waits for the report finds it restored
+        job.done.put(report)
 
 
 def _stop_workers(inboxes: list[queue.SimpleQueue]) -> None:
@@ -285,6 +291,9 @@ class StructuredOutputManager:
         and a terminated matcher must not be filled."""
         if sampling_ids is not None and any(job.req_ids is not None for job in self._jobs):
             raise RuntimeError("a bitmask is being filled: take it before the next one")
+        jobs = self._jobs  # collect the accept-only jobs already done (a free step's)
+        while jobs and jobs[0].req_ids is None and jobs[0].done.qsize() == jobs[0].pending:
+            self._finish([jobs.popleft()])
         workers = max(self.num_threads, 1)
         job = _Job([_Task() for _ in range(workers)])
         tasks, entries = job.tasks, self._entries
@@ -323,12 +332,11 @@ class StructuredOutputManager:
             return
         if not self._inboxes:
             self._start_workers()
+        handed = [(index, task) for index, task in enumerate(tasks) if not task.empty]
+        job.pending = job.unrun = len(handed)
         _Switch.enter()
-        job.switched = True
-        for index, task in enumerate(tasks):
-            if not task.empty:
-                job.pending += 1
-                self._inboxes[index].put((index, task, job.buffer, job.done))
+        for index, task in handed:
+            self._inboxes[index].put((index, task, job))
 
     def _accept_stop(self, entry: _Entry, token: int) -> None:
         """A stop token ends the grammar if accepted; either way the request goes free."""
@@ -393,9 +401,6 @@ class StructuredOutputManager:
                     error = error or exc
                 elif results is not None and 0 in results:
                     self._drop_refused(job.tasks[index], list(results))
-            if job.switched:
-                job.switched = False
-                _Switch.leave()
         if error is not None:
             raise RuntimeError("a grammar worker failed") from error
 

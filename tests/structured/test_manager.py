@@ -4,7 +4,7 @@ row is never filled before its matcher took every earlier token), whatever the o
 submit/take, requests added and removed between jobs, and slots reused; a stop token ends
 the grammar (the row goes free, the matcher is dropped, nothing fills a terminated matcher);
 a refused token drops the matcher with an error; a worker's failure reaches the caller; the
-switch interval is lowered only while a job is outstanding; shutdown stops the threads."""
+switch interval is lowered only while the workers have work; shutdown stops the threads."""
 
 from __future__ import annotations
 
@@ -207,15 +207,23 @@ def test_one_bitmask_at_a_time(tokenizer):
     manager.shutdown()
 
 
-def test_switch_interval_is_lowered_only_while_a_job_is_out(tokenizer):
+def test_switch_interval_is_lowered_only_while_the_workers_have_work(tokenizer):
     before = sys.getswitchinterval()
     manager = make(tokenizer, 1)
-    manager.add_request(Request("x", SPECS[0]))
+    request = Request("x", SPECS[0])
+    manager.add_request(request)
+    others = set(threading.enumerate())
     manager.submit([], ["x"])
     assert sys.getswitchinterval() < min(before, 1e-3)
     manager.take_bitmask()
     assert sys.getswitchinterval() == before
-    manager.shutdown()
+    request.output_token_ids.append(tokenizer.encode("{", add_special_tokens=False)[0])
+    manager.submit([request])  # an accept only: nobody takes it, its end still restores
+    manager._inboxes[0].put(None)  # the worker stops after it
+    for thread in set(threading.enumerate()) - others:
+        thread.join(timeout=5)
+    assert sys.getswitchinterval() == before
+    assert manager.is_constrained("x")
 
 
 def test_shutdown_stops_the_workers(tokenizer):
