@@ -15,9 +15,10 @@ A request whose grammar ends (its row allows only EOS and samples it) finishes a
 takes its row, as under continuous batching, so every row stays constrained.
 
 Reported per configuration, ms per step: `submit` and `wait` on the engine thread, the
-workers' busy time summed (`worker_cpu`), and `added`: the step's time minus the host work's
-time alone (measured right after), i.e. what the grammar costs the engine thread, GIL and
-cores taken from its own work included. Lead's H100 host (16 cores):
+workers' busy time summed (`worker_cpu`, of which `worker_accept` in batch_accept_token;
+legacy: none, its work is in `submit` and `wait`), and `added`: the step's time minus the
+host work's time alone (measured right after), i.e. what the grammar costs the engine
+thread, GIL and cores taken from its own work included. Lead's H100 host (16 cores):
     python benchmarks/grammar_host.py --model /tmp/ckpt --threads 0,1,2,4,8 --out /tmp/gh
 Here (default model's tokenizer; --vocab-size 151936 is Qwen3's LM head over it, the
 checkpoint of the H100 runs; --full-width puts its 102,784 padding ids in the token table):
@@ -117,28 +118,34 @@ class HostWork:
 
 
 class WorkerClock:
-    """Sums the workers' busy time (inside their xgrammar calls and the lines around)."""
+    """Sums the workers' busy time: whole tasks, and the accepts among them (the rest is the
+    fill and the lines around, GIL waits included)."""
 
     def __init__(self) -> None:
-        self.seconds: list[float] = []
-        inner = manager_module._Task.run
+        self.task: list[float] = []
+        self.accept: list[float] = []
+        self._run, self._accept = manager_module._Task.run, manager_module._BATCH_ACCEPT
+        manager_module._Task.run = self._timed(self._run, self.task)
+        manager_module._BATCH_ACCEPT = self._timed(self._accept, self.accept)
 
-        def timed(task, *args):
+    @staticmethod
+    def _timed(inner, into: list[float]):
+        def timed(*args):
             start = time.perf_counter()
             try:
-                return inner(task, *args)
+                return inner(*args)
             finally:
-                self.seconds.append(time.perf_counter() - start)
+                into.append(time.perf_counter() - start)
+        return timed
 
-        self._inner = inner
-        manager_module._Task.run = timed
-
-    def take(self) -> float:
-        total, self.seconds = sum(self.seconds), []
-        return total
+    def take(self) -> tuple[float, float]:
+        task, accept = sum(self.task), sum(self.accept)
+        self.task.clear()
+        self.accept.clear()
+        return task, accept
 
     def close(self) -> None:
-        manager_module._Task.run = self._inner
+        manager_module._Task.run, manager_module._BATCH_ACCEPT = self._run, self._accept
 
 
 def run(tokenizer, vocab: int, eos: list[int], mode: str, threads: int, args,
@@ -163,7 +170,8 @@ def run(tokenizer, vocab: int, eos: list[int], mode: str, threads: int, args,
     requests = [new_request() for _ in range(args.batch)]
     host_work = HostWork(args.host_work_ms)
     clock = WorkerClock()
-    totals = dict(submit=0.0, wait=0.0, worker_cpu=0.0, step=0.0, finished=0)
+    totals = dict(submit=0.0, wait=0.0, worker_cpu=0.0, worker_accept=0.0, step=0.0,
+                  finished=0)
     bitmask_np = None
     if mode == "async":
         manager.submit((), [r.request_id for r in requests])
@@ -208,7 +216,7 @@ def run(tokenizer, vocab: int, eos: list[int], mode: str, threads: int, args,
         host_work()
         totals["step"] += time.perf_counter() - start - sampling
     manager.take_bitmask()
-    totals["worker_cpu"] = clock.take()
+    totals["worker_cpu"], totals["worker_accept"] = clock.take()
     clock.close()
     manager.shutdown()
     steps = args.steps
