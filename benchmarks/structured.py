@@ -115,7 +115,7 @@ def constrained_fraction(engine: LLMEngine, outputs: list[list[int]]) -> float:
     live = total = 0
     for tokens in outputs:
         matcher = xgr.GrammarMatcher(compiled,
-                                     override_stop_tokens=sorted(engine.engine_core.eos_token_ids))
+                                     override_stop_tokens=engine.structured.stop_token_ids)
         for token in tokens:
             total += 1
             if matcher.is_terminated() or matcher.is_completed():
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None)
     parser.add_argument("--grammar-threads", type=int, default=None,
                         help="the manager's grammar worker threads (0: on the engine thread; "
-                             "default: half the CPUs, at most 4)")
+                             "default: half the CPUs, at most 4; 0 for a model on the CPU)")
     parser.add_argument("--out", type=Path, required=True, help="folder for structured.json")
     args = parser.parse_args()
 

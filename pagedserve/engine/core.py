@@ -167,7 +167,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
             config.max_num_seqs,  # pinned for an in-process runner on CUDA to upload
-            pin_memory=isinstance(executor, UniprocExecutor) and executor.device_type == "cuda")
+            pin_memory=isinstance(executor, UniprocExecutor) and executor.device_type == "cuda",
+            device_type=executor.device_type)
         self.async_scheduling = (executor.device_type == "cuda"
                                  if config.async_scheduling is None
                                  else config.async_scheduling)

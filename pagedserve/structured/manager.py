@@ -47,14 +47,20 @@ _GIL_SWITCH_S = 2e-4  # while grammar jobs are outstanding (see the module docst
 _MAX_DEFAULT_THREADS = 4
 
 
-def default_num_threads() -> int:
-    """Half the CPUs this process may run on, at most 4. A step of 256 rows is about 2.5 ms
-    of grammar work on the H100's host (fill 4.8 µs and accept 4.5 µs a row, measured
-    standalone): 4 workers take it in well under the engine thread's own work of a step,
-    which is what they overlap, and leave the other cores to the engine thread, the API
-    process (tokenizing, detokenizing, HTTP) and the CUDA and OpenMP threads. More workers
-    would shorten work already hidden, and each costs a few GIL hand-offs per step. On a
-    2-core machine: one worker, which still takes the work off the engine thread."""
+def default_num_threads(device_type: str = "cuda") -> int:
+    """Half the CPUs this process may run on, at most 4; none (the work done inline) when
+    the model runs on the CPU, whose forward pass keeps every core busy through OpenMP: a
+    worker would only take cores from it, and on the 2-core dev box each hand-off to a
+    worker cost the engine thread 2-5 ms against 0.4 ms for the work itself.
+
+    On a GPU host, a step of 256 rows is about 2.5 ms of grammar work (H100 host, measured
+    standalone: fill 4.8 µs and accept 4.5 µs a row): 4 workers take it in well under the
+    engine thread's own work of a step, which is what they overlap, and leave the other
+    cores to the engine thread, the API process (tokenizing, detokenizing, HTTP) and the
+    CUDA and OpenMP threads. More workers would shorten work already hidden, and each costs
+    a few GIL hand-offs per step."""
+    if device_type == "cpu":
+        return 0
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -187,14 +193,14 @@ def _stop_workers(inboxes: list[queue.SimpleQueue]) -> None:
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
                  max_num_seqs: int, pin_memory: bool = False,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, device_type: str = "cuda") -> None:
         """`stop_token_ids`: the engine's EOS ids, the tokens a finished grammar allows (those
         the tokenizer has: a config's EOS may lie past a borrowed tokenizer's ids).
         `pin_memory`: the bitmask goes to a GPU (its buffers are then page-locked). The
         bitmask rows cover `grammar_vocab_size` ids, fewer than `vocab_size` where the LM
         head has many padding rows.
-        `num_threads`: grammar worker threads (None: `default_num_threads()`); 0 does the
-        work on the calling thread, inside `submit`."""
+        `num_threads`: grammar worker threads (None: `default_num_threads(device_type)`,
+        `device_type` the model's); 0 does the work on the calling thread, in `submit`."""
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._grammars: GrammarCache | None = None
         width = grammar_vocab_size(tokenizer, vocab_size)
@@ -218,7 +224,8 @@ class StructuredOutputManager:
         self._inline_filler: Any = None
         self._inboxes: list[queue.SimpleQueue] = []
         self._finalizer: weakref.finalize | None = None
-        self.num_threads = default_num_threads() if num_threads is None else num_threads
+        self.num_threads = (default_num_threads(device_type) if num_threads is None
+                            else num_threads)
 
     @property
     def grammars(self) -> GrammarCache:
@@ -271,6 +278,12 @@ class StructuredOutputManager:
     @property
     def num_matchers(self) -> int:
         return len(self._entries)
+
+    @property
+    def stop_token_ids(self) -> list[int] | None:
+        """The matchers' stop tokens: the engine's EOS ids within the grammar's vocabulary
+        (None until the first constrained request if none is: xgrammar's own then)."""
+        return self._stop_token_ids
 
     # -- the step's work ----------------------------------------------------------------------
 

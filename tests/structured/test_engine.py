@@ -192,24 +192,26 @@ def test_logit_bias(loaded):
                            prompt_token_ids=prompt(0))
 
 
-@pytest.mark.parametrize("threads", [0, 3])
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_grammar_workers_give_the_reference_tokens(loaded, reference, threads,
                                                    async_scheduling):
-    """Inline and on several workers, async and not: the same tokens (the default worker
-    count is what `reference` ran with)."""
+    """Inline (the CPU's default, what `reference` ran with) and on worker threads, async
+    and not: the same tokens."""
     engine = make(loaded, async_scheduling=async_scheduling)
     engine.structured.set_num_threads(threads)
     assert run(engine, mixed_batch()) == reference
     assert engine.structured.num_matchers == 0
 
 
+@pytest.mark.parametrize("threads", [0, 2])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_abort_while_a_bitmask_is_filled_leaves_no_matcher(loaded, reference,
-                                                           async_scheduling):
+                                                           async_scheduling, threads):
     """Requests aborted while their rows await a bitmask (async) or while their matchers
     are being advanced (sync): no matcher is left, the others keep their tokens."""
     engine = make(loaded, async_scheduling=async_scheduling)
+    engine.structured.set_num_threads(threads)
     batch = mixed_batch()
     for request_id, ids, params in batch:
         engine.add_request(request_id, None, params, prompt_token_ids=ids)
@@ -237,11 +239,13 @@ def test_abort_while_a_bitmask_is_filled_leaves_no_matcher(loaded, reference,
     assert_pool_clean(engine)
 
 
+@pytest.mark.parametrize("threads", [0, 2])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_a_grammar_that_ends_under_ignore_eos_goes_free(loaded, async_scheduling):
+def test_a_grammar_that_ends_under_ignore_eos_goes_free(loaded, async_scheduling, threads):
     """EOS ends the grammar; with ignore_eos the request goes on unconstrained (its matcher
     is dropped, never filled after its end) and its text starts with the valid JSON."""
     engine = make(loaded, async_scheduling=async_scheduling)
+    engine.structured.set_num_threads(threads)
     params = constrained(max_tokens=120, ignore_eos=True)
     out = run(engine, [("j", prompt(0), params)])
     tokens, text, reason = out["j"][0]
