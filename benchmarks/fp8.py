@@ -20,10 +20,14 @@ long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
            of next-token distributions (teacher-forced on the bf16 engine's tokens) against
            the bf16 engine, for FP8 KV, FP8 weights and both; beside bf16 against
            transformers, measured the same way (the noise floor)
-  8b       Llama-3-8B shape (random, written here in seconds from the GPU): batch-1 TPOT,
+  8b       Llama-3-8B shape (random weights made on the GPU, `load_format dummy`): batch-1 TPOT,
            bf16 against FP8 weights; workload A, bf16 against FP8 weights + FP8 KV
   8b-tpot  the 8b part's TPOT only (not in the default set); with --sweep also FP8 weights
            under the weight-only candidates of TPOT_CANDIDATES
+  profile  where a step's GPU time goes (torch.profiler, 10 decode steps, not in the default
+           set): Qwen3-0.6B shape at batch 256 with the bf16 and the FP8 KV cache, and the
+           Llama-3-8B shape (random weights generated on the GPU, `load_format dummy`) at
+           batch 1 in bf16 and with FP8 weights; a kernel table per engine in DIR
 
 Writes DIR/fp8.json (docs/results style: one row per figure) and prints a summary line each.
 """
@@ -250,7 +254,8 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
     `_scaled_mm` with per-token activation quantization and against the bf16 matmul, timed
     in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them)."""
     from pagedserve.model import fp8
-    from pagedserve.model.fp8_kernel import quantize_tokens, split_k, weight_only_linear
+    from pagedserve.model.fp8_kernel import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW, quantize_tokens,
+                                             split_k, weight_only_linear)
 
     kernels = _module("kernels")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -269,7 +274,7 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
         w_q, w_s = w_q.view(copies, n_dim, k_dim), w_s.view(copies, n_dim)
         methods = {"bf16 matmul": (lambda x, r: x @ w[r].t(), 2, None),
                    "scaled_mm": (lambda x, r: scaled_mm(x, w_q[r], w_s[r]), 1, None)}
-        configs = {"weight_only": WeightOnlyConfig()}
+        configs = {"weight_only": None}  # the defaults: one row, 2-16 rows
         if sweep and name != "lm_head":
             configs.update({f"weight_only {k}": c for k, c in weight_only_candidates().items()})
         for label, cfg in configs.items():
@@ -284,6 +289,8 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
                     continue
                 us = kernels.graph_us([(lambda r: lambda: fn(x, r))(r) for r in range(copies)])
                 gbps = n_dim * k_dim * element / (us * 1e-6) / 1e9
+                if label == "weight_only":
+                    cfg = WEIGHT_ONLY_ONE_ROW if rows == 1 else WEIGHT_ONLY
                 launch = {} if cfg is None else {
                     **asdict(cfg), "split_k": split_k(n_dim, k_dim, num_sms, cfg)[0]}
                 res.add("gemv", layer=name, k=k_dim, n=n_dim, rows=rows, method=label,
@@ -301,22 +308,20 @@ def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
     `e4m3.e4m3_bits`, not Triton's cast), "fma" (one row multiplied in float32 per thread
     without tl.dot, `fp8_kernel._row_times_w`)."""
     base = WeightOnlyConfig()
-    return {"no split (11:10 default)": replace(base, programs_per_sm=0),
-            "split p2": replace(base, programs_per_sm=2),
-            "split p8": replace(base, programs_per_sm=8),
-            "bits": replace(base, bits=True),
-            "bits split p8": replace(base, bits=True, programs_per_sm=8),
-            "bits k256 s5": replace(base, bits=True, block_k=256, num_stages=5),
-            "bits n64 k256": replace(base, bits=True, block_n=64, block_k=256),
-            "k256 s5": replace(base, block_k=256, num_stages=5),
-            "fma n16 k256": replace(base, fma=True, block_n=16, block_k=256),
-            "fma n8 k512": replace(base, fma=True, block_n=8, block_k=512),
-            "fma n16 k256 split p8": replace(base, fma=True, block_n=16, block_k=256,
-                                             programs_per_sm=8),
-            "fma bits n16 k256": replace(base, fma=True, bits=True, block_n=16, block_k=256)}
+    fma = replace(base, fma=True, block_n=16, block_k=256)
+    return {"fma n16 k256 split p8": replace(fma, programs_per_sm=8),
+            "fma n16 k256 no split": replace(fma, programs_per_sm=0),
+            "fma n16 k256 split p2": replace(fma, programs_per_sm=2),
+            "fma n16 k256 split p4": replace(fma, programs_per_sm=4),
+            "fma n16 k256 split p6": replace(fma, programs_per_sm=6),
+            "fma n16 k256 split p12": replace(fma, programs_per_sm=12),
+            "fma n16 k256 split p8 w2": replace(fma, programs_per_sm=8, num_warps=2),
+            "fma n16 k256 split p8 w8": replace(fma, programs_per_sm=8, num_warps=8),
+            "fma n32 k256 split p8 w8": replace(fma, block_n=32, programs_per_sm=8,
+                                                num_warps=8),
+            "fma n8 k512 split p8": replace(fma, block_n=8, block_k=512, programs_per_sm=8)}
 
 
-# ------------------------------------------------------------------------------ quality
 def quality_prompts() -> list[list[int]]:
     import random
 
@@ -434,49 +439,19 @@ def transformers_reference(model_dir: str, prompts: list[list[int]],
 
 
 # ----------------------------------------------------------------------------------- 8B
-def random_checkpoint(config_path: Path, out: Path) -> None:
-    """A Llama checkpoint of random bf16 weights (std 0.02, norms 1) made on the GPU and
-    written one shard per 4 layers, with a byte-level tokenizer: seconds where transformers'
-    initialisation of 8B parameters on the CPU takes minutes."""
-    from safetensors.torch import save_file
-
-    raw = json.loads(config_path.read_text())
+def config_folder(config_path: Path, out: Path) -> Path:
+    """A folder holding only `config_path` and a byte-level tokenizer: loaded with
+    `load_format="dummy"`, the weights are generated on the GPU in seconds, where writing and
+    reading 16 GB of random safetensors takes minutes."""
     out.mkdir(parents=True, exist_ok=True)
-    h, inter, kv = raw["hidden_size"], raw["intermediate_size"], raw["num_key_value_heads"]
-    d = raw.get("head_dim") or h // raw["num_attention_heads"]
-    q = raw["num_attention_heads"] * d
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def rand(*shape):
-        return (torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02).cpu()
-
-    weight_map, shard = {}, {}
-    layer_names = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv * d, h),
-                   "self_attn.v_proj": (kv * d, h), "self_attn.o_proj": (h, q),
-                   "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
-                   "mlp.down_proj": (h, inter)}
-
-    def flush(index: int) -> None:
-        name = f"model-{index:05d}.safetensors"
-        save_file(shard, out / name)
-        weight_map.update(dict.fromkeys(shard, name))
-        shard.clear()
-
-    shard["model.embed_tokens.weight"] = rand(raw["vocab_size"], h)
-    for i in range(raw["num_hidden_layers"]):
-        for name, shape in layer_names.items():
-            shard[f"model.layers.{i}.{name}.weight"] = rand(*shape)
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            shard[f"model.layers.{i}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        if i % 4 == 3:
-            flush(i // 4)
-    shard["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-    shard["lm_head.weight"] = rand(raw["vocab_size"], h)
-    flush(raw["num_hidden_layers"] // 4 + 1)
-    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps(raw))
+    (out / "config.json").write_text(config_path.read_text())
     _module("make_checkpoint").byte_level_tokenizer().save_pretrained(out)
+    return out
+
+
+def load_dummy(folder: Path, quantization: str | None) -> LoadedModel:
+    return LoadedModel.load(EngineConfig(model=str(folder), load_format="dummy",
+                                         quantization=quantization))
 
 
 def tpot_batch1(engine: LLMEngine, tokens: int = 128) -> float:
@@ -497,19 +472,15 @@ def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True,
     """Batch-1 TPOT bf16 against FP8 weights; with `sweep` also FP8 weights under each of
     `TPOT_CANDIDATES` (variant "fp8_weights <name>"); with `workload` also workload A, bf16
     against FP8 weights + FP8 KV."""
-    model_dir = root / "llama3-8b"
-    t0 = time.perf_counter()
-    random_checkpoint(HERE / "configs" / "llama3-8b.json", model_dir)
-    print(f"8B checkpoint written in {time.perf_counter() - t0:.0f} s", flush=True)
+    model_dir = config_folder(HERE / "configs" / "llama3-8b.json", root / "llama3-8b")
     prompts, out_lens = throughput.workload_prompts()
-    common = {"model": "llama-3-8b shape, random bf16"}
+    common = {"model": "llama-3-8b shape, load_format dummy, bf16"}
     tpot = {}
     variants = (("bf16", None, "auto"), ("fp8_weights", "fp8", "auto"),
                 ("fp8_weights+fp8_kv", "fp8", "fp8"))
     for name, quantization, kv in variants if workload else variants[:2]:
         if name != "fp8_weights+fp8_kv":
-            loaded = LoadedModel.load(EngineConfig(model=str(model_dir),
-                                                   quantization=quantization))
+            loaded = load_dummy(model_dir, quantization)
         engine = engine_for(loaded, str(model_dir), kv_cache_dtype=kv)
         if name != "fp8_weights+fp8_kv":
             tpot[name] = tpot_batch1(engine)
@@ -534,18 +505,43 @@ def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True,
             throughput.release()
 
 
+def part_profile(res: Results, loaded: LoadedModel | None, model_dir: str | None,
+                 out: Path, root: Path) -> None:
+    """Kernel tables of 10 decode steps: the 0.6B shape at batch 256 (bf16 and FP8 KV),
+    the 8B shape at batch 1 (bf16 and FP8 weights)."""
+    runs = []
+    if loaded is not None:
+        prompts = throughput.workload_prompts()[0][:256]
+        runs += [("0.6b_b256_" + kv, loaded, model_dir, {"kv_cache_dtype": kv}, prompts)
+                 for kv in ("auto", "fp8")]
+    big = config_folder(HERE / "configs" / "llama3-8b.json", root / "llama3-8b")
+    prompt = [[(i * 7) % 10_000 for i in range(128)]]
+    runs += [("8b_b1_" + (q or "bf16"), None, str(big), {"quantization": q, "max_num_seqs": 8},
+              prompt) for q in (None, "fp8")]
+    for name, weights, folder, options, batch in runs:
+        if weights is None:
+            weights = load_dummy(Path(folder), options.get("quantization"))
+        engine = engine_for(weights, folder, **{k: v for k, v in options.items()
+                                                if k != "quantization"})
+        row = throughput.profile_decode(engine, batch, out / f"profile_{name}.txt")
+        res.add("profile", variant=name, **row)
+        print((out / f"profile_{name}.txt").read_text(), flush=True)
+        del engine, weights
+        throughput.release()
+
+
 def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: float,
                     common: dict) -> None:
-    """The FP8-weight model's batch-1 TPOT with the weight-only kernel's default set to each
-    of `TPOT_CANDIDATES` (`fp8_kernel.WEIGHT_ONLY`, read when the engine captures its
-    graphs)."""
+    """The FP8-weight model's batch-1 TPOT with the weight-only kernel's one-row default set
+    to each of `TPOT_CANDIDATES` (`fp8_kernel.WEIGHT_ONLY_ONE_ROW`, read when the engine
+    captures its graphs)."""
     from pagedserve.model import fp8_kernel
 
-    default = fp8_kernel.WEIGHT_ONLY
+    default = fp8_kernel.WEIGHT_ONLY_ONE_ROW
     candidates = weight_only_candidates()
     try:
         for label in TPOT_CANDIDATES:
-            fp8_kernel.WEIGHT_ONLY = candidates[label]
+            fp8_kernel.WEIGHT_ONLY_ONE_ROW = candidates[label]
             engine = engine_for(loaded, model_dir, max_num_seqs=8)  # fewer graphs to capture
             ms = tpot_batch1(engine)
             res.add("8b", measure="tpot_batch1_ms", variant=f"fp8_weights {label}",
@@ -554,12 +550,12 @@ def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: 
             del engine
             throughput.release()
     finally:
-        fp8_kernel.WEIGHT_ONLY = default
+        fp8_kernel.WEIGHT_ONLY_ONE_ROW = default
 
 
 # weight-only settings the 8B TPOT is measured with under --sweep (names of
 # `weight_only_candidates`), beside the default
-TPOT_CANDIDATES = ("bits", "fma n16 k256")
+TPOT_CANDIDATES = ("fma n16 k256 split p6", "fma n8 k512 split p8")
 
 
 def main() -> None:
@@ -576,7 +572,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="pagedserve-fp8-"))
     bandwidth = throughput.copy_bandwidth()
     model_dir = args.model
-    if model_dir is None and {"kv", "quality"} & set(parts):
+    if model_dir is None and {"kv", "quality", "profile"} & set(parts):
         model_dir = str(root / "qwen3-0.6b")
         _module("make_checkpoint").make_checkpoint(
             HERE / "configs" / "qwen3-0.6b.json", Path(model_dir), torch.bfloat16, 0, "bytes",
@@ -590,6 +586,8 @@ def main() -> None:
         part_gemv(res, bandwidth, args.sweep)
     if "quality" in parts:
         part_quality(res, model_dir, loaded)
+    if "profile" in parts:
+        part_profile(res, loaded, model_dir, args.out, root)
     del loaded
     throughput.release()
     if "8b" in parts or "8b-tpot" in parts:

@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pagedserve.attention.kernels.arrivals import arrival_counters
+from pagedserve.attention.kernels import pdl
 from pagedserve.attention.kernels.e4m3 import e4m3_to
 from pagedserve.attention.kernels.precision import dot_precision
 from pagedserve.attention.kernels.store_kv import round_to_e4m3
@@ -81,6 +82,7 @@ def _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     w = tl.load(w_rows + (k_start + offs_k)[None, :],
                 mask=n_mask[:, None] & ((k_start + offs_k) < k_stop)[None, :], other=0.0)
+    pdl.wait_for_previous()  # x is the previous kernel's output; the weights are not
     for k0 in range(k_start, k_stop, BLOCK_K):
         k_next = k0 + BLOCK_K + offs_k
         w_next = tl.load(w_rows + k_next[None, :],
@@ -103,7 +105,12 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
 
     With SPLIT_K > 1 program (n, s) sums only K's slice s, stores that partial [M, BLOCK_N]
     in float32, and the last of the n-tile's SPLIT_K programs to arrive adds the partials up
-    in slice order (the same sum whichever arrives last) and applies the epilogue."""
+    in slice order (the same sum whichever arrives last) and applies the epilogue.
+
+    Launched with PDL (`pdl`), it may start before the kernel that writes x has finished: it
+    reads x, and writes anything, only after `pdl.wait_for_previous` (the fma path loads its
+    first weight tile before)."""
+    pdl.allow_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -117,6 +124,7 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
         acc = _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, stride_wn,
                            BLOCK_N, BLOCK_K, BITS)
     else:
+        pdl.wait_for_previous()
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # W^T's columns: W's rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -160,7 +168,9 @@ class WeightOnlyConfig:
     gives 128 programs for 132 SMs, each streaming all of K. So K is split until there are
     `programs_per_sm` programs per SM (`split_k`; 0: never split). `bits`: the weight is
     converted by `e4m3.e4m3_bits` rather than Triton's cast. `fma`: a single row (batch 1)
-    is multiplied without tl.dot (`_row_times_w`)."""
+    is multiplied without tl.dot (`_row_times_w`): that is `WEIGHT_ONLY_ONE_ROW`, the batch-1
+    default, whose small tiles and programs make many loads in flight per SM without the
+    shared memory of tl.dot's padded rows."""
 
     block_n: int = 32
     block_k: int = 512
@@ -171,7 +181,10 @@ class WeightOnlyConfig:
     fma: bool = False
 
 
-# The launch settings `weight_only_linear` takes when given none (read at each call)
+# The launch settings `weight_only_linear` takes when given none (read at each call): for one
+# row (batch-1 decode) and for 2-16 rows; chosen by the H100 sweeps of `benchmarks/fp8.py
+# --parts gemv,8b-tpot --sweep` (docs/benchmarks.md, FP8).
+WEIGHT_ONLY_ONE_ROW = WeightOnlyConfig(block_n=16, block_k=256, programs_per_sm=8, fma=True)
 WEIGHT_ONLY = WeightOnlyConfig()
 
 # Token counts up to which `fp8.fp8_linear` takes `weight_only_linear` (tl.dot's 16 rows)
@@ -204,8 +217,8 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
     (+ bias) -> [M, N] in x's dtype, without quantizing x: one launch, no host sync (CUDA
     graphs capture it; a split-K launch's float32 partials come from torch.empty, which a
     graph's memory pool serves)."""
-    cfg = cfg or WEIGHT_ONLY
     num_rows, k = x.shape
+    cfg = cfg or (WEIGHT_ONLY_ONE_ROW if num_rows == 1 else WEIGHT_ONLY)
     n = weight.shape[0]
     assert num_rows <= MAX_WEIGHT_ONLY_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
@@ -225,5 +238,5 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
         HAS_BIAS=bias is not None, BLOCK_M=1 if fma else MAX_WEIGHT_ONLY_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits,
         DOT_PRECISION=dot_precision(x.dtype), BITS=cfg.bits, FMA=fma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.LAUNCH)
     return y

@@ -12,6 +12,7 @@ reads its inputs once and writes its outputs once:
 Numerics are those of the eager path in `ops.py` (and of transformers): math in float32, and a
 rounding to the activation dtype wherever eager PyTorch would produce a tensor of that dtype
 (`_round`), so bf16 results agree bit for bit except for the order of a norm's sum of squares.
+Each starts with `pdl.step_entry` and is launched with PDL (see attention/kernels/pdl.py).
 The kernels run on CUDA and, under TRITON_INTERPRET=1, on the CPU (tests/kernels).
 """
 
@@ -21,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from pagedserve.attention.kernels import pdl
 
 
 @triton.jit
@@ -33,6 +36,7 @@ def _round(x, dtype: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, eps,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    pdl.step_entry()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -62,7 +66,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float,
         res = x if residual is None else residual  # an unused pointer when there is none
         _rms_norm_kernel[(num_rows,)](
             x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps,
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block))
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
+            **pdl.LAUNCH)
     return out, x if residual is None else residual
 
 
@@ -70,6 +75,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float,
 def _rotate_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, stride_tok, eps,
                       NUM_Q: tl.constexpr, NUM_ROT: tl.constexpr, HEAD_DIM: tl.constexpr,
                       HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
+    pdl.step_entry()
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -126,12 +132,13 @@ def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_h
     _rotate_qk_kernel[grid](
         qkv, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         qkv.stride(0), eps, NUM_Q=num_q_heads, NUM_ROT=num_rot, HEAD_DIM=head_dim,
-        HALF_PAD=half_pad, BLOCK_H=block_h, HAS_NORM=has_norm, num_warps=4)
+        HALF_PAD=half_pad, BLOCK_H=block_h, HAS_NORM=has_norm, num_warps=4, **pdl.LAUNCH)
 
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, N: tl.constexpr,
                          BLOCK: tl.constexpr):
+    pdl.step_entry()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -151,7 +158,7 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block,
-            num_warps=_num_warps(block))
+            num_warps=_num_warps(block), **pdl.LAUNCH)
     return out
 
 

@@ -151,6 +151,45 @@ def test_weight_only_variants_and_e4m3_bits():
             assert float((got.float() - want).norm() / want.norm()) < 5e-3, (rows, cfg)
 
 
+@pytest.mark.parametrize("fma", [False, True])
+def test_pdl_chain_waits_for_its_input(fma):
+    """Norm -> weight-only GEMV -> SiLU-and-mul, launched with PDL (each may start before the
+    one before it ends) and captured in a CUDA graph as a decode step runs: every replay with
+    a new input equals the same kernels with a device sync between each two (a kernel that
+    read its input before the previous one had written it would see the last replay's)."""
+    from pagedserve.attention.kernels import pdl
+    from pagedserve.model import fp8
+    from pagedserve.model.fp8_kernel import WeightOnlyConfig, weight_only_linear
+    from pagedserve.model.triton_ops import rms_norm, silu_and_mul
+
+    assert pdl.ENABLED == (torch.cuda.get_device_capability()[0] >= 9)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    w_q, w_scale = fp8.quantize_rows(
+        torch.randn(6144, 4096, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02)
+    norm_w = torch.rand(4096, device="cuda", generator=gen, dtype=torch.bfloat16) + 0.5
+    cfg = (WeightOnlyConfig(fma=True, block_n=16, block_k=256) if fma
+           else WeightOnlyConfig())
+    x = torch.randn(1, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    def chain(sync: bool):
+        out = rms_norm(x, norm_w, 1e-5)[0]
+        for fn in (lambda t: weight_only_linear(t, w_q, w_scale, None, cfg), silu_and_mul):
+            if sync:
+                torch.cuda.synchronize()
+            out = fn(out)
+        return out
+
+    chain(False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = chain(False)
+    for _ in range(20):
+        x.copy_(torch.randn(1, 4096, device="cuda", generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        assert torch.equal(y, chain(True))
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("qwen3-random-fp8")

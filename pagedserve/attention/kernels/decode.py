@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.attention.kernels import pdl
 from pagedserve.attention.kernels.arrivals import arrival_counters
 from pagedserve.attention.kernels.e4m3 import e4m3_to
 from pagedserve.attention.kernels.precision import dot_precision
@@ -164,6 +165,7 @@ def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, k_scal
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
                       F16_DOT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    pdl.step_entry()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     if FP8_KV:
@@ -234,6 +236,7 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
                       F16_DOT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    pdl.step_entry()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -375,7 +378,7 @@ def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         BLOCK_N=cfg.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8, F16_DOT=_f16_dot(fp8, cfg, q),
         K_BITS=fp8 and cfg.bits_k, V_BITS=fp8 and cfg.bits_v, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, **pdl.LAUNCH)
     return out
 
 
@@ -414,7 +417,7 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8,
         F16_DOT=_f16_dot(fp8, cfg, q), K_BITS=fp8 and cfg.bits_k,
         V_BITS=fp8 and cfg.bits_v, num_warps=cfg.num_warps,
-        num_stages=_v2_stages(cfg.num_stages))
+        num_stages=_v2_stages(cfg.num_stages), **pdl.LAUNCH)
     return out
 
 

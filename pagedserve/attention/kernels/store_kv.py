@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.attention.kernels import pdl
 from pagedserve.attention.kv_quant import FP8_MAX, is_fp8
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -48,6 +49,7 @@ def _quantized(x, scale_ptr, offs, mask, HEAD_DIM: tl.constexpr, FP8: tl.constex
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
                      v_scale_ptr, stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr,
                      HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    pdl.step_entry()
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot < 0:
@@ -87,4 +89,4 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                                     k.stride(0), v.stride(0), ROW=row,
                                     BLOCK=triton.next_power_of_2(row), HEAD_DIM=k.shape[2],
-                                    FP8=fp8)
+                                    FP8=fp8, **pdl.LAUNCH)
