@@ -8,6 +8,7 @@ ids are refused before taking a block; logit_bias moves the choice."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import jsonschema
@@ -254,3 +255,25 @@ def test_a_grammar_that_ends_under_ignore_eos_goes_free(loaded, async_scheduling
     prefix = engine.tokenizer.decode(tokens[:end])
     jsonschema.validate(json.loads(prefix), PERSON)
     assert engine.structured.num_matchers == 0
+
+
+def test_an_lm_head_wider_than_the_tokenizer(tmp_path, caplog):
+    """A head of 1,000 rows over the 259-id byte tokenizer, its config's EOS (999) past the
+    tokenizer (a borrowed tokenizer, as in the GPU benchmarks' checkpoints): the grammar
+    covers the tokenizer's ids, the padding rows are masked under it (random weights give
+    them large logits), the tokenizer's EOS ends it; no token is refused."""
+    config = dict(CONFIG, vocab_size=1000, eos_token_id=999)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    make_checkpoint(tmp_path / "config.json", tmp_path / "ckpt", torch.float32, seed=1,
+                    tokenizer="bytes")
+    wide = LoadedModel.load(EngineConfig(model=str(tmp_path / "ckpt"), device="cpu",
+                                         dtype="float32"))
+    engine = make(wide, async_scheduling=True)
+    assert engine.structured.stop_token_ids == [2]
+    with caplog.at_level(logging.ERROR, logger="pagedserve.structured.manager"):
+        out = run(engine, [(f"j{i}", prompt(i), constrained(temperature=1.0, seed=i))
+                           for i in range(3)])
+    assert "does not match" not in caplog.text
+    for (tokens, text, reason), in out.values():
+        assert reason == "stop" and max(tokens) < 259
+        jsonschema.validate(json.loads(text), PERSON)
