@@ -366,7 +366,7 @@ class StructuredOutputManager:
         self._next_buffer ^= 1
         buffer, dirty = self._buffers[index], self._dirty[index]
         num_rows = len(job.req_ids)
-        filled = np.zeros(len(dirty), dtype=bool)
+        filled = np.zeros(num_rows, dtype=bool)
         entries, tasks = self._entries, job.tasks
         if entries:
             for row, req_id in enumerate(job.req_ids):
@@ -376,11 +376,11 @@ class StructuredOutputManager:
                     task.fill_handles.append(entry.handle)
                     task.fill_rows.append(row)
                     filled[row] = True
-        reset = np.flatnonzero(dirty & ~filled)
+        reset = np.flatnonzero(dirty[:num_rows] & ~filled)
         if len(reset):
             buffer[reset] = -1
-        self._dirty[index] = filled
-        if filled[:num_rows].any():
+        dirty[:num_rows] = filled  # rows past the step keep theirs until a step covers them
+        if filled.any():
             job.buffer, job.bitmask = buffer, buffer[:num_rows]
 
     def take_bitmask(self) -> GrammarOutput | None:
