@@ -1,4 +1,4 @@
-/* Float32 linear layer y = x @ W^T + b for the CPU decode path, on AVX2 + FMA.
+/* Float32 linear layer y = x @ W^T + b for the CPU decode path, on AVX2 + FMA or AVX-512.
  *
  * Why not oneDNN or MKL: at decode sizes (x has one row per running sequence, 1 to a few dozen)
  * their GEMMs read the weights from DRAM in one pass and compute in another, and run at a third
@@ -15,14 +15,49 @@
  * K-blocks), so results differ from other GEMMs only in summation order, and not with the
  * thread count.
  *
+ * With AVX-512 (the avx512 build) the vectors are 16 floats wide and a panel 48 columns: the
+ * same tile of 4 rows x 3 vectors, twice the products per instruction. The panel width is the
+ * library's (`pagedserve_linear_panel`), which linear.py packs for.
+ *
  * Wrapped by linear.py; built with the other kernels by build.py.
  */
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 
-#define NV 3          /* 8-float vectors per panel row */
-#define NR (8 * NV)   /* output columns per panel */
+#if defined(__AVX512F__)
+#define VW 16         /* floats per vector */
+typedef __m512 vec;
+typedef __mmask16 lanes;
+#define V_ZERO() _mm512_setzero_ps()
+#define V_LOAD(p) _mm512_load_ps(p)
+#define V_LOADU(p) _mm512_loadu_ps(p)
+#define V_MASKLOAD(p, m) _mm512_maskz_loadu_ps(m, p)
+#define V_STOREU(p, v) _mm512_storeu_ps(p, v)
+#define V_MASKSTORE(p, m, v) _mm512_mask_storeu_ps(p, m, v)
+#define V_BCAST(p) _mm512_set1_ps(*(p))
+#define V_FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+static inline lanes first_lanes(int64_t n) { return (lanes)((1u << n) - 1u); }
+#else
+#define VW 8
+typedef __m256 vec;
+typedef __m256i lanes;
+#define V_ZERO() _mm256_setzero_ps()
+#define V_LOAD(p) _mm256_load_ps(p)
+#define V_LOADU(p) _mm256_loadu_ps(p)
+#define V_MASKLOAD(p, m) _mm256_maskload_ps(p, m)
+#define V_STOREU(p, v) _mm256_storeu_ps(p, v)
+#define V_MASKSTORE(p, m, v) _mm256_maskstore_ps(p, m, v)
+#define V_BCAST(p) _mm256_broadcast_ss(p)
+#define V_FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+static inline lanes first_lanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+#define NV 3          /* vectors per panel row */
+#define NR (VW * NV)  /* output columns per panel */
 #define MR 4          /* rows of x per register tile */
 #define KB 128        /* K-block: 128 x 24 floats = 12 KB of panel */
 #define PREFETCH 2    /* the first row tile prefetches the K-block this many blocks ahead */
@@ -32,24 +67,26 @@
  * are slow, so only there), and the bias to add on the last K-block (zero before). */
 typedef struct {
     int full;
-    __m256i mask[NV];
-    __m256 bias[NV];
+    lanes mask[NV];
+    vec bias[NV];
 } columns;
 
-static inline __m256 load_y(const float *y, const columns *c, int v) {
-    return c->full ? _mm256_loadu_ps(y + 8 * v) : _mm256_maskload_ps(y + 8 * v, c->mask[v]);
+static inline vec load_y(const float *y, const columns *c, int v) {
+    return c->full ? V_LOADU(y + VW * v) : V_MASKLOAD(y + VW * v, c->mask[v]);
 }
 
-static inline void store_y(float *y, const columns *c, int v, __m256 value) {
-    value = _mm256_add_ps(value, c->bias[v]);
+static inline void store_y(float *y, const columns *c, int v, vec value) {
+    value = V_ADD(value, c->bias[v]);
     if (c->full)
-        _mm256_storeu_ps(y + 8 * v, value);
+        V_STOREU(y + VW * v, value);
     else
-        _mm256_maskstore_ps(y + 8 * v, c->mask[v], value);
+        V_MASKSTORE(y + VW * v, c->mask[v], value);
 }
+
+int pagedserve_linear_panel(void) { return NR; }
 
 #define ACC(r)                                                                     \
-    __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = c##r##0, c##r##2 = c##r##0;   \
+    vec c##r##0 = V_ZERO(), c##r##1 = c##r##0, c##r##2 = c##r##0;                  \
     if (R > r && !first) {                                                         \
         c##r##0 = load_y(y + r * ldy, c, 0);                                       \
         c##r##1 = load_y(y + r * ldy, c, 1);                                       \
@@ -57,10 +94,10 @@ static inline void store_y(float *y, const columns *c, int v, __m256 value) {
     }
 #define FMA(r)                                                                     \
     if (R > r) {                                                                   \
-        const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);                     \
-        c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                                 \
-        c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                                 \
-        c##r##2 = _mm256_fmadd_ps(a, b2, c##r##2);                                 \
+        const vec a = V_BCAST(x + r * ldx + k);                                    \
+        c##r##0 = V_FMADD(a, b0, c##r##0);                                         \
+        c##r##1 = V_FMADD(a, b1, c##r##1);                                         \
+        c##r##2 = V_FMADD(a, b2, c##r##2);                                         \
     }
 #define OUT(r)                                                                     \
     if (R > r) {                                                                   \
@@ -77,9 +114,13 @@ static inline void store_y(float *y, const columns *c, int v, __m256 value) {
         enum { R = ROWS }; /* the ACC/FMA/OUT macros test R */                               \
         ACC(0) ACC(1) ACC(2) ACC(3)                                                          \
         for (int64_t k = 0; k < kl; k++) {                                                   \
-            const __m256 b0 = _mm256_load_ps(p + k * NR), b1 = _mm256_load_ps(p + k * NR + 8), \
-                         b2 = _mm256_load_ps(p + k * NR + 16);                               \
+            const vec b0 = V_LOAD(p + k * NR), b1 = V_LOAD(p + k * NR + VW),                 \
+                      b2 = V_LOAD(p + k * NR + 2 * VW);                                      \
             if (pf) _mm_prefetch((const char *)(pf + k * NR), _MM_HINT_T0);                  \
+            if (pf && VW == 16) { /* a 48-column row is 3 lines */                          \
+                _mm_prefetch((const char *)(pf + k * NR + 16), _MM_HINT_T0);                 \
+                _mm_prefetch((const char *)(pf + k * NR + 32), _MM_HINT_T0);                 \
+            }                                                                                \
             FMA(0) FMA(1) FMA(2) FMA(3)                                                      \
         }                                                                                    \
         OUT(0) OUT(1) OUT(2) OUT(3)                                                          \
@@ -92,15 +133,13 @@ static const tile_fn TILES[MR + 1] = {0, tile1, tile2, tile3, tile4};
 
 /* The columns of panel pi; the bias only when `with_bias` (the last K-block). */
 static columns panel_columns(int64_t pi, int64_t N, const float *bias, int with_bias) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const int64_t col = pi * NR, ncols = N - col < NR ? N - col : NR;
     columns c;
     c.full = ncols == NR;
     for (int v = 0; v < NV; v++) {
-        const int64_t n = ncols - 8 * v;
-        c.mask[v] = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)), lane);
-        c.bias[v] = bias && with_bias ? _mm256_maskload_ps(bias + col + 8 * v, c.mask[v])
-                                      : _mm256_setzero_ps();
+        const int64_t n = ncols - VW * v;
+        c.mask[v] = first_lanes(n < 0 ? 0 : n > VW ? VW : n);
+        c.bias[v] = bias && with_bias ? V_MASKLOAD(bias + col + VW * v, c.mask[v]) : V_ZERO();
     }
     return c;
 }

@@ -9,7 +9,13 @@ import torch
 
 from pagedserve.native.build import function
 
-PANEL = 24  # output columns per packed panel (NR in linear.c)
+
+@cache
+def panel() -> int:
+    """Output columns per packed panel: the library's (NR in linear.c: 48 with AVX-512, else
+    24); 24 without the library, whose pack is then never multiplied."""
+    fn = function("pagedserve_linear_panel", restype=c_int)
+    return fn() if fn is not None else 24
 
 
 @cache
@@ -23,12 +29,14 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N/24), K, 24], columns past N zero."""
+    """weight [N, K] float32 -> panels [ceil(N/P), K, P] with P = panel(), columns past N
+    zero."""
     n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
+    width = panel()
+    panels = -(-n // width)
+    padded = torch.zeros(panels * width, k, dtype=torch.float32)
     padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    return padded.view(panels, width, k).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int,

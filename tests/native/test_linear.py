@@ -1,14 +1,17 @@
 """The native float32 linear kernel against F.linear (float64 reference) on random inputs:
-every register-tile row count (1-6 and their sums), N not a multiple of the 16-column panel,
-K across K-block boundaries, bias, non-contiguous and batched inputs."""
+every register-tile row count (1-6 and their sums), N not a multiple of the panel (24 columns,
+48 in the AVX-512 build), K across K-block boundaries, bias, non-contiguous and batched inputs;
+every variant this CPU runs, bit for bit alike."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.native import linear
+from pagedserve.native import build, linear
 
 pytestmark = pytest.mark.skipif(not linear.available(), reason="native kernels unavailable")
 
@@ -36,10 +39,10 @@ def test_writes_only_its_output_and_keeps_padding_out():
     """The padded columns of the last panel must never reach y: output rows are adjacent in
     memory, so a stray write would land in the next row."""
     torch.manual_seed(0)
-    n, k = linear.PANEL + 5, 40
+    n, k = linear.panel() + 5, 40
     w = torch.randn(n, k)
     packed = linear.pack(w)
-    assert packed.shape == (2, k, linear.PANEL) and not packed[1, :, 5:].any()
+    assert packed.shape == (2, k, linear.panel()) and not packed[1, :, 5:].any()
     x = torch.randn(9, k)
     torch.testing.assert_close(linear.linear(x, packed, n).double(), reference(x, w, None),
                                atol=1e-5, rtol=1e-5)
@@ -73,3 +76,33 @@ def test_same_result_for_any_thread_count(threads):
         assert torch.equal(linear.linear(x, packed, 300), one)
     finally:
         torch.set_num_threads(before)
+
+
+def _pack(w: torch.Tensor, width: int) -> torch.Tensor:
+    n, k = w.shape
+    padded = torch.zeros(-(-n // width) * width, k)
+    padded[:n] = w
+    return padded.view(-1, width, k).transpose(1, 2).contiguous()
+
+
+def test_every_variant_gives_the_same_bits(tmp_path):
+    """Each output is one FMA chain over K in order, whatever the vector width: the AVX2
+    (24-column panels) and AVX-512 (48) builds agree exactly, and with float64 closely."""
+    torch.manual_seed(3)
+    n, k, rows = 101, 300, 13  # a ragged last panel in both widths, 3 K-blocks
+    w, x, b = torch.randn(n, k) / k**0.5, torch.randn(rows, k), torch.randn(n)
+    outs = {}
+    for variant in [v for v in build.VARIANTS if v.cpu_flags <= build.cpu_flags()]:
+        lib = ctypes.CDLL(str(build._compile(tmp_path, variant)))
+        width = lib.pagedserve_linear_panel()
+        fn = lib.pagedserve_linear
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+        packed = _pack(w, width)
+        out = torch.full((rows, n + 1), float("nan"))[:, :n].contiguous()
+        fn(x.data_ptr(), rows, k, packed.data_ptr(), n, b.data_ptr(), out.data_ptr(), 2)
+        torch.testing.assert_close(out.double(), reference(x, w, b), atol=1e-5, rtol=1e-5)
+        outs[(variant.name, width)] = out
+    assert {w for _, w in outs} <= {24, 48}
+    first = next(iter(outs.values()))
+    assert all(torch.equal(o, first) for o in outs.values()), list(outs)
