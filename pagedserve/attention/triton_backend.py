@@ -9,7 +9,7 @@ from torch import Tensor
 
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, copy_blocks,
-                                          paged_decode, paged_prefill, store_kv)
+                                          longest_first, paged_decode, paged_prefill, store_kv)
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -18,6 +18,16 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter runs programs one by one: nothing to fill
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode_order(meta: AttentionMetadata) -> Tensor | None:
+    """The decodes longest first, sorted once per step for every layer (None for one)."""
+    if meta.num_decodes < 2:
+        return None
+    order = meta.derived.get("decode_order")
+    if order is None:
+        order = meta.derived["decode_order"] = longest_first(meta.seq_lens[:meta.num_decodes])
+    return order
 
 
 class TritonBackend(AttentionBackend):
@@ -45,7 +55,7 @@ class TritonBackend(AttentionBackend):
         if nd > 0:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens,
                          meta.max_seq_len, scale, out[:nd], _num_sms(q.device),
-                         self.decode_cfg, window, softcap, kv_scales)
+                         self.decode_cfg, window, softcap, kv_scales, _decode_order(meta))
         if num_seqs > nd:
             paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                           meta.query_start_loc, nd, num_seqs - nd, meta.max_query_len, scale,

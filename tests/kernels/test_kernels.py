@@ -14,8 +14,8 @@ import torch
 from pagedserve.attention import torch_ref
 from pagedserve.attention.backend import get_attention_backend
 from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, choose_partition,
-                                          paged_decode, paged_decode_v1, paged_decode_v2,
-                                          paged_prefill, store_kv, use_v2)
+                                          longest_first, paged_decode, paged_decode_v1,
+                                          paged_decode_v2, paged_prefill, store_kv, use_v2)
 from pagedserve.attention.triton_backend import TritonBackend
 from tests.attention.paged_case import make_case
 
@@ -60,16 +60,17 @@ def run_decode(version, case, cfg=SMALL_DECODE):
     store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
     out = torch.full_like(case.q, float("nan"))
     m = case.meta
-    if version == "v1":
+    if version.startswith("v1"):  # "v1 longest first": programs dispatched by that order
+        order = longest_first(m.seq_lens) if version.endswith("first") else None
         paged_decode_v1(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
-                        case.scale, out, cfg)
+                        case.scale, out, cfg, order=order)
     else:
         paged_decode_v2(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
                         m.max_seq_len, case.scale, out, cfg)
     return out
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v1 longest first", "v2"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_reference(version, num_heads, num_kv_heads, block_size):

@@ -156,18 +156,23 @@ def _dot_operand(q, F16_DOT: tl.constexpr):
 
 
 @triton.jit
-def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, k_scale_ptr,
-                      v_scale_ptr, qk_scale, cap_scale,
+def _decode_v1_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, order_ptr,
+                      k_scale_ptr, v_scale_ptr, qk_scale, cap_scale,
                       window, stride_qs, stride_qh, stride_os, stride_oh,
                       stride_kb, stride_kt, stride_kh, stride_bts,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-                      F16_DOT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+                      F16_DOT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                      ORDERED: tl.constexpr):
     pdl.step_entry()
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if ORDERED:  # grid (KV heads, sequences): the i-th longest sequence's heads go i-th
+        kv_head = tl.program_id(0)
+        seq = tl.load(order_ptr + tl.program_id(1)).to(tl.int32)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     if FP8_KV:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -362,23 +367,31 @@ def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                     seq_lens: Tensor, scale: float, out: Tensor,
                     cfg: DecodeConfig = DecodeConfig(), window: int | None = None,
                     softcap: float | None = None,
-                    kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                    kv_scales: tuple[Tensor, Tensor] | None = None,
+                    order: Tensor | None = None) -> Tensor:
     """q/out [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]; an FP8 cache's
-    kv_scales: (K, V) scales [Hkv]."""
+    kv_scales: (K, V) scales [Hkv]. `order` (`longest_first`): the sequences in the order
+    their programs are dispatched.
+
+    Why an order: v1 runs one program per (sequence, KV head) to the end of its context, so
+    with ragged lengths the step ends with the programs of whichever long sequences happened
+    to be dispatched last, on a few SMs. Longest first, the short ones fill in behind them."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     k_scale, v_scale, fp8 = scale_args(k_cache, v_cache, kv_scales)
-    _decode_v1_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, k_scale, v_scale,
+    grid = (num_seqs, num_kv_heads) if order is None else (num_kv_heads, num_seqs)
+    _decode_v1_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens,
+        seq_lens if order is None else order, k_scale, v_scale,
         *score_args(scale, softcap),
         window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=cfg.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8, F16_DOT=_f16_dot(fp8, cfg, q),
-        K_BITS=fp8 and cfg.bits_k, V_BITS=fp8 and cfg.bits_v, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.LAUNCH)
+        K_BITS=fp8 and cfg.bits_k, V_BITS=fp8 and cfg.bits_v, ORDERED=order is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.LAUNCH)
     return out
 
 
@@ -482,10 +495,12 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
                  seq_lens: Tensor, max_seq_len: int, scale: float, out: Tensor, num_sms: int,
                  cfg: DecodeConfig | None = None, window: int | None = None,
                  softcap: float | None = None,
-                 kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                 kv_scales: tuple[Tensor, Tensor] | None = None,
+                 order: Tensor | None = None) -> Tensor:
     """v1 or v2 (with a partition sized to the batch, and double-buffered tiles where the
     grid is small), by `use_v2` on the attended length (the window at most). cfg None: the
-    cache dtype's `default_config`."""
+    cache dtype's `default_config`. `order`: v1's dispatch order (see paged_decode_v1); v2
+    splits long sequences instead."""
     num_seqs, num_kv_heads = q.shape[0], k_cache.shape[2]
     cfg = cfg or default_config(k_cache)
     length = attended_len(max_seq_len, window)
@@ -494,4 +509,10 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
         return paged_decode_v2(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
                                scale, out, cfg, window, softcap, kv_scales)
     return paged_decode_v1(q, k_cache, v_cache, block_tables, seq_lens, scale, out, cfg,
-                           window, softcap, kv_scales)
+                           window, softcap, kv_scales, order)
+
+
+def longest_first(seq_lens: Tensor) -> Tensor:
+    """The sequences' indices by length, longest first (int64): v1's dispatch order. On the
+    device, without a host sync, so a CUDA graph captures it."""
+    return torch.argsort(seq_lens, descending=True)
