@@ -20,6 +20,8 @@ long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
            of next-token distributions (teacher-forced on the bf16 engine's tokens) against
            the bf16 engine, for FP8 KV, FP8 weights and both; beside bf16 against
            transformers, measured the same way (the noise floor)
+  order    workload A, bf16 and FP8 KV, decode v1 dispatched longest sequence first (the
+           default) against program order, alternating (not in the default set)
   8b       Llama-3-8B shape (random weights made on the GPU, `load_format dummy`): batch-1 TPOT,
            bf16 against FP8 weights; workload A, bf16 against FP8 weights + FP8 KV
   8b-tpot  the 8b part's TPOT only (not in the default set); with --sweep also FP8 weights
@@ -164,6 +166,28 @@ def part_kv(res: Results, loaded: LoadedModel, model_dir: str, bandwidth: float,
                 roofline_tok_per_s=roofline(engine, prompts, out_lens, bandwidth))
         del engine
         throughput.release()
+
+
+def part_order(res: Results, loaded: LoadedModel, model_dir: str) -> None:
+    """Workload A with decode v1's programs dispatched longest first (`triton_backend.
+    _decode_order`, the default) and in program order, FP8 KV twice, then bf16."""
+    from pagedserve.attention import triton_backend
+
+    prompts, out_lens = throughput.workload_prompts()
+    longest_first = triton_backend._decode_order
+    runs = [("fp8", True), ("fp8", False), ("fp8", True), ("fp8", False), ("auto", True),
+            ("auto", False)]
+    try:
+        for kv, ordered in runs:
+            triton_backend._decode_order = longest_first if ordered else (lambda meta: None)
+            engine = engine_for(loaded, model_dir, kv_cache_dtype=kv)
+            res.add("order", workload="A", kv_cache_dtype="bf16" if kv == "auto" else "fp8_e4m3",
+                    decode_order="longest first" if ordered else "program order",
+                    **workload_a(engine, prompts, out_lens))
+            del engine
+            throughput.release()
+    finally:
+        triton_backend._decode_order = longest_first
 
 
 # FP8 decode settings workload A is run with under --sweep (names of `fp8_decode_candidates`)
@@ -572,7 +596,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="pagedserve-fp8-"))
     bandwidth = throughput.copy_bandwidth()
     model_dir = args.model
-    if model_dir is None and {"kv", "quality", "profile"} & set(parts):
+    if model_dir is None and {"kv", "order", "quality", "profile"} & set(parts):
         model_dir = str(root / "qwen3-0.6b")
         _module("make_checkpoint").make_checkpoint(
             HERE / "configs" / "qwen3-0.6b.json", Path(model_dir), torch.bfloat16, 0, "bytes",
@@ -580,6 +604,8 @@ def main() -> None:
     loaded = LoadedModel.load(EngineConfig(model=model_dir)) if model_dir else None
     if "kv" in parts:
         part_kv(res, loaded, model_dir, bandwidth, args.sweep)
+    if "order" in parts:
+        part_order(res, loaded, model_dir)
     if "kernel" in parts:
         part_kernel(res, bandwidth, args.sweep)
     if "gemv" in parts:
@@ -594,8 +620,8 @@ def main() -> None:
         part_8b(res, root, bandwidth, workload="8b" in parts, sweep=args.sweep)
     print("summary:", flush=True)
     for row in res.rows:
-        keys = ("variant", "kv_cache_dtype", "kv_dtype", "batch", "context", "config",
-                "layer", "rows", "method", "split_k", "us", "measure",
+        keys = ("variant", "kv_cache_dtype", "decode_order", "kv_dtype", "batch", "context",
+                "config", "layer", "rows", "method", "split_k", "us", "measure",
                 "output_tok_per_s", "roofline_tok_per_s", "kv_blocks", "gb_per_s",
                 "pct_copy_bw", "tpot_ms", "ratio_vs_bf16", "first_token_agreement",
                 f"greedy_agreement_{QUALITY_TOKENS}", "mean_kl_nats")
