@@ -238,5 +238,5 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
         HAS_BIAS=bias is not None, BLOCK_M=1 if fma else MAX_WEIGHT_ONLY_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits,
         DOT_PRECISION=dot_precision(x.dtype), BITS=cfg.bits, FMA=fma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.LAUNCH)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     return y

@@ -67,7 +67,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float,
         _rms_norm_kernel[(num_rows,)](
             x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps,
             N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
-            **pdl.LAUNCH)
+            **pdl.launch_options())
     return out, x if residual is None else residual
 
 
@@ -132,7 +132,7 @@ def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_h
     _rotate_qk_kernel[grid](
         qkv, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         qkv.stride(0), eps, NUM_Q=num_q_heads, NUM_ROT=num_rot, HEAD_DIM=head_dim,
-        HALF_PAD=half_pad, BLOCK_H=block_h, HAS_NORM=has_norm, num_warps=4, **pdl.LAUNCH)
+        HALF_PAD=half_pad, BLOCK_H=block_h, HAS_NORM=has_norm, num_warps=4, **pdl.launch_options())
 
 
 @triton.jit
@@ -158,7 +158,7 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block,
-            num_warps=_num_warps(block), **pdl.LAUNCH)
+            num_warps=_num_warps(block), **pdl.launch_options())
     return out
 
 

@@ -391,7 +391,7 @@ def paged_decode_v1(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         BLOCK_N=cfg.block_n, WINDOWED=window is not None, SOFTCAP=softcap is not None,
         DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8, F16_DOT=_f16_dot(fp8, cfg, q),
         K_BITS=fp8 and cfg.bits_k, V_BITS=fp8 and cfg.bits_v, ORDERED=order is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.LAUNCH)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     return out
 
 
@@ -430,7 +430,7 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8,
         F16_DOT=_f16_dot(fp8, cfg, q), K_BITS=fp8 and cfg.bits_k,
         V_BITS=fp8 and cfg.bits_v, num_warps=cfg.num_warps,
-        num_stages=_v2_stages(cfg.num_stages), **pdl.LAUNCH)
+        num_stages=_v2_stages(cfg.num_stages), **pdl.launch_options())
     return out
 
 

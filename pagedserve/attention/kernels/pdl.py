@@ -10,14 +10,16 @@ Why: a decode step at batch 1 is a chain of ~10 launches per layer (norm, QKV, R
 store, attention, output projection, norm, gate/up, SiLU, down), each of a few microseconds.
 Launched in order, each pays its launch and its first round trip to memory after the one
 before has fully drained. So the step's Triton kernels all start with `step_entry` (allow the
-next kernel to launch, then wait for the previous one) and are launched with `LAUNCH`: each
-one's launch overlaps the previous one's run. The weight GEMVs go further: their weights do
-not depend on the previous kernel, so they load their first weight tile before they wait.
+next kernel to launch, then wait for the previous one) and are launched with
+`launch_options()`: each one's launch overlaps the previous one's run. The weight GEMVs go
+further: their weights do not depend on the previous kernel, so they load their first weight
+tile before they wait.
 
 A kernel launched with PDL must wait before its first access to memory that an earlier
 kernel may write or read, and every program must wait (a program that returns early without
 waiting could let the grid complete before its predecessor has). All of this is a no-op
-where PDL is unavailable (the interpreter, GPUs before sm_90, `PAGEDSERVE_PDL=0`).
+where PDL is unavailable (the interpreter, GPUs before sm_90, `PAGEDSERVE_PDL=0`): the
+branches are pruned when the kernels compile.
 """
 
 from __future__ import annotations
@@ -28,25 +30,38 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: never enabled
+    gdc_launch_dependents = gdc_wait = None
+
 
 def _supported() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("PAGEDSERVE_PDL") == "0":
+    if (os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("PAGEDSERVE_PDL") == "0"
+            or gdc_wait is None):
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-# Read once, at import: griddepcontrol is sm_90 PTX, so kernels only emit it where it exists.
-ENABLED = _supported()
-_ENABLED = tl.constexpr(ENABLED)
-
-if ENABLED:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-else:  # never called: the branches below are pruned at compile time
-    gdc_launch_dependents = gdc_wait = None
+# Decided at the first launch, not at import: asking the device's capability initializes CUDA
+# on the current device, which a tensor-parallel worker has not chosen yet when it imports
+# this. Kernels compile after that first call, so they see the final value.
+_ENABLED = tl.constexpr(False)
+_decided = False
 
 
-# keyword arguments of a launch of a kernel that starts with `step_entry` or waits itself
-LAUNCH = {"launch_pdl": True} if ENABLED else {}
+def launch_options() -> dict:
+    """Keyword arguments for the launch of a kernel that starts with `step_entry` (or waits
+    itself): PDL where the GPU has it."""
+    global _ENABLED, _decided
+    if not _decided:
+        _ENABLED, _decided = tl.constexpr(_supported()), True
+    return {"launch_pdl": True} if _ENABLED else {}
+
+
+def enabled() -> bool:
+    launch_options()
+    return bool(_ENABLED)
 
 
 @triton.jit

@@ -89,4 +89,4 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                                     k.stride(0), v.stride(0), ROW=row,
                                     BLOCK=triton.next_power_of_2(row), HEAD_DIM=k.shape[2],
-                                    FP8=fp8, **pdl.LAUNCH)
+                                    FP8=fp8, **pdl.launch_options())
