@@ -16,8 +16,11 @@ longer than MAX_NATIVE_PREFILL_LEN (more than the CPU's default chunk) keeps the
 
 The kernel trusts the block ids, slots and lengths it is given, so those are checked once per
 step, when the first layer builds the step's `StepIndices`; every later layer only calls the
-kernel. Anything but float32 q and caches, a head shape the kernel does not handle, or a score
-cap runs the whole layer through the reference backend. A sliding window is the kernel's: a
+kernel. A bfloat16 model (`--dtype bfloat16` on a CPU with bf16 compute) keeps bfloat16 caches,
+which the kernel reads and writes as they are, with q widened to float32 and the output
+rounded back (exact widening, float32 arithmetic: closer to float32 than the reference's
+bfloat16 SDPA). Other dtypes (an FP8 cache), a head shape the kernel does not handle, or a
+score cap run the whole layer through the reference backend. A sliding window is the kernel's: a
 token attends to its last `window` positions, decode or prefill token alike.
 """
 
@@ -69,7 +72,8 @@ def _per_token(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
 
 
 class CpuBackend(AttentionBackend):
-    """Native float32 store and decode attention; the reference for everything else."""
+    """Native store and decode attention (float32 or bfloat16 caches); the reference for
+    everything else."""
 
     name = "cpu"
 
@@ -83,15 +87,20 @@ class CpuBackend(AttentionBackend):
         if not self._native(q, k_cache) or softcap is not None:  # an FP8 cache included
             return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, window,
                                            softcap, kv_scales)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        wide = q.dtype == torch.float32
+        out = torch.empty(q.shape, dtype=torch.float32)
         indices = step_indices(meta, k_cache)
-        native.store_and_decode(q, k, v, k_cache, v_cache, indices, scale, out, window)
+        native.store_and_decode(q if wide else q.float(), k, v, k_cache, v_cache, indices,
+                                scale, out, window)
+        if not wide:
+            out = out.to(q.dtype)
         if indices.seq_lens.shape[0] < q.shape[0]:  # prefills left to the reference
             paged_prefills(q, k_cache, v_cache, meta, scale, out, window)
         return out
 
     @staticmethod
     def _native(q: Tensor, k_cache: Tensor) -> bool:
-        """Whether the kernel takes this layer: float32 on the CPU, a supported head shape."""
-        return (q.dtype == k_cache.dtype == torch.float32 and q.is_cpu
+        """Whether the kernel takes this layer: float32 or bfloat16 q and caches of one dtype on
+        the CPU, a supported head shape."""
+        return (q.dtype == k_cache.dtype and q.dtype in native.CACHE_DTYPES and q.is_cpu
                 and native.supports(q.shape[1], k_cache.shape[2], k_cache.shape[3]))

@@ -1,4 +1,5 @@
-"""One layer's K/V store and float32 paged decode attention on the CPU (`attention.c`).
+"""One layer's K/V store and paged decode attention on the CPU (`attention.c`): float32
+arithmetic over float32 or bfloat16 caches.
 
 The C code trusts every pointer, stride and index it is given, so the checks here are its
 contract: a tensor that breaks it would be read or written out of bounds instead of raising.
@@ -19,6 +20,7 @@ from pagedserve.native.build import function
 
 MAX_GROUP = 16  # query heads per kv head (MAX_GROUP in attention.c)
 MAX_HEAD_DIM = 256  # MAX_DIM in attention.c
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @cache
@@ -26,7 +28,7 @@ def _kernel():
     return function("pagedserve_store_and_decode", c_void_p, c_int64, c_void_p, c_int64,
                     c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
                     c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_float, c_int64,
-                    c_void_p, c_int)
+                    c_void_p, c_int, c_int)
 
 
 def available() -> bool:
@@ -85,8 +87,9 @@ def store_and_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     (the last `window` of them with a window; the block table entries before those are not
     read).
 
-    Caches: float32 [num_blocks, block_size, Hkv, D] as `indices` was checked for, contiguous;
-    q: [>= S, Hq, D] and out: contiguous [>= S, Hq, D], float32.
+    Caches: float32 or bfloat16 [num_blocks, block_size, Hkv, D] as `indices` was checked
+    for, contiguous, k and v of their dtype; q: [>= S, Hq, D] and out: contiguous
+    [>= S, Hq, D], float32 whatever the caches' dtype.
     """
     _check_caches(k_cache, v_cache, indices)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -96,8 +99,8 @@ def store_and_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
                          f"dim {head_dim}")
     num_tokens = indices.slot_mapping.shape[0]
     q = _rows("q", q, num_heads, head_dim, num_seqs)
-    k = _rows("k", k, num_kv_heads, head_dim, num_tokens)
-    v = _rows("v", v, num_kv_heads, head_dim, num_tokens)
+    k = _rows("k", k, num_kv_heads, head_dim, num_tokens, k_cache.dtype)
+    v = _rows("v", v, num_kv_heads, head_dim, num_tokens, k_cache.dtype)
     _check_shape("out", out, num_heads, head_dim, num_seqs)
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
@@ -107,13 +110,14 @@ def store_and_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
               indices.seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,
               block_size, scale, 0 if window is None else window, out.data_ptr(),
-              torch.get_num_threads())
+              torch.get_num_threads(), int(k_cache.dtype == torch.bfloat16))
 
 
 def _check_caches(k_cache: Tensor, v_cache: Tensor, indices: StepIndices) -> None:
-    if (k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 or not k_cache.is_cpu
-            or not v_cache.is_cpu):
-        raise ValueError(f"the native attention kernel takes float32 CPU caches, got "
+    if (k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype
+            or not k_cache.is_cpu or not v_cache.is_cpu):
+        raise ValueError(f"the native attention kernel takes float32 or bfloat16 CPU caches "
+                         f"of one dtype, got "
                          f"{k_cache.dtype} on {k_cache.device}, {v_cache.dtype} on "
                          f"{v_cache.device}")
     if (k_cache.dim() != 4 or v_cache.shape != k_cache.shape
@@ -125,10 +129,11 @@ def _check_caches(k_cache: Tensor, v_cache: Tensor, indices: StepIndices) -> Non
         raise ValueError("the KV caches must be contiguous")
 
 
-def _check_shape(name: str, x: Tensor, heads: int, head_dim: int, min_rows: int) -> None:
-    """x: float32 [>= min_rows, heads, head_dim] on the CPU."""
-    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 3:
-        raise ValueError(f"{name} must be a 3-d float32 CPU tensor, got {x.dtype} "
+def _check_shape(name: str, x: Tensor, heads: int, head_dim: int, min_rows: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+    """x: `dtype` [>= min_rows, heads, head_dim] on the CPU."""
+    if x.dtype != dtype or not x.is_cpu or x.dim() != 3:
+        raise ValueError(f"{name} must be a 3-d {dtype} CPU tensor, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
     rows, *row_shape = x.shape
     if rows < min_rows or row_shape != [heads, head_dim]:
@@ -136,10 +141,11 @@ def _check_shape(name: str, x: Tensor, heads: int, head_dim: int, min_rows: int)
                          f"{tuple(x.shape)}")
 
 
-def _rows(name: str, x: Tensor, heads: int, head_dim: int, min_rows: int) -> Tensor:
+def _rows(name: str, x: Tensor, heads: int, head_dim: int, min_rows: int,
+          dtype: torch.dtype = torch.float32) -> Tensor:
     """x checked, with each row's heads contiguous as the kernel reads them: the q/k/v split
     views of a fused projection already are; anything else is copied."""
-    _check_shape(name, x, heads, head_dim, min_rows)
+    _check_shape(name, x, heads, head_dim, min_rows, dtype)
     return x if x.stride()[1:] == (head_dim, 1) else x.contiguous()
 
 

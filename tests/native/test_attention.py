@@ -1,7 +1,8 @@
 """The native paged-decode kernel and the CPU backend against dense float64 attention and the
 PyTorch reference backend: GQA ratios 1-8, head dims 32/64/128, block sizes 16/32, ragged
 lengths around block and chunk boundaries, NaN-filled caches (any read past a sequence's end
-poisons the result), mixed decode + prefill batches with prefix-hit rows, thread counts."""
+poisons the result), mixed decode + prefill batches with prefix-hit rows, thread counts,
+float32 and bfloat16 caches."""
 
 from __future__ import annotations
 
@@ -174,12 +175,50 @@ def test_same_result_for_one_and_two_threads(num_seqs):
     assert torch.equal(outs[0], outs[1]), f"seed {seed}"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_runs_the_reference(dtype):
-    case = make_case([(30, 1), (0, 17), (17, 5)], 8, 2, 64, 16, dtype=dtype, seed=2)
+def test_float16_runs_the_reference():
+    case = make_case([(30, 1), (0, 17), (17, 5)], 8, 2, 64, 16, dtype=torch.float16, seed=2)
     out, ref = run_backends(case)
-    assert out.dtype == dtype
+    assert out.dtype == torch.float16
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (16, 2)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_bfloat16_caches_match_dense(num_heads, num_kv_heads, head_dim):
+    """bfloat16 caches are read as they are (widened exactly) with float32 q and arithmetic:
+    the float64 attention over the same bfloat16 values within float32 rounding; the step's
+    rows land in the cache bit for bit, NaN rows past a context are never read."""
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    lengths = boundary_lengths(16) + torch.randint(1, 200, (3,), generator=gen).tolist()
+    case = make_case([(n - 1, 1) for n in lengths], num_heads, num_kv_heads, head_dim, 16,
+                     dtype=torch.bfloat16, seed=seed)
+    meta = case.meta
+    indices = native.StepIndices.check(meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                       *case.k_cache.shape[:2])
+    out = torch.full(case.q.shape, float("nan"))
+    native.store_and_decode(case.q.float(), case.k, case.v, case.k_cache, case.v_cache,
+                            indices, case.scale, out)
+    assert not out.isnan().any(), f"seed {seed}"
+    torch.testing.assert_close(out.double(), case.expected, **TOL, msg=f"seed {seed}")
+    rows = case.k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping]
+    assert torch.equal(rows.view(torch.int16), case.k.view(torch.int16))
+
+
+def test_bfloat16_backend_runs_the_kernel(monkeypatch):
+    """A bfloat16 model's layer (decodes, a prefill with a cached prefix) goes through the
+    kernel and comes back in bfloat16, as close to the dense float64 result as bfloat16
+    rounding of the output allows; the reference in bfloat16 is no closer."""
+    calls = []
+    kernel = native.store_and_decode
+    monkeypatch.setattr(native, "store_and_decode", lambda *a, **kw: calls.append(1) or
+                        kernel(*a, **kw))
+    case = make_case([(30, 1), (100, 1), (0, 17), (17, 5)], 8, 2, 64, 16,
+                     dtype=torch.bfloat16, seed=9)
+    out, ref = run_backends(case)
+    assert calls and out.dtype == torch.bfloat16
+    err, ref_err = ((x.double() - case.expected).abs().max() for x in (out, ref))
+    assert err <= 2 ** -8 * case.expected.abs().max() and err <= ref_err
 
 
 def test_unsupported_head_dim_runs_the_reference():
@@ -200,8 +239,12 @@ def test_wrapper_rejects_what_the_kernel_cannot_take():
         native.store_and_decode(q, case.k, case.v, k_cache, case.v_cache, indices, case.scale,
                                 out)
 
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
         call(k_cache=case.k_cache.double())
+    with pytest.raises(ValueError, match="of one dtype"):
+        call(k_cache=case.k_cache.bfloat16())
+    with pytest.raises(ValueError, match="float32"):
+        call(q=case.q.bfloat16())
     with pytest.raises(ValueError, match="contiguous"):
         call(k_cache=case.k_cache.transpose(2, 3).contiguous().transpose(2, 3))
     with pytest.raises(ValueError, match="must both be"):
