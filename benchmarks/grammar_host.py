@@ -7,23 +7,19 @@ Each step replays what the engine's thread does around the grammar (see engine/c
     sample (here: a random allowed token per row, not timed), hand the tokens and the next
     step's rows to the workers (`submit`, timed: the engine thread's share), finish and add
     requests, then `--host-work-ms` of pure Python standing for the engine thread's own work
-    that the grammar overlaps, which holds the GIL: `--outputs-ms` of it (the outputs loop),
-    `collect_accepts` (timed), the rest (the frontend, scheduling).
-  sync: fill the rows now (`grammar_bitmask`), sample, queue the accepts (`submit`), host
-    work as above.
+    that the grammar overlaps (outputs, the frontend, scheduling), which holds the GIL.
+  sync: fill the rows now (`grammar_bitmask`), sample, queue the accepts (`submit`), host work.
   legacy: the manager before this benchmark (a Python loop of accept_token with
     is_terminated checks, then xgrammar's threaded batch fill), on the engine thread.
 A request whose grammar ends (its row allows only EOS and samples it) finishes and a new one
 takes its row, as under continuous batching, so every row stays constrained.
 
-Reported per configuration, ms per step: `submit`, `collect` and `wait` on the engine
-thread, the workers' busy time summed (`worker_cpu`, of which `worker_accept` in
-batch_accept_token; legacy: none, its work is in `submit` and `wait`), and `added`: the
-step's time minus the host work's time alone (measured right after), i.e. what the grammar
-costs the engine thread, GIL and cores taken from its own work included.
-
-Lead's H100 host (16 cores):
-    python benchmarks/grammar_host.py --model /tmp/ckpt --threads 0,2,4,8 --modes async
+Reported per configuration, ms per step: `submit` and `wait` on the engine thread, the
+workers' busy time summed (`worker_cpu`, of which `worker_accept` in batch_accept_token;
+legacy: none, its work is in `submit` and `wait`), and `added`: the step's time minus the
+host work's time alone (measured right after), i.e. what the grammar costs the engine
+thread, GIL and cores taken from its own work included. Lead's H100 host (16 cores):
+    python benchmarks/grammar_host.py --model /tmp/ckpt --threads 0,1,2,4,8 --out /tmp/gh
 Here (default model's tokenizer; --vocab-size 151936 is Qwen3's LM head over it, the
 checkpoint of the H100 runs; --full-width puts its 102,784 padding ids in the token table):
     python benchmarks/grammar_host.py --steps 32 --threads 0,1
@@ -172,11 +168,10 @@ def run(tokenizer, vocab: int, eos: list[int], mode: str, threads: int, args,
         return request
 
     requests = [new_request() for _ in range(args.batch)]
-    outputs_ms = min(args.outputs_ms, args.host_work_ms)
-    outputs_work, host_work = HostWork(outputs_ms), HostWork(args.host_work_ms - outputs_ms)
+    host_work = HostWork(args.host_work_ms)
     clock = WorkerClock()
-    totals = dict(submit=0.0, collect=0.0, wait=0.0, worker_cpu=0.0, worker_accept=0.0,
-                  step=0.0, finished=0)
+    totals = dict(submit=0.0, wait=0.0, worker_cpu=0.0, worker_accept=0.0, step=0.0,
+                  finished=0)
     bitmask_np = None
     if mode == "async":
         manager.submit((), [r.request_id for r in requests])
@@ -218,12 +213,7 @@ def run(tokenizer, vocab: int, eos: list[int], mode: str, threads: int, args,
                 manager.remove_request(requests[i].request_id)
                 requests[i] = new_request()
         totals["finished"] += len(finished)
-        outputs_work()  # the outputs loop, beside the workers' accepts
-        if mode != "legacy":
-            t0 = time.perf_counter()
-            manager.collect_accepts()
-            totals["collect"] += time.perf_counter() - t0
-        host_work()  # the frontend and the next schedule, beside the fills
+        host_work()
         totals["step"] += time.perf_counter() - start - sampling
     manager.take_bitmask()
     totals["worker_cpu"], totals["worker_accept"] = clock.take()
@@ -231,8 +221,7 @@ def run(tokenizer, vocab: int, eos: list[int], mode: str, threads: int, args,
     manager.shutdown()
     steps = args.steps
     report = {k: round(v * 1e3 / steps, 3) for k, v in totals.items() if k != "finished"}
-    report["host_work_alone"] = round(host_work.time(host_work.rounds)
-                                      + outputs_work.time(outputs_work.rounds), 3)
+    report["host_work_alone"] = round(host_work.time(host_work.rounds), 3)
     report["added"] = round(report["step"] - report["host_work_alone"], 3)
     report["finished_per_step"] = round(totals["finished"] / steps, 2)
     return report
@@ -277,8 +266,6 @@ def main() -> None:
     parser.add_argument("--host-work-ms", type=float, default=3.0,
                         help="the engine thread's own Python per step, which the grammar "
                              "work overlaps")
-    parser.add_argument("--outputs-ms", type=float, default=0.5,
-                        help="the part of it before `collect_accepts` (the outputs loop)")
     parser.add_argument("--full-width", action="store_true",
                         help="token table over the model's whole vocabulary, padding ids "
                              "included (as before grammar_vocab_size)")

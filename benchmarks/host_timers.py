@@ -30,10 +30,9 @@ class HostTimers:
         self._wrap(core.model_runner, "execute_model", "execute_model")
         self._wrap(core.model_runner, "sample_tokens", "sample_tokens")
         # the grammar work runs on the manager's workers: `grammar_submit` is the engine
-        # thread's share (planning the job, waiting for the workers to start it),
-        # `grammar_collect` its wait for their accepts, `grammar_wait` for their fills
+        # thread's share (planning the job), `grammar_wait` the part it waits for (not
+        # hidden behind the engine thread's own work)
         self._wrap(core.structured, "submit", "grammar_submit")
-        self._wrap(core.structured, "collect_accepts", "grammar_collect")
         self._wrap(core.structured, "take_bitmask", "grammar_wait")
         self._wrap(PendingRunnerOutput, "result", "wait_for_tokens")
 

@@ -315,7 +315,6 @@ class EngineCore:
                 request.request_id, [request.output_token_ids[-1]], logprobs,
                 finish_reason, request.stop_reason, request.num_cached_tokens,
                 prompt_logprobs))
-        structured.collect_accepts()  # the workers' accepts ran beside the loop above
 
     def _collect_prompt_logprobs(self, chunks: dict[str, LogprobsLists]) -> None:
         """Keep a prefill chunk's prompt logprobs until the request's first token, which

@@ -21,10 +21,9 @@ before, between and after its two calls, and each time the engine thread is runn
 it waits for the switch interval (5 ms) and then forces a switch, which costs the engine
 thread tens of µs in wake-ups. (On the H100 host, 4 workers with the interval lowered to
 0.2 ms still slowed the engine thread's scheduling by 0.3 ms a step.) So the workers take the
-GIL only while the engine thread waits: `submit` waits until every worker has started (taken
-its job and entered its accept), `collect_accepts`, called once the engine thread has built
-the step's outputs, until every worker has accepted its tokens and entered its fill, and a
-worker reports its filled rows in `take_bitmask`, which waits anyway."""
+GIL only while the engine thread waits: `submit` waits until every worker has accepted its
+tokens and started its fill (the accept is the short part), and a worker reports its filled
+rows in `take_bitmask`, which waits anyway."""
 
 from __future__ import annotations
 
@@ -126,9 +125,7 @@ class _Job:
     tasks: list[_Task]
     done: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     pending: int = 0  # tasks handed out whose end is not yet collected
-    started: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     accepted: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    to_collect: int = 0  # tasks whose accept results are not yet collected
     error: BaseException | None = None  # a worker's, raised by take_bitmask
     req_ids: list[str] | None = None  # a fill job: the step's sampling rows, in order
     buffer: np.ndarray | None = None  # the whole buffer its rows are filled in
@@ -148,7 +145,6 @@ def _work(inbox: queue.SimpleQueue) -> None:
 
 
 def _run(task: _Task, index: int, job: _Job, filler: Any) -> None:
-    job.started.put(None)
     accepted = False
     try:
         results = None
@@ -207,7 +203,6 @@ class StructuredOutputManager:
         self._dirty = [np.zeros(max_num_seqs, dtype=bool) for _ in range(2)]
         self._next_buffer = 0
         self._jobs: deque[_Job] = deque()
-        self._accepting: _Job | None = None  # the last job, until its accepts are collected
         self._inline_filler: Any = None
         self._inboxes: list[queue.SimpleQueue] = []
         self._finalizer: weakref.finalize | None = None
@@ -283,18 +278,16 @@ class StructuredOutputManager:
 
     def submit(self, requests: Iterable[Any] = (),
                sampling_ids: Sequence[str] | None = None) -> None:
-        """Hand out a job and return once the workers have started it: advance the matchers
-        of `requests` (each just received its last output token), then, if `sampling_ids` is
-        given (a step's sampling rows, in order), fill their bitmask rows, which
-        `take_bitmask` returns. A matcher is advanced and filled by one worker, in the
-        order of the calls.
+        """Queue a job and return: advance the matchers of `requests` (each just received
+        its last output token), then, if `sampling_ids` is given (a step's sampling rows,
+        in order), fill their bitmask rows, which `take_bitmask` returns. A matcher is
+        advanced and filled by one worker, in the order of the calls.
 
         A stop token is accepted here, on the calling thread (after the matcher's queued
         work): it ends the grammar, the request goes unconstrained (e.g. under ignore_eos),
         and a terminated matcher must not be filled."""
         if sampling_ids is not None and any(job.req_ids is not None for job in self._jobs):
             raise RuntimeError("a bitmask is being filled: take it before the next one")
-        self.collect_accepts()
         jobs = self._jobs  # collect the accept-only jobs already done (a free step's)
         while jobs and jobs[0].req_ids is None and jobs[0].done.qsize() == jobs[0].pending:
             self._finish([jobs.popleft()])
@@ -335,21 +328,14 @@ class StructuredOutputManager:
                 self._start_workers()
             for index, task in handed:
                 self._inboxes[index].put((index, task, job))
-        for _ in handed:  # the workers take the GIL while this thread waits for them
-            job.started.get()
-        job.to_collect = len(handed)
-        self._accepting = job
+        self._collect_accepts(job, len(handed))
 
-    def collect_accepts(self) -> None:
-        """Wait until the last job's tasks have accepted their tokens and are filling, and
-        drop the matchers that refused their token. The engine calls it after its own work
-        on the step's outputs, which the accepts overlap; every other call does it first."""
-        job, self._accepting = self._accepting, None
-        if job is None:
-            return
-        while job.to_collect:  # a worker that waited for the GIL gets it now
+    def _collect_accepts(self, job: _Job, count: int) -> None:
+        """Wait until every task of the job has accepted its tokens and is filling (the
+        workers take the GIL while this thread waits, not while it runs Python); drop the
+        matchers that refused their token."""
+        for _ in range(count):
             index, results, exc = job.accepted.get()
-            job.to_collect -= 1
             if exc is not None:
                 job.error = job.error or exc
             elif results is not None and 0 in results:
@@ -398,7 +384,6 @@ class StructuredOutputManager:
     def take_bitmask(self) -> GrammarOutput | None:
         """Wait for the bitmask queued by the last `submit` with rows (and every job queued
         before it); None if none of its rows was constrained."""
-        self.collect_accepts()
         jobs, self._jobs = self._jobs, deque()
         taken = None
         for job in jobs:
@@ -411,7 +396,6 @@ class StructuredOutputManager:
 
     def wait(self) -> None:
         """Wait for every queued job; a bitmask not taken yet stays to be taken."""
-        self.collect_accepts()
         jobs = self._jobs
         self._jobs = deque(job for job in jobs if job.req_ids is not None)
         self._finish(jobs)

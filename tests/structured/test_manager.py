@@ -3,8 +3,8 @@ inline it fills exactly the rows a fresh matcher that accepted the same tokens w
 row is never filled before its matcher took every earlier token), whatever the order of
 submit/take, requests added and removed between jobs, and slots reused; a stop token ends
 the grammar (the row goes free, the matcher is dropped, nothing fills a terminated matcher);
-a refused token drops the matcher with an error; a worker's failure reaches the caller;
-`collect_accepts` returns once the matchers advanced; shutdown stops the threads."""
+a refused token drops the matcher with an error; a worker's failure reaches the caller; `submit`
+returns once the matchers advanced; shutdown stops the threads."""
 
 from __future__ import annotations
 
@@ -207,10 +207,9 @@ def test_one_bitmask_at_a_time(tokenizer):
     manager.shutdown()
 
 
-def test_collect_accepts_returns_once_the_matchers_advanced(tokenizer):
-    """The engine thread waits for the accepts (not the fills): after `collect_accepts` a
-    refused token has already dropped its matcher, and the others' rows come from the new
-    state."""
+def test_submit_returns_once_the_matchers_advanced(tokenizer):
+    """The engine thread waits for the accepts (not the fills): after `submit` a refused
+    token has already dropped its matcher, and the others' rows come from the new state."""
     manager = make(tokenizer, 2)
     good, bad = Request("g", SPECS[1]), Request("b", SPECS[1])
     for request in (good, bad):
@@ -218,7 +217,6 @@ def test_collect_accepts_returns_once_the_matchers_advanced(tokenizer):
     good.output_token_ids.append(tokenizer.encode("a", add_special_tokens=False)[0])
     bad.output_token_ids.append(tokenizer.encode("z", add_special_tokens=False)[0])
     manager.submit([good, bad], ["g", "b"])
-    manager.collect_accepts()
     assert manager.is_constrained("g") and not manager.is_constrained("b")
     grammar = manager.take_bitmask()
     np.testing.assert_array_equal(grammar.bitmask[0], expected_row(manager, good))
