@@ -289,9 +289,9 @@ def main() -> None:
     grammars = StructuredOutputManager(tokenizer, vocab, eos, 1, num_threads=0).grammars
     grammars.get(FakeParams.structured_outputs)
     print(f"token table and compile: {(time.perf_counter() - start) * 1e3:.0f} ms; vocab "
-          f"{vocab} (tokenizer {len(tokenizer)}, grammar {grammars.vocab_size}), batch "
-          f"{args.batch}, host work {args.host_work_ms} ms, {os.cpu_count()} CPUs, load "
-          f"{os.getloadavg()[0]:.2f}", flush=True)
+          f"{vocab} (tokenizer {len(tokenizer)}, grammar {grammars.vocab_size}), batch {args.batch}, host work "
+          f"{args.host_work_ms} ms, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}",
+          flush=True)
     results = []
     for mode in args.modes.split(","):
         for threads in [int(t) for t in args.threads.split(",")]:

@@ -3,9 +3,8 @@
 The structured-output manager fills one bitmask row per sampling row (all ones for
 unconstrained rows); the runner uploads it with the step's other sampling tensors, and the
 sampler applies it before any of its paths, so the fused kernel and the torch path, greedy
-and random rows, penalties and logprobs all see the constrained distribution. xgrammar's
-in-place kernel does the fill (Triton on CUDA, a vectorized loop on the CPU), one launch for
-the whole batch.
+and random rows, penalties and logprobs all see the constrained distribution. xgrammar's in-place kernel does the fill
+(Triton on CUDA, a vectorized loop on the CPU), one launch for the whole batch.
 """
 
 from __future__ import annotations

@@ -188,11 +188,6 @@ class StructuredOutputManager:
         self._entries: dict[str, _Entry] = {}
         self._free_slots: list[int] = []  # a heap of released slots below _next_slot
         self._next_slot = 0
-        self._version = 0  # counts changes to _entries: a fill plan is valid for one
-        self._plan_key: tuple[int, int] | None = None
-        self._plan_ids: list[str] = []
-        self._plan: tuple[list[tuple[list[Any], list[int]]], np.ndarray] = (
-            [], np.zeros(0, bool))
         # two buffers, used in turn: a bitmask being uploaded is never the one being filled
         buffers = [xgr.allocate_token_bitmask(max_num_seqs, width) for _ in range(2)]
         if pin_memory:
@@ -241,7 +236,6 @@ class StructuredOutputManager:
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
         self._entries[request.request_id] = _Entry(request.request_id, matcher, slot)
-        self._version += 1
 
     def remove_request(self, request_id: str) -> None:
         """Forget a finished or aborted request's matcher. A job already queued may still
@@ -249,7 +243,6 @@ class StructuredOutputManager:
         entry = self._entries.pop(request_id, None)
         if entry is not None:
             heapq.heappush(self._free_slots, entry.slot)
-            self._version += 1
 
     def has_requests(self) -> bool:
         return bool(self._entries)
@@ -350,30 +343,22 @@ class StructuredOutputManager:
         self.remove_request(entry.request_id)
 
     def _plan_fill(self, job: _Job, workers: int) -> None:
-        """Give each constrained row to its matcher's worker; a step with the rows and the
-        matchers of the last one (a steady decode) reuses its plan. The rows left free are
-        reset to all ones where this buffer last held a grammar's row."""
+        """Give each constrained row to its matcher's worker. The rows left free are reset
+        to all ones where this buffer last held a grammar's row."""
         index = self._next_buffer
         self._next_buffer ^= 1
         buffer, dirty = self._buffers[index], self._dirty[index]
         num_rows = len(job.req_ids)
-        key = (self._version, workers)
-        if key != self._plan_key or job.req_ids != self._plan_ids:
-            filled = np.zeros(num_rows, dtype=bool)
-            plan: list[tuple[list[Any], list[int]]] = [([], []) for _ in range(workers)]
-            entries = self._entries
-            if entries:
-                for row, req_id in enumerate(job.req_ids):
-                    entry = entries.get(req_id)
-                    if entry is not None:
-                        handles, rows = plan[entry.slot % workers]
-                        handles.append(entry.handle)
-                        rows.append(row)
-                        filled[row] = True
-            self._plan_key, self._plan_ids, self._plan = key, job.req_ids, (plan, filled)
-        plan, filled = self._plan
-        for task, (handles, rows) in zip(job.tasks, plan):  # read-only from here on
-            task.fill_handles, task.fill_rows = handles, rows
+        filled = np.zeros(num_rows, dtype=bool)
+        entries, tasks = self._entries, job.tasks
+        if entries:
+            for row, req_id in enumerate(job.req_ids):
+                entry = entries.get(req_id)
+                if entry is not None:
+                    task = tasks[entry.slot % workers]
+                    task.fill_handles.append(entry.handle)
+                    task.fill_rows.append(row)
+                    filled[row] = True
         reset = np.flatnonzero(dirty[:num_rows] & ~filled)
         if len(reset):
             buffer[reset] = -1

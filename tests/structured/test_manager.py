@@ -185,8 +185,7 @@ def test_a_worker_failure_reaches_the_engine_thread(tokenizer):
     request = Request("x", StructuredOutputsParams(choice=["a"]))
     manager.add_request(request)
     matcher = manager._entries["x"].matcher
-    # the grammar ended behind the manager's back: the fill fails in the worker
-    for token in tokenizer.encode("a", add_special_tokens=False) + [EOS]:
+    for token in tokenizer.encode("a", add_special_tokens=False) + [EOS]:  # ended behind the manager's back
         assert matcher.accept_token(token)
     manager.submit([], ["x"])
     with pytest.raises(RuntimeError, match="grammar worker failed"):
