@@ -124,8 +124,8 @@ class WorkerClock:
     def __init__(self) -> None:
         self.task: list[float] = []
         self.accept: list[float] = []
-        self._run, self._accept = manager_module._run, manager_module._BATCH_ACCEPT
-        manager_module._run = self._timed(self._run, self.task)
+        self._run, self._accept = manager_module._Task.run, manager_module._BATCH_ACCEPT
+        manager_module._Task.run = self._timed(self._run, self.task)
         manager_module._BATCH_ACCEPT = self._timed(self._accept, self.accept)
 
     @staticmethod
@@ -145,7 +145,7 @@ class WorkerClock:
         return task, accept
 
     def close(self) -> None:
-        manager_module._run, manager_module._BATCH_ACCEPT = self._run, self._accept
+        manager_module._Task.run, manager_module._BATCH_ACCEPT = self._run, self._accept
 
 
 def run(tokenizer, vocab: int, eos: list[int], mode: str, threads: int, args,

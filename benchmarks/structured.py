@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None)
     parser.add_argument("--grammar-threads", type=int, default=None,
                         help="the manager's grammar worker threads (0: on the engine thread; "
-                             "default: half the CPUs, at most 8; 0 for a model on the CPU)")
+                             "default: half the CPUs, at most 4; 0 for a model on the CPU)")
     parser.add_argument("--out", type=Path, required=True, help="folder for structured.json")
     args = parser.parse_args()
 

@@ -8,22 +8,19 @@ which survive preemption (by recompute or swap), so a preempted request resumes 
 matcher as it left it; each child of an n > 1 request is a request with its own matcher.
 
 The grammar work is host work in the engine's step, so it runs on worker threads while the
-engine thread does its own: `submit` hands out a job (advance these matchers by their
-requests' last tokens, then fill these rows) and `take_bitmask` waits for the rows. Each
-worker makes two xgrammar calls per job on the matchers' handles (`batch_accept_token`, a
-single-threaded `batch_fill_next_token_bitmask`), both outside the GIL. A matcher always
-goes to the same worker (its slot modulo the worker count), and a worker takes its jobs in
-order, so a row is only filled after its matcher has accepted every earlier token.
-xgrammar's own threaded batch fill is not used: it starts and joins a thread pool per call.
+engine thread does its own: `submit` queues a job (advance these matchers by their requests'
+last tokens, then fill these rows) and returns at once; `take_bitmask` waits for it. Each
+worker makes one xgrammar call per part of the job (`batch_accept_token`, a single-threaded
+`batch_fill_next_token_bitmask`); both release the GIL. A matcher always goes to the same
+worker (its slot modulo the worker count), and a worker takes its jobs in order, so a row is
+only filled after its matcher has accepted every earlier token, with no barrier between jobs.
+xgrammar's own threaded batch fill is not used: it starts and joins a new thread pool on
+every call.
 
-What costs the engine thread is not the work but the GIL: a worker needs it for a few lines
-before, between and after its two calls, and each time the engine thread is running Python
-it waits for the switch interval (5 ms) and then forces a switch, which costs the engine
-thread tens of µs in wake-ups. (On the H100 host, 4 workers with the interval lowered to
-0.2 ms still slowed the engine thread's scheduling by 0.3 ms a step.) So the workers take the
-GIL only while the engine thread waits: `submit` waits until every worker has accepted its
-tokens and started its fill (the accept is the short part), and a worker reports its filled
-rows in `take_bitmask`, which waits anyway."""
+While a job is outstanding the interpreter's switch interval is lowered (`_GIL_SWITCH_S`): a
+worker needs the GIL for a few lines between its xgrammar calls, and at the default 5 ms it
+would wait for the engine thread's whole step of Python before it even started.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +28,7 @@ import heapq
 import logging
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections import deque
@@ -45,21 +43,22 @@ from pagedserve.structured.grammar import GrammarCache, grammar_vocab_size
 
 logger = logging.getLogger(__name__)
 
-_MAX_DEFAULT_THREADS = 8
+_GIL_SWITCH_S = 2e-4  # while grammar jobs are outstanding (see the module docstring)
+_MAX_DEFAULT_THREADS = 4
 
 
 def default_num_threads(device_type: str = "cuda") -> int:
-    """Half the CPUs this process may run on, at most 8; none (the work done inline) when
+    """Half the CPUs this process may run on, at most 4; none (the work done inline) when
     the model runs on the CPU, whose forward pass keeps every core busy through OpenMP: a
     worker would only take cores from it, and on the 2-core dev box each hand-off to a
     worker cost the engine thread 2-5 ms against 0.4 ms for the work itself.
 
-    On the H100 host a row costs about 12 µs to fill and 5 µs to accept (one thread): a step
-    of 256 rows is 4.4 ms of work. The engine thread waits for the accepts (see the module
-    docstring) and the fills must end within its own work of a step (about 1 ms of outputs,
-    frontend and scheduling): 8 workers take 32 rows each, 0.16 ms of accepts and 0.4 ms of
-    fills, and leave the other half of the cores to the engine thread, the API process and
-    the CUDA threads."""
+    On a GPU host, a step of 256 rows is about 2.5 ms of grammar work (H100 host, measured
+    standalone: fill 4.8 µs and accept 4.5 µs a row): 4 workers take it in well under the
+    engine thread's own work of a step, which is what they overlap, and leave the other
+    cores to the engine thread, the API process (tokenizing, detokenizing, HTTP) and the
+    CUDA and OpenMP threads. More workers would shorten work already hidden, and each costs
+    a few GIL hand-offs per step."""
     if device_type == "cpu":
         return 0
     try:
@@ -98,14 +97,25 @@ class _Task:
 
     It calls xgrammar's bindings on the matchers' handles: the Python wrappers turn the
     accept's result into a list one FFI call per element, and every FFI call gives up the
-    GIL. Here a task costs two calls; the engine thread reads the result (`0 in results`,
-    one call)."""
+    GIL, which a worker then waits to get back while the engine thread runs Python. Here a
+    task costs two calls; the result is read by the engine thread (`0 in results`, one
+    call) when it collects the job."""
 
     accept_entries: list[_Entry] = field(default_factory=list)
     accept_handles: list[Any] = field(default_factory=list)
     accept_tokens: list[int] = field(default_factory=list)
     fill_handles: list[Any] = field(default_factory=list)
     fill_rows: list[int] = field(default_factory=list)
+
+    def run(self, filler: Any, bitmask: np.ndarray | None) -> Any:
+        """The accept's results (an FFI array of 0/1, one per token), or None."""
+        results = None
+        if self.accept_handles:
+            results = _BATCH_ACCEPT(self.accept_handles, self.accept_tokens, False)
+        if self.fill_handles:
+            filler.batch_fill_next_token_bitmask(self.fill_handles, bitmask, self.fill_rows,
+                                                 False)
+        return results
 
     @property
     def empty(self) -> bool:
@@ -124,42 +134,55 @@ def _filler() -> Any:
 class _Job:
     tasks: list[_Task]
     done: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    pending: int = 0  # tasks handed out whose end is not yet collected
-    accepted: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    error: BaseException | None = None  # a worker's, raised by take_bitmask
+    pending: int = 0  # tasks handed out and not yet collected by the engine thread
+    unrun: int = 0  # tasks handed to workers and not yet run (guarded by _Switch.lock)
     req_ids: list[str] | None = None  # a fill job: the step's sampling rows, in order
     buffer: np.ndarray | None = None  # the whole buffer its rows are filled in
     bitmask: np.ndarray | None = None  # its first len(req_ids) rows; None: no row constrained
 
 
+class _Switch:
+    """The interpreter's switch interval, lowered while any manager's workers have work."""
+
+    lock = threading.Lock()
+    outstanding = 0
+    saved = 0.0
+
+    @classmethod
+    def enter(cls) -> None:
+        with cls.lock:
+            cls.outstanding += 1
+            if cls.outstanding == 1:
+                cls.saved = sys.getswitchinterval()
+                if cls.saved > _GIL_SWITCH_S:
+                    sys.setswitchinterval(_GIL_SWITCH_S)
+
+    @classmethod
+    def task_done(cls, job: _Job) -> None:
+        """A worker ran one of the job's tasks; the job's last one ends its hold."""
+        with cls.lock:
+            job.unrun -= 1
+            if job.unrun:
+                return
+            cls.outstanding -= 1
+            if cls.outstanding == 0 and cls.saved > _GIL_SWITCH_S:
+                sys.setswitchinterval(cls.saved)
+
+
 def _work(inbox: queue.SimpleQueue) -> None:
-    """A worker: run tasks in the order they come. For each, report the accept's results
-    (then `submit` returns) and, once its rows are filled, its end."""
+    """A worker: run tasks in the order they come, report each to its job's queue."""
     filler = _filler()
     while True:
         item = inbox.get()
         if item is None:
             return
         index, task, job = item
-        _run(task, index, job, filler)
-
-
-def _run(task: _Task, index: int, job: _Job, filler: Any) -> None:
-    accepted = False
-    try:
-        results = None
-        if task.accept_handles:
-            results = _BATCH_ACCEPT(task.accept_handles, task.accept_tokens, False)
-        accepted = True
-        job.accepted.put((index, results, None))
-        if task.fill_handles:
-            filler.batch_fill_next_token_bitmask(task.fill_handles, job.buffer,
-                                                 task.fill_rows, False)
-        job.done.put((index, None))
-    except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
-        if not accepted:
-            job.accepted.put((index, None, exc))
-        job.done.put((index, exc))
+        try:
+            report = (index, task.run(filler, job.buffer), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
+            report = (index, None, exc)
+        _Switch.task_done(job)  # first: whoever waits for the report finds it restored
+        job.done.put(report)
 
 
 def _stop_workers(inboxes: list[queue.SimpleQueue]) -> None:
@@ -309,30 +332,24 @@ class StructuredOutputManager:
                 self._jobs.append(job)  # nothing to wait for: its rows are all free
             return
         self._jobs.append(job)
-        handed = [(index, task) for index, task in enumerate(tasks) if not task.empty]
-        job.pending = len(handed)
         if self.num_threads == 0:
             if self._inline_filler is None:
                 self._inline_filler = _filler()
-            for index, task in handed:
-                _run(task, index, job, self._inline_filler)
-        else:
-            if not self._inboxes:
-                self._start_workers()
-            for index, task in handed:
-                self._inboxes[index].put((index, task, job))
-        self._collect_accepts(job, len(handed))
-
-    def _collect_accepts(self, job: _Job, count: int) -> None:
-        """Wait until every task of the job has accepted its tokens and is filling (the
-        workers take the GIL while this thread waits, not while it runs Python); drop the
-        matchers that refused their token."""
-        for _ in range(count):
-            index, results, exc = job.accepted.get()
-            if exc is not None:
-                job.error = job.error or exc
-            elif results is not None and 0 in results:
-                self._drop_refused(job.tasks[index], list(results))
+            for index, task in enumerate(tasks):
+                if not task.empty:
+                    job.pending += 1
+                    try:
+                        job.done.put((index, task.run(self._inline_filler, job.buffer), None))
+                    except Exception as exc:  # noqa: BLE001 - raised by take_bitmask
+                        job.done.put((index, None, exc))
+            return
+        if not self._inboxes:
+            self._start_workers()
+        handed = [(index, task) for index, task in enumerate(tasks) if not task.empty]
+        job.pending = job.unrun = len(handed)
+        _Switch.enter()
+        for index, task in handed:
+            self._inboxes[index].put((index, task, job))
 
     def _accept_stop(self, entry: _Entry, token: int) -> None:
         """A stop token ends the grammar if accepted; either way the request goes free."""
@@ -386,14 +403,17 @@ class StructuredOutputManager:
         self._finish(jobs)
 
     def _finish(self, jobs: Iterable[_Job]) -> None:
-        """Wait for the jobs' ends; raise the first failure once all are collected."""
+        """Collect the jobs' reports (once each); drop the matchers that refused a token;
+        raise the first failure once all are collected."""
         error = None
         for job in jobs:
             while job.pending:
-                index, exc = job.done.get()
+                index, results, exc = job.done.get()
                 job.pending -= 1
-                job.error = job.error or exc
-            error = error or job.error
+                if exc is not None:
+                    error = error or exc
+                elif results is not None and 0 in results:
+                    self._drop_refused(job.tasks[index], list(results))
         if error is not None:
             raise RuntimeError("a grammar worker failed") from error
 

@@ -3,13 +3,14 @@ inline it fills exactly the rows a fresh matcher that accepted the same tokens w
 row is never filled before its matcher took every earlier token), whatever the order of
 submit/take, requests added and removed between jobs, and slots reused; a stop token ends
 the grammar (the row goes free, the matcher is dropped, nothing fills a terminated matcher);
-a refused token drops the matcher with an error; a worker's failure reaches the caller; `submit`
-returns once the matchers advanced; shutdown stops the threads."""
+a refused token drops the matcher with an error; a worker's failure reaches the caller; the
+switch interval is lowered only while the workers have work; shutdown stops the threads."""
 
 from __future__ import annotations
 
 import logging
 import random
+import sys
 import threading
 
 import numpy as np
@@ -206,20 +207,23 @@ def test_one_bitmask_at_a_time(tokenizer):
     manager.shutdown()
 
 
-def test_submit_returns_once_the_matchers_advanced(tokenizer):
-    """The engine thread waits for the accepts (not the fills): after `submit` a refused
-    token has already dropped its matcher, and the others' rows come from the new state."""
-    manager = make(tokenizer, 2)
-    good, bad = Request("g", SPECS[1]), Request("b", SPECS[1])
-    for request in (good, bad):
-        manager.add_request(request)
-    good.output_token_ids.append(tokenizer.encode("a", add_special_tokens=False)[0])
-    bad.output_token_ids.append(tokenizer.encode("z", add_special_tokens=False)[0])
-    manager.submit([good, bad], ["g", "b"])
-    assert manager.is_constrained("g") and not manager.is_constrained("b")
-    grammar = manager.take_bitmask()
-    np.testing.assert_array_equal(grammar.bitmask[0], expected_row(manager, good))
-    manager.shutdown()
+def test_switch_interval_is_lowered_only_while_the_workers_have_work(tokenizer):
+    before = sys.getswitchinterval()
+    manager = make(tokenizer, 1)
+    request = Request("x", SPECS[0])
+    manager.add_request(request)
+    others = set(threading.enumerate())
+    manager.submit([], ["x"])
+    assert sys.getswitchinterval() < min(before, 1e-3)
+    manager.take_bitmask()
+    assert sys.getswitchinterval() == before
+    request.output_token_ids.append(tokenizer.encode("{", add_special_tokens=False)[0])
+    manager.submit([request])  # an accept only: nobody takes it, its end still restores
+    manager._inboxes[0].put(None)  # the worker stops after it
+    for thread in set(threading.enumerate()) - others:
+        thread.join(timeout=5)
+    assert sys.getswitchinterval() == before
+    assert manager.is_constrained("x")
 
 
 def test_shutdown_stops_the_workers(tokenizer):
