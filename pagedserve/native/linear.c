@@ -4,7 +4,7 @@
  * their GEMMs read the weights from DRAM in one pass and compute in another, and run at a third
  * of the CPU's FMA peak (docs/benchmarks.md). Here the weight is packed once into panels of 24
  * output columns, each panel contiguous over K ([ceil(N/24)][K][24], zero-padded), and every
- * panel is consumed in K-blocks of 128 (12 KB, resident in L1) by all row tiles of x before the
+ * panel is consumed in K-blocks (128 rows, 12 KB, resident in L1) by all row tiles of x before the
  * next block streams in, and the first row tile prefetches two blocks ahead (past a panel's end
  * that is the thread's next panel): the DRAM stream and the FMAs overlap over the whole call.
  *
@@ -59,7 +59,14 @@ static inline lanes first_lanes(int64_t n) {
 #define NV 3          /* vectors per panel row */
 #define NR (VW * NV)  /* output columns per panel */
 #define MR 4          /* rows of x per register tile */
+#if VW == 16
+/* K-block: 32 x 48 floats = 6 KB of panel. The prefetches then run 12 KB ahead; with 128 they
+ * ran 48 KB ahead, a whole L1, and were evicted before use (decode step GEMMs at 16 rows,
+ * 538 MB of weights: 37.8 ms with 128, 35.5 with 64, 32.5 with 32, 32.4 with 16). */
+#define KB 32
+#else
 #define KB 128        /* K-block: 128 x 24 floats = 12 KB of panel */
+#endif
 #define PREFETCH 2    /* the first row tile prefetches the K-block this many blocks ahead */
 
 /* What a tile needs to know about its panel's output columns: all NR real (`full`), or the
