@@ -162,7 +162,7 @@ def test_pdl_chain_waits_for_its_input(fma):
     from pagedserve.model.fp8_kernel import WeightOnlyConfig, weight_only_linear
     from pagedserve.model.triton_ops import rms_norm, silu_and_mul
 
-    assert pdl.enabled() == (torch.cuda.get_device_capability()[0] >= 9)
+    assert bool(pdl.launch_options()) == (torch.cuda.get_device_capability()[0] >= 9)
     gen = torch.Generator(device="cuda").manual_seed(2)
     w_q, w_scale = fp8.quantize_rows(
         torch.randn(6144, 4096, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02)

@@ -59,11 +59,6 @@ def launch_options() -> dict:
     return {"launch_pdl": True} if _ENABLED else {}
 
 
-def enabled() -> bool:
-    launch_options()
-    return bool(_ENABLED)
-
-
 @triton.jit
 def step_entry():
     """First thing in a decode-step kernel: let the next one launch, wait for the last one."""
