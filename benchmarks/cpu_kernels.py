@@ -9,7 +9,12 @@ Run from the repo root: `python -m benchmarks.cpu_kernels [--rows 16] [--repeats
           quantized (the fast mode's weights: Q4_1 layers, Q8_0 head, as the default GGUF):
           the native kernel (`native/quant.c`, int8 activations) and torch's own CPU kernels
           on the nearest formats they take, `_weight_int8pack_mm` (int8 weights, a scale per
-          row, float activations) and `_weight_int4pack_mm_for_cpu` (4-bit, groups of 32).
+          row, float activations) and `_weight_int4pack_mm_for_cpu` (4-bit, groups of 32);
+          bfloat16 (`--dtype bfloat16`'s weights, 269 MB per copy, bfloat16 activations): the
+          native kernel (`native/linear.c`, AMX-BF16, where this CPU and build have it),
+          oneDNN through `F.linear` (what the engine ran before it: `aten::mm`/`addmm`) and
+          oneDNN prepacked (`_linear_pointwise`).
+          `--kinds` picks some of float32, quantized, bfloat16 (all by default).
   step    the bench's workload (16 chat prompts, greedy; `--dtype auto` is the fast mode,
           `float32` the exact path) through the engine after a warm-up
           request: the prefill step,
@@ -28,6 +33,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
@@ -41,27 +47,20 @@ LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
                 (HIDDEN, INTERMEDIATE)]  # (out, in): qkv, o, gate_up, down
 
 
-def bench_gemms(rows: int, repeats: int) -> None:
+KINDS = ("float32", "quantized", "bfloat16")
+
+
+def bench_gemms(rows: int, repeats: int, kinds: list[str]) -> None:
     shapes = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     weights = [torch.randn(n, k) * 0.05 for n, k in shapes]
     inputs = {k: torch.randn(rows, k) for _, k in shapes}
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
-    native = [native_linear.pack(w) for w in weights]
-    quantized = [QuantizedLinear([from_gguf(quantize(w.numpy(), kind), kind)])
-                 for w, kind in zip(weights, [T.Q4_1] * (len(shapes) - 1) + [T.Q8_0])]
-    int8 = [_torch_int8(w) for w in weights]
-    int4 = [_torch_int4(w) for w in weights]
-    runs: dict[str, Callable[[], None]] = {
-        "f32 oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(
-            inputs[k], p, None, "none", [], "") for (_, k), p in zip(shapes, onednn)],
-        "f32 native": lambda: [native_linear.linear(inputs[k], p, n)
-                               for (n, k), p in zip(shapes, native)],
-        "quant native": lambda: [q(inputs[k]) for (_, k), q in zip(shapes, quantized)],
-        "torch int8pack": lambda: [torch._weight_int8pack_mm(inputs[k], q, s)
-                                   for (_, k), (q, s) in zip(shapes, int8)],
-        "torch int4pack": lambda: [torch._weight_int4pack_mm_for_cpu(inputs[k], q, 32, sz)
-                                   for (_, k), (q, sz) in zip(shapes, int4)],
-    }
+    runs: dict[str, Callable[[], None]] = {}
+    if "float32" in kinds:
+        runs.update(_float32_runs(shapes, weights, inputs))
+    if "quantized" in kinds:
+        runs.update(_quantized_runs(shapes, weights, inputs))
+    if "bfloat16" in kinds:
+        runs.update(_bfloat16_runs(shapes, weights, inputs))
     times = defaultdict(list)
     for _ in range(repeats):
         for name, run in runs.items():
@@ -71,6 +70,49 @@ def bench_gemms(rows: int, repeats: int) -> None:
     print(f"decode-step GEMMs at {rows} rows, {torch.get_num_threads()} threads:")
     for name, values in times.items():
         print(f"  {name:18s} min {min(values):6.1f} ms   median {statistics.median(values):6.1f} ms")
+
+
+def _float32_runs(shapes, weights, inputs) -> dict[str, Callable[[], None]]:
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+    native = [native_linear.pack(w) for w in weights]
+    return {
+        "f32 oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(
+            inputs[k], p, None, "none", [], "") for (_, k), p in zip(shapes, onednn)],
+        "f32 native": lambda: [native_linear.linear(inputs[k], p, n)
+                               for (n, k), p in zip(shapes, native)],
+    }
+
+
+def _quantized_runs(shapes, weights, inputs) -> dict[str, Callable[[], None]]:
+    quantized = [QuantizedLinear([from_gguf(quantize(w.numpy(), kind), kind)])
+                 for w, kind in zip(weights, [T.Q4_1] * (len(shapes) - 1) + [T.Q8_0])]
+    int8 = [_torch_int8(w) for w in weights]
+    int4 = [_torch_int4(w) for w in weights]
+    return {
+        "quant native": lambda: [q(inputs[k]) for (_, k), q in zip(shapes, quantized)],
+        "torch int8pack": lambda: [torch._weight_int8pack_mm(inputs[k], q, s)
+                                   for (_, k), (q, s) in zip(shapes, int8)],
+        "torch int4pack": lambda: [torch._weight_int4pack_mm_for_cpu(inputs[k], q, 32, sz)
+                                   for (_, k), (q, sz) in zip(shapes, int4)],
+    }
+
+
+def _bfloat16_runs(shapes, weights, inputs) -> dict[str, Callable[[], None]]:
+    weights = [w.bfloat16() for w in weights]
+    inputs = {k: x.bfloat16() for k, x in inputs.items()}
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+    runs = {
+        "bf16 F.linear": lambda: [F.linear(inputs[k], w) for (_, k), w in zip(shapes, weights)],
+        "bf16 oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(
+            inputs[k], p, None, "none", [], "") for (_, k), p in zip(shapes, onednn)],
+    }
+    if native_linear.available(torch.bfloat16):
+        native = [native_linear.pack(w) for w in weights]
+        runs["bf16 native"] = lambda: [native_linear.linear(inputs[k], p, n)
+                                       for (n, k), p in zip(shapes, native)]
+    else:
+        print("no native bfloat16 kernel here (needs the avx512 build and AMX-BF16)")
+    return runs
 
 
 def _torch_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,13 +189,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="rows of the GEMM inputs")
     parser.add_argument("--repeats", type=int, default=15, help="interleaved timed rounds")
     parser.add_argument("--only", choices=["gemms", "step"], help="run one part")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="the GEMMs' weight kinds")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32"],
                         help="the step's mode: auto = fast (quantized), float32 = exact")
     args = parser.parse_args()
     if not native_linear.available():
         raise SystemExit("the native kernels are unavailable here (see pagedserve.native.build)")
     if args.only != "step":
-        bench_gemms(args.rows, args.repeats)
+        bench_gemms(args.rows, args.repeats, args.kinds)
     if args.only != "gemms":
         bench_step(args.dtype)
 

@@ -24,6 +24,10 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__)
 #define VW 16         /* floats per vector */
@@ -170,3 +174,134 @@ void pagedserve_linear(const float *x, int64_t M, int64_t K, const float *w, int
         }
     }
 }
+
+#if defined(__AVX512BF16__)
+/* bfloat16 weights and activations, y = x @ W^T + b rounded to bfloat16, on AMX-BF16 tiles (the
+ * avx512 build; the tile functions are compiled for amx-tile/amx-bf16 by attribute and run
+ * only after `pagedserve_linear_bf16_init` got the kernel's permission for the tile state,
+ * which it refuses on CPUs without AMX).
+ *
+ * Why: oneDNN's bfloat16 GEMMs behind `torch.mm` stream the weights at ~9 GB/s in a decode
+ * step, our float32 kernel above at 14-16 GB/s (docs/benchmarks.md). That kernel's panels in
+ * bfloat16 pairs with AVX512-BF16 `vdpbf16ps` were tried first and lost at 16 rows: here that
+ * instruction retires once per ~2 cycles (32 products; 52 G products/s a core, against 85 G
+ * for float32 FMAs), so the decode step's GEMMs were compute-bound at 29.7 ms against
+ * F.linear's 24.9; widening the pairs to float32 for FMAs tied with F.linear (24.5 ms), and
+ * both stayed behind oneDNN's prepacked AMX (16.9). One `tdpbf16ps` multiplies a 16-row tile
+ * of x by 32 x 16 of the weight (8192 products), so this kernel is bound by the weight stream
+ * alone at 1 and at 16 rows. Software prefetches of the B tiles changed nothing measurable.
+ *
+ * Layout: the weight is packed once into panels of 48 output columns over pairs of K,
+ * [ceil(N/48)][pairs][48][2] bfloat16 with pairs = ceil(K/32) * 16 (zero-padded), which is AMX's
+ * B operand as it is: 16 pairs x 16 columns of a panel are one B tile (64 bytes a row, stride
+ * 192). x is copied once per call into a zero-padded scratch of 16-row groups and K rounded up
+ * to 32 (the A tiles; padding adds zero products). Per panel and 16-row group three float32 C
+ * tiles (48 columns) accumulate over K in tile steps, in order; they are then stored to a
+ * float32 scratch, the bias added in float32, and rounded once to bfloat16 (nearest even) into
+ * the rows and columns that exist. One thread per panel: the thread count changes nothing.
+ * Products of bfloat16 values are exact in float32; `tdpbf16ps` treats subnormal inputs as
+ * zero and flushes subnormal sums. */
+#define TK 16  /* pairs of K per tile step (32 bfloat16: a 64-byte tile row) */
+#define TM 16  /* rows of x per A tile */
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+int pagedserve_linear_bf16_panel(void) { return NR; }
+
+/* Asks Linux for this process's AMX tile state (XTILEDATA, feature 18): 0 when granted. */
+int pagedserve_linear_bf16_init(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0 ? 0 : -1;
+}
+
+static inline __m512 bf16_widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Palette 1, every tile 16 rows x 64 bytes (tiles 0-2: C, 3: A, 4-6: B). A constant in memory:
+ * gcc 12 drops stores to a local configuration before `ldtilecfg` as dead. */
+static const struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TILE_CONFIG = {
+    .palette = 1,
+    .bytes = {64, 64, 64, 64, 64, 64, 64},
+    .rows = {TM, TM, TM, TM, TM, TM, TM},
+};
+
+AMX_TARGET static void configure_tiles(void) { _tile_loadconfig(&TILE_CONFIG); }
+
+/* C tiles 0-2 := the 16-row group at `a` (row stride lda bytes) times a panel's `pairs`. */
+AMX_TARGET static void panel_tiles(const uint16_t *a, int64_t lda, const uint16_t *panel,
+                                   int64_t pairs) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t k = 0; k < pairs; k += TK) {
+        const uint16_t *b = panel + k * 2 * NR;
+        _tile_loadd(3, a + 2 * k, lda);
+        _tile_loadd(4, b, 2 * NR * 2);
+        _tile_loadd(5, b + 2 * VW, 2 * NR * 2);
+        _tile_loadd(6, b + 4 * VW, 2 * NR * 2);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+}
+
+AMX_TARGET static void store_tiles(float *out) {
+    _tile_stored(0, out, NR * 4);
+    _tile_stored(1, out + VW, NR * 4);
+    _tile_stored(2, out + 2 * VW, NR * 4);
+}
+
+AMX_TARGET static void release_tiles(void) { _tile_release(); }
+
+/* Rows [0, rows) of out [TM][NR] float32 plus the bias, as bfloat16 into y (row stride ldy),
+ * only the panel's real columns. */
+static void write_rows(const float *out, int64_t rows, const uint16_t *bias, int64_t col,
+                       int64_t ncols, uint16_t *y, int64_t ldy) {
+    for (int v = 0; v < NV; v++) {
+        const int64_t n = ncols - VW * v;
+        if (n <= 0) break;
+        const __mmask16 mask = first_lanes(n > VW ? VW : n);
+        const __m512 b = bias ? bf16_widen(_mm256_maskz_loadu_epi16(mask, bias + col + VW * v))
+                              : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; r++) {
+            const __m512 sum = _mm512_add_ps(_mm512_load_ps(out + r * NR + VW * v), b);
+            _mm256_mask_storeu_epi16(y + r * ldy + VW * v, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+        }
+    }
+}
+
+/* x [M, K] bfloat16 row-major, w packed as above for N outputs and K, bias [N] bfloat16 or
+ * NULL, y [M, N] bfloat16 row-major. Returns 0, or -1 when the padded copy of x cannot be
+ * had. Call only after `pagedserve_linear_bf16_init` returned 0. */
+int pagedserve_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w,
+                           int64_t N, const uint16_t *bias, uint16_t *y, int num_threads) {
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t panels = (N + NR - 1) / NR, pairs = (K + 2 * TK - 1) / (2 * TK) * TK;
+    const int64_t groups = (M + TM - 1) / TM, lda = 2 * pairs; /* elements per padded row */
+    uint16_t *a = aligned_alloc(64, (size_t)(groups * TM * lda) * 2);
+    if (!a) return -1;
+    memset(a, 0, (size_t)(groups * TM * lda) * 2);
+    for (int64_t m = 0; m < M; m++) memcpy(a + m * lda, x + m * K, (size_t)K * 2);
+#pragma omp parallel num_threads(num_threads)
+    {
+        float out[TM * NR] __attribute__((aligned(64)));
+        configure_tiles(); /* the tile configuration is per thread */
+#pragma omp for schedule(static)
+        for (int64_t pi = 0; pi < panels; pi++) {
+            const int64_t col = pi * NR, ncols = N - col < NR ? N - col : NR;
+            for (int64_t g = 0; g < groups; g++) {
+                panel_tiles(a + g * TM * lda, lda * 2, w + pi * pairs * 2 * NR, pairs);
+                store_tiles(out);
+                const int64_t rows = M - g * TM < TM ? M - g * TM : TM;
+                write_rows(out, rows, bias, col, ncols, y + g * TM * N + col, N);
+            }
+        }
+        release_tiles();
+    }
+    free(a);
+    return 0;
+}
+#endif

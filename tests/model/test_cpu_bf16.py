@@ -1,10 +1,11 @@
 """bfloat16 weights on a CPU that computes in bfloat16 (AVX-512-BF16 or AMX): `--dtype
 bfloat16` loads an HF float checkpoint as bfloat16 and runs it through the engine (linear layers
-on torch's oneDNN bfloat16 GEMMs, attention on the reference backend, as the native kernels
-take float32 only). Held to transformers in float32 on the same weights: bfloat16 rounds every
-weight and activation, so logits agree only coarsely and greedy tokens must be float32's own
-choice or within that rounding of it. Skipped on CPUs without bfloat16 compute, where the
-engine refuses the dtype (tests/model/test_gguf_fast_mode.py)."""
+on the native AMX bfloat16 kernel where `native.linear` has it, else torch's oneDNN bfloat16
+GEMMs; attention on the native kernel, which reads bfloat16 caches). Held to transformers in
+float32 on the same weights: bfloat16 rounds every weight and activation, so logits agree only
+coarsely and greedy tokens must be float32's own choice or within that rounding of it. Skipped
+on CPUs without bfloat16 compute, where the engine refuses the dtype
+(tests/model/test_gguf_fast_mode.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
+from pagedserve.model.decoder import Linear
 from pagedserve.model.loader import default_model_path
+from pagedserve.native import linear as native_linear
 from pagedserve.native.build import cpu_flags, has_bf16_compute
 
 pytestmark = pytest.mark.skipif(not has_bf16_compute(cpu_flags()),
@@ -56,6 +59,9 @@ def test_bfloat16_engine_follows_float32(checkpoint):
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
     outputs = [finished[str(i)] for i in range(len(prompts))]
+    layers = [m for m in loaded.model.modules() if isinstance(m, Linear)]
+    packed = [m.packed._packed is not None for m in layers]
+    assert layers and all(packed) == any(packed) == native_linear.available(torch.bfloat16)
     exact = 0
     for prompt, out in zip(prompts, outputs):
         tokens = list(out.outputs[0].token_ids)

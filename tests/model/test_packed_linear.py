@@ -21,7 +21,7 @@ def kernel(request, monkeypatch):
     if request.param == "native" and not native_linear.available():
         pytest.skip("native kernels unavailable")
     if request.param == "onednn":
-        monkeypatch.setattr(native_linear, "available", lambda: False)
+        monkeypatch.setattr(native_linear, "available", lambda dtype=torch.float32: False)
     return request.param
 
 
@@ -61,12 +61,29 @@ def test_autograd_and_other_dtypes_take_f_linear():
     layer(x).sum().backward()  # the packed op has no backward
     assert x.grad is not None and layer.weight.grad is not None
     assert layer.packed._packed is None
-    half = Linear(8, 8).to(torch.bfloat16).requires_grad_(False)
+    half = Linear(8, 8).to(torch.float16).requires_grad_(False)
     with torch.inference_mode():
-        y = half(torch.randn(3, 8, dtype=torch.bfloat16))
-    assert y.dtype == torch.bfloat16 and half.packed._packed is None
+        y = half(torch.randn(3, 8, dtype=torch.float16))
+    assert y.dtype == torch.float16 and half.packed._packed is None
     with torch.inference_mode():  # a weight made here has no version counter to watch
         made_here = Linear(8, 8)
         torch.testing.assert_close(made_here(x.detach()), F.linear(x.detach(), made_here.weight,
                                                                    made_here.bias))
     assert made_here.packed._packed is None
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 300])
+def test_bfloat16_packs_where_the_kernel_is(rows, kernel):
+    """A bfloat16 layer takes the native kernel where it is available (AMX), else F.linear
+    (oneDNN packs float32 only); either way F.linear's result within bfloat16 rounding."""
+    torch.manual_seed(rows)
+    layer = Linear(96, 200).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+    native = kernel == "native" and native_linear.available(torch.bfloat16)
+    assert (layer.packed._packed is not None) == native and out.dtype == torch.bfloat16
+    exact = x.double() @ layer.weight.double().T + layer.bias.double()
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=2**-7,
+                               atol=1e-4)
