@@ -16,10 +16,10 @@ Run from the repo root: `python -m benchmarks.cpu_kernels [--rows 16] [--repeats
           oneDNN prepacked (`_linear_pointwise`).
           `--kinds` picks some of float32, quantized, bfloat16 (all by default).
   step    the bench's workload (16 chat prompts, greedy; `--dtype auto` is the fast mode,
-          `float32` the exact path) through the engine after a warm-up
-          request: the prefill step,
-          then the mean of 20 decode steps, split into the GEMMs (native kernel calls),
-          attention (the backend's forward) and the LM head.
+          `float32` the exact path, `bfloat16` an HF checkpoint's bf16 mode, with `--model
+          DIR`) through the engine after a warm-up request: the prefill step,
+          then the mean of 20 decode steps, split into the GEMMs (native kernel calls and
+          `F.linear`), attention (the backend's forward) and the LM head.
 
 The dev box is shared: compare only figures of one run.
 """
@@ -132,12 +132,13 @@ def _torch_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, torch.stack([scale.T, zeros.T], -1).contiguous()
 
 
-def bench_step(dtype: str) -> None:
+def bench_step(dtype: str, model: str | None) -> None:
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.entrypoints.cli import _build_engine, bench_prompts, build_parser
 
     args = build_parser(["bench"]).parse_args(["bench", "--kv-cache-memory", "256M",
-                                               "--dtype", dtype])
+                                               "--dtype", dtype,
+                                               *(["--model", model] if model else [])])
     engine = _build_engine(args)
     prompts = bench_prompts(args, engine.tokenizer)
     spent: dict[str, float] = defaultdict(float)
@@ -155,6 +156,7 @@ def bench_step(dtype: str) -> None:
 
     runner = engine.model_runner
     timed(native_linear, "linear", "GEMMs (incl. LM head)")
+    timed(F, "linear", "GEMMs (incl. LM head)")
     timed(QuantizedLinear, "__call__", "GEMMs (incl. LM head)")
     timed(runner.backend, "forward", "attention")
     timed(runner.model, "compute_logits", "LM head")
@@ -191,15 +193,16 @@ def main() -> None:
     parser.add_argument("--only", choices=["gemms", "step"], help="run one part")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                         help="the GEMMs' weight kinds")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32"],
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="the step's mode: auto = fast (quantized), float32 = exact")
+    parser.add_argument("--model", help="the step's model (default: the bench's)")
     args = parser.parse_args()
     if not native_linear.available():
         raise SystemExit("the native kernels are unavailable here (see pagedserve.native.build)")
     if args.only != "step":
         bench_gemms(args.rows, args.repeats, args.kinds)
     if args.only != "gemms":
-        bench_step(args.dtype)
+        bench_step(args.dtype, args.model)
 
 
 if __name__ == "__main__":
