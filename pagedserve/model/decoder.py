@@ -79,11 +79,12 @@ class PackedWeight:
         if self.quantized is not None and x.dtype == torch.float32 and x.is_cpu and (
                 not torch.is_grad_enabled() and native_quant.available()):
             return self.quantized(x, bias)
-        native = native_linear.available(weight.dtype)
-        onednn = _ONEDNN and weight.dtype == torch.float32
         if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype or (
-                weight.is_inference() or not (native or onednn)):
-            return F.linear(x, weight, bias)  # (an inference tensor has no version counter)
+                weight.is_inference()):  # (an inference tensor has no version counter)
+            return F.linear(x, weight, bias)
+        native = native_linear.available(weight.dtype)  # (a GPU process never asks)
+        if not (native or (_ONEDNN and weight.dtype == torch.float32)):
+            return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
         if weight is not self._source or key != self._key:
             self._packed = (native_linear.pack(weight.detach()) if native else
