@@ -276,10 +276,6 @@ class StructuredOutputManager:
         return request_id in self._entries
 
     @property
-    def num_matchers(self) -> int:
-        return len(self._entries)
-
-    @property
     def stop_token_ids(self) -> list[int] | None:
         """The matchers' stop tokens: the engine's EOS ids within the grammar's vocabulary
         (None until the first constrained request if none is: xgrammar's own then)."""

@@ -202,7 +202,7 @@ def test_grammar_workers_give_the_reference_tokens(loaded, reference, threads,
     engine = make(loaded, async_scheduling=async_scheduling)
     engine.structured.set_num_threads(threads)
     assert run(engine, mixed_batch()) == reference
-    assert engine.structured.num_matchers == 0
+    assert not engine.structured.has_requests()
 
 
 @pytest.mark.parametrize("threads", [0, 2])
@@ -236,7 +236,7 @@ def test_abort_while_a_bitmask_is_filled_leaves_no_matcher(loaded, reference,
     assert "json-greedy" not in finals or finals["json-greedy"][0][2] == "abort"
     for request_id in ("json-sampled", "choice", "free-greedy", "free-sampled"):
         assert finals[request_id] == reference[request_id]
-    assert engine.structured.num_matchers == 0
+    assert not engine.structured.has_requests()
     assert_pool_clean(engine)
 
 
@@ -254,7 +254,7 @@ def test_a_grammar_that_ends_under_ignore_eos_goes_free(loaded, async_scheduling
     end = tokens.index(2)  # the grammar's EOS
     prefix = engine.tokenizer.decode(tokens[:end])
     jsonschema.validate(json.loads(prefix), PERSON)
-    assert engine.structured.num_matchers == 0
+    assert not engine.structured.has_requests()
 
 
 def test_an_lm_head_wider_than_the_tokenizer(tmp_path, caplog):
