@@ -73,6 +73,9 @@ class EngineConfig:
     # step overlaps the GPU's; None = on for CUDA, off for the CPU (which runs a step
     # synchronously: there is nothing to overlap)
     async_scheduling: bool | None = None
+    # structured outputs: the grammar matchers in a process of their own rather than on
+    # threads of the engine's (structured/remote.py); None = on for CUDA, off on the CPU
+    grammar_process: bool | None = None
     # tensor parallelism: ranks that each hold a shard of the weights and of the KV heads,
     # one worker process each (engine/executor.py); on CUDA rank r uses GPU r
     tensor_parallel_size: int = 1
@@ -99,6 +102,9 @@ class EngineConfig:
         if self.async_scheduling not in (None, True, False):
             raise ValueError("async_scheduling must be True, False or None (auto), "
                              f"got {self.async_scheduling!r}")
+        if self.grammar_process not in (None, True, False):
+            raise ValueError("grammar_process must be True, False or None (auto), "
+                             f"got {self.grammar_process!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_address is not None and self.tensor_parallel_size == 1:

@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -53,8 +54,28 @@ from pagedserve.model.decoder import Decoder
 from pagedserve.model.loader import load_model, load_tokenizer, model_path, read_model_config
 from pagedserve.native.build import cpu_flags, has_bf16_compute
 from pagedserve.structured.manager import StructuredOutputManager
+from pagedserve.structured.remote import GrammarProcess
 
 logger = logging.getLogger(__name__)
+
+
+def _structured_outputs(config: EngineConfig, executor: Executor, tokenizer: Any,
+                        tokenizer_source: str, model_config: ModelConfig,
+                        eos_token_ids: frozenset[int]
+                        ) -> StructuredOutputManager | GrammarProcess:
+    """The matchers in a process of their own (`grammar_process`, by default on a GPU,
+    where the engine thread is the step's critical path) or in this one (on the CPU, where
+    the forward pass keeps every core busy and the work is done inline)."""
+    on_gpu = executor.device_type == "cuda"
+    # pinned for an in-process runner on CUDA to upload
+    pin = isinstance(executor, UniprocExecutor) and on_gpu
+    separate = on_gpu if config.grammar_process is None else config.grammar_process
+    if separate:
+        return GrammarProcess(tokenizer, tokenizer_source, model_config.vocab_size,
+                              eos_token_ids, config.max_num_seqs, pin_memory=pin)
+    return StructuredOutputManager(tokenizer, model_config.vocab_size, eos_token_ids,
+                                   config.max_num_seqs, pin_memory=pin,
+                                   device_type=executor.device_type)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -164,11 +185,9 @@ class EngineCore:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.structured = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-            config.max_num_seqs,  # pinned for an in-process runner on CUDA to upload
-            pin_memory=isinstance(executor, UniprocExecutor) and executor.device_type == "cuda",
-            device_type=executor.device_type)
+        self.structured = _structured_outputs(config, executor, self.tokenizer,
+                                              self.tokenizer_source, self.model_config,
+                                              self.eos_token_ids)
         self.async_scheduling = (executor.device_type == "cuda"
                                  if config.async_scheduling is None
                                  else config.async_scheduling)

@@ -27,6 +27,7 @@ from pagedserve.engine.processor import Processor
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.structured.manager import StructuredOutputManager
+from pagedserve.structured.remote import GrammarProcess
 
 __all__ = ["LLMEngine", "LoadedModel"]
 
@@ -75,12 +76,12 @@ class LLMEngine:
         return self.engine_core.async_scheduling
 
     @property
-    def structured(self) -> StructuredOutputManager:
+    def structured(self) -> StructuredOutputManager | GrammarProcess:
         return self.engine_core.structured
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers now (else when the engine is collected or the
-        process exits); a no-op in one process."""
+        """Stop the tensor-parallel workers and the grammar process now (else when the
+        engine is collected or the process exits)."""
         self.engine_core.shutdown()
 
     # -- requests -----------------------------------------------------------------------------

@@ -118,6 +118,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("enforce_eager", "CUDA: run decode steps eagerly instead of as CUDA graphs"),
     EngineArg("async_scheduling", "prepare step N+1 on the CPU while the device runs step N",
               default_text="on for CUDA, off on the CPU"),
+    EngineArg("grammar_process", "structured outputs: keep the grammar matchers in a process "
+              "of their own instead of on threads of the engine's",
+              default_text="on for CUDA, off on the CPU"),
     EngineArg("tensor_parallel_size", "ranks that shard the model (one worker process each, "
               "GPU r for rank r; gloo on the CPU)", metavar="N"),
     EngineArg("tensor_parallel_address", "bind here (e.g. tcp://*:5600) and wait for the "

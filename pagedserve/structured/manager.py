@@ -32,7 +32,7 @@ import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ import numpy as np
 import xgrammar as xgr
 
 from pagedserve.structured.grammar import GrammarCache, grammar_vocab_size
+from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -193,14 +194,20 @@ def _stop_workers(inboxes: list[queue.SimpleQueue]) -> None:
 class StructuredOutputManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
                  max_num_seqs: int, pin_memory: bool = False,
-                 num_threads: int | None = None, device_type: str = "cuda") -> None:
+                 num_threads: int | None = None, device_type: str = "cuda",
+                 buffers: Sequence[np.ndarray] | None = None,
+                 on_release: Callable[[str], None] | None = None) -> None:
         """`stop_token_ids`: the engine's EOS ids, the tokens a finished grammar allows (those
         the tokenizer has: a config's EOS may lie past a borrowed tokenizer's ids).
         `pin_memory`: the bitmask goes to a GPU (its buffers are then page-locked). The
         bitmask rows cover `grammar_vocab_size` ids, fewer than `vocab_size` where the LM
         head has many padding rows.
         `num_threads`: grammar worker threads (None: `default_num_threads(device_type)`,
-        `device_type` the model's); 0 does the work on the calling thread, in `submit`."""
+        `device_type` the model's); 0 does the work on the calling thread, in `submit`.
+        `buffers`: the two bitmask buffers (int32 [max_num_seqs, words]) to fill, where
+        another process reads them (`remote.py`); None allocates them here. `on_release`
+        hears of each request the manager frees itself (a grammar that ended or refused a
+        token, at `add` or later), for a caller that mirrors which requests are constrained."""
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._grammars: GrammarCache | None = None
         width = grammar_vocab_size(tokenizer, vocab_size)
@@ -211,12 +218,18 @@ class StructuredOutputManager:
         self._entries: dict[str, _Entry] = {}
         self._free_slots: list[int] = []  # a heap of released slots below _next_slot
         self._next_slot = 0
+        self._on_release = on_release
         # two buffers, used in turn: a bitmask being uploaded is never the one being filled
-        buffers = [xgr.allocate_token_bitmask(max_num_seqs, width) for _ in range(2)]
-        if pin_memory:
-            buffers = [b.pin_memory() for b in buffers]
-        self._buffer_tensors = buffers  # owns the (pinned) memory
-        self._buffers = [b.numpy() for b in buffers]
+        if buffers is None:
+            tensors = [xgr.allocate_token_bitmask(max_num_seqs, width) for _ in range(2)]
+            if pin_memory:
+                tensors = [b.pin_memory() for b in tensors]
+            self._buffer_tensors = tensors  # owns the (pinned) memory
+            buffers = [b.numpy() for b in tensors]
+        else:
+            for buffer in buffers:
+                buffer.fill(-1)  # all allowed, as xgrammar allocates them
+        self._buffers = list(buffers)
         # the rows of each buffer that a grammar filled when it was last used; others are -1
         self._dirty = [np.zeros(max_num_seqs, dtype=bool) for _ in range(2)]
         self._next_buffer = 0
@@ -237,28 +250,37 @@ class StructuredOutputManager:
     # -- requests -----------------------------------------------------------------------------
 
     def add_request(self, request: Any) -> None:
+        """Give an engine request a matcher if it asks for structured outputs."""
         spec = request.sampling_params.structured_outputs
-        if spec is None:
-            return
+        if spec is not None:
+            self.add(request.request_id, spec, request.output_token_ids)
+
+    def add(self, request_id: str, spec: StructuredOutputsParams,
+            output_token_ids: Sequence[int] = ()) -> None:
+        """A matcher for `spec`, advanced by the tokens the request already has. A request
+        whose grammar has already ended, or refuses them, stays free (`on_release`)."""
         compiled = self.grammars.get(spec)
         if self._stop_token_ids is None:
             self._stop_token_ids = list(self.grammars.tokenizer_info.stop_token_ids)
             self._stop_set = frozenset(self._stop_token_ids)
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids)
-        for token_id in request.output_token_ids:  # a request that arrives with output
+        for token_id in output_token_ids:  # a request that arrives with output
             if matcher.is_terminated():
-                return  # past the grammar's end: unconstrained
+                break  # past the grammar's end: unconstrained
             if not matcher.accept_token(token_id):
                 logger.error("request %s: token %d does not match its grammar; its output is "
-                             "not constrained", request.request_id, token_id)
-                return
-        if matcher.is_terminated():
-            return
-        if self._free_slots:
-            slot = heapq.heappop(self._free_slots)
+                             "not constrained", request_id, token_id)
+                break
         else:
-            slot, self._next_slot = self._next_slot, self._next_slot + 1
-        self._entries[request.request_id] = _Entry(request.request_id, matcher, slot)
+            if not matcher.is_terminated():
+                if self._free_slots:
+                    slot = heapq.heappop(self._free_slots)
+                else:
+                    slot, self._next_slot = self._next_slot, self._next_slot + 1
+                self._entries[request_id] = _Entry(request_id, matcher, slot)
+                return
+        if self._on_release is not None:
+            self._on_release(request_id)
 
     def remove_request(self, request_id: str) -> None:
         """Forget a finished or aborted request's matcher. A job already queued may still
@@ -266,6 +288,13 @@ class StructuredOutputManager:
         entry = self._entries.pop(request_id, None)
         if entry is not None:
             heapq.heappush(self._free_slots, entry.slot)
+
+    def _release(self, request_id: str) -> None:
+        """The manager's own decision to free a request (its grammar ended or refused a
+        token), which whoever mirrors its requests must learn (`on_release`)."""
+        self.remove_request(request_id)
+        if self._on_release is not None:
+            self._on_release(request_id)
 
     def has_requests(self) -> bool:
         return bool(self._entries)
@@ -292,8 +321,14 @@ class StructuredOutputManager:
                sampling_ids: Sequence[str] | None = None) -> None:
         """Queue a job and return: advance the matchers of `requests` (each just received
         its last output token), then, if `sampling_ids` is given (a step's sampling rows,
-        in order), fill their bitmask rows, which `take_bitmask` returns. A matcher is
-        advanced and filled by one worker, in the order of the calls.
+        in order), fill their bitmask rows, which `take_bitmask` returns."""
+        self.submit_tokens(((r.request_id, r.output_token_ids[-1]) for r in requests),
+                           sampling_ids)
+
+    def submit_tokens(self, tokens: Iterable[tuple[str, int]],
+                      sampling_ids: Sequence[str] | None = None) -> None:
+        """`submit` of (request id, its new token) pairs. A matcher is advanced and filled
+        by one worker, in the order of the calls.
 
         A stop token is accepted here, on the calling thread (after the matcher's queued
         work): it ends the grammar, the request goes unconstrained (e.g. under ignore_eos),
@@ -308,11 +343,10 @@ class StructuredOutputManager:
         tasks, entries = job.tasks, self._entries
         if entries:
             stop_set = self._stop_set
-            for request in requests:
-                entry = entries.get(request.request_id)
+            for request_id, token in tokens:
+                entry = entries.get(request_id)
                 if entry is None:
                     continue
-                token = request.output_token_ids[-1]
                 if token in stop_set:
                     self._accept_stop(entry, token)
                     continue
@@ -353,7 +387,7 @@ class StructuredOutputManager:
         if not entry.matcher.accept_token(token):
             logger.error("request %s: token %d does not match its grammar; its output is no "
                          "longer constrained", entry.request_id, token)
-        self.remove_request(entry.request_id)
+        self._release(entry.request_id)
 
     def _plan_fill(self, job: _Job, workers: int) -> None:
         """Give each constrained row to its matcher's worker. The rows left free are reset
@@ -418,7 +452,7 @@ class StructuredOutputManager:
             if not ok and self._entries.get(entry.request_id) is entry:
                 logger.error("request %s: token %d does not match its grammar; its output is "
                              "no longer constrained", entry.request_id, token)
-                self.remove_request(entry.request_id)
+                self._release(entry.request_id)
 
     # -- workers ------------------------------------------------------------------------------
 

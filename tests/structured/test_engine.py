@@ -193,26 +193,38 @@ def test_logit_bias(loaded):
                            prompt_token_ids=prompt(0))
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+def make_grammar(loaded: LoadedModel, where: str, **options) -> LLMEngine:
+    """An engine whose grammar work runs `where`: "inline", "threads-N" (N workers in this
+    process) or "process" (a child process, the GPU's default, with 2 workers there)."""
+    engine = make(loaded, grammar_process=where == "process", **options)
+    engine.structured.set_num_threads(int(where.rpartition("-")[2]) if "-" in where
+                                      else 2 if where == "process" else 0)
+    return engine
+
+
+@pytest.mark.parametrize("where", ["threads-1", "threads-3", "process"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_grammar_workers_give_the_reference_tokens(loaded, reference, threads,
+def test_grammar_workers_give_the_reference_tokens(loaded, reference, where,
                                                    async_scheduling):
-    """Inline (the CPU's default, what `reference` ran with) and on worker threads, async
-    and not: the same tokens."""
-    engine = make(loaded, async_scheduling=async_scheduling)
-    engine.structured.set_num_threads(threads)
+    """Inline (the CPU's default, what `reference` ran with), on worker threads and in a
+    process of its own, async and not: the same tokens. A shut-down engine leaves no
+    grammar process behind."""
+    engine = make_grammar(loaded, where, async_scheduling=async_scheduling)
     assert run(engine, mixed_batch()) == reference
     assert not engine.structured.has_requests()
+    if where == "process":
+        child = engine.structured._child.process
+        engine.shutdown()
+        assert child.poll() is not None
 
 
-@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("where", ["inline", "threads-2", "process"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_abort_while_a_bitmask_is_filled_leaves_no_matcher(loaded, reference,
-                                                           async_scheduling, threads):
+                                                           async_scheduling, where):
     """Requests aborted while their rows await a bitmask (async) or while their matchers
     are being advanced (sync): no matcher is left, the others keep their tokens."""
-    engine = make(loaded, async_scheduling=async_scheduling)
-    engine.structured.set_num_threads(threads)
+    engine = make_grammar(loaded, where, async_scheduling=async_scheduling)
     batch = mixed_batch()
     for request_id, ids, params in batch:
         engine.add_request(request_id, None, params, prompt_token_ids=ids)
@@ -240,13 +252,13 @@ def test_abort_while_a_bitmask_is_filled_leaves_no_matcher(loaded, reference,
     assert_pool_clean(engine)
 
 
-@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("where", ["inline", "threads-2", "process"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_a_grammar_that_ends_under_ignore_eos_goes_free(loaded, async_scheduling, threads):
+def test_a_grammar_that_ends_under_ignore_eos_goes_free(loaded, async_scheduling, where):
     """EOS ends the grammar; with ignore_eos the request goes on unconstrained (its matcher
-    is dropped, never filled after its end) and its text starts with the valid JSON."""
-    engine = make(loaded, async_scheduling=async_scheduling)
-    engine.structured.set_num_threads(threads)
+    is dropped, never filled after its end) and its text starts with the valid JSON. In a
+    grammar process the engine learns of it from the child's next reply."""
+    engine = make_grammar(loaded, where, async_scheduling=async_scheduling)
     params = constrained(max_tokens=120, ignore_eos=True)
     out = run(engine, [("j", prompt(0), params)])
     tokens, text, reason = out["j"][0]

@@ -1,0 +1,378 @@
+"""The grammar work of structured outputs in a process of its own (the default on a GPU).
+
+Why: on a GPU host the engine thread's Python is the step's critical path, and grammar work
+on threads of the same process competes with it for the interpreter lock. Each worker needs
+the lock a few times per step between its xgrammar calls, and the engine thread pays for
+every forced switch, while the workers finish late. Here the matchers live in a child
+process that runs the in-process manager (`manager.py`, with its worker threads); the engine
+thread only sends each step's new tokens and sampling rows and later receives a buffer
+index, and the bitmask rows are written straight into shared memory that is page-locked on
+the engine's side, so the upload needs no copy.
+
+`GrammarProcess` offers the engine core what `StructuredOutputManager` does (add and remove
+requests, `submit`, `take_bitmask`, `grammar_bitmask`); it mirrors which requests are
+constrained, so the engine sends nothing for free rows, and the child reports the requests
+it freed itself (a grammar that ended or refused a token). The child starts at the first
+constrained request: until it is up, messages wait in the socket's queue, and the first
+`take_bitmask` waits for it (its tokenizer table is built there, as the in-process manager
+builds it at that request). It leaves when told, or when its parent is gone.
+
+Wire (msgpack, one frame): engine -> child `_Add`, `_Remove`, `_Submit`, `_Threads`,
+`_Take`, `_Stop`; child -> engine `_Taken`, once per `_Take`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import weakref
+from pathlib import Path
+from collections.abc import Iterable, Sequence
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from pagedserve.structured.grammar import GrammarCache, grammar_vocab_size
+from pagedserve.structured.manager import (
+    GrammarOutput, StructuredOutputManager, default_num_threads)
+from pagedserve.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 1000  # how often a waiting side checks that the other is still alive
+_STOP_TIMEOUT_S = 5.0
+
+
+class _Add(msgspec.Struct, array_like=True, tag="a"):
+    request_id: str
+    spec: StructuredOutputsParams
+    output_token_ids: list[int]
+
+
+class _Remove(msgspec.Struct, array_like=True, tag="r"):
+    request_ids: list[str]
+
+
+class _Submit(msgspec.Struct, array_like=True, tag="s"):
+    tokens: list[tuple[str, int]]  # (request id, its new token)
+    sampling_ids: list[str] | None  # the step's sampling rows to fill, in order
+
+
+class _Threads(msgspec.Struct, array_like=True, tag="n"):
+    num_threads: int
+
+
+class _Take(msgspec.Struct, array_like=True, tag="t"):
+    pass
+
+
+class _Stop(msgspec.Struct, array_like=True, tag="q"):
+    pass
+
+
+_Message = _Add | _Remove | _Submit | _Threads | _Take | _Stop
+
+
+class _Taken(msgspec.Struct, array_like=True):
+    buffer: int  # which shared buffer holds the bitmask; -1: no row was constrained
+    released: list[str]  # requests the child freed since its last reply
+    error: str | None = None
+
+
+class GrammarProcess:
+    def __init__(self, tokenizer: Any, tokenizer_source: str, vocab_size: int,
+                 stop_token_ids: Iterable[int], max_num_seqs: int, pin_memory: bool = False,
+                 num_threads: int | None = None) -> None:
+        """The arguments of `StructuredOutputManager`, plus where the child loads the
+        tokenizer from (`tokenizer_source`: a folder or a .gguf file). `pin_memory`: the
+        shared buffers are page-locked for a CUDA upload."""
+        self._tokenizer, self._tokenizer_source = tokenizer, tokenizer_source
+        self._vocab_size, self._stop_token_ids = vocab_size, sorted(stop_token_ids)
+        self._rows, self._pin = max_num_seqs, pin_memory
+        self._words = (grammar_vocab_size(tokenizer, vocab_size) + 31) // 32
+        self.num_threads = (default_num_threads("cuda") if num_threads is None
+                            else num_threads)
+        self._grammars: GrammarCache | None = None
+        self._constrained: set[str] = set()
+        self._removed: list[str] = []  # sent before the next message
+        self._filling: list[str] | None = None  # the rows of a fill not taken yet
+        self._child: _Child | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """This process's cache, for the frontend's validation (the child has its own)."""
+        if self._grammars is None:
+            self._grammars = GrammarCache(self._tokenizer, self._vocab_size)
+        return self._grammars
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request: Any) -> None:
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            return
+        if self._child is None:
+            self._start()
+        self._send(_Add(request.request_id, spec, list(request.output_token_ids)))
+        self._constrained.add(request.request_id)
+
+    def remove_request(self, request_id: str) -> None:
+        if request_id in self._constrained:
+            self._constrained.discard(request_id)
+            self._removed.append(request_id)
+
+    def has_requests(self) -> bool:
+        return bool(self._constrained)
+
+    def is_constrained(self, request_id: str) -> bool:
+        """As the engine knows it: the child may have freed it since its last reply."""
+        return request_id in self._constrained
+
+    # -- the step's work ----------------------------------------------------------------------
+
+    def grammar_bitmask(self, req_ids: Sequence[str]) -> GrammarOutput | None:
+        self.submit((), req_ids)
+        return self.take_bitmask()
+
+    def submit(self, requests: Iterable[Any] = (),
+               sampling_ids: Sequence[str] | None = None) -> None:
+        """`StructuredOutputManager.submit`: only the constrained requests' tokens are sent,
+        and nothing when there is nothing to do."""
+        if sampling_ids is not None and self._filling is not None:
+            raise RuntimeError("a bitmask is being filled: take it before the next one")
+        constrained = self._constrained
+        tokens = [(r.request_id, r.output_token_ids[-1]) for r in requests
+                  if r.request_id in constrained] if constrained else []
+        fill = None
+        if sampling_ids is not None and any(i in constrained for i in sampling_ids):
+            fill = self._filling = list(sampling_ids)
+        if tokens or fill is not None:
+            self._send(_Submit(tokens, fill))
+
+    def take_bitmask(self) -> GrammarOutput | None:
+        """The bitmask of the last `submit` with constrained rows, as the child filled it in
+        shared memory; None if none of its rows was constrained."""
+        rows, self._filling = self._filling, None
+        if rows is None:
+            return None
+        self._flush_removed()
+        taken = self._child.call(_Take())
+        self._constrained.difference_update(taken.released)
+        if taken.error is not None:
+            raise RuntimeError(f"the grammar process failed: {taken.error}")
+        if taken.buffer < 0:
+            return None
+        return GrammarOutput(rows, self._child.buffers[taken.buffer][:len(rows)])
+
+    def set_num_threads(self, num_threads: int) -> None:
+        """The child's worker count (0: its main thread does the work)."""
+        if self._filling is not None:
+            raise RuntimeError("a bitmask is being filled: take it first")
+        self.num_threads = num_threads
+        if self._child is not None:
+            self._send(_Threads(num_threads))
+
+    def shutdown(self) -> None:
+        """Stop the child (a later constrained request starts a new one)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._child = self._finalizer = None
+        self._constrained.clear()
+        self._removed.clear()
+        self._filling = None
+
+    # -- the child ----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._child = _Child(self._tokenizer_source, self._vocab_size, self._stop_token_ids,
+                             self._rows, self._words, self.num_threads, self._pin)
+        self._finalizer = weakref.finalize(self, self._child.stop)
+
+    def _send(self, message: msgspec.Struct) -> None:
+        if self._child is None:
+            return
+        self._flush_removed()
+        self._child.send(message)
+
+    def _flush_removed(self) -> None:
+        if self._removed and self._child is not None:
+            removed, self._removed = self._removed, []
+            self._child.send(_Remove(removed))
+
+
+class _Child:
+    """The engine's side of one child process: its socket, its shared buffers, its end."""
+
+    def __init__(self, tokenizer_source: str, vocab_size: int, stop_token_ids: list[int],
+                 rows: int, words: int, num_threads: int, pin: bool) -> None:
+        self.folder = tempfile.mkdtemp(prefix="pagedserve-grammar-")
+        self.shm = shared_memory.SharedMemory(create=True, size=2 * rows * words * 4)
+        self.buffers = [np.ndarray((rows, words), np.int32, self.shm.buf, i * rows * words * 4)
+                        for i in range(2)]
+        self.registered = pin and _register_host_memory(self.buffers[0].ctypes.data,
+                                                        self.shm.size)
+        if pin and not self.registered:
+            logger.warning("could not page-lock the grammar bitmask buffers: each upload "
+                           "copies them first")
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(_Taken)
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PAIR)
+        # connecting (not binding) queues messages until the child has bound the address
+        address = f"ipc://{os.path.join(self.folder, 'grammar')}"
+        self.socket.connect(address)
+        cmd = [sys.executable, "-m", "pagedserve.structured.remote", "--address", address,
+               "--parent-pid", str(os.getpid()), "--shm", self.shm.name,
+               "--tokenizer", tokenizer_source, "--vocab-size", str(vocab_size),
+               "--rows", str(rows), "--threads", str(num_threads),
+               "--stop-token-ids", ",".join(map(str, stop_token_ids))]
+        env = dict(os.environ)  # this pagedserve first on the child's path
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.process = subprocess.Popen(cmd, env=env)
+
+    def send(self, message: msgspec.Struct) -> None:
+        self.socket.send(self.encoder.encode(message), copy=False)
+
+    def call(self, message: msgspec.Struct) -> _Taken:
+        self.send(message)
+        while not self.socket.poll(_POLL_MS):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the grammar process exited with code "
+                                   f"{self.process.returncode}")
+        return self.decoder.decode(self.socket.recv(copy=False).buffer)
+
+    def stop(self) -> None:
+        """Tell the child to leave, wait for it (kill it if it does not), free the rest."""
+        try:
+            if self.process.poll() is None:
+                self.send(_Stop())
+                try:
+                    self.process.wait(_STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+        finally:
+            self.context.destroy(linger=0)
+            if self.registered:
+                _unregister_host_memory(self.buffers[0].ctypes.data)
+            self.buffers = []
+            try:
+                self.shm.close()
+            except BufferError:  # a bitmask view is still held: the mapping goes with it
+                pass
+            self.shm.unlink()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _register_host_memory(address: int, size: int) -> bool:
+    """Page-lock memory torch did not allocate, so a non-blocking upload reads it directly."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    return int(torch.cuda.cudart().cudaHostRegister(address, size, 0)) == 0
+
+
+def _unregister_host_memory(address: int) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+# -- the child process --------------------------------------------------------------------------
+
+def serve(socket: zmq.Socket, manager: StructuredOutputManager, buffers: list[np.ndarray],
+          released: list[str], parent_pid: int) -> None:
+    """Apply the engine's messages in order until told to stop or the parent is gone."""
+    decoder = msgspec.msgpack.Decoder(_Message)
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        if not socket.poll(_POLL_MS):
+            if os.getppid() != parent_pid:
+                return
+            continue
+        message = decoder.decode(socket.recv(copy=False).buffer)
+        if isinstance(message, _Submit):
+            manager.submit_tokens(message.tokens, message.sampling_ids)
+        elif isinstance(message, _Take):
+            socket.send(encoder.encode(_take(manager, buffers, released)))
+        elif isinstance(message, _Remove):
+            for request_id in message.request_ids:
+                manager.remove_request(request_id)
+        elif isinstance(message, _Add):
+            try:
+                manager.add(message.request_id, message.spec, message.output_token_ids)
+            except ValueError as exc:  # validated by the frontend: should not happen
+                logger.error("request %s: %s; its output is not constrained",
+                             message.request_id, exc)
+                released.append(message.request_id)
+        elif isinstance(message, _Threads):
+            manager.set_num_threads(message.num_threads)
+        else:
+            manager.shutdown()
+            return
+
+
+def _take(manager: StructuredOutputManager, buffers: list[np.ndarray],
+          released: list[str]) -> _Taken:
+    buffer, error = -1, None
+    try:
+        output = manager.take_bitmask()
+        if output is not None:
+            address = output.bitmask.ctypes.data
+            buffer = next(i for i, b in enumerate(buffers) if b.ctypes.data == address)
+    except RuntimeError as exc:  # a worker failed: the engine raises it
+        error = f"{exc}: {exc.__cause__!r}"
+    taken = _Taken(buffer, list(released), error)
+    released.clear()
+    return taken
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--shm", required=True)
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--vocab-size", type=int, required=True)
+    parser.add_argument("--rows", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--stop-token-ids", default="")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    socket = context.socket(zmq.PAIR)
+    socket.bind(args.address)
+    shm = shared_memory.SharedMemory(args.shm)
+    # the engine owns the segment: this process must not unlink it when it exits
+    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    from pagedserve.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    words = (grammar_vocab_size(tokenizer, args.vocab_size) + 31) // 32
+    buffers = [np.ndarray((args.rows, words), np.int32, shm.buf, i * args.rows * words * 4)
+               for i in range(2)]
+    released: list[str] = []
+    stops = [int(t) for t in args.stop_token_ids.split(",") if t]
+    manager = StructuredOutputManager(tokenizer, args.vocab_size, stops, args.rows,
+                                      num_threads=args.threads, buffers=buffers,
+                                      on_release=released.append)
+    manager.grammars  # noqa: B018 - the token table now, before the first request needs it
+    try:
+        serve(socket, manager, buffers, released, args.parent_pid)
+    finally:
+        context.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()

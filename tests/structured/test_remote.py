@@ -1,0 +1,87 @@
+"""The grammar process's life cycle, without a model: its bitmask rows are the in-process
+manager's; it leaves when its parent is gone; a child that died is an error at the next
+`take_bitmask`, not a hang; shutdown leaves no process and no shared memory behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+from benchmarks.make_checkpoint import byte_level_tokenizer
+from pagedserve.structured.manager import StructuredOutputManager
+from pagedserve.structured.params import StructuredOutputsParams
+from pagedserve.structured.remote import GrammarProcess
+from tests.structured.test_manager import Request
+
+VOCAB, EOS, ROWS = 259, 2, 4
+SPEC = StructuredOutputsParams(regex=r"[a-c]{1,3}(-[0-9]{1,2}){1,4}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bytes-tokenizer")
+    tokenizer = byte_level_tokenizer()
+    tokenizer.save_pretrained(folder)
+    return tokenizer, str(folder)
+
+
+def test_rows_match_the_in_process_manager_and_shutdown_cleans_up(tokenizer_dir):
+    tokenizer, source = tokenizer_dir
+    remote = GrammarProcess(tokenizer, source, VOCAB, [EOS], ROWS, num_threads=1)
+    local = StructuredOutputManager(tokenizer, VOCAB, [EOS], ROWS, num_threads=0)
+    requests = [Request("a", SPEC), Request("free", None), Request("b", SPEC, [ord("a") + 3])]
+    for manager in (remote, local):
+        for request in requests:
+            manager.add_request(request)
+    ids = [r.request_id for r in requests]
+    for step in range(4):
+        remote.submit([r for r in requests if r.output_token_ids], ids)
+        local.submit([r for r in requests if r.output_token_ids], ids)
+        got, want = remote.take_bitmask(), local.take_bitmask()
+        assert got.req_ids == want.req_ids == ids
+        np.testing.assert_array_equal(got.bitmask, want.bitmask)
+        for i, request in enumerate(requests):  # the lowest allowed token of each row
+            row = want.bitmask[i]
+            request.output_token_ids.append(
+                next(t for t in range(VOCAB) if t != EOS and row[t // 32] >> (t % 32) & 1))
+    child, name = remote._child.process, remote._child.shm.name
+    remote.shutdown()
+    assert child.poll() is not None
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name)
+
+
+def test_a_dead_child_is_an_error_not_a_hang(tokenizer_dir):
+    tokenizer, source = tokenizer_dir
+    remote = GrammarProcess(tokenizer, source, VOCAB, [EOS], ROWS, num_threads=0)
+    remote.add_request(Request("a", SPEC))
+    remote._child.process.kill()
+    remote.submit([], ["a"])
+    with pytest.raises(RuntimeError, match="grammar process exited"):
+        remote.take_bitmask()
+    remote.shutdown()
+
+
+def test_the_child_leaves_when_its_parent_is_gone(tokenizer_dir, tmp_path):
+    """Started with a parent pid that is not its parent's (as after the engine died and
+    the child was re-parented), it exits by itself."""
+    _, source = tokenizer_dir
+    shm = shared_memory.SharedMemory(create=True, size=2 * ROWS * 9 * 4)
+    try:
+        child = subprocess.Popen([
+            sys.executable, "-m", "pagedserve.structured.remote",
+            "--address", f"ipc://{tmp_path / 'g'}", "--parent-pid", str(os.getpid() + 999999),
+            "--shm", shm.name, "--tokenizer", source, "--vocab-size", str(VOCAB),
+            "--rows", str(ROWS), "--threads", "0"])
+        start = time.monotonic()
+        assert child.wait(60) == 0
+        assert time.monotonic() - start < 60
+    finally:
+        shm.close()
+        shm.unlink()
