@@ -139,10 +139,13 @@ def main() -> None:
     parser.add_argument("--grammar-threads", type=int, default=None,
                         help="the manager's grammar worker threads (0: on the engine thread; "
                              "default: half the CPUs, at most 4; 0 for a model on the CPU)")
+    parser.add_argument("--grammar-process", choices=("auto", "on", "off"), default="auto",
+                        help="the matchers in a process of their own (auto: on a GPU)")
     parser.add_argument("--out", type=Path, required=True, help="folder for structured.json")
     args = parser.parse_args()
 
-    options = {"max_num_seqs": max(args.num_requests, 1), "enable_prefix_caching": False}
+    options = {"max_num_seqs": max(args.num_requests, 1), "enable_prefix_caching": False,
+               "grammar_process": {"auto": None, "on": True, "off": False}[args.grammar_process]}
     if args.kv_cache_memory is not None:
         options["kv_cache_memory"] = args.kv_cache_memory
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, **options))
@@ -186,6 +189,7 @@ def main() -> None:
         "model": args.model or "SmolLM2-135M-Instruct (default)",
         "xgrammar": version("xgrammar"),
         "grammar_threads": engine.structured.num_threads,
+        "grammar_where": type(engine.structured).__name__,
         "args": {k: str(v) for k, v in vars(args).items()},
         "compile": compile_ms,
         "throughput_tok_s": results,

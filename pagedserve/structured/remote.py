@@ -114,6 +114,14 @@ class GrammarProcess:
             self._grammars = GrammarCache(self._tokenizer, self._vocab_size)
         return self._grammars
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The matchers' stop tokens, as the child's manager chooses them: the engine's EOS
+        ids within the grammar's vocabulary, else those xgrammar detects."""
+        width = grammar_vocab_size(self._tokenizer, self._vocab_size)
+        return ([t for t in self._stop_token_ids if t < width]
+                or list(self.grammars.tokenizer_info.stop_token_ids))
+
     # -- requests -----------------------------------------------------------------------------
 
     def add_request(self, request: Any) -> None:

@@ -1,0 +1,74 @@
+"""Structured outputs on CUDA: the grammar process (the default there) against the grammar
+on threads of the engine's process, on the same random Qwen3-0.6B-shaped checkpoint.
+
+Both engines run the same batches with the same bitmask rows, so their tokens must be
+identical; every constrained output matches its constraint; and the shared buffers the
+child fills are page-locked, so the bitmask's upload is a plain async copy."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from tests.gpu.test_gpu_engine import checkpoint, loaded, make_engine, prompts  # noqa: F401
+from tests.structured.test_engine import PERSON
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def requests():
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.structured.params import StructuredOutputsParams
+
+    specs = [StructuredOutputsParams(json=PERSON), None,
+             StructuredOutputsParams(regex=r"[a-z]{2,4}-[0-9]{2}"),
+             StructuredOutputsParams(choice=["alpha", "beta", "gamma"])]
+    return [(ids, SamplingParams(max_tokens=120, temperature=0.0 if i % 2 else 0.8, seed=i,
+                                 structured_outputs=specs[i % 4]))
+            for i, ids in enumerate(prompts(32, seed=11))]
+
+
+def run(engine, batch):
+    for i, (ids, params) in enumerate(batch):
+        engine.add_request(f"s{i}", None, params, prompt_token_ids=ids)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+    assert not engine.kv_cache_manager.req_to_blocks
+    return [done[f"s{i}"] for i in range(len(batch))]
+
+
+@torch.inference_mode()
+def test_grammar_process_gives_the_in_process_tokens(loaded):  # noqa: F811
+    from pagedserve.structured.remote import GrammarProcess
+
+    batch = requests()
+    threads = make_engine(loaded, grammar_process=False)
+    expected = run(threads, batch)
+    engine = make_engine(loaded)
+    assert isinstance(engine.structured, GrammarProcess)
+    got = run(engine, batch)
+    assert engine.structured._child.registered
+    bitmask = engine.structured._child.buffers[0]
+    assert torch.from_numpy(bitmask).is_pinned()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for output, (_, params) in zip(got, batch):
+        spec = params.structured_outputs
+        if spec is None:
+            continue
+        assert output.finish_reason == "stop", output.text
+        if spec.json is not None:
+            jsonschema.validate(json.loads(output.text), PERSON)
+        elif spec.regex is not None:
+            assert re.fullmatch(spec.regex, output.text)
+        else:
+            assert output.text in spec.choice
+    child = engine.structured._child.process
+    engine.shutdown()
+    assert child.poll() is not None
