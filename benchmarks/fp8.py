@@ -26,8 +26,6 @@ long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
            bf16 against FP8 weights; workload A, bf16 against FP8 weights + FP8 KV
   8b-tpot  the 8b part's TPOT only (not in the default set); with --sweep also FP8 weights
            under the weight-only candidates of TPOT_CANDIDATES
-  (8b and 8b-tpot also time FP8 weights with the down projection's SiLU-and-mul in a kernel
-  of its own: "fp8_weights unfused_silu", the fused GEMV's gain in the same run)
   profile  where a step's GPU time goes (torch.profiler, 10 decode steps, not in the default
            set): Qwen3-0.6B shape at batch 256 with the bf16 and the FP8 KV cache, and the
            Llama-3-8B shape (random weights generated on the GPU, `load_format dummy`) at
@@ -514,13 +512,11 @@ def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True,
                     weight_bytes=weight_bytes(engine), **common,
                     **({"ratio_vs_bf16": round(tpot[name] / tpot["bf16"], 3)}
                        if name != "bf16" else {}))
-        if name == "fp8_weights":
+        if name == "fp8_weights" and sweep:
             del engine
             throughput.release()
             engine = None
-            tpot_unfused_silu(res, loaded, str(model_dir), tpot["bf16"], tpot[name], common)
-            if sweep:
-                tpot_candidates(res, loaded, str(model_dir), tpot["bf16"], common)
+            tpot_candidates(res, loaded, str(model_dir), tpot["bf16"], common)
         if name != "fp8_weights" and workload:
             row = workload_a(engine, prompts, out_lens)
             res.add("8b", measure="workload_A", variant=name, **common, **row,
@@ -556,26 +552,6 @@ def part_profile(res: Results, loaded: LoadedModel | None, model_dir: str | None
         print((out / f"profile_{name}.txt").read_text(), flush=True)
         del engine, weights
         throughput.release()
-
-
-def tpot_unfused_silu(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: float,
-                      fused_ms: float, common: dict) -> None:
-    """The FP8-weight model's batch-1 TPOT with the down projection's SiLU-and-mul in a
-    kernel of its own (`fp8.FUSE_SILU` off, read when the engine captures its graphs): the
-    fusion's gain in the same run (variant "fp8_weights unfused_silu")."""
-    from pagedserve.model import fp8
-
-    fp8.FUSE_SILU = False
-    try:
-        engine = engine_for(loaded, model_dir)
-        ms = tpot_batch1(engine)
-        res.add("8b", measure="tpot_batch1_ms", variant="fp8_weights unfused_silu",
-                tpot_ms=ms, ratio_vs_bf16=round(ms / bf16_ms, 3),
-                fused_saves_ms=round(ms - fused_ms, 3), **common)
-        del engine
-        throughput.release()
-    finally:
-        fp8.FUSE_SILU = True
 
 
 def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: float,
@@ -647,8 +623,7 @@ def main() -> None:
         keys = ("variant", "kv_cache_dtype", "decode_order", "kv_dtype", "batch", "context",
                 "config", "layer", "rows", "method", "split_k", "us", "measure",
                 "output_tok_per_s", "roofline_tok_per_s", "kv_blocks", "gb_per_s",
-                "pct_copy_bw", "tpot_ms", "ratio_vs_bf16", "fused_saves_ms",
-                "first_token_agreement",
+                "pct_copy_bw", "tpot_ms", "ratio_vs_bf16", "first_token_agreement",
                 f"greedy_agreement_{QUALITY_TOKENS}", "mean_kl_nats")
         print(row["part"], {k: row[k] for k in keys if k in row}, flush=True)
     for line in fastest(res.rows):

@@ -107,15 +107,9 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.packed = PackedWeight()
 
-    def forward(self, x: torch.Tensor,
-                act_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
-                ) -> torch.Tensor:
-        """self(act_and_mul(x)) where act_and_mul is given (the MLP's down projection, x its
-        gate/up output): an FP8 weight may take the activation into its kernel."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fp8.is_fp8(self.weight):
-            return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias, act_and_mul)
-        if act_and_mul is not None:
-            x = act_and_mul(x)
+            return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return self.packed.linear(x, self.weight, self.bias)
 
 
@@ -123,13 +117,9 @@ class RowParallelLinear(Linear):
     """A Linear over this rank's slice of the input features (tensor parallelism): the
     partial products are summed over the ranks (all-reduce), then the bias is added once."""
 
-    def forward(self, x: torch.Tensor,
-                act_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel.get_tp().size == 1:
-            return super().forward(x, act_and_mul)
-        if act_and_mul is not None:
-            x = act_and_mul(x)
+            return super().forward(x)
         y = parallel.all_reduce_(self.packed.linear(x, self.weight))
         return y if self.bias is None else y.add_(self.bias)
 
@@ -242,9 +232,7 @@ class MLP(nn.Module):
         self.act_and_mul = ACT_AND_MUL[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # down_proj(act_and_mul(gate_up)), the activation handed over so that an FP8 weight
-        # can apply it inside its product (`fp8.fp8_linear`)
-        return self.down_proj(self.gate_up_proj(x), self.act_and_mul)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

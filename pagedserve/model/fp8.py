@@ -8,9 +8,7 @@ own row's precision.
 
 Decode steps of at most 16 tokens take `fp8_kernel.weight_only_linear` instead: x @ (W_q *
 s_w)^T with x unquantized, the weight cast in registers (`_scaled_mm` at a handful of rows
-does not read the weights at bandwidth, which is all such a step should cost). At one token
-the down projection also takes the MLP's SiLU-and-mul into that kernel (`fp8_linear`'s
-act_and_mul): one launch less per layer in a batch-1 decode step.
+does not read the weights at bandwidth, which is all such a step should cost).
 
 Otherwise y = (x_q * s_x) @ (W_q * s_w)^T, where x_q = round_e4m3(x / s_x) with
 s_x = max|x_row| / 448, and W_q, s_w likewise per output row (`quantize_rows`). On CUDA
@@ -35,7 +33,6 @@ per-token scales are at least as precise.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,14 +40,8 @@ from torch import Tensor, nn
 
 from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
 from pagedserve.config import QUANTIZATIONS
-from pagedserve.model import ops
-
 # An all-zero row gets this amax: its scale stays finite and its values quantize to zero.
 MIN_AMAX = 1e-12
-
-# Whether a one-row product on CUDA takes `ops.silu_and_mul` into its kernel (`fp8_linear`'s
-# act_and_mul), read at each call: benchmarks/fp8.py times the 8B TPOT both ways, one run.
-FUSE_SILU = True
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -61,28 +52,19 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.squeeze(-1)
 
 
-def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None = None,
-               act_and_mul: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-    """x [..., K] @ the e4m3 weight [N, K] with scales [N]^T (+ bias) -> [..., N] in x's dtype.
-
-    With `act_and_mul` (the MLP's down projection) x is the gate/up output [..., 2K] and the
-    input is act_and_mul(x). A batch-1 decode step on CUDA with `ops.silu_and_mul` (and
-    `FUSE_SILU`) forms it inside the weight-only kernel, as that kernel rounds it: the same
-    result without the SiLU kernel's launch, ramp and tail in every layer of the step."""
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
+               bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ the e4m3 weight [N, K] with scales [N]^T (+ bias) -> [..., N] in x's dtype."""
     if not x.is_cuda:
-        return reference_linear(x if act_and_mul is None else act_and_mul(x), weight,
-                                weight_scale, bias)
+        return reference_linear(x, weight, weight_scale, bias)
     # Triton: imported on CUDA only
     from pagedserve.model.fp8_kernel import (MAX_WEIGHT_ONLY_ROWS, quantize_tokens,
                                              weight_only_linear)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    fuse = act_and_mul is ops.silu_and_mul and FUSE_SILU and rows.shape[0] == 1
-    if act_and_mul is not None and not fuse:
-        rows = act_and_mul(rows)
     if rows.shape[0] <= MAX_WEIGHT_ONLY_ROWS:
-        y = weight_only_linear(rows, weight, weight_scale, bias, silu_gate_up=fuse)
+        y = weight_only_linear(rows, weight, weight_scale, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     x_q, x_scale = quantize_tokens(rows)
     # weight.t() is column-major, as the second operand must be; row-wise scales want a

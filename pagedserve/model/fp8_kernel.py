@@ -8,9 +8,6 @@ PyTorch needs five (abs, amax, divide, clamp, cast), ahead of `torch._scaled_mm`
 weights at memory bandwidth and the activations' quantization is one launch more per layer,
 while the step's time should be the weights' bytes over bandwidth. So the e4m3 weight is cast
 in registers and multiplied with the activations as they are (no activation rounding either).
-It can also read the MLP's gate/up output and form silu(gate) * up as its input
-(`silu_gate_up`): the down projection of a batch-1 decode step without a SiLU kernel before it
-(a launch, its ramp and tail, and [I] written and read back, per layer).
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ from pagedserve.attention.kernels.precision import dot_precision
 from pagedserve.attention.kernels.store_kv import round_to_e4m3
 from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
 from pagedserve.model.fp8 import MIN_AMAX
-from pagedserve.model.triton_ops import silu_times
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -74,21 +70,8 @@ def _weight_only_epilogue(acc, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_m
 
 
 @triton.jit
-def _load_x(x_ptrs, mask, K, SILU_GATE_UP: tl.constexpr):
-    """x's elements at x_ptrs; with SILU_GATE_UP x's rows are gate/up rows [gate | up] of 2K
-    (the MLP's, gate first as `ops.silu_and_mul` reads them) and x is silu(gate) * up, in
-    x's dtype and rounded as `silu_and_mul`'s output is: the product is the same as that of
-    the activation kernel's output, to the bit."""
-    if SILU_GATE_UP:
-        gate = tl.load(x_ptrs, mask=mask, other=0.0)
-        return silu_times(gate, tl.load(x_ptrs + K, mask=mask, other=0.0))
-    return tl.load(x_ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, K, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
-                 SILU_GATE_UP: tl.constexpr):
+def _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, stride_wn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     """One row x[k_start:k_stop] times W[n-tile, k_start:k_stop]^T -> [1, BLOCK_N] float32,
     without tl.dot: each thread multiplies and adds its own weights in float32 over the whole
     loop, and the threads' sums meet once at the end. tl.dot would pad the row to 16 (shared
@@ -104,7 +87,7 @@ def _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, K, strid
         k_next = k0 + BLOCK_K + offs_k
         w_next = tl.load(w_rows + k_next[None, :],
                          mask=n_mask[:, None] & (k_next < k_stop)[None, :], other=0.0)
-        x = _load_x(x_ptr + k0 + offs_k, (k0 + offs_k) < k_stop, K, SILU_GATE_UP)
+        x = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < k_stop, other=0.0)
         acc += e4m3_to(w, tl.float32, BITS) * x.to(tl.float32)[None, :]
         w = w_next
     return tl.sum(acc, 1)[None, :]
@@ -116,10 +99,9 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, BITS: tl.constexpr,
-                        FMA: tl.constexpr, SILU_GATE_UP: tl.constexpr):
+                        FMA: tl.constexpr):
     """y[:, n-tile] = (x @ W_q[n-tile]^T) * s_w[n-tile] (+ bias): the e4m3 weight rows are
-    cast to x's dtype in registers, the M rows of x (padded to BLOCK_M) ride along. With
-    SILU_GATE_UP x is silu(gate) * up of the gate/up rows at x_ptr (`_load_x`).
+    cast to x's dtype in registers, the M rows of x (padded to BLOCK_M) ride along.
 
     With SPLIT_K > 1 program (n, s) sums only K's slice s, stores that partial [M, BLOCK_N]
     in float32, and the last of the n-tile's SPLIT_K programs to arrive adds the partials up
@@ -139,8 +121,8 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     if FMA:
-        acc = _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, K,
-                           stride_wn, BLOCK_N, BLOCK_K, BITS, SILU_GATE_UP)
+        acc = _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, stride_wn,
+                           BLOCK_N, BLOCK_K, BITS)
     else:
         pdl.wait_for_previous()
         x_rows = x_ptr + offs_m[:, None] * stride_xm
@@ -148,8 +130,8 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
             k_mask = (k0 + offs_k) < K
-            x = _load_x(x_rows + (k0 + offs_k)[None, :], m_mask[:, None] & k_mask[None, :], K,
-                        SILU_GATE_UP)
+            x = tl.load(x_rows + (k0 + offs_k)[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_cols + (k0 + offs_k)[:, None],
                         mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc += tl.dot(x, e4m3_to(w, x.dtype, BITS), input_precision=DOT_PRECISION)
@@ -229,18 +211,16 @@ def num_sms(device: torch.device) -> int:
 
 
 def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
-                       bias: Tensor | None = None, cfg: WeightOnlyConfig | None = None,
-                       silu_gate_up: bool = False) -> Tensor:
+                       bias: Tensor | None = None,
+                       cfg: WeightOnlyConfig | None = None) -> Tensor:
     """x [M <= 16, K] (rows contiguous) @ the e4m3 weight [N, K] with per-row scales [N]^T
     (+ bias) -> [M, N] in x's dtype, without quantizing x: one launch, no host sync (CUDA
     graphs capture it; a split-K launch's float32 partials come from torch.empty, which a
-    graph's memory pool serves). With `silu_gate_up` x is the MLP's gate/up output [M, 2K]
-    and the product is that of `triton_ops.silu_and_mul(x)`, bit for bit, in one launch."""
-    num_rows = x.shape[0]
-    n, k = weight.shape
+    graph's memory pool serves)."""
+    num_rows, k = x.shape
     cfg = cfg or (WEIGHT_ONLY_ONE_ROW if num_rows == 1 else WEIGHT_ONLY)
+    n = weight.shape[0]
     assert num_rows <= MAX_WEIGHT_ONLY_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
-    assert x.shape[1] == (2 * k if silu_gate_up else k), (x.shape, weight.shape)
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y
@@ -258,6 +238,5 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
         HAS_BIAS=bias is not None, BLOCK_M=1 if fma else MAX_WEIGHT_ONLY_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits,
         DOT_PRECISION=dot_precision(x.dtype), BITS=cfg.bits, FMA=fma,
-        SILU_GATE_UP=silu_gate_up,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     return y

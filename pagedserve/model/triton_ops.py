@@ -7,8 +7,7 @@ reads its inputs once and writes its outputs once:
 - `rms_norm`: optional residual add (written back in place) then RMSNorm, one program per row.
 - `rotate_qk_`: Qwen3's per-head q/k RMSNorm and RoPE, in place on the fused QKV output, one
   program per (token, group of heads); the cos/sin rows are read by position inside the kernel.
-- `silu_and_mul`: silu(gate) * up over the fused gate/up output (`silu_times`, which the FP8
-  weight-only GEMV also forms in registers for the down projection at batch 1).
+- `silu_and_mul`: silu(gate) * up over the fused gate/up output.
 
 Numerics are those of the eager path in `ops.py` (and of transformers): math in float32, and a
 rounding to the activation dtype wherever eager PyTorch would produce a tensor of that dtype
@@ -143,21 +142,11 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, N: tl.cons
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride_in + N + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up), mask=mask)
-
-
-@triton.jit
-def silu_times(gate, up):
-    """silu(gate) * up of two tiles in the activation dtype -> that dtype, rounded where eager
-    PyTorch rounds (F.silu's output tensor, then the product). Also the FP8 weight-only GEMV's
-    input when it takes the down projection's SiLU (`fp8_kernel._load_x`): the same values
-    whether or not the activation has a kernel of its own."""
-    dtype = gate.dtype
-    g = gate.to(tl.float32)
-    act = _round(g / (1.0 + tl.exp(-g)), dtype)  # F.silu's output tensor
-    return (act * up.to(tl.float32)).to(dtype)
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + N + cols, mask=mask, other=0.0).to(tl.float32)
+    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # F.silu's output tensor
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:

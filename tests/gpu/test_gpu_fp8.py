@@ -151,47 +151,14 @@ def test_weight_only_variants_and_e4m3_bits():
             assert float((got.float() - want).norm() / want.norm()) < 5e-3, (rows, cfg)
 
 
-def test_one_row_down_projection_takes_silu_and_mul(monkeypatch):
-    """A batch-1 FP8 down projection handed `ops.silu_and_mul` forms it in its GEMV: the same
-    bf16 result, to the bit, as the SiLU kernel followed by the GEMV (`fp8.FUSE_SILU` off),
-    on Llama-3-8B's shape and a ragged one, K whole or split, with and without bias; more
-    rows (and any other activation) still apply it first; and the dequantized product within
-    the weight-only kernel's tolerance above."""
-    from pagedserve.model import fp8, ops
-    from pagedserve.model.decoder import gelu_tanh_and_mul
-
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    for n, k in ((4096, 14336), (1000, 3000)):
-        w_q, w_scale = fp8.quantize_rows(
-            torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02)
-        bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
-        for rows, b in itertools.product((1, 4), (None, bias)):
-            gate_up = torch.randn(rows, 2 * k, device="cuda", generator=gen,
-                                  dtype=torch.bfloat16) * 3
-            monkeypatch.setattr(fp8, "FUSE_SILU", True)
-            fused = fp8.fp8_linear(gate_up, w_q, w_scale, b, ops.silu_and_mul)
-            monkeypatch.setattr(fp8, "FUSE_SILU", False)
-            unfused = fp8.fp8_linear(gate_up, w_q, w_scale, b, ops.silu_and_mul)
-            assert fused.shape == (rows, n) and torch.equal(fused, unfused), (n, k, rows)
-            x = ops.silu_and_mul(gate_up)
-            assert torch.equal(unfused, fp8.fp8_linear(x, w_q, w_scale, b))
-            want = x.float() @ (w_q.float() * w_scale[:, None]).t()
-            want = want if b is None else want + b.float()
-            assert float((fused.float() - want).norm() / want.norm()) < 5e-3, (n, k, rows)
-            monkeypatch.setattr(fp8, "FUSE_SILU", True)
-            assert torch.equal(fp8.fp8_linear(gate_up, w_q, w_scale, b, gelu_tanh_and_mul),
-                               fp8.fp8_linear(gelu_tanh_and_mul(gate_up), w_q, w_scale, b))
-
-
 @pytest.mark.parametrize("fma", [False, True])
 def test_pdl_chain_waits_for_its_input(fma):
-    """Norm -> weight-only GEMV -> the one-row down projection that forms SiLU-and-mul itself
-    -> SiLU-and-mul of the GEMV's output, launched with PDL (each may start before the
+    """Norm -> weight-only GEMV -> SiLU-and-mul, launched with PDL (each may start before the
     one before it ends) and captured in a CUDA graph as a decode step runs: every replay with
     a new input equals the same kernels with a device sync between each two (a kernel that
     read its input before the previous one had written it would see the last replay's)."""
     from pagedserve.attention.kernels import pdl
-    from pagedserve.model import fp8, ops
+    from pagedserve.model import fp8
     from pagedserve.model.fp8_kernel import WeightOnlyConfig, weight_only_linear
     from pagedserve.model.triton_ops import rms_norm, silu_and_mul
 
@@ -202,19 +169,15 @@ def test_pdl_chain_waits_for_its_input(fma):
     norm_w = torch.rand(4096, device="cuda", generator=gen, dtype=torch.bfloat16) + 0.5
     cfg = (WeightOnlyConfig(fma=True, block_n=16, block_k=256) if fma
            else WeightOnlyConfig())
-    down_q, down_scale = fp8.quantize_rows(
-        torch.randn(4096, 3072, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02)
     x = torch.randn(1, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
 
     def chain(sync: bool):
-        out = [rms_norm(x, norm_w, 1e-5)[0]]
-        for fn in (lambda t: weight_only_linear(t, w_q, w_scale, None, cfg),
-                   lambda t: fp8.fp8_linear(t, down_q, down_scale, None, ops.silu_and_mul),
-                   lambda t: silu_and_mul(out[1])):
+        out = rms_norm(x, norm_w, 1e-5)[0]
+        for fn in (lambda t: weight_only_linear(t, w_q, w_scale, None, cfg), silu_and_mul):
             if sync:
                 torch.cuda.synchronize()
-            out.append(fn(out[-1]))
-        return torch.cat(out[2:], dim=1)  # the fused down projection, SiLU-and-mul's output
+            out = fn(out)
+        return out
 
     chain(False)
     torch.cuda.synchronize()

@@ -1,7 +1,7 @@
 """The FP8 linear layers' kernels under TRITON_INTERPRET=1: the activation quantization (CUDA's
 path for many tokens) against the torch quantization the CPU reference uses, bit for bit; the
 weight-only product (CUDA's path for decode steps, K whole or split) against the
-dequantized weight, also forming the down projection's SiLU-and-mul from the gate/up row; e4m3 read by bit moves against torch's cast."""
+dequantized weight; e4m3 read by bit moves against torch's cast."""
 
 import pytest
 import torch
@@ -12,11 +12,10 @@ import triton.language as tl
 from pagedserve.attention.kernels.arrivals import arrival_counters
 from pagedserve.attention.kernels.e4m3 import e4m3_bits
 from pagedserve.attention.kv_quant import FP8_DTYPE
-from pagedserve.model import fp8, ops, triton_ops
+from pagedserve.model import fp8
 from pagedserve.model.fp8_kernel import (WeightOnlyConfig, quantize_tokens, split_k,
                                          weight_only_linear)
 from tests.kernels.test_kernels import fresh_seed
-from tests.kernels.test_model_ops import exact_bf16  # noqa: F401 (a fixture)
 
 
 def test_quantize_tokens_matches_quantize_rows():
@@ -99,40 +98,3 @@ def test_e4m3_bits_reads_every_value_exactly():
 def _read_bits(x_ptr, y_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
     tl.store(y_ptr + offs, e4m3_bits(tl.load(x_ptr + offs), y_ptr.dtype.element_ty))
-
-
-# the one-row settings: the fma path, K whole or split; and tl.dot's, which a one-row
-# setting without fma takes
-SILU_CONFIGS = {"fma": CONFIGS["fma"], "fma split 3 bits": CONFIGS["fma split 3 bits"],
-                "dot split 2": CONFIGS["split 2"]}
-
-
-@pytest.mark.usefixtures("exact_bf16")  # the interpreter rounds to bf16 as the GPU does
-@pytest.mark.parametrize("cfg", SILU_CONFIGS.values(), ids=SILU_CONFIGS.keys())
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_weight_only_linear_takes_silu_and_mul_of_gate_up(dtype, cfg):
-    """The down projection reading the gate/up row itself: bit for bit the product of the
-    SiLU kernel's output (the same rounding to the activation dtype, the same sums), and that
-    of eager `silu_and_mul` with the dequantized weight within the tolerance of the test
-    above. Ragged N and K; gate and up over decades, so that a misplaced up (or gate) half or
-    a missed rounding shows. (The interpreter's bf16 tl.dot is broken: fp16 only there.)"""
-    if dtype == torch.bfloat16 and not cfg.fma:
-        pytest.skip("the interpreter's bf16 tl.dot")
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    n, k = 37, 600
-    w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n)[:, None]
-    w_q, w_scale = fp8.quantize_rows(w)
-    gate_up = (torch.randn(1, 2 * k, generator=gen) * torch.logspace(-2, 1, 2 * k)).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype)
-    for b in (None, bias):
-        got = weight_only_linear(gate_up, w_q, w_scale, b, cfg, silu_gate_up=True)
-        unfused = weight_only_linear(triton_ops.silu_and_mul(gate_up), w_q, w_scale, b, cfg)
-        assert got.dtype == dtype and got.shape == (1, n)
-        assert torch.equal(got, unfused), f"seed {seed}"
-        want = ops.eager_silu_and_mul(gate_up).float() @ (w_q.float() * w_scale[:, None]).t()
-        if b is not None:
-            want += b.float()
-        torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2, msg=f"seed {seed}")
-    with pytest.raises(AssertionError):  # a gate/up row of the wrong width
-        weight_only_linear(gate_up[:, :-2], w_q, w_scale, None, cfg, silu_gate_up=True)

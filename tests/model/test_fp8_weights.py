@@ -11,8 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from pagedserve.attention.kv_quant import FP8_DTYPE
-from pagedserve.model import fp8, load_model, ops
-from pagedserve.model.decoder import Linear, gelu_tanh_and_mul
+from pagedserve.model import fp8, load_model
 from tests.model.paged import PagedDriver
 from tests.model.test_decoder import TINY, make_checkpoint
 
@@ -46,26 +45,6 @@ def test_reference_linear_is_the_product_of_the_dequantized_operands():
     torch.testing.assert_close(y.reshape(15, 24).double(), expected, rtol=1e-5, atol=1e-5)
     exact = x @ w.T + bias  # and FP8's error stays small against the float product
     assert (y - exact).norm() / exact.norm() < 0.05
-
-
-@pytest.mark.parametrize("fp8_weight", [False, True])
-def test_a_down_projection_given_its_activation_applies_it_first(fp8_weight):
-    """`Linear.forward(gate_up, act_and_mul)` (the MLP's down projection, which hands its
-    activation over for the FP8 kernel to fuse) is the projection of act_and_mul(gate_up) on
-    the CPU, FP8 or not: the fused GEMV runs on CUDA only (tests/kernels, tests/gpu)."""
-    gen = torch.Generator().manual_seed(2)
-    down = Linear(24, 10, bias=True)
-    with torch.no_grad():
-        down.weight.normal_(generator=gen)
-        if fp8_weight:
-            w_q, w_scale = fp8.quantize_rows(down.weight)
-            fp8.to_fp8(down)
-            down.weight.copy_(w_q)
-            down.weight_scale.copy_(w_scale)
-        gate_up = torch.randn(3, 48, generator=gen)
-        for act in (ops.silu_and_mul, gelu_tanh_and_mul):
-            assert torch.equal(down(gate_up, act), down(act(gate_up)))
-        assert down(gate_up, ops.silu_and_mul).shape == (3, 10)
 
 
 def qwen3(folder):
