@@ -18,12 +18,13 @@ counts on the device (`penalties.py`).
 
 Structured outputs (`pagedserve/structured`): the grammar bitmask of a step needs every
 earlier token of its constrained rows, and the grammar work runs on the manager's worker
-threads. Async, a step with constrained rows launches its forward pass, completes the step in
-flight and hands its tokens and the new step's rows to the workers (advance the matchers,
-fill the rows), then returns its outputs without launching the new step's sampling: the
-workers fill while this thread builds the outputs, the frontend processes them and the next
-step is scheduled; the next `step()` takes the bitmask and launches that sampling before its
-own forward pass. Synchronous, the workers advance the matchers while the step's outputs are
+threads (or process). Async, a step with constrained rows launches its forward pass,
+completes the step in flight and hands its tokens and the new step's rows to the workers
+(advance the matchers, fill the rows), then returns its outputs without launching the new
+step's sampling: the workers fill while this thread builds the outputs, the frontend
+processes them, the next step is scheduled and its host work done (`prepare_model`); only
+then does the next `step()` take the bitmask, launch that sampling and then its own forward
+pass, which reads the sampled tokens. Synchronous, the workers advance the matchers while the step's outputs are
 processed and the next one is scheduled and launched, and the bitmask is filled while the
 device runs the forward pass.
 """
@@ -261,11 +262,16 @@ class EngineCore:
         """
         outputs: list[EngineCoreOutput] = []
         scheduler_output = self.scheduler.schedule()
-        if self._awaiting_bitmask is not None:  # before the next forward pass is launched
+        launch = not scheduler_output.is_empty  # finished ids alone still reach the runner
+        prepared = False
+        if self._awaiting_bitmask is not None:  # sampled before the next forward pass
+            if launch:  # whose host work first, while the grammar work goes on
+                self.executor.prepare_model(scheduler_output)
+                prepared = True
             self._sample_awaiting()
         step = None
-        if not scheduler_output.is_empty:  # finished ids alone still reach the runner
-            step = self._execute(scheduler_output, outputs)
+        if launch:
+            step = self._execute(scheduler_output, outputs, prepared)
         if self.async_scheduling:  # complete the step in flight, leave the new one running
             step, self._in_flight = self._in_flight, step
         if step is not None:
@@ -274,13 +280,15 @@ class EngineCore:
             self.kv_event_publisher.publish(self.kv_cache_manager.block_pool.take_events())
         return EngineCoreOutputs(outputs, self.make_stats(), time.time())
 
-    def _execute(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]
-                 ) -> tuple[SchedulerOutput, PendingOutput] | None:
-        """Launch the step. A step with constrained rows is sampled once their bitmask is
-        filled: at once when synchronous; async, the step in flight is completed into
-        `outputs` first (its tokens advance the matchers), and the step is left awaiting
-        its bitmask (None is returned) while the workers fill it."""
-        pending = self.executor.execute_model(scheduler_output)
+    def _execute(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput],
+                 prepared: bool = False) -> tuple[SchedulerOutput, PendingOutput] | None:
+        """Launch the step (`prepared`: its host work is done). A step with constrained
+        rows is sampled once their bitmask is filled: at once when synchronous; async, the
+        step in flight is completed into `outputs` first (its tokens advance the matchers),
+        and the step is left awaiting its bitmask (None is returned) while the workers fill
+        it."""
+        pending = (self.executor.launch_prepared() if prepared
+                   else self.executor.execute_model(scheduler_output))
         if pending is not None:
             return scheduler_output, pending
         sampling_ids = [r for r, s in zip(scheduler_output.req_ids, scheduler_output.samples)

@@ -116,6 +116,15 @@ class Executor(ABC):
     @abstractmethod
     def sample_tokens(self, grammar: GrammarOutput | None) -> PendingOutput: ...
 
+    @abstractmethod
+    def prepare_model(self, scheduler_output: SchedulerOutput) -> None:
+        """`execute_model` in two parts, for a step that follows one awaiting its grammar
+        bitmask: the step's host work now, then that step's `sample_tokens`, then
+        `launch_prepared`, which returns what `execute_model` would."""
+
+    @abstractmethod
+    def launch_prepared(self) -> PendingOutput | None: ...
+
     def check_health(self) -> None:
         """Raise if the executor can no longer run steps (a worker has died); for an idle
         engine, which would otherwise find out only at its next step."""
@@ -178,6 +187,12 @@ class UniprocExecutor(Executor):
     def sample_tokens(self, grammar: GrammarOutput | None) -> PendingOutput:
         return self.model_runner.sample_tokens(grammar)
 
+    def prepare_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.model_runner.prepare_model(scheduler_output)
+
+    def launch_prepared(self) -> PendingOutput | None:
+        return self.model_runner.launch_prepared()
+
 
 class RemotePendingOutput:
     """A step launched on the workers; `result()` collects its tokens (in launch order)."""
@@ -212,6 +227,7 @@ class MultiprocExecutor(Executor):
                                       self._procs, self.size)
         self._error: str | None = None
         self._constrained: set[str] = set()  # requests under structured outputs
+        self._prepared: SchedulerOutput | None = None  # prepare_model's, until launched
         self._launched = self._collected = 0  # steps sent, steps collected
         try:
             if config.tensor_parallel_address is None:
@@ -293,6 +309,14 @@ class MultiprocExecutor(Executor):
             message = GrammarBitmask(grammar.req_ids, bitmask.tobytes(), bitmask.shape[1])
         self._send_all(b"sample_tokens", encode(message))
         return self._launch()
+
+    def prepare_model(self, scheduler_output: SchedulerOutput) -> None:
+        """The workers do the host work when the step arrives: it is sent at the launch."""
+        self._prepared = scheduler_output
+
+    def launch_prepared(self) -> PendingOutput | None:
+        scheduler_output, self._prepared = self._prepared, None
+        return self.execute_model(scheduler_output)
 
     def _launch(self) -> RemotePendingOutput:
         self._launched += 1

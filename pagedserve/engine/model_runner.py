@@ -107,6 +107,10 @@ class StepInputs:
     logits_indices: Tensor  # rows of the hidden states that get sampled
     sampling_states: list[CachedRequestState]
     graph_size: int | None  # the captured decode graph that runs this step, if any
+    # the placeholder rows of input_ids, which the launch fills on the device from the
+    # previous step's sampled tokens (of these requests)
+    placeholder_ids: list[str]
+    placeholder_rows: np.ndarray
 
 
 class ModelRunner:
@@ -131,7 +135,9 @@ class ModelRunner:
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request seen
-        self._to_sample: tuple[list[CachedRequestState], Tensor] | None = None  # execute_model
+        # a launched step's sampling rows, logits and sampling inputs, until sample_tokens
+        self._to_sample: tuple[list[CachedRequestState], Tensor, SamplingMetadata] | None = None
+        self._prepared: tuple[SchedulerOutput, StepInputs | None] | None = None  # prepare_model
         self._prompt_logprobs: dict[str, LogprobsLists] | None = None  # execute_model's
         # the last step's sampled tokens on the device, and each sampling request's row
         self._last_sampled: Tensor | None = None
@@ -358,12 +364,9 @@ class ModelRunner:
             meta=meta,
             logits_indices=b.logits_indices.upload(len(sample_rows)),
             sampling_states=self._sampling_states(requests, output.samples, seq_lens),
-            graph_size=graph_size)
-        if len(placeholders):
-            self._copy_last_sampled(inputs.input_ids,
-                                    [output.req_ids[i] for i in placeholders.tolist()],
-                                    placeholder_rows)
-        b.mark_uploaded()
+            graph_size=graph_size,
+            placeholder_ids=[output.req_ids[i] for i in placeholders.tolist()],
+            placeholder_rows=placeholder_rows)
         return inputs
 
     @staticmethod
@@ -433,17 +436,37 @@ class ModelRunner:
         queued: its sampling waits for `sample_tokens`, which takes the rows' grammar
         bitmask, filled on the host while the device runs the forward pass.
         """
+        self.prepare_model(output)
+        return self.launch_prepared()
+
+    @torch.inference_mode()
+    def prepare_model(self, output: SchedulerOutput) -> None:
+        """A step's host work without its launch: the runner's states, swaps, the input
+        buffers and their uploads. While the step before awaits its grammar bitmask, the
+        engine does this before taking the bitmask, so the grammar work overlaps it; the
+        order on the device is kept: that step's sampling, then this step's forward pass
+        (`launch_prepared`), which reads the tokens it samples. The step before has built
+        its sampling inputs at its launch, so nothing done here changes them."""
         self.update_states(output)
         self.swap(output)
+        self._prepared = (output, self.prepare_inputs(output) if output.req_ids else None)
+
+    @torch.inference_mode()
+    def launch_prepared(self) -> PendingRunnerOutput | None:
+        """Launch the step `prepare_model` prepared: as `execute_model` from there."""
+        (output, inputs), self._prepared = self._prepared, None
         self._to_sample = None
-        if output.req_ids:
-            inputs = self.prepare_inputs(output)
+        if inputs is not None:
+            if inputs.placeholder_ids:
+                self._copy_last_sampled(inputs.input_ids, inputs.placeholder_ids,
+                                        inputs.placeholder_rows)
+            self.buffers.mark_uploaded()
             hidden = self._forward(inputs)
             self._prompt_logprobs = self._compute_prompt_logprobs(output, hidden)
             states = inputs.sampling_states
             if states:
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                self._to_sample = (states, logits)
+                self._to_sample = (states, logits, self.sampling_metadata(states, logits))
                 if any(s.sampling_params.structured_outputs is not None for s in states):
                     return None
         return self.sample_tokens(None)
@@ -453,8 +476,10 @@ class ModelRunner:
         """Sample the step queued by `execute_model`, under `grammar`'s bitmask rows."""
         sampled, states = None, []
         if self._to_sample is not None:
-            (states, logits), self._to_sample = self._to_sample, None
-            sampled = self._sample(logits, states, grammar)
+            (states, logits, meta), self._to_sample = self._to_sample, None
+            if grammar is not None:
+                self._attach_bitmask(meta, states, grammar)
+            sampled = self._sample(logits, meta)
         req_ids = [state.req_id for state in states]
         self._last_sampled = sampled.sampled_token_ids if sampled is not None else None
         self._last_sampled_rows = dict(zip(req_ids, range(len(req_ids))))
@@ -505,8 +530,8 @@ class ModelRunner:
             lists.sampled_ranks += lp.sampled_ranks.tolist()
         return lists
 
-    def sampling_metadata(self, states: list[CachedRequestState], logits: Tensor,
-                          grammar: GrammarOutput | None = None) -> SamplingMetadata:
+    def sampling_metadata(self, states: list[CachedRequestState],
+                          logits: Tensor) -> SamplingMetadata:
         """The one place a step's sampling inputs are built from the runner's state. A
         request with penalties gets its slot in `penalties` when it first samples (its
         outputs so far are all known then) and keeps it across preemption until it finishes."""
@@ -514,23 +539,21 @@ class ModelRunner:
         for state in states:
             if state.sampling_params.needs_penalties and state.req_id not in penalties:
                 penalties.add(state.req_id, state.prompt_token_ids, state.output_token_ids)
-        meta = SamplingMetadata.from_requests(
+        return SamplingMetadata.from_requests(
             states, logits.shape[1], self.device, penalty_state=penalties,
             penalty_slots=penalties.slots([state.req_id for state in states]))
-        if grammar is not None:
-            if grammar.req_ids != [state.req_id for state in states]:
-                raise RuntimeError("the grammar bitmask's rows are not the step's sampling rows")
-            meta.allowed_token_bitmask = to_device(torch.from_numpy(grammar.bitmask),
-                                                   self.device)
-        return meta
 
-    def _sample(self, logits: Tensor, states: list[CachedRequestState],
-                grammar: GrammarOutput | None) -> SamplerOutput:
+    def _attach_bitmask(self, meta: SamplingMetadata, states: list[CachedRequestState],
+                        grammar: GrammarOutput) -> None:
+        if grammar.req_ids != [state.req_id for state in states]:
+            raise RuntimeError("the grammar bitmask's rows are not the step's sampling rows")
+        meta.allowed_token_bitmask = to_device(torch.from_numpy(grammar.bitmask), self.device)
+
+    def _sample(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample, and count the tokens of requests with penalties on the device. Under
         tensor parallelism every rank samples the same gathered logits with the same
         generators, and then takes rank 0's tokens: each rank feeds them to its next step, so
         they must agree to the bit even if a sampling kernel were not deterministic."""
-        meta = self.sampling_metadata(states, logits, grammar)
         sampled = self.sampler(logits, meta)
         parallel.broadcast_(sampled.sampled_token_ids)
         if meta.penalties is not None:
