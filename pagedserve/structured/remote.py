@@ -18,7 +18,9 @@ constrained request: until it is up, messages wait in the socket's queue, and th
 builds it at that request). It leaves when told, or when its parent is gone.
 
 Wire (msgpack, one frame): engine -> child `_Add`, `_Remove`, `_Submit`, `_Threads`,
-`_Take`, `_Stop`; child -> engine `_Taken`, once per `_Take`.
+`_Stop`; child -> engine `_Taken`, once per `_Submit` with rows to fill, sent as soon as they
+are filled: the engine's `take_bitmask` finds it waiting rather than asking for it (a round
+trip of thread wake-ups in both processes).
 """
 
 from __future__ import annotations
@@ -70,18 +72,14 @@ class _Threads(msgspec.Struct, array_like=True, tag="n"):
     num_threads: int
 
 
-class _Take(msgspec.Struct, array_like=True, tag="t"):
-    pass
-
-
 class _Stop(msgspec.Struct, array_like=True, tag="q"):
     pass
 
 
-_Message = _Add | _Remove | _Submit | _Threads | _Take | _Stop
+_Message = _Add | _Remove | _Submit | _Threads | _Stop
 
 
-class _Taken(msgspec.Struct, array_like=True):
+class _Taken(msgspec.Struct, array_like=True):  # the answer to a _Submit with rows to fill
     buffer: int  # which shared buffer holds the bitmask; -1: no row was constrained
     released: list[str]  # requests the child freed since its last reply
     error: str | None = None
@@ -172,8 +170,7 @@ class GrammarProcess:
         rows, self._filling = self._filling, None
         if rows is None:
             return None
-        self._flush_removed()
-        taken = self._child.call(_Take())
+        taken = self._child.receive()
         self._constrained.difference_update(taken.released)
         if taken.error is not None:
             raise RuntimeError(f"the grammar process failed: {taken.error}")
@@ -251,8 +248,7 @@ class _Child:
     def send(self, message: msgspec.Struct) -> None:
         self.socket.send(self.encoder.encode(message), copy=False)
 
-    def call(self, message: msgspec.Struct) -> _Taken:
-        self.send(message)
+    def receive(self) -> _Taken:
         while not self.socket.poll(_POLL_MS):
             if self.process.poll() is not None:
                 raise RuntimeError(f"the grammar process exited with code "
@@ -312,8 +308,8 @@ def serve(socket: zmq.Socket, manager: StructuredOutputManager, buffers: list[np
         message = decoder.decode(socket.recv(copy=False).buffer)
         if isinstance(message, _Submit):
             manager.submit_tokens(message.tokens, message.sampling_ids)
-        elif isinstance(message, _Take):
-            socket.send(encoder.encode(_take(manager, buffers, released)))
+            if message.sampling_ids is not None:
+                socket.send(encoder.encode(_take(manager, buffers, released)))
         elif isinstance(message, _Remove):
             for request_id in message.request_ids:
                 manager.remove_request(request_id)
