@@ -343,10 +343,7 @@ def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
             "fma n16 k256 split p8 w8": replace(fma, programs_per_sm=8, num_warps=8),
             "fma n32 k256 split p8 w8": replace(fma, block_n=32, programs_per_sm=8,
                                                 num_warps=8),
-            "fma n8 k512 split p8": replace(fma, block_n=8, block_k=512, programs_per_sm=8),
-            "fma n16 k256 split p8 ahead2": replace(fma, programs_per_sm=8, ahead=2),
-            "fma n16 k512 split p8": replace(fma, block_k=512, programs_per_sm=8),
-            "fma n16 k512 split p4": replace(fma, block_k=512, programs_per_sm=4)}
+            "fma n8 k512 split p8": replace(fma, block_n=8, block_k=512, programs_per_sm=8)}
 
 
 def quality_prompts() -> list[list[int]]:
@@ -582,8 +579,7 @@ def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: 
 
 # weight-only settings the 8B TPOT is measured with under --sweep (names of
 # `weight_only_candidates`), beside the default
-TPOT_CANDIDATES = ("fma n16 k256 split p8 ahead2", "fma n16 k512 split p8",
-                   "fma n16 k512 split p4")
+TPOT_CANDIDATES = ("fma n16 k256 split p6", "fma n8 k512 split p8")
 
 
 def main() -> None:

@@ -71,35 +71,25 @@ def _weight_only_epilogue(acc, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_m
 
 @triton.jit
 def _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
-                 AHEAD: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
     """One row x[k_start:k_stop] times W[n-tile, k_start:k_stop]^T -> [1, BLOCK_N] float32,
     without tl.dot: each thread multiplies and adds its own weights in float32 over the whole
     loop, and the threads' sums meet once at the end. tl.dot would pad the row to 16 (shared
     memory for 15 rows of zeros, fewer programs per SM) and wants the weight in x's dtype.
-    Triton's pipeliner stages only a dot's operands in shared memory, so the next tiles'
-    weights are loaded by hand, AHEAD (1 or 2) iterations ahead, into registers; the first
-    AHEAD tiles before the wait for the previous kernel (under PDL, while it finishes)."""
+    Triton's pipeliner stages only a dot's operands in shared memory, so the next tile's
+    weights are loaded by hand, one iteration ahead, into registers."""
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     w = tl.load(w_rows + (k_start + offs_k)[None, :],
                 mask=n_mask[:, None] & ((k_start + offs_k) < k_stop)[None, :], other=0.0)
-    if AHEAD == 2:
-        w2 = tl.load(w_rows + (k_start + BLOCK_K + offs_k)[None, :],
-                     mask=n_mask[:, None] & ((k_start + BLOCK_K + offs_k) < k_stop)[None, :],
-                     other=0.0)
     pdl.wait_for_previous()  # x is the previous kernel's output; the weights are not
     for k0 in range(k_start, k_stop, BLOCK_K):
-        k_next = k0 + AHEAD * BLOCK_K + offs_k
+        k_next = k0 + BLOCK_K + offs_k
         w_next = tl.load(w_rows + k_next[None, :],
                          mask=n_mask[:, None] & (k_next < k_stop)[None, :], other=0.0)
         x = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < k_stop, other=0.0)
         acc += e4m3_to(w, tl.float32, BITS) * x.to(tl.float32)[None, :]
-        if AHEAD == 2:
-            w = w2
-            w2 = w_next
-        else:
-            w = w_next
+        w = w_next
     return tl.sum(acc, 1)[None, :]
 
 
@@ -109,7 +99,7 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, BITS: tl.constexpr,
-                        FMA: tl.constexpr, AHEAD: tl.constexpr):
+                        FMA: tl.constexpr):
     """y[:, n-tile] = (x @ W_q[n-tile]^T) * s_w[n-tile] (+ bias): the e4m3 weight rows are
     cast to x's dtype in registers, the M rows of x (padded to BLOCK_M) ride along.
 
@@ -132,7 +122,7 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
     k_stop = tl.minimum(k_start + k_per_split, K)
     if FMA:
         acc = _row_times_w(x_ptr, w_ptr, offs_n, n_mask, offs_k, k_start, k_stop, stride_wn,
-                           BLOCK_N, BLOCK_K, BITS, AHEAD)
+                           BLOCK_N, BLOCK_K, BITS)
     else:
         pdl.wait_for_previous()
         x_rows = x_ptr + offs_m[:, None] * stride_xm
@@ -189,7 +179,6 @@ class WeightOnlyConfig:
     programs_per_sm: int = 4
     bits: bool = True  # the H100's Llama-3-8B batch-1 TPOT: 4.48 ms with, 4.70 without
     fma: bool = False
-    ahead: int = 1  # fma: weight tiles loaded ahead of the one being multiplied (1 or 2)
 
 
 # The launch settings `weight_only_linear` takes when given none (read at each call): for one
@@ -248,6 +237,6 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
         num_rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=1 if fma else MAX_WEIGHT_ONLY_ROWS,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits,
-        DOT_PRECISION=dot_precision(x.dtype), BITS=cfg.bits, FMA=fma, AHEAD=cfg.ahead,
+        DOT_PRECISION=dot_precision(x.dtype), BITS=cfg.bits, FMA=fma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     return y

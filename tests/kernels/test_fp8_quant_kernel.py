@@ -40,11 +40,7 @@ CONFIGS = {"no split": WeightOnlyConfig(16, 256, 4, 2),
            # one row without tl.dot (more rows take tl.dot still)
            "fma": WeightOnlyConfig(16, 256, 4, 2, fma=True),
            "fma split 3 bits": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, bits=True,
-                                                fma=True),
-           # two tiles ahead: K whole (3 tiles) and split in 2 (slices of 2 and 1 tiles)
-           "fma ahead 2": WeightOnlyConfig(16, 256, 4, 2, fma=True, ahead=2),
-           "fma ahead 2 split 2": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=4, fma=True,
-                                                   ahead=2)}
+                                                fma=True)}
 
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
