@@ -12,5 +12,6 @@ and an in-place masked fill of the logits on the device (a Triton kernel on CUDA
     grammar.py  GrammarCache: compiles each grammar once per (kind, spec) for the tokenizer
     manager.py  StructuredOutputManager: one matcher per constrained request in the engine
                 core, the bitmask of a step's constrained rows, advancing on sampled tokens
+    remote.py   GrammarProcess: the manager in a child process (the default on a GPU)
     bitmask.py  applying a step's bitmask to the logits (the sampler's hook)
 """

@@ -15,7 +15,9 @@ constrained, so the engine sends nothing for free rows, and the child reports th
 it freed itself (a grammar that ended or refused a token). The child starts at the first
 constrained request: until it is up, messages wait in the socket's queue, and the first
 `take_bitmask` waits for it (its tokenizer table is built there, as the in-process manager
-builds it at that request). It leaves when told, or when its parent is gone.
+builds it at that request). It leaves when told (`shutdown`, or when the engine is collected
+or its process exits), or within a second of its parent's death; it ignores SIGINT and
+SIGTERM, which its engine's process group receives.
 
 Wire (msgpack, one frame): engine -> child `_Add`, `_Remove`, `_Submit`, `_Threads`,
 `_Stop`; child -> engine `_Taken`, once per `_Submit` with rows to fill, sent as soon as they
@@ -29,6 +31,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -353,6 +356,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--stop-token-ids", default="")
     args = parser.parse_args(argv)
+    # as the engine-core process does (core_proc.py): a Ctrl-C reaches the whole process
+    # group, and the engine decides when this process stops (or it leaves with its parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)

@@ -5,6 +5,7 @@ manager's; it leaves when its parent is gone; a child that died is an error at t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,6 +66,21 @@ def test_a_dead_child_is_an_error_not_a_hang(tokenizer_dir):
     remote.submit([], ["a"])
     with pytest.raises(RuntimeError, match="grammar process exited"):
         remote.take_bitmask()
+    remote.shutdown()
+
+
+def test_the_child_ignores_a_ctrl_c_to_its_process_group(tokenizer_dir):
+    """SIGINT and SIGTERM are the engine's to act on: the child still answers after them."""
+    tokenizer, source = tokenizer_dir
+    remote = GrammarProcess(tokenizer, source, VOCAB, [EOS], ROWS, num_threads=0)
+    remote.add_request(Request("a", SPEC))
+    remote.submit([], ["a"])
+    assert remote.take_bitmask() is not None  # the child is up
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(remote._child.process.pid, sig)
+    time.sleep(0.5)
+    remote.submit([], ["a"])
+    assert remote.take_bitmask() is not None
     remote.shutdown()
 
 
