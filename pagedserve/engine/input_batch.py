@@ -70,8 +70,29 @@ class StepBuffers:
         # async scheduling: input_ids rows whose token is a row of the last sampled tokens
         self.placeholder_rows = staged((max_seqs,), torch.int64)
         self.placeholder_sources = staged((max_seqs,), torch.int64)
+        # per block-table row, the columns a step may have left nonzero
+        self._table_widths = np.zeros(max_seqs, dtype=np.int64)
         # The host buffers are rewritten every step: wait for the last step's copies first.
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
+
+    def fill_block_tables(self, table: np.ndarray, table_rows: np.ndarray, rows: int,
+                          width: int) -> None:
+        """Rows [0, len(table_rows)) from those rows of `table`, padded with the null block
+        to `rows`, all of them zero past their blocks. Only the first `width` columns (the
+        step's longest sequence's blocks) are copied, and only the columns an earlier step
+        left nonzero are cleared: a row has max_model_len / block_size columns, and copying
+        them all cost ~1 ms a step at 256 sequences of a 40k-token model."""
+        num_seqs = len(table_rows)
+        host, widths = self.block_tables.np, self._table_widths
+        np.take(table[:, :width], table_rows, axis=0, out=host[:num_seqs, :width])
+        stale = widths[:num_seqs] > width
+        if stale.any():
+            host[np.flatnonzero(stale), width:int(widths[:num_seqs].max())] = 0
+        widths[:num_seqs] = width
+        padding = widths[num_seqs:rows]
+        if padding.any():
+            host[num_seqs:rows, :int(padding.max())] = 0
+            padding[:] = 0
 
     def wait_for_uploads(self) -> None:
         if self._uploaded is not None:

@@ -335,11 +335,10 @@ class ModelRunner:
                                    placeholder_rows, num_tokens)
         b.input_ids.np[num_tokens:token_rows] = 0
 
-        table_rows = self.block_rows.rows(output.req_ids)
-        block_tables = b.block_tables.np
-        np.take(self.block_rows.table, table_rows, axis=0, out=block_tables[:num_seqs])
-        block_tables[num_seqs:rows] = 0
         bs = self.block_size
+        b.fill_block_tables(self.block_rows.table, self.block_rows.rows(output.req_ids), rows,
+                            -(-int(seq_lens.max()) // bs))
+        block_tables = b.block_tables.np
         token_pos = positions[:num_tokens]
         slot_mapping = b.slot_mapping.np
         slot_mapping[:num_tokens] = (block_tables[req_index, token_pos // bs].astype(np.int64)
