@@ -21,7 +21,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _decode_order(meta: AttentionMetadata) -> Tensor | None:
-    """The decodes longest first, sorted once per step for every layer (None for one)."""
+    """The decodes longest first, sorted once per step for every layer (None for one); only
+    when v1 runs (`paged_decode` asks)."""
     if meta.num_decodes < 2:
         return None
     order = meta.derived.get("decode_order")
@@ -55,7 +56,8 @@ class TritonBackend(AttentionBackend):
         if nd > 0:
             paged_decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens,
                          meta.max_seq_len, scale, out[:nd], _num_sms(q.device),
-                         self.decode_cfg, window, softcap, kv_scales, _decode_order(meta))
+                         self.decode_cfg, window, softcap, kv_scales,
+                         lambda: _decode_order(meta))
         if num_seqs > nd:
             paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                           meta.query_start_loc, nd, num_seqs - nd, meta.max_query_len, scale,

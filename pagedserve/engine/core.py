@@ -24,9 +24,9 @@ completes the step in flight and hands its tokens and the new step's rows to the
 step's sampling: the workers fill while this thread builds the outputs, the frontend
 processes them, the next step is scheduled and its host work done (`prepare_model`); only
 then does the next `step()` take the bitmask, launch that sampling and then its own forward
-pass, which reads the sampled tokens. Synchronous, the workers advance the matchers while the step's outputs are
-processed and the next one is scheduled and launched, and the bitmask is filled while the
-device runs the forward pass.
+pass, which reads the sampled tokens. Synchronous, the workers advance the matchers while
+the step's outputs are processed and the next one is scheduled and launched, and the
+bitmask is filled while the device runs the forward pass.
 """
 
 from __future__ import annotations

@@ -279,8 +279,7 @@ class StructuredOutputManager:
                     slot, self._next_slot = self._next_slot, self._next_slot + 1
                 self._entries[request_id] = _Entry(request_id, matcher, slot)
                 return
-        if self._on_release is not None:
-            self._on_release(request_id)
+        self._release(request_id)
 
     def remove_request(self, request_id: str) -> None:
         """Forget a finished or aborted request's matcher. A job already queued may still

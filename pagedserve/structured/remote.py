@@ -208,15 +208,13 @@ class GrammarProcess:
         self._finalizer = weakref.finalize(self, self._child.stop)
 
     def _send(self, message: msgspec.Struct) -> None:
+        """Send `message`, after the removals queued since the last one."""
         if self._child is None:
             return
-        self._flush_removed()
-        self._child.send(message)
-
-    def _flush_removed(self) -> None:
-        if self._removed and self._child is not None:
+        if self._removed:
             removed, self._removed = self._removed, []
             self._child.send(_Remove(removed))
+        self._child.send(message)
 
 
 class _Child:
@@ -226,8 +224,7 @@ class _Child:
                  rows: int, words: int, num_threads: int, pin: bool) -> None:
         self.folder = tempfile.mkdtemp(prefix="pagedserve-grammar-")
         self.shm = shared_memory.SharedMemory(create=True, size=2 * rows * words * 4)
-        self.buffers = [np.ndarray((rows, words), np.int32, self.shm.buf, i * rows * words * 4)
-                        for i in range(2)]
+        self.buffers = _bitmask_buffers(self.shm, rows, words)
         self.registered = pin and _register_host_memory(self.buffers[0].ctypes.data,
                                                         self.shm.size)
         if pin and not self.registered:
@@ -281,6 +278,14 @@ class _Child:
                 pass
             self.shm.unlink()
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _bitmask_buffers(shm: shared_memory.SharedMemory, rows: int,
+                     words: int) -> list[np.ndarray]:
+    """The two int32 [rows, words] bitmask buffers, one after the other in `shm`: the
+    same views on both sides of the wire."""
+    return [np.ndarray((rows, words), np.int32, shm.buf, i * rows * words * 4)
+            for i in range(2)]
 
 
 def _register_host_memory(address: int, size: int) -> bool:
@@ -373,8 +378,7 @@ def main(argv: list[str] | None = None) -> None:
 
     tokenizer = load_tokenizer(args.tokenizer)
     words = (grammar_vocab_size(tokenizer, args.vocab_size) + 31) // 32
-    buffers = [np.ndarray((args.rows, words), np.int32, shm.buf, i * args.rows * words * 4)
-               for i in range(2)]
+    buffers = _bitmask_buffers(shm, args.rows, words)
     released: list[str] = []
     stops = [int(t) for t in args.stop_token_ids.split(",") if t]
     manager = StructuredOutputManager(tokenizer, args.vocab_size, stops, args.rows,

@@ -25,6 +25,7 @@ element is multiplied.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -496,11 +497,11 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
                  cfg: DecodeConfig | None = None, window: int | None = None,
                  softcap: float | None = None,
                  kv_scales: tuple[Tensor, Tensor] | None = None,
-                 order: Tensor | None = None) -> Tensor:
+                 order: Callable[[], Tensor | None] | None = None) -> Tensor:
     """v1 or v2 (with a partition sized to the batch, and double-buffered tiles where the
     grid is small), by `use_v2` on the attended length (the window at most). cfg None: the
-    cache dtype's `default_config`. `order`: v1's dispatch order (see paged_decode_v1); v2
-    splits long sequences instead."""
+    cache dtype's `default_config`. `order` gives v1's dispatch order (see
+    paged_decode_v1), asked only when v1 runs: v2 splits long sequences instead."""
     num_seqs, num_kv_heads = q.shape[0], k_cache.shape[2]
     cfg = cfg or default_config(k_cache)
     length = attended_len(max_seq_len, window)
@@ -509,7 +510,7 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tens
         return paged_decode_v2(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
                                scale, out, cfg, window, softcap, kv_scales)
     return paged_decode_v1(q, k_cache, v_cache, block_tables, seq_lens, scale, out, cfg,
-                           window, softcap, kv_scales, order)
+                           window, softcap, kv_scales, order() if order else None)
 
 
 def longest_first(seq_lens: Tensor) -> Tensor:
