@@ -25,7 +25,7 @@ long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
   8b       Llama-3-8B shape (random weights made on the GPU, `load_format dummy`): batch-1 TPOT,
            bf16 against FP8 weights; workload A, bf16 against FP8 weights + FP8 KV
   8b-tpot  the 8b part's TPOT only (not in the default set); with --sweep also FP8 weights
-           under the weight-only candidates of TPOT_CANDIDATES
+           under each of TPOT_CANDIDATES (one-row fusions, weight-only launch settings)
   profile  where a step's GPU time goes (torch.profiler, 10 decode steps, not in the default
            set): Qwen3-0.6B shape at batch 256 with the bf16 and the FP8 KV cache, and the
            Llama-3-8B shape (random weights generated on the GPU, `load_format dummy`) at
@@ -556,30 +556,37 @@ def part_profile(res: Results, loaded: LoadedModel | None, model_dir: str | None
 
 def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: float,
                     common: dict) -> None:
-    """The FP8-weight model's batch-1 TPOT with the weight-only kernel's one-row default set
-    to each of `TPOT_CANDIDATES` (`fp8_kernel.WEIGHT_ONLY_ONE_ROW`, read when the engine
-    captures its graphs)."""
-    from pagedserve.model import fp8_kernel
+    """The FP8-weight model's batch-1 TPOT under each of `TPOT_CANDIDATES`: the one-row
+    fusions (`fp8.ONE_ROW_FUSIONS`, read at each step) and the weight-only kernel's one-row
+    setting (`fp8_kernel.WEIGHT_ONLY_ONE_ROW`, read when the engine captures its graphs)."""
+    from pagedserve.model import fp8, fp8_kernel
 
-    default = fp8_kernel.WEIGHT_ONLY_ONE_ROW
-    candidates = weight_only_candidates()
+    default_cfg, default_fusions = fp8_kernel.WEIGHT_ONLY_ONE_ROW, fp8.ONE_ROW_FUSIONS
     try:
-        for label in TPOT_CANDIDATES:
-            fp8_kernel.WEIGHT_ONLY_ONE_ROW = candidates[label]
+        for label, (fusions, cfg) in TPOT_CANDIDATES.items():
+            fp8.ONE_ROW_FUSIONS = default_fusions if fusions is None else frozenset(fusions)
+            fp8_kernel.WEIGHT_ONLY_ONE_ROW = cfg = replace(default_cfg, **cfg)
             engine = engine_for(loaded, model_dir, max_num_seqs=8)  # fewer graphs to capture
             ms = tpot_batch1(engine)
             res.add("8b", measure="tpot_batch1_ms", variant=f"fp8_weights {label}",
-                    tpot_ms=ms, ratio_vs_bf16=round(ms / bf16_ms, 3),
-                    **asdict(candidates[label]), **common)
+                    tpot_ms=ms, ratio_vs_bf16=round(ms / bf16_ms, 3), **asdict(cfg),
+                    fusions=sorted(fp8.ONE_ROW_FUSIONS), **common)
             del engine
             throughput.release()
     finally:
-        fp8_kernel.WEIGHT_ONLY_ONE_ROW = default
+        fp8_kernel.WEIGHT_ONLY_ONE_ROW, fp8.ONE_ROW_FUSIONS = default_cfg, default_fusions
 
 
-# weight-only settings the 8B TPOT is measured with under --sweep (names of
-# `weight_only_candidates`), beside the default
-TPOT_CANDIDATES = ("fma n16 k256 split p6", "fma n8 k512 split p8")
+# what --sweep times beside the default: label -> (`fp8.ONE_ROW_FUSIONS`, None for the
+# default's; what differs from `fp8_kernel.WEIGHT_ONLY_ONE_ROW`)
+TPOT_CANDIDATES = {
+    "no fusions": ((), {}),
+    "add": (("add",), {}),
+    "evict_first": (None, {"evict_first": True}),
+    "n8 k512": (None, {"block_n": 8, "block_k": 512}),
+    "n4 k1024": (None, {"block_n": 4, "block_k": 1024}),
+    "n4 k1024 split p4": (None, {"block_n": 4, "block_k": 1024, "programs_per_sm": 4}),
+}
 
 
 def main() -> None:

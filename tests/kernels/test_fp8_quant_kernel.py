@@ -12,10 +12,11 @@ import triton.language as tl
 from pagedserve.attention.kernels.arrivals import arrival_counters
 from pagedserve.attention.kernels.e4m3 import e4m3_bits
 from pagedserve.attention.kv_quant import FP8_DTYPE
-from pagedserve.model import fp8
-from pagedserve.model.fp8_kernel import (WeightOnlyConfig, quantize_tokens, split_k,
-                                         weight_only_linear)
+from pagedserve.model import fp8, triton_ops
+from pagedserve.model.fp8_kernel import (WeightOnlyConfig, one_row_linear, quantize_tokens,
+                                         split_k, weight_only_linear)
 from tests.kernels.test_kernels import fresh_seed
+from tests.kernels.test_model_ops import exact_bf16  # noqa: F401 (a fixture)
 
 
 def test_quantize_tokens_matches_quantize_rows():
@@ -67,6 +68,52 @@ def test_weight_only_linear_matches_dequantized_weights(num_rows, dtype, cfg):
                                    msg=f"seed {seed}")
     counters = arrival_counters(triton.cdiv(n, cfg.block_n), x.device)
     assert not counters.any(), "a replayed split launch would reduce at the wrong arrival"
+
+
+# one row: K whole, and split in 3 (each program one tile of K)
+ONE_ROW = {"whole K": WeightOnlyConfig(16, 256, 4, 2, fma=True),
+           "split 3": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, fma=True)}
+
+
+@pytest.mark.parametrize("cfg", ONE_ROW.values(), ids=ONE_ROW.keys())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_row_fusions_equal_the_ops_they_replace(cfg, dtype, exact_bf16):
+    """Each fusion of `one_row_linear` bit for bit against the plain product followed by the
+    Triton op it replaces (as CUDA runs an unfused step): the residual add, SiLU-and-mul over
+    gate rows paired with up rows N/2 away, and RoPE over heads whose halves fall in
+    different tiles; ragged N and K, with bias, K whole or split."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+
+    def weights(n, k):
+        w_q, w_scale = fp8.quantize_rows(torch.randn(n, k, generator=gen))
+        return w_q, w_scale, torch.randn(n, generator=gen).to(dtype)
+
+    k = 600
+    w_q, w_s, bias = weights(37, k)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    residual = torch.randn(1, 37, generator=gen).to(dtype)
+    added = one_row_linear(x, w_q, w_s, bias, add_to=residual.clone(), cfg=cfg)
+    assert torch.equal(added, residual + weight_only_linear(x, w_q, w_s, bias, cfg)), \
+        f"seed {seed}"
+
+    gate_up = weights(2 * 37, k)
+    act = one_row_linear(x, *gate_up, silu_and_mul=True, cfg=cfg)
+    want = triton_ops.silu_and_mul(weight_only_linear(x, *gate_up, cfg))
+    assert act.shape == (1, 37) and torch.equal(act, want), f"seed {seed}"
+
+    hq, hkv, d, max_pos = 3, 1, 24, 50  # 12-element halves: pairs straddle 8-pair tiles
+    qkv = weights((hq + 2 * hkv) * d, k)
+    positions = torch.randint(max_pos, (1,), generator=gen)
+    cos, sin = (torch.randn(max_pos, d, generator=gen).to(dtype) for _ in range(2))
+    rope = fp8.Rope(positions, cos, sin, hq + hkv, d)
+    rotated = one_row_linear(x, *qkv, rope=rope, cfg=cfg)
+    want = weight_only_linear(x, *qkv, cfg)
+    triton_ops.rotate_qk_(want.view(1, hq + 2 * hkv, d), positions, cos, sin, hq, hkv, None,
+                          None, 0.0)
+    assert torch.equal(rotated, want), f"seed {seed}"
+    counters = arrival_counters(triton.cdiv(2 * 37, cfg.block_n), x.device)
+    assert not counters.any()
 
 
 def test_split_k_fills_the_sms_without_empty_slices():
