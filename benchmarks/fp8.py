@@ -24,8 +24,9 @@ long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
            default) against program order, alternating (not in the default set)
   8b       Llama-3-8B shape (random weights made on the GPU, `load_format dummy`): batch-1 TPOT,
            bf16 against FP8 weights; workload A, bf16 against FP8 weights + FP8 KV
-  8b-tpot  the 8b part's TPOT only (not in the default set); with --sweep also FP8 weights
-           under each of TPOT_CANDIDATES (one-row fusions, weight-only launch settings)
+  8b-tpot  the 8b part's TPOT only (not in the default set), and the GPU time of the step's
+           decoder graph and LM head; with --sweep also FP8 weights under the weight-only
+           candidates of TPOT_CANDIDATES
   profile  where a step's GPU time goes (torch.profiler, 10 decode steps, not in the default
            set): Qwen3-0.6B shape at batch 256 with the bf16 and the FP8 KV cache, and the
            Llama-3-8B shape (random weights generated on the GPU, `load_format dummy`) at
@@ -331,19 +332,25 @@ def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
     "split pP" (K split until P programs per SM), "bits" (e4m3 read by bit moves,
     `e4m3.e4m3_bits`, not Triton's cast), "fma" (one row multiplied in float32 per thread
     without tl.dot, `fp8_kernel._row_times_w`)."""
-    base = WeightOnlyConfig()
-    fma = replace(base, fma=True, block_n=16, block_k=256)
-    return {"fma n16 k256 split p8": replace(fma, programs_per_sm=8),
-            "fma n16 k256 no split": replace(fma, programs_per_sm=0),
-            "fma n16 k256 split p2": replace(fma, programs_per_sm=2),
-            "fma n16 k256 split p4": replace(fma, programs_per_sm=4),
-            "fma n16 k256 split p6": replace(fma, programs_per_sm=6),
-            "fma n16 k256 split p12": replace(fma, programs_per_sm=12),
-            "fma n16 k256 split p8 w2": replace(fma, programs_per_sm=8, num_warps=2),
-            "fma n16 k256 split p8 w8": replace(fma, programs_per_sm=8, num_warps=8),
-            "fma n32 k256 split p8 w8": replace(fma, block_n=32, programs_per_sm=8,
-                                                num_warps=8),
-            "fma n8 k512 split p8": replace(fma, block_n=8, block_k=512, programs_per_sm=8)}
+    fma = replace(WeightOnlyConfig(), fma=True, block_n=16, block_k=256)
+
+    def tile(n, k, p=8, **more):
+        return replace(fma, block_n=n, block_k=k, programs_per_sm=p, **more)
+
+    return {"fma n16 k256 split p8": tile(16, 256),
+            "fma n16 k256 no split": tile(16, 256, 0),
+            "fma n16 k256 split p4": tile(16, 256, 4),
+            "fma n16 k256 split p16": tile(16, 256, 16),
+            "fma n16 k256 split p8 w2": tile(16, 256, num_warps=2),
+            "fma n16 k512 split p8 w8": tile(16, 512, num_warps=8),
+            "fma n32 k256 split p8 w8": tile(32, 256, num_warps=8),
+            "fma n8 k256 split p8": tile(8, 256),
+            "fma n8 k512 split p8": tile(8, 512),
+            "fma n8 k512 split p4": tile(8, 512, 4),
+            "fma n8 k512 no split": tile(8, 512, 0),
+            "fma n4 k512 split p8": tile(4, 512),
+            "fma n4 k1024 split p8": tile(4, 1024),
+            "fma n4 k1024 no split": tile(4, 1024, 0)}
 
 
 def quality_prompts() -> list[list[int]]:
@@ -491,6 +498,29 @@ def tpot_batch1(engine: LLMEngine, tokens: int = 128) -> float:
     return round(statistics.median(times), 3)
 
 
+def step_parts(engine: LLMEngine, replays: int = 200) -> dict:
+    """GPU time of a batch-1 decode step's parts, apart from the host: the decoder's CUDA
+    graph replayed back to back (ms, every KV write sent to no slot) and the LM head on its
+    output (ms). Their sum against the TPOT is what the host and the sampler add."""
+    runner = engine.model_runner
+    runner.buffers.slot_mapping.device.fill_(-1)
+    hidden = runner.graphs.replay(1)
+
+    def per_call(fn) -> float:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return round(start.elapsed_time(end) / replays, 3)
+
+    with torch.inference_mode():
+        return {"graph_ms": per_call(lambda: runner.graphs.replay(1)),
+                "lm_head_ms": per_call(lambda: runner.model.compute_logits(hidden))}
+
+
 def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True,
             sweep: bool = False) -> None:
     """Batch-1 TPOT bf16 against FP8 weights; with `sweep` also FP8 weights under each of
@@ -509,7 +539,7 @@ def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True,
         if name != "fp8_weights+fp8_kv":
             tpot[name] = tpot_batch1(engine)
             res.add("8b", measure="tpot_batch1_ms", variant=name, tpot_ms=tpot[name],
-                    weight_bytes=weight_bytes(engine), **common,
+                    weight_bytes=weight_bytes(engine), **step_parts(engine), **common,
                     **({"ratio_vs_bf16": round(tpot[name] / tpot["bf16"], 3)}
                        if name != "bf16" else {}))
         if name == "fp8_weights" and sweep:
@@ -556,36 +586,33 @@ def part_profile(res: Results, loaded: LoadedModel | None, model_dir: str | None
 
 def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: float,
                     common: dict) -> None:
-    """The FP8-weight model's batch-1 TPOT under each of `TPOT_CANDIDATES`: the one-row
-    fusions (`fp8.ONE_ROW_FUSIONS`, read at each step) and the weight-only kernel's one-row
-    setting (`fp8_kernel.WEIGHT_ONLY_ONE_ROW`, read when the engine captures its graphs)."""
-    from pagedserve.model import fp8, fp8_kernel
+    """The FP8-weight model's batch-1 TPOT with the weight-only kernel's one-row setting
+    (`fp8_kernel.WEIGHT_ONLY_ONE_ROW`, read when the engine captures its graphs) changed as
+    each of `TPOT_CANDIDATES` says."""
+    from pagedserve.model import fp8_kernel
 
-    default_cfg, default_fusions = fp8_kernel.WEIGHT_ONLY_ONE_ROW, fp8.ONE_ROW_FUSIONS
+    default = fp8_kernel.WEIGHT_ONLY_ONE_ROW
     try:
-        for label, (fusions, cfg) in TPOT_CANDIDATES.items():
-            fp8.ONE_ROW_FUSIONS = default_fusions if fusions is None else frozenset(fusions)
-            fp8_kernel.WEIGHT_ONLY_ONE_ROW = cfg = replace(default_cfg, **cfg)
+        for label, changes in TPOT_CANDIDATES.items():
+            fp8_kernel.WEIGHT_ONLY_ONE_ROW = cfg = replace(default, **changes)
             engine = engine_for(loaded, model_dir, max_num_seqs=8)  # fewer graphs to capture
             ms = tpot_batch1(engine)
             res.add("8b", measure="tpot_batch1_ms", variant=f"fp8_weights {label}",
-                    tpot_ms=ms, ratio_vs_bf16=round(ms / bf16_ms, 3), **asdict(cfg),
-                    fusions=sorted(fp8.ONE_ROW_FUSIONS), **common)
+                    tpot_ms=ms, ratio_vs_bf16=round(ms / bf16_ms, 3), **step_parts(engine),
+                    **asdict(cfg), **common)
             del engine
             throughput.release()
     finally:
-        fp8_kernel.WEIGHT_ONLY_ONE_ROW, fp8.ONE_ROW_FUSIONS = default_cfg, default_fusions
+        fp8_kernel.WEIGHT_ONLY_ONE_ROW = default
 
 
-# what --sweep times beside the default: label -> (`fp8.ONE_ROW_FUSIONS`, None for the
-# default's; what differs from `fp8_kernel.WEIGHT_ONLY_ONE_ROW`)
+# what --sweep times beside the default: label -> what differs from
+# `fp8_kernel.WEIGHT_ONLY_ONE_ROW`
 TPOT_CANDIDATES = {
-    "no fusions": ((), {}),
-    "add": (("add",), {}),
-    "evict_first": (None, {"evict_first": True}),
-    "n8 k512": (None, {"block_n": 8, "block_k": 512}),
-    "n4 k1024": (None, {"block_n": 4, "block_k": 1024}),
-    "n4 k1024 split p4": (None, {"block_n": 4, "block_k": 1024, "programs_per_sm": 4}),
+    "16x256 tiles, K split to 8 programs per SM": {"min_block_n": 0, "programs_per_sm": 8},
+    "weights not evict_first": {"evict_first": False},
+    "narrowed to 6 programs per SM": {"programs_per_sm": 6},
+    "narrowed to 4 programs per SM": {"programs_per_sm": 4},
 }
 
 

@@ -112,13 +112,6 @@ class Linear(nn.Linear):
             return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return self.packed.linear(x, self.weight, self.bias)
 
-    def one_row(self, x: torch.Tensor, **fusions) -> torch.Tensor:
-        """An FP8 weight's product with one token (CUDA), with `fp8_kernel.one_row_linear`'s
-        fusions."""
-        from pagedserve.model.fp8_kernel import one_row_linear  # Triton: CUDA only
-
-        return one_row_linear(x, self.weight, self.weight_scale, self.bias, **fusions)
-
 
 class RowParallelLinear(Linear):
     """A Linear over this rank's slice of the input features (tensor parallelism): the
@@ -209,29 +202,9 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), positions, cos, sin))
-
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, rotated: bool = False) -> torch.Tensor:
-        """The q/k/v projection's output [T, (Hq + 2 Hkv) D] -> attention's [T, Hq D] (the
-        output projection's input). `rotated`: RoPE is applied already (by the projection's
-        fused epilogue, `DecoderLayer.forward_one_row`)."""
-        T = qkv.shape[0]
+        T = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = qkv.view(T, hq + 2 * hkv, self.head_dim)
-        if not rotated:
-            self._rotate(qkv, positions, cos, sin)
-        q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-        ctx = get_forward_context()
-        out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale,
-                                  window=self.window, softcap=self.softcap,
-                                  kv_scales=self.kv_scales)
-        return out.reshape(T, hq * self.head_dim)
-
-    def _rotate(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> None:
-        """RoPE on q and k in place, after Qwen3's and Gemma 3's per-head norms."""
-        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
         if self.q_norm is None:
             ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv)
         elif isinstance(self.q_norm, UnitOffsetRMSNorm):  # Gemma 3: no fused kernel
@@ -241,6 +214,12 @@ class Attention(nn.Module):
         else:
             ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv, self.q_norm.weight,
                            self.k_norm.weight, self.q_norm.eps)
+        q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+        ctx = get_forward_context()
+        out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale,
+                                  window=self.window, softcap=self.softcap,
+                                  kv_scales=self.kv_scales)
+        return self.o_proj(out.reshape(T, hq * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -293,26 +272,6 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn(x, positions, cos, sin),
                                                     residual)
         return self.mlp(x), residual
-
-    def forward_one_row(self, residual: torch.Tensor, positions: torch.Tensor,
-                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`forward` for one token with FP8 weights on CUDA (`Decoder.takes_one_row`): the
-        same math, but the residual adds, RoPE and SiLU ride in the projections' one-row
-        kernels (`fp8_kernel.one_row_linear`), as `fp8.ONE_ROW_FUSIONS` says. The residual
-        stream is updated in place and returned."""
-        attn, mlp = self.self_attn, self.mlp
-        rope = None
-        if "rope" in fp8.ONE_ROW_FUSIONS and attn.q_norm is None:
-            rope = fp8.Rope(positions, cos, sin, attn.num_heads + attn.num_kv_heads,
-                            attn.head_dim)
-        qkv = attn.qkv_proj.one_row(self.input_layernorm.normalize(residual), rope=rope)
-        out = attn.attend(qkv, positions, cos, sin, rotated=rope is not None)
-        attn.o_proj.one_row(out, add_to=residual)
-        silu = "silu" in fp8.ONE_ROW_FUSIONS and mlp.act_and_mul is ops.silu_and_mul
-        act = mlp.gate_up_proj.one_row(self.post_attention_layernorm.normalize(residual),
-                                       silu_and_mul=silu)
-        mlp.down_proj.one_row(act if silu else mlp.act_and_mul(act), add_to=residual)
-        return residual
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -380,16 +339,6 @@ class Decoder(nn.Module):
         """The attention modules in layer order, for the runner to bind `k_cache`/`v_cache`."""
         return [layer.self_attn for layer in self.layers]
 
-    def takes_one_row(self, h: torch.Tensor) -> bool:
-        """Whether this step runs `DecoderLayer.forward_one_row`: one token on CUDA with FP8
-        weights (a batch-1 decode step), one rank, the plain pre-norm block with a dense MLP,
-        and "add" in `fp8.ONE_ROW_FUSIONS`."""
-        c = self.config
-        return (h.shape[0] == 1 and h.is_cuda and "add" in fp8.ONE_ROW_FUSIONS
-                and fp8.is_fp8(self.layers[0].self_attn.qkv_proj.weight)
-                and parallel.get_tp().size == 1 and not c.num_experts
-                and not c.sandwich_norms and not c.norm_unit_offset)
-
     def dense_linears(self) -> list[Linear]:
         """The projections FP8 weights apply to: each layer's q/k/v, o, gate/up and down (not
         the embedding, the LM head or MoE experts)."""
@@ -410,12 +359,6 @@ class Decoder(nn.Module):
         if self.embed_scale is not None:  # rounded to the model dtype first, as Gemma does
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         tables = {t: rotary.tables(h.device, h.dtype) for t, rotary in self.rotary.items()}
-        if self.takes_one_row(h):
-            residual = h  # the embedding starts the residual stream
-            for layer in self.layers:
-                residual = layer.forward_one_row(residual, positions,
-                                                 *tables[layer.self_attn.layer_type])
-            return self.norm.normalize(residual)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, positions, *tables[layer.self_attn.layer_type])

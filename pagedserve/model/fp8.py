@@ -33,7 +33,6 @@ per-token scales are at least as precise.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,29 +40,8 @@ from torch import Tensor, nn
 
 from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
 from pagedserve.config import QUANTIZATIONS
-
-# What a batch-1 decode step with FP8 weights fuses into its projections' one-row kernels
-# (`Decoder.takes_one_row`, `fp8_kernel.one_row_linear`): "add" (each residual add into the
-# projection before it; without it, nothing is fused), "silu" (SiLU-and-mul into gate/up),
-# "rope" (RoPE into q/k/v; not with Qwen3's q/k norms). Read at each step; benchmarks/fp8.py
-# times the choices.
-ONE_ROW_FUSIONS = frozenset({"add", "silu", "rope"})
-
 # An all-zero row gets this amax: its scale stays finite and its values quantize to zero.
 MIN_AMAX = 1e-12
-
-
-@dataclass(frozen=True)
-class Rope:
-    """RoPE for `one_row_linear`'s epilogue, as `triton_ops.rotate_qk_` takes it: the
-    token's position [1], the cos and sign-folded sin tables [max_positions, head_dim], and
-    how many heads (q then k) rotate."""
-
-    positions: Tensor
-    cos: Tensor
-    sin: Tensor
-    num_rot_heads: int
-    head_dim: int
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:

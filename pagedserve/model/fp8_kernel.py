@@ -13,7 +13,7 @@ in registers and multiplied with the activations as they are (no activation roun
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -26,8 +26,7 @@ from pagedserve.attention.kernels.e4m3 import e4m3_to
 from pagedserve.attention.kernels.precision import dot_precision
 from pagedserve.attention.kernels.store_kv import round_to_e4m3
 from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
-from pagedserve.model.fp8 import MIN_AMAX, Rope
-from pagedserve.model.triton_ops import round_to
+from pagedserve.model.fp8 import MIN_AMAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
@@ -140,27 +139,6 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
                                   m_mask, n_mask, stride_ym, HAS_BIAS)
 
 
-# What a one-row product's epilogue does with its tile (`_one_row_kernel`'s PAIRS)
-PLAIN, SILU_AND_MUL, ROPE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
-
-@triton.jit
-def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The weight rows of output tile pid_n, and their mask. A paired tile holds BLOCK_N / 2
-    pairs of rows, interleaved, that its epilogue combines: gate row i with up row i + N / 2
-    (SILU_AND_MUL), a head's element d with d + HEAD_DIM / 2 (ROPE)."""
-    r = tl.arange(0, BLOCK_N)
-    pair = pid_n * (BLOCK_N // 2) + r // 2
-    half: tl.constexpr = HEAD_DIM // 2
-    if PAIRS == PLAIN:
-        rows = pid_n * BLOCK_N + r
-    elif PAIRS == SILU_AND_MUL:
-        rows = pair + (r % 2) * (N // 2)
-    else:
-        rows = (pair // half) * HEAD_DIM + pair % half + (r % 2) * half
-    return rows, rows < N if PAIRS == PLAIN else pair < N // 2
-
-
 @triton.jit
 def _row_times_w(x_ptr, w_ptr, rows, mask, k_start, k_stop, stride_wn, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, BITS: tl.constexpr, EVICT: tl.constexpr):
@@ -190,77 +168,32 @@ def _row_times_w(x_ptr, w_ptr, rows, mask, k_start, k_stop, stride_wn, BLOCK_N: 
 
 
 @triton.jit
-def _one_row_epilogue(acc, rows, mask, pid_n, w_scale_ptr, bias_ptr, y_ptr, pos_ptr, cos_ptr,
-                      sin_ptr, N, HAS_BIAS: tl.constexpr, ADD: tl.constexpr,
-                      PAIRS: tl.constexpr, NUM_ROT: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """Scale (+ bias) the tile's sums, round them to y's dtype as the unfused layer's output,
-    then: ADD them to y (the residual stream, in place, rounded as `triton_ops.rms_norm`
-    adds), or store silu(gate) * up (SILU_AND_MUL, as `triton_ops.silu_and_mul`), or rotate
-    the q and k heads by the token's position (ROPE, as `triton_ops.rotate_qk_`; the first
-    NUM_ROT heads, v heads pass through), or store them as they are."""
-    dtype = y_ptr.dtype.element_ty
-    y = acc * tl.load(w_scale_ptr + rows, mask=mask, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-    y = round_to(y, dtype)
-    if PAIRS == PLAIN:
-        if ADD:
-            y = y + tl.load(y_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(dtype), mask=mask)
-    else:
-        a, b = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))  # rows 2i and 2i + 1 of the tile
-        pair = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        pair_mask = pair < N // 2
-        if PAIRS == SILU_AND_MUL:
-            act = round_to(a / (1.0 + tl.exp(-a)), dtype)  # F.silu's output tensor
-            tl.store(y_ptr + pair, (act * b).to(dtype), mask=pair_mask)
-        else:
-            half: tl.constexpr = HEAD_DIM // 2
-            head = pair // half
-            d = pair % half
-            # cos is [cos, cos], sin sign-folded [-sin, sin] (decoder.py)
-            pos = tl.load(pos_ptr).to(tl.int64)
-            cos = tl.load(cos_ptr + pos * HEAD_DIM + d, mask=pair_mask, other=0.0)
-            sin = tl.load(sin_ptr + pos * HEAD_DIM + half + d, mask=pair_mask, other=0.0)
-            cos, sin = cos.to(tl.float32), sin.to(tl.float32)
-            rotate = head < NUM_ROT
-            out1 = tl.where(rotate, round_to(a * cos, dtype) - round_to(b * sin, dtype), a)
-            out2 = tl.where(rotate, round_to(b * cos, dtype) + round_to(a * sin, dtype), b)
-            lo = y_ptr + head * HEAD_DIM + d
-            tl.store(lo, out1.to(dtype), mask=pair_mask)
-            tl.store(lo + half, out2.to(dtype), mask=pair_mask)
-
-
-@triton.jit
-def _one_row_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr,
-                    pos_ptr, cos_ptr, sin_ptr, N, K, k_per_split, stride_wn,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT_K: tl.constexpr, BITS: tl.constexpr, EVICT: tl.constexpr,
-                    ADD: tl.constexpr, PAIRS: tl.constexpr, NUM_ROT: tl.constexpr,
-                    HEAD_DIM: tl.constexpr):
-    """`_weight_only_kernel` for one row (batch-1 decode), with the elementwise work after
-    the projection fused: the residual add (ADD), SiLU-and-mul or RoPE (PAIRS). Split K as there; the epilogue runs once per output, in
-    the program that finishes its tile. PDL as there: the first weight tile is loaded before
-    the wait."""
+def _one_row_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, K,
+                    k_per_split, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BITS: tl.constexpr,
+                    EVICT: tl.constexpr):
+    """`_weight_only_kernel` for one row (batch-1 decode), without tl.dot (`_row_times_w`).
+    Split K as there, partials [SPLIT_K, N]; PDL as there, but the first weight tile is
+    loaded before the wait."""
     pdl.allow_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows, mask = _tile_rows(pid_n, N, BLOCK_N, PAIRS, HEAD_DIM)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = rows < N
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     acc = _row_times_w(x_ptr, w_ptr, rows, mask, k_start, k_stop, stride_wn, BLOCK_N,
                        BLOCK_K, BITS, EVICT)
+    zero = tl.zeros([1], tl.int32)  # the one row, for the epilogue's [M, N] tiles
     if SPLIT_K == 1:
-        _one_row_epilogue(acc, rows, mask, pid_n, w_scale_ptr, bias_ptr, y_ptr, pos_ptr,
-                          cos_ptr, sin_ptr, N, HAS_BIAS, ADD, PAIRS, NUM_ROT, HEAD_DIM, BLOCK_N)
-    else:  # partials are [SPLIT_K, N], by weight row
+        _weight_only_epilogue(acc[None, :], w_scale_ptr, bias_ptr, y_ptr, zero, rows,
+                              zero == 0, mask, 0, HAS_BIAS)
+    else:
         last, total = _sum_slices(acc, part_ptr, arrivals_ptr, rows, mask, pid_n, pid_k, N,
                                   SPLIT_K)
         if last:
-            _one_row_epilogue(total, rows, mask, pid_n, w_scale_ptr, bias_ptr, y_ptr,
-                              pos_ptr, cos_ptr, sin_ptr, N, HAS_BIAS, ADD, PAIRS, NUM_ROT,
-                              HEAD_DIM, BLOCK_N)
+            _weight_only_epilogue(total[None, :], w_scale_ptr, bias_ptr, y_ptr, zero, rows,
+                                  zero == 0, mask, 0, HAS_BIAS)
 
 
 @dataclass(frozen=True)
@@ -285,17 +218,38 @@ class WeightOnlyConfig:
     programs_per_sm: int = 4
     bits: bool = True  # the H100's Llama-3-8B batch-1 TPOT: 4.48 ms with, 4.70 without
     fma: bool = False
-    evict_first: bool = False  # one row: weights loaded with eviction_policy="evict_first"
+    # one row: the weights loaded with eviction_policy="evict_first" (the H100's 8B
+    # batch-1 TPOT: 3.809 ms with, 3.837 without)
+    evict_first: bool = True
+    # one row: tiles of fewer rows (down to this many, each as many bytes) while a
+    # projection has too few rows for programs_per_sm programs per SM (0: block_n always)
+    min_block_n: int = 0
 
 
 # The launch settings `weight_only_linear` takes when given none (read at each call): for one
 # row (batch-1 decode) and for 2-16 rows; chosen by the H100 sweeps of `benchmarks/fp8.py
 # --parts gemv,8b-tpot --sweep` (docs/benchmarks.md, FP8).
-WEIGHT_ONLY_ONE_ROW = WeightOnlyConfig(block_n=16, block_k=256, programs_per_sm=8, fma=True)
+WEIGHT_ONLY_ONE_ROW = WeightOnlyConfig(block_n=16, block_k=256, programs_per_sm=5, fma=True,
+                                       min_block_n=4)
 WEIGHT_ONLY = WeightOnlyConfig()
 
 # Token counts up to which `fp8.fp8_linear` takes `weight_only_linear` (tl.dot's 16 rows)
 MAX_WEIGHT_ONLY_ROWS = 16
+
+
+def narrowed(n: int, num_sms: int, cfg: WeightOnlyConfig) -> WeightOnlyConfig:
+    """cfg with tiles of fewer, longer rows (the same bytes) until n rows make
+    cfg.programs_per_sm programs per SM, down to cfg.min_block_n rows; K is split only past
+    that (`split_k`). A program that streams whole rows of K needs no partial sums, and its
+    loads run along each row for longer: the H100 sweep (docs/benchmarks.md) had Llama-3-8B's
+    q/k/v at 11.2 µs with 8x512 tiles over all of K against 13.1 with 16x256 and K split in
+    3, its o at 8.6 with 4x1024 against 10.0 split in 4."""
+    block_n = cfg.block_n
+    while 0 < cfg.min_block_n < block_n and n < cfg.programs_per_sm * num_sms * block_n:
+        block_n //= 2
+    if block_n == cfg.block_n:
+        return cfg
+    return replace(cfg, block_n=block_n, block_k=cfg.block_k * cfg.block_n // block_n)
 
 
 def split_k(n: int, k: int, num_sms: int, cfg: WeightOnlyConfig) -> tuple[int, int]:
@@ -357,42 +311,20 @@ def _split_buffers(splits: int, size: int, n_tiles: int, device: torch.device,
 
 
 def one_row_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
-                   bias: Tensor | None = None, *, add_to: Tensor | None = None,
-                   silu_and_mul: bool = False, rope: Rope | None = None,
-                   cfg: WeightOnlyConfig | None = None) -> Tensor:
-    """One token x [1, K] @ the e4m3 weight [N, K]^T * scales (+ bias), with the elementwise
-    op after a projection in a batch-1 decode step fused into its launch:
-
-    - add_to (the residual stream [1, N]): the product is added into it in place, and it is
-      returned;
-    - silu_and_mul: the weight is the fused gate/up [2I, K]; returns silu(gate) * up [1, I];
-    - rope: the weight is the fused q/k/v; returns its product with q and k rotated.
-
-    Each is a few loads and stores by the program that already holds the product, where a
-    kernel of its own costs a launch and a round trip to memory in the step's critical
-    path (`DecoderLayer.forward_one_row`)."""
+                   bias: Tensor | None = None, cfg: WeightOnlyConfig | None = None) -> Tensor:
+    """`weight_only_linear` of one token x [1, K] by `_one_row_kernel`, with tiles
+    `narrowed` to the weight's rows."""
     cfg = cfg or WEIGHT_ONLY_ONE_ROW
     (num_rows, k), n = x.shape, weight.shape[0]
     assert num_rows == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
-    assert (add_to is not None) + silu_and_mul + (rope is not None) <= 1
-    if add_to is not None:
-        assert add_to.shape == (1, n) and add_to.dtype == x.dtype and add_to.stride(-1) == 1
-        y = add_to
-    else:
-        y = torch.empty((1, n // 2 if silu_and_mul else n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    cfg = narrowed(n, num_sms(x.device), cfg)
     splits, k_per_split = split_k(n, k, num_sms(x.device), cfg)
     n_tiles = triton.cdiv(n, cfg.block_n)
     parts, arrivals = _split_buffers(splits, n, n_tiles, x.device, y)
-    pairs = SILU_AND_MUL if silu_and_mul else ROPE if rope is not None else PLAIN
-    assert pairs == PLAIN or (n % 2 == 0 and cfg.block_n % 2 == 0)
-    pos, cos, sin = ((rope.positions, rope.cos, rope.sin) if rope is not None
-                     else (weight_scale,) * 3)  # unused pointers
     _one_row_kernel[(n_tiles, splits)](
         x, weight, weight_scale, weight_scale if bias is None else bias, y, parts, arrivals,
-        pos, cos, sin, n, k, k_per_split, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits, BITS=cfg.bits,
-        EVICT="evict_first" if cfg.evict_first else "", ADD=add_to is not None,
-        PAIRS=pairs.value, NUM_ROT=rope.num_rot_heads if rope else 0,
-        HEAD_DIM=rope.head_dim if rope else 2, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.launch_options())
+        n, k, k_per_split, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=splits, BITS=cfg.bits,
+        EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     return y

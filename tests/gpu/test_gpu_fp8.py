@@ -266,39 +266,3 @@ def test_fp8_weights_engine(checkpoint, loaded):
     for options in ({}, {"kv_cache_dtype": "fp8"}):
         tokens = greedy(make_engine(quantized, **options), 32, seed=7, max_tokens=8)
         assert first_token_agreement(tokens, reference) >= 0.6, options
-
-
-def one_at_a_time(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy tokens of each prompt alone: every decode step is one token (batch 1)."""
-    from pagedserve.engine.sampling_params import SamplingParams
-    from pagedserve.entrypoints.llm import LLM
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm = LLM.from_engine(engine)
-    return [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
-            for p in prompts]
-
-
-@pytest.mark.parametrize("config", ["qwen3-0.6b", "tiny-llama3"])
-@torch.inference_mode()
-def test_one_row_fusions_keep_the_tokens(config, tmp_path, monkeypatch):
-    """Batch-1 decode with FP8 weights takes `DecoderLayer.forward_one_row` (residual adds,
-    SiLU and, without Qwen3's q/k norms, RoPE inside the projections' kernels): the same
-    greedy tokens as the same engine with the fusions off (each fusion rounds as the op it
-    replaces), under CUDA graphs and PDL."""
-    from pagedserve.model import fp8
-
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/make_checkpoint.py"),
-                    str(ROOT / f"benchmarks/configs/{config}.json"), str(tmp_path),
-                    "--dtype", "bfloat16", "--tokenizer", "bytes", "--lm-head-scale", "25"],
-                   check=True)
-    quantized = load(str(tmp_path), quantization="fp8")
-    model = quantized.model
-    one_token = torch.zeros(1, model.config.hidden_size, device="cuda")
-    assert model.takes_one_row(one_token) and not model.takes_one_row(one_token.repeat(2, 1))
-    rng = random.Random(3)
-    prompts = [[rng.randrange(10_000) for _ in range(rng.randint(5, 200))] for _ in range(8)]
-    fused = one_at_a_time(make_engine(quantized), prompts, 24)
-    monkeypatch.setattr(fp8, "ONE_ROW_FUSIONS", frozenset({"silu", "rope"}))  # no "add"
-    assert not model.takes_one_row(one_token)
-    assert one_at_a_time(make_engine(quantized), prompts, 24) == fused

@@ -3,6 +3,8 @@ path for many tokens) against the torch quantization the CPU reference uses, bit
 weight-only product (CUDA's path for decode steps, K whole or split) against the
 dequantized weight; e4m3 read by bit moves against torch's cast."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,11 +14,10 @@ import triton.language as tl
 from pagedserve.attention.kernels.arrivals import arrival_counters
 from pagedserve.attention.kernels.e4m3 import e4m3_bits
 from pagedserve.attention.kv_quant import FP8_DTYPE
-from pagedserve.model import fp8, triton_ops
-from pagedserve.model.fp8_kernel import (WeightOnlyConfig, one_row_linear, quantize_tokens,
+from pagedserve.model import fp8
+from pagedserve.model.fp8_kernel import (WeightOnlyConfig, narrowed, quantize_tokens,
                                          split_k, weight_only_linear)
 from tests.kernels.test_kernels import fresh_seed
-from tests.kernels.test_model_ops import exact_bf16  # noqa: F401 (a fixture)
 
 
 def test_quantize_tokens_matches_quantize_rows():
@@ -41,7 +42,10 @@ CONFIGS = {"no split": WeightOnlyConfig(16, 256, 4, 2),
            # one row without tl.dot (more rows take tl.dot still)
            "fma": WeightOnlyConfig(16, 256, 4, 2, fma=True),
            "fma split 3 bits": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, bits=True,
-                                                fma=True)}
+                                                fma=True),
+           # one row in 4x1024 tiles (`narrowed`), K whole
+           "fma narrowed": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, fma=True,
+                                            min_block_n=4)}
 
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
@@ -70,52 +74,6 @@ def test_weight_only_linear_matches_dequantized_weights(num_rows, dtype, cfg):
     assert not counters.any(), "a replayed split launch would reduce at the wrong arrival"
 
 
-# one row: K whole, and split in 3 (each program one tile of K)
-ONE_ROW = {"whole K": WeightOnlyConfig(16, 256, 4, 2, fma=True),
-           "split 3": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, fma=True)}
-
-
-@pytest.mark.parametrize("cfg", ONE_ROW.values(), ids=ONE_ROW.keys())
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_one_row_fusions_equal_the_ops_they_replace(cfg, dtype, exact_bf16):
-    """Each fusion of `one_row_linear` bit for bit against the plain product followed by the
-    Triton op it replaces (as CUDA runs an unfused step): the residual add, SiLU-and-mul over
-    gate rows paired with up rows N/2 away, and RoPE over heads whose halves fall in
-    different tiles; ragged N and K, with bias, K whole or split."""
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-
-    def weights(n, k):
-        w_q, w_scale = fp8.quantize_rows(torch.randn(n, k, generator=gen))
-        return w_q, w_scale, torch.randn(n, generator=gen).to(dtype)
-
-    k = 600
-    w_q, w_s, bias = weights(37, k)
-    x = torch.randn(1, k, generator=gen).to(dtype)
-    residual = torch.randn(1, 37, generator=gen).to(dtype)
-    added = one_row_linear(x, w_q, w_s, bias, add_to=residual.clone(), cfg=cfg)
-    assert torch.equal(added, residual + weight_only_linear(x, w_q, w_s, bias, cfg)), \
-        f"seed {seed}"
-
-    gate_up = weights(2 * 37, k)
-    act = one_row_linear(x, *gate_up, silu_and_mul=True, cfg=cfg)
-    want = triton_ops.silu_and_mul(weight_only_linear(x, *gate_up, cfg))
-    assert act.shape == (1, 37) and torch.equal(act, want), f"seed {seed}"
-
-    hq, hkv, d, max_pos = 3, 1, 24, 50  # 12-element halves: pairs straddle 8-pair tiles
-    qkv = weights((hq + 2 * hkv) * d, k)
-    positions = torch.randint(max_pos, (1,), generator=gen)
-    cos, sin = (torch.randn(max_pos, d, generator=gen).to(dtype) for _ in range(2))
-    rope = fp8.Rope(positions, cos, sin, hq + hkv, d)
-    rotated = one_row_linear(x, *qkv, rope=rope, cfg=cfg)
-    want = weight_only_linear(x, *qkv, cfg)
-    triton_ops.rotate_qk_(want.view(1, hq + 2 * hkv, d), positions, cos, sin, hq, hkv, None,
-                          None, 0.0)
-    assert torch.equal(rotated, want), f"seed {seed}"
-    counters = arrival_counters(triton.cdiv(2 * 37, cfg.block_n), x.device)
-    assert not counters.any()
-
-
 def test_split_k_fills_the_sms_without_empty_slices():
     cfg = WeightOnlyConfig(block_n=32, block_k=512, programs_per_sm=4)
     # Llama-3-8B on 132 SMs: qkv 192 tiles x 3, o 128 x 4 (8 tiles of K, 2 per slice),
@@ -125,6 +83,14 @@ def test_split_k_fills_the_sms_without_empty_slices():
     assert split_k(4096, 14336, 132, cfg) == (5, 6 * 512)
     assert split_k(28672, 4096, 132, cfg) == (1, 8 * 512)
     assert split_k(4096, 4096, 132, WeightOnlyConfig(programs_per_sm=0)) == (1, 8 * 512)
+    one_row = WeightOnlyConfig(16, 256, programs_per_sm=5, min_block_n=4)
+    # Llama-3-8B's q/k/v to 8x512 tiles, o and down to 4x1024, gate/up kept, none split
+    assert [(c.block_n, c.block_k, split_k(n, k, 132, c)[0]) for n, k, c in (
+        (n, k, narrowed(n, 132, one_row)) for n, k in
+        ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)))] == [
+        (8, 512, 1), (4, 1024, 1), (16, 256, 1), (4, 1024, 1)]
+    assert narrowed(4096, 132, replace(one_row, min_block_n=0)) == replace(one_row,
+                                                                            min_block_n=0)
     for n, k in ((4096, 300), (64, 100_000), (100_000, 64)):
         splits, per = split_k(n, k, 132, cfg)
         assert per % cfg.block_k == 0 and (splits - 1) * per < k <= splits * per

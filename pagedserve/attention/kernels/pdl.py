@@ -78,4 +78,3 @@ def wait_for_previous():
     """Block until the kernel before this one has completed and its writes are visible."""
     if _ENABLED:
         gdc_wait()
-
