@@ -279,8 +279,8 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
     `_scaled_mm` with per-token activation quantization and against the bf16 matmul, timed
     in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them)."""
     from pagedserve.model import fp8
-    from pagedserve.model.fp8_kernel import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW, quantize_tokens,
-                                             split_k, weight_only_linear)
+    from pagedserve.model.fp8_kernel import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW, narrowed,
+                                             quantize_tokens, split_k, weight_only_linear)
 
     kernels = _module("kernels")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -316,6 +316,8 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
                 gbps = n_dim * k_dim * element / (us * 1e-6) / 1e9
                 if label == "weight_only":
                     cfg = WEIGHT_ONLY_ONE_ROW if rows == 1 else WEIGHT_ONLY
+                if cfg is not None and rows == 1 and cfg.fma:  # the tiles it launches
+                    cfg = narrowed(n_dim, num_sms, cfg)
                 launch = {} if cfg is None else {
                     **asdict(cfg), "split_k": split_k(n_dim, k_dim, num_sms, cfg)[0]}
                 res.add("gemv", layer=name, k=k_dim, n=n_dim, rows=rows, method=label,
