@@ -27,6 +27,8 @@ long, run `--parts kv,kernel,gemv,quality` and `--parts 8b` as two):
   8b-tpot  the 8b part's TPOT only (not in the default set), and the GPU time of the step's
            decoder graph and LM head; with --sweep also FP8 weights under the weight-only
            candidates of TPOT_CANDIDATES
+  8b-skip  the 8b part's decoder graph time (bf16, FP8 weights) with groups of small kernels
+           skipped: their cost on the batch-1 step's critical path (not in the default set)
   profile  where a step's GPU time goes (torch.profiler, 10 decode steps, not in the default
            set): Qwen3-0.6B shape at batch 256 with the bf16 and the FP8 KV cache, and the
            Llama-3-8B shape (random weights generated on the GPU, `load_format dummy`) at
@@ -83,9 +85,10 @@ class Results:
     def __init__(self, out: Path) -> None:
         self.path = out / "fp8.json"
         self.rows: list[dict] = []
+        self.tags: dict = {}  # added to every row
 
     def add(self, part: str, **row) -> dict:
-        row = {"part": part, **row, "device": torch.cuda.get_device_name(),
+        row = {"part": part, **row, **self.tags, "device": torch.cuda.get_device_name(),
                "date": datetime.date.today().isoformat()}
         self.rows.append(row)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -561,6 +564,46 @@ def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True,
             throughput.release()
 
 
+def part_8b_skip(res: Results, root: Path) -> None:
+    """The 8B shape's batch-1 decoder graph (`step_parts`), bf16 and FP8 weights, with each
+    group of small kernels skipped (the norms, RoPE + KV store + attention, SiLU, all): what
+    each costs on the step's critical path. The skipped steps compute nonsense; only their
+    time is kept. Graphs are captured after a short warm-up, so at a context of ~20 tokens."""
+    from pagedserve.attention.triton_backend import TritonBackend
+    from pagedserve.model import ops
+
+    model_dir = config_folder(HERE / "configs" / "llama3-8b.json", root / "llama3-8b")
+    kept = ops.fused_add_rms_norm, ops.rotate_qk_, TritonBackend.forward
+    groups = ((), ("norms",), ("rope+kv store+attention",), ("silu",),
+              ("norms", "rope+kv store+attention", "silu"))
+    try:
+        for quantization in (None, "fp8"):
+            loaded = load_dummy(model_dir, quantization)
+            mlps = [layer.mlp for layer in loaded.model.layers]
+            act = mlps[0].act_and_mul
+            for skipped in groups:
+                if "norms" in skipped:
+                    ops.fused_add_rms_norm = lambda x, r, w, eps: (x, x if r is None else r)
+                if "rope+kv store+attention" in skipped:
+                    ops.rotate_qk_ = lambda *args, **kwargs: None
+                    TritonBackend.forward = lambda self, q, *args, **kwargs: q.contiguous()
+                for mlp in mlps:  # "silu": the gate half as it is
+                    mlp.act_and_mul = ((lambda gu: gu[:, :gu.shape[1] // 2])
+                                       if "silu" in skipped else act)
+                engine = engine_for(loaded, str(model_dir), max_num_seqs=8)
+                res.add("8b-skip", variant=quantization or "bf16", skipped=list(skipped),
+                        **step_parts(engine), model="llama-3-8b shape, load_format dummy")
+                ops.fused_add_rms_norm, ops.rotate_qk_, TritonBackend.forward = kept
+                del engine
+                throughput.release()
+            for mlp in mlps:
+                mlp.act_and_mul = act
+            del loaded, mlps
+            throughput.release()
+    finally:
+        ops.fused_add_rms_norm, ops.rotate_qk_, TritonBackend.forward = kept
+
+
 def part_profile(res: Results, loaded: LoadedModel | None, model_dir: str | None,
                  out: Path, root: Path) -> None:
     """Kernel tables of 10 decode steps: the 0.6B shape at batch 256 (bf16 and FP8 KV),
@@ -624,11 +667,20 @@ def main() -> None:
     parser.add_argument("--parts", default="kv,kernel,gemv,quality,8b")
     parser.add_argument("--sweep", action="store_true", help="kernel and gemv: also time the "
                         "candidate launch settings (FP8 decode tiles, weight-only tiles)")
+    parser.add_argument("--decode-split-short", choices=["on", "off"], default="on",
+                        help="decode v2 spreads a short sequence over the whole grid "
+                        "(`DecodeConfig.split_short`, the default) or not: for A/B runs")
     parser.add_argument("--model", help="a Qwen3-0.6B-shaped checkpoint folder (default: made "
                         "here, random, LM head x25)")
     args = parser.parse_args()
     parts = args.parts.split(",")
+    from pagedserve.attention.kernels import decode
+
+    split_short = args.decode_split_short == "on"
+    decode.BF16_DECODE = replace(decode.BF16_DECODE, split_short=split_short)
+    decode.FP8_DECODE = replace(decode.FP8_DECODE, split_short=split_short)
     res = Results(args.out)
+    res.tags["decode_split_short"] = split_short
     root = Path(tempfile.mkdtemp(prefix="pagedserve-fp8-"))
     bandwidth = throughput.copy_bandwidth()
     model_dir = args.model
@@ -654,13 +706,15 @@ def main() -> None:
     throughput.release()
     if "8b" in parts or "8b-tpot" in parts:
         part_8b(res, root, bandwidth, workload="8b" in parts, sweep=args.sweep)
+    if "8b-skip" in parts:
+        part_8b_skip(res, root)
     print("summary:", flush=True)
     for row in res.rows:
         keys = ("variant", "kv_cache_dtype", "decode_order", "kv_dtype", "batch", "context",
                 "config", "layer", "rows", "method", "split_k", "us", "measure",
                 "output_tok_per_s", "roofline_tok_per_s", "kv_blocks", "gb_per_s",
-                "pct_copy_bw", "tpot_ms", "ratio_vs_bf16", "first_token_agreement",
-                f"greedy_agreement_{QUALITY_TOKENS}", "mean_kl_nats")
+                "pct_copy_bw", "tpot_ms", "ratio_vs_bf16", "skipped", "graph_ms",
+                "first_token_agreement", f"greedy_agreement_{QUALITY_TOKENS}", "mean_kl_nats")
         print(row["part"], {k: row[k] for k in keys if k in row}, flush=True)
     for line in fastest(res.rows):
         print(line, flush=True)

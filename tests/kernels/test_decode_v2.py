@@ -47,18 +47,23 @@ def test_v2_merges_many_partitions(num_heads, num_kv_heads, monkeypatch):
                                msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("split_short", [True, False])
+@pytest.mark.parametrize("grid", [1, 4])
 @pytest.mark.parametrize("block_size,partition", [(16, 32), (32, 64)])
-def test_v2_grid_sized_past_the_longest_sequence(block_size, partition):
-    """The engine captures v2 with max_seq_len = max_model_len: programs past a sequence's end
-    must neither write nor be counted as arrivals."""
+def test_v2_grid_sized_past_the_longest_sequence(block_size, partition, grid, split_short):
+    """The engine captures v2 with max_seq_len = max_model_len (here `grid` times the longest
+    sequence): programs past a sequence's end must neither write nor be counted as arrivals.
+    With `split_short` every sequence spreads over all of the grid's partitions, in whole
+    16-token tiles (a 272-token one over 9 of 32 tokens at grid 1, over 17 of 16 at grid 4),
+    else over its first few of `partition` tokens."""
     seed = fresh_seed()
     case = make_case(RAGGED[::2], 4, 2, 16, block_size, seed=seed)
     store_kv(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
     out = torch.full_like(case.q, float("nan"))
     m = case.meta
     paged_decode_v2(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens,
-                    4 * m.max_seq_len, case.scale, out, DecodeConfig(block_n=16,
-                                                                     partition=partition))
+                    grid * m.max_seq_len, case.scale, out,
+                    DecodeConfig(block_n=16, partition=partition, split_short=split_short))
     torch.testing.assert_close(out.double(), case.expected, atol=1e-5, rtol=1e-5,
                                msg=f"seed {seed}")
 

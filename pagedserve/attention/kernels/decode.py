@@ -241,13 +241,14 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                       WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
                       DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
-                      F16_DOT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
-    pdl.step_entry()
+                      F16_DOT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                      SPLIT_SHORT: tl.constexpr):
+    pdl.allow_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     bt_row_ptr = bt_ptr + seq * stride_bts
-    # The sequence length, q and the first tile's block ids do not depend on one another:
+    # The sequence length and the first tile's block ids do not depend on one another:
     # loaded together, the first K/V loads wait one round trip to memory, not two (H100,
     # batch 1 x 32k: 55.1 -> 54.3 us; batch 1 x 1k 11.0 -> 9.6 us). A window's partitions
     # start from the window's first token, which needs the length first.
@@ -256,9 +257,19 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
     if WINDOWED:
         first = tl.maximum(seq_len - window, 0)
     start = first + part * partition
+    block = _load_tile_blocks(bt_row_ptr, start, row_blocks, BLOCK_SIZE, BLOCK_N)
+    if SPLIT_SHORT:  # this sequence's partitions: its length over all max_parts programs
+        short = tl.maximum(tl.cdiv(tl.cdiv(seq_len - first, max_parts), BLOCK_N) * BLOCK_N,
+                           BLOCK_N)
+        if short < partition:  # (else the block ids loaded with the length stand)
+            partition = short
+            start = first + part * partition
+            block = _load_tile_blocks(bt_row_ptr, start, row_blocks, BLOCK_SIZE, BLOCK_N)
+    # Lengths and block tables are the step's inputs, written before it: read before the
+    # wait (`pdl`); q and the step's own K/V come from the kernels just before.
+    pdl.wait_for_previous()
     q, heads, g_mask = _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
                                      GROUP, GROUP_PAD, HEAD_DIM)
-    block = _load_tile_blocks(bt_row_ptr, start, row_blocks, BLOCK_SIZE, BLOCK_N)
     if start >= seq_len:
         return
     end = tl.minimum(start + partition, seq_len)
@@ -314,6 +325,11 @@ class DecodeConfig:
     # to the dot through shared memory as bf16 rows go) rather than gathered byte by byte
     bits_k: bool = False
     bits_v: bool = False
+    # v2: a sequence shorter than the grid's partitions cover is spread over all of them
+    # (partitions of its length / max_parts, in whole tiles), not over the first few.
+    # Why: under CUDA graphs the grid is sized for max_model_len, so at batch 1 a 256-token
+    # context sat in one program looping over 8 tiles, a latency chain per layer.
+    split_short: bool = True
 
 
 # An FP8 cache holds a token's K/V in half the bytes: with bf16's tiles each program would
@@ -333,9 +349,12 @@ def _f16_dot(fp8: bool, cfg: DecodeConfig, q: Tensor) -> bool:
     return fp8 and cfg.fp16_dot and q.element_size() == 2
 
 
+BF16_DECODE = DecodeConfig()  # (and float16, float32 caches)
+
+
 def default_config(k_cache: Tensor) -> DecodeConfig:
     """The launch parameters for a cache of this dtype."""
-    return FP8_DECODE if is_fp8(k_cache) else DecodeConfig()
+    return FP8_DECODE if is_fp8(k_cache) else BF16_DECODE
 
 
 def _group_pad(group: int) -> int:
@@ -430,7 +449,7 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, WINDOWED=window is not None,
         SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8,
         F16_DOT=_f16_dot(fp8, cfg, q), K_BITS=fp8 and cfg.bits_k,
-        V_BITS=fp8 and cfg.bits_v, num_warps=cfg.num_warps,
+        V_BITS=fp8 and cfg.bits_v, SPLIT_SHORT=cfg.split_short, num_warps=cfg.num_warps,
         num_stages=_v2_stages(cfg.num_stages), **pdl.launch_options())
     return out
 
