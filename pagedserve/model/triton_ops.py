@@ -12,8 +12,7 @@ reads its inputs once and writes its outputs once:
 Numerics are those of the eager path in `ops.py` (and of transformers): math in float32, and a
 rounding to the activation dtype wherever eager PyTorch would produce a tensor of that dtype
 (`_round`), so bf16 results agree bit for bit except for the order of a norm's sum of squares.
-Each starts with `pdl.step_entry` (RoPE reads its table rows first) and is launched with PDL
-(see attention/kernels/pdl.py).
+Each starts with `pdl.step_entry` and is launched with PDL (see attention/kernels/pdl.py).
 The kernels run on CUDA and, under TRITON_INTERPRET=1, on the CPU (tests/kernels).
 """
 
@@ -76,19 +75,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float,
 def _rotate_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, stride_tok, eps,
                       NUM_Q: tl.constexpr, NUM_ROT: tl.constexpr, HEAD_DIM: tl.constexpr,
                       HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
-    pdl.allow_dependents()
+    pdl.step_entry()
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF_PAD)
     d_mask = d < HALF
-    # Row `pos` of the tables: cos is [cos, cos], sin is sign-folded [-sin, sin] (decoder.py).
-    # Positions are the step's input, written before it: read before the wait (`pdl`).
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * HEAD_DIM + HALF + d, mask=d_mask,
-                  other=0.0).to(tl.float32)[None, :]
-    pdl.wait_for_previous()
     mask = (heads < NUM_ROT)[:, None] & d_mask[None, :]
     dtype = qkv_ptr.dtype.element_ty
     # The two halves of each head: RoPE (NeoX layout) rotates element i with i + D/2.
@@ -105,6 +97,11 @@ def _rotate_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, stri
                       tl.load(k_w_ptr + HALF + d, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
         x1 = _round(_round(x1 * inv, dtype) * w1, dtype)
         x2 = _round(_round(x2 * inv, dtype) * w2, dtype)
+    # Row `pos` of the tables: cos is [cos, cos], sin is sign-folded [-sin, sin] (decoder.py).
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + HALF + d, mask=d_mask,
+                  other=0.0).to(tl.float32)[None, :]
     # transformers: x * cos + rotate_half(x) * sin, each product rounded to the activation dtype.
     out1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
     out2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)

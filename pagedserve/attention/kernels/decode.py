@@ -243,12 +243,12 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
                       DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
                       F16_DOT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                       SPLIT_SHORT: tl.constexpr):
-    pdl.allow_dependents()
+    pdl.step_entry()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     bt_row_ptr = bt_ptr + seq * stride_bts
-    # The sequence length and the first tile's block ids do not depend on one another:
+    # The sequence length, q and the first tile's block ids do not depend on one another:
     # loaded together, the first K/V loads wait one round trip to memory, not two (H100,
     # batch 1 x 32k: 55.1 -> 54.3 us; batch 1 x 1k 11.0 -> 9.6 us). A window's partitions
     # start from the window's first token, which needs the length first.
@@ -257,6 +257,8 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
     if WINDOWED:
         first = tl.maximum(seq_len - window, 0)
     start = first + part * partition
+    q, heads, g_mask = _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
+                                     GROUP, GROUP_PAD, HEAD_DIM)
     block = _load_tile_blocks(bt_row_ptr, start, row_blocks, BLOCK_SIZE, BLOCK_N)
     if SPLIT_SHORT:  # this sequence's partitions: its length over all max_parts programs
         short = tl.maximum(tl.cdiv(tl.cdiv(seq_len - first, max_parts), BLOCK_N) * BLOCK_N,
@@ -265,11 +267,6 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
             partition = short
             start = first + part * partition
             block = _load_tile_blocks(bt_row_ptr, start, row_blocks, BLOCK_SIZE, BLOCK_N)
-    # Lengths and block tables are the step's inputs, written before it: read before the
-    # wait (`pdl`); q and the step's own K/V come from the kernels just before.
-    pdl.wait_for_previous()
-    q, heads, g_mask = _load_group_q(q_ptr, seq, kv_head, stride_qs, stride_qh,
-                                     GROUP, GROUP_PAD, HEAD_DIM)
     if start >= seq_len:
         return
     end = tl.minimum(start + partition, seq_len)

@@ -11,11 +11,9 @@ store, attention, output projection, norm, gate/up, SiLU, down), each of a few m
 Launched in order, each pays its launch and its first round trip to memory after the one
 before has fully drained. So the step's Triton kernels all start with `step_entry` (allow the
 next kernel to launch, then wait for the previous one) and are launched with
-`launch_options()`: each one's launch overlaps the previous one's run. What no kernel of the
-step writes may be read before the wait: the weight GEMVs load their first weight tile
-there, RoPE its table rows, the KV store its slots and decode v2 its lengths and block ids
-(the step's inputs, copied in before its first kernel: every kernel of a PDL chain starts
-after the last ordinary launch before the chain has completed).
+`launch_options()`: each one's launch overlaps the previous one's run. The weight GEMVs go
+further: their weights do not depend on the previous kernel, so they load their first weight
+tile before they wait.
 
 A kernel launched with PDL must wait before its first access to memory that an earlier
 kernel may write or read, and every program must wait (a program that returns early without

@@ -49,10 +49,9 @@ def _quantized(x, scale_ptr, offs, mask, HEAD_DIM: tl.constexpr, FP8: tl.constex
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
                      v_scale_ptr, stride_k, stride_v, ROW: tl.constexpr, BLOCK: tl.constexpr,
                      HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
-    pdl.allow_dependents()
+    pdl.step_entry()
     token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)  # the step's input: read before the wait (`pdl`)
-    pdl.wait_for_previous()
+    slot = tl.load(slot_ptr + token)
     if slot < 0:
         return
     offs = tl.arange(0, BLOCK)
