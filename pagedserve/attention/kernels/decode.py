@@ -11,7 +11,9 @@ GPU's SMs: long contexts at small batch. The merge runs in the same launch: each
 bumps an arrival counter for its (sequence, KV head) and the last to arrive merges, so no
 second launch waits for the whole grid to drain (H100, batch 1 x 32k: 58.5 -> 55.2 us). A
 partition's program knows where its context starts without the sequence length, so it loads
-its first block ids together with that length rather than after it.
+its first block ids together with that length rather than after it. A sequence shorter than
+the grid's partitions cover (under CUDA graphs the grid is sized for max_model_len) spreads
+over all of them in smaller partitions (`DecodeConfig.split_short`).
 
 A sliding window (a layer's `window`, None for global attention) starts the context at
 seq_len - window: v1 starts its loop there, v2 lays its partitions from there (fewer of them),
