@@ -218,8 +218,8 @@ class WeightOnlyConfig:
     programs_per_sm: int = 4
     bits: bool = True  # the H100's Llama-3-8B batch-1 TPOT: 4.48 ms with, 4.70 without
     fma: bool = False
-    # one row: the weights loaded with eviction_policy="evict_first" (the H100's 8B
-    # batch-1 TPOT: 3.809 ms with, 3.837 without)
+    # one row: the weights loaded with eviction_policy="evict_first" (read once; a shorter
+    # 8B batch-1 step on the H100, docs/benchmarks.md, 2026-11-26)
     evict_first: bool = True
     # one row: tiles of fewer rows (down to this many, each as many bytes) while a
     # projection has too few rows for programs_per_sm programs per SM (0: block_n always)
@@ -241,9 +241,9 @@ def narrowed(n: int, num_sms: int, cfg: WeightOnlyConfig) -> WeightOnlyConfig:
     """cfg with tiles of fewer, longer rows (the same bytes) until n rows make
     cfg.programs_per_sm programs per SM, down to cfg.min_block_n rows; K is split only past
     that (`split_k`). A program that streams whole rows of K needs no partial sums, and its
-    loads run along each row for longer: the H100 sweep (docs/benchmarks.md) had Llama-3-8B's
-    q/k/v at 11.2 µs with 8x512 tiles over all of K against 13.1 with 16x256 and K split in
-    3, its o at 8.6 with 4x1024 against 10.0 split in 4."""
+    loads run along each row for longer: in the H100 sweep of 2026-11-26 (docs/benchmarks.md)
+    Llama-3-8B's q/k/v with 8x512 tiles and its o with 4x1024, each over all of K, beat
+    16x256 tiles with K split."""
     block_n = cfg.block_n
     while 0 < cfg.min_block_n < block_n and n < cfg.programs_per_sm * num_sms * block_n:
         block_n //= 2
