@@ -281,7 +281,7 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
     num_rows, k = x.shape
     cfg = cfg or (WEIGHT_ONLY_ONE_ROW if num_rows == 1 else WEIGHT_ONLY)
     if num_rows == 1 and cfg.fma:
-        return one_row_linear(x, weight, weight_scale, bias, cfg=cfg)
+        return _one_row_linear(x, weight, weight_scale, bias, cfg)
     n = weight.shape[0]
     assert num_rows <= MAX_WEIGHT_ONLY_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
@@ -310,21 +310,21 @@ def _split_buffers(splits: int, size: int, n_tiles: int, device: torch.device,
     return parts, arrival_counters(n_tiles, device)
 
 
-def one_row_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
-                   bias: Tensor | None = None, cfg: WeightOnlyConfig | None = None) -> Tensor:
+def _one_row_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
+                    cfg: WeightOnlyConfig) -> Tensor:
     """`weight_only_linear` of one token x [1, K] by `_one_row_kernel`, with tiles
     `narrowed` to the weight's rows."""
-    cfg = cfg or WEIGHT_ONLY_ONE_ROW
-    (num_rows, k), n = x.shape, weight.shape[0]
-    assert num_rows == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    k, n, sms = x.shape[1], weight.shape[0], num_sms(x.device)
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    cfg = narrowed(n, num_sms(x.device), cfg)
-    splits, k_per_split = split_k(n, k, num_sms(x.device), cfg)
+    cfg = narrowed(n, sms, cfg)
+    splits, k_per_split = split_k(n, k, sms, cfg)
     n_tiles = triton.cdiv(n, cfg.block_n)
     parts, arrivals = _split_buffers(splits, n, n_tiles, x.device, y)
     _one_row_kernel[(n_tiles, splits)](
         x, weight, weight_scale, weight_scale if bias is None else bias, y, parts, arrivals,
         n, k, k_per_split, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=splits, BITS=cfg.bits,
-        EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
+        EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.launch_options())
     return y
