@@ -319,10 +319,11 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
                 gbps = n_dim * k_dim * element / (us * 1e-6) / 1e9
                 if label == "weight_only":
                     cfg = WEIGHT_ONLY_ONE_ROW if rows == 1 else WEIGHT_ONLY
-                if cfg is not None and rows == 1 and cfg.fma:  # the tiles it launches
-                    cfg = narrowed(n_dim, num_sms, cfg)
+                if cfg is not None and rows == 1 and cfg.fma and not cfg.streamed:
+                    cfg = narrowed(n_dim, num_sms, cfg)  # the tiles it launches
                 launch = {} if cfg is None else {
-                    **asdict(cfg), "split_k": split_k(n_dim, k_dim, num_sms, cfg)[0]}
+                    **asdict(cfg), "split_k": 0 if cfg.streamed and rows == 1 else
+                    split_k(n_dim, k_dim, num_sms, cfg)[0]}
                 res.add("gemv", layer=name, k=k_dim, n=n_dim, rows=rows, method=label,
                         us=round(us, 2), gb_per_s=round(gbps, 1),
                         pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1), **launch)
@@ -331,31 +332,26 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
 
 
 def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
-    """Settings `--sweep` times beside the default (`WeightOnlyConfig()`, method
-    "weight_only"), named by what differs: nK/kK tile rows/columns, wW warps, sS stages,
-    "no split" (N / block_n programs each over all of K: the default before split-K),
-    "split pP" (K split until P programs per SM), "bits" (e4m3 read by bit moves,
-    `e4m3.e4m3_bits`, not Triton's cast), "fma" (one row multiplied in float32 per thread
-    without tl.dot, `fp8_kernel._row_times_w`)."""
-    fma = replace(WeightOnlyConfig(), fma=True, block_n=16, block_k=256)
+    """Settings `--sweep` times beside the default (method "weight_only"), named by what
+    differs: nK/kK tile rows/columns, pP programs per SM, wW warps. "narrowed": the one-row
+    kernel with tiles of fewer rows until P programs per SM, then K split
+    (`fp8_kernel.narrowed`, the default before 2026-11-26 06:00); "streamed": P programs per
+    SM each streaming an equal share of the tiles (`_one_row_streamed_kernel`). (The sweeps
+    of other tile shapes and splits before that are in docs/benchmarks.md and in git.)"""
+    one_row = replace(WeightOnlyConfig(), fma=True, block_n=16, block_k=256)
 
-    def tile(n, k, p=8, **more):
-        return replace(fma, block_n=n, block_k=k, programs_per_sm=p, **more)
+    def streamed(n, k, p=5, **more):
+        return replace(one_row, block_n=n, block_k=k, programs_per_sm=p, streamed=True,
+                       **more)
 
-    return {"fma n16 k256 split p8": tile(16, 256),
-            "fma n16 k256 no split": tile(16, 256, 0),
-            "fma n16 k256 split p4": tile(16, 256, 4),
-            "fma n16 k256 split p16": tile(16, 256, 16),
-            "fma n16 k256 split p8 w2": tile(16, 256, num_warps=2),
-            "fma n16 k512 split p8 w8": tile(16, 512, num_warps=8),
-            "fma n32 k256 split p8 w8": tile(32, 256, num_warps=8),
-            "fma n8 k256 split p8": tile(8, 256),
-            "fma n8 k512 split p8": tile(8, 512),
-            "fma n8 k512 split p4": tile(8, 512, 4),
-            "fma n8 k512 no split": tile(8, 512, 0),
-            "fma n4 k512 split p8": tile(4, 512),
-            "fma n4 k1024 split p8": tile(4, 1024),
-            "fma n4 k1024 no split": tile(4, 1024, 0)}
+    return {"narrowed n16 k256 p5": replace(one_row, programs_per_sm=5, min_block_n=4),
+            "streamed n16 k256 p5": streamed(16, 256),
+            "streamed n8 k512 p5": streamed(8, 512),
+            "streamed n4 k1024 p5": streamed(4, 1024),
+            "streamed n16 k256 p4": streamed(16, 256, 4),
+            "streamed n16 k256 p6": streamed(16, 256, 6),
+            "streamed n8 k256 p8": streamed(8, 256, 8),
+            "streamed n16 k512 p4 w8": streamed(16, 512, 4, num_warps=8)}
 
 
 def quality_prompts() -> list[list[int]]:
@@ -654,10 +650,10 @@ def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: 
 # what --sweep times beside the default: label -> what differs from
 # `fp8_kernel.WEIGHT_ONLY_ONE_ROW`
 TPOT_CANDIDATES = {
-    "16x256 tiles, K split to 8 programs per SM": {"min_block_n": 0, "programs_per_sm": 8},
-    "weights not evict_first": {"evict_first": False},
-    "narrowed to 6 programs per SM": {"programs_per_sm": 6},
-    "narrowed to 4 programs per SM": {"programs_per_sm": 4},
+    "streamed 16x256, 5 programs per SM": {"streamed": True},
+    "streamed 8x512, 5 programs per SM": {"streamed": True, "block_n": 8, "block_k": 512},
+    "streamed 4x1024, 5 programs per SM": {"streamed": True, "block_n": 4, "block_k": 1024},
+    "streamed 16x256, 4 programs per SM": {"streamed": True, "programs_per_sm": 4},
 }
 
 

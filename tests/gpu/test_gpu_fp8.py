@@ -146,13 +146,17 @@ def test_weight_only_variants_and_e4m3_bits():
                     WeightOnlyConfig(bits=True), WeightOnlyConfig(bits=True, block_n=64,
                                                                   block_k=256),
                     WeightOnlyConfig(fma=True, block_n=16, block_k=256),
-                    WeightOnlyConfig(fma=True, bits=True, block_n=8, block_k=512)):
+                    WeightOnlyConfig(fma=True, bits=True, block_n=8, block_k=512),
+                    WeightOnlyConfig(fma=True, streamed=True, block_n=16, block_k=256,
+                                     programs_per_sm=5),
+                    WeightOnlyConfig(fma=True, streamed=True, block_n=4, block_k=1024,
+                                     programs_per_sm=2)):
             got = weight_only_linear(x, w_q, w_scale, bias, cfg)
             assert float((got.float() - want).norm() / want.norm()) < 5e-3, (rows, cfg)
 
 
-@pytest.mark.parametrize("fma", [False, True])
-def test_pdl_chain_waits_for_its_input(fma):
+@pytest.mark.parametrize("fma,streamed", [(False, False), (True, False), (True, True)])
+def test_pdl_chain_waits_for_its_input(fma, streamed):
     """Norm -> weight-only GEMV -> SiLU-and-mul, launched with PDL (each may start before the
     one before it ends) and captured in a CUDA graph as a decode step runs: every replay with
     a new input equals the same kernels with a device sync between each two (a kernel that
@@ -167,8 +171,8 @@ def test_pdl_chain_waits_for_its_input(fma):
     w_q, w_scale = fp8.quantize_rows(
         torch.randn(6144, 4096, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02)
     norm_w = torch.rand(4096, device="cuda", generator=gen, dtype=torch.bfloat16) + 0.5
-    cfg = (WeightOnlyConfig(fma=True, block_n=16, block_k=256) if fma
-           else WeightOnlyConfig())
+    cfg = (WeightOnlyConfig(fma=True, block_n=16, block_k=256, streamed=streamed,
+                            programs_per_sm=5) if fma else WeightOnlyConfig())
     x = torch.randn(1, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
 
     def chain(sync: bool):
