@@ -344,14 +344,19 @@ def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
         return replace(one_row, block_n=n, block_k=k, programs_per_sm=p, streamed=True,
                        **more)
 
-    return {"narrowed n16 k256 p5": replace(one_row, programs_per_sm=5, min_block_n=4),
-            "streamed n16 k256 p5": streamed(16, 256),
-            "streamed n8 k512 p5": streamed(8, 512),
-            "streamed n4 k1024 p5": streamed(4, 1024),
-            "streamed n16 k256 p4": streamed(16, 256, 4),
+    def narrowed(n, k, p, **more):
+        return replace(one_row, block_n=n, block_k=k, programs_per_sm=p, min_block_n=4,
+                       **more)
+
+    return {"narrowed n16 k256 p5": narrowed(16, 256, 5),
+            "narrowed n16 k256 p6": narrowed(16, 256, 6),
+            "narrowed n16 k256 p8": narrowed(16, 256, 8),
+            "narrowed n16 k512 p6": narrowed(16, 512, 6),
+            "no split n16 k256": replace(one_row, programs_per_sm=0),
             "streamed n16 k256 p6": streamed(16, 256, 6),
-            "streamed n8 k256 p8": streamed(8, 256, 8),
-            "streamed n16 k512 p4 w8": streamed(16, 512, 4, num_warps=8)}
+            "streamed n8 k512 p8": streamed(8, 512, 8),
+            "streamed n4 k1024 p8": streamed(4, 1024, 8),
+            "streamed n8 k512 p6": streamed(8, 512, 6)}
 
 
 def quality_prompts() -> list[list[int]]:
@@ -650,10 +655,11 @@ def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: 
 # what --sweep times beside the default: label -> what differs from
 # `fp8_kernel.WEIGHT_ONLY_ONE_ROW`
 TPOT_CANDIDATES = {
-    "streamed 16x256, 5 programs per SM": {"streamed": True},
-    "streamed 8x512, 5 programs per SM": {"streamed": True, "block_n": 8, "block_k": 512},
-    "streamed 4x1024, 5 programs per SM": {"streamed": True, "block_n": 4, "block_k": 1024},
-    "streamed 16x256, 4 programs per SM": {"streamed": True, "programs_per_sm": 4},
+    "narrowed to 6 programs per SM": {"programs_per_sm": 6},
+    "narrowed to 8 programs per SM": {"programs_per_sm": 8},
+    "streamed 8x512, 8 programs per SM": {"streamed": True, "block_n": 8, "block_k": 512,
+                                          "programs_per_sm": 8},
+    "streamed 16x256, 6 programs per SM": {"streamed": True, "programs_per_sm": 6},
 }
 
 

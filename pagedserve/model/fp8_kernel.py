@@ -22,7 +22,7 @@ from torch import Tensor
 
 from pagedserve.attention.kernels.arrivals import arrival_counters
 from pagedserve.attention.kernels import pdl
-from pagedserve.attention.kernels.e4m3 import e4m3_to
+from pagedserve.attention.kernels.e4m3 import E4M3_WORD_F32_UNSCALE, e4m3_to, e4m3_word_f32
 from pagedserve.attention.kernels.precision import dot_precision
 from pagedserve.attention.kernels.store_kv import round_to_e4m3
 from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
@@ -140,38 +140,61 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
 
 
 @triton.jit
+def _add_times_x(acc, w, x_ptr, cols, c_stop):
+    """acc [BLOCK_N, WORDS] + weight words w [BLOCK_N, WORDS] (int32, four e4m3 values each)
+    times x at the words' columns `cols` [WORDS] (x[4c:4c+4] for word column c; none at or
+    past c_stop), per element in float32, scaled by 2^-120 (`e4m3_word_f32`): four FMAs a
+    word."""
+    WORDS: tl.constexpr = w.shape[1]
+    xs = tl.load(x_ptr + 4 * cols[:, None] + tl.arange(0, 4)[None, :],
+                 mask=(cols < c_stop)[:, None], other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(xs, (WORDS, 2, 2)))  # x[4c + 2p + q]: q = 0, q = 1
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    acc += e4m3_word_f32(w, 0) * x0[None, :]
+    acc += e4m3_word_f32(w, 1) * x1[None, :]
+    acc += e4m3_word_f32(w, 2) * x2[None, :]
+    acc += e4m3_word_f32(w, 3) * x3[None, :]
+    return acc
+
+
+@triton.jit
 def _row_times_w(x_ptr, w_ptr, rows, mask, k_start, k_stop, stride_wn, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BITS: tl.constexpr, EVICT: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
     """One row x[k_start:k_stop] times W[rows, k_start:k_stop]^T -> [BLOCK_N] float32,
     without tl.dot: each thread multiplies and adds its own weights in float32 over the whole
     loop, and the threads' sums meet once at the end. tl.dot would pad the row to 16 (shared
     memory for 15 rows of zeros, fewer programs per SM) and wants the weight in x's dtype.
-    Triton's pipeliner stages only a dot's operands in shared memory, so the next tile's
-    weights are loaded by hand, one iteration ahead, into registers. EVICT: the weights'
-    eviction policy ("evict_first": read once, they need not stay in cache)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    w = tl.load(w_rows + (k_start + offs_k)[None, :],
-                mask=mask[:, None] & ((k_start + offs_k) < k_stop)[None, :], other=0.0,
+
+    The weights are read as int32 words (K, k_start, k_stop and the row stride multiples of
+    4) and converted by `e4m3_word_f32`: at one token the loop's integer and float
+    instructions, not memory, were what set its pace, and words need the fewest. Triton's
+    pipeliner stages only a dot's operands in shared memory, so the next tile's weights are
+    loaded by hand, one iteration ahead, into registers. EVICT: the weights' eviction
+    policy ("evict_first": read once, they need not stay in cache)."""
+    WORDS: tl.constexpr = BLOCK_K // 4
+    offs_c = tl.arange(0, WORDS)
+    w_rows = w_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * (stride_wn // 4)
+    c_start, c_stop = k_start // 4, k_stop // 4
+    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    w = tl.load(w_rows + (c_start + offs_c)[None, :],
+                mask=mask[:, None] & ((c_start + offs_c) < c_stop)[None, :], other=0,
                 eviction_policy=EVICT)
     pdl.wait_for_previous()  # x is the previous kernel's output; the weights are not
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        k_next = k0 + BLOCK_K + offs_k
-        w_next = tl.load(w_rows + k_next[None, :],
-                         mask=mask[:, None] & (k_next < k_stop)[None, :], other=0.0,
+    for c0 in range(c_start, c_stop, WORDS):
+        c_next = c0 + WORDS + offs_c
+        w_next = tl.load(w_rows + c_next[None, :],
+                         mask=mask[:, None] & (c_next < c_stop)[None, :], other=0,
                          eviction_policy=EVICT)
-        x = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < k_stop, other=0.0)
-        acc += e4m3_to(w, tl.float32, BITS) * x.to(tl.float32)[None, :]
+        acc = _add_times_x(acc, w, x_ptr, c0 + offs_c, c_stop)
         w = w_next
-    return tl.sum(acc, 1)
+    return tl.sum(acc, 1) * E4M3_WORD_F32_UNSCALE
 
 
 @triton.jit
 def _one_row_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, K,
                     k_per_split, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, BITS: tl.constexpr,
-                    EVICT: tl.constexpr):
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVICT: tl.constexpr):
     """`_weight_only_kernel` for one row (batch-1 decode), without tl.dot (`_row_times_w`).
     Split K as there, partials [SPLIT_K, N]; PDL as there, but the first weight tile is
     loaded before the wait."""
@@ -183,7 +206,7 @@ def _one_row_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arriva
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     acc = _row_times_w(x_ptr, w_ptr, rows, mask, k_start, k_stop, stride_wn, BLOCK_N,
-                       BLOCK_K, BITS, EVICT)
+                       BLOCK_K, EVICT)
     zero = tl.zeros([1], tl.int32)  # the one row, for the epilogue's [M, N] tiles
     if SPLIT_K == 1:
         _weight_only_epilogue(acc[None, :], w_scale_ptr, bias_ptr, y_ptr, zero, rows,
@@ -206,17 +229,19 @@ def _program_of(unit, units, programs):
 @triton.jit
 def _streamed_tile(w_ptr, unit, stop, k_tiles, N, K, stride_wn, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
-    """The weight tile of `unit` (row tile unit // k_tiles, K tile unit % k_tiles); zeros
+    """The weight words of `unit` (row tile unit // k_tiles, K tile unit % k_tiles); zeros
     at and past `stop`."""
+    WORDS: tl.constexpr = BLOCK_K // 4
     tile = unit // k_tiles
     row0 = tile * BLOCK_N
-    col0 = (unit - tile * k_tiles) * BLOCK_K
-    base = w_ptr + row0.to(tl.int64) * stride_wn + col0
+    c0 = (unit - tile * k_tiles) * WORDS
+    base = w_ptr.to(tl.pointer_type(tl.int32)) + row0.to(tl.int64) * (stride_wn // 4) + c0
     offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask = (offs_n < tl.where(unit < stop, N - row0, 0))[:, None] & (offs_k < K - col0)[None, :]
-    return tl.load(base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0,
-                   eviction_policy=EVICT)
+    offs_c = tl.arange(0, WORDS)
+    mask = ((offs_n < tl.where(unit < stop, N - row0, 0))[:, None]
+            & (offs_c < K // 4 - c0)[None, :])
+    return tl.load(base + offs_n[:, None] * (stride_wn // 4) + offs_c[None, :], mask=mask,
+                   other=0, eviction_policy=EVICT)
 
 
 @triton.jit
@@ -247,7 +272,7 @@ def _sum_shares(total, part_ptr, arrivals_ptr, tile, pid, k_tiles, units, progra
 def _one_row_streamed_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr,
                              arrivals_ptr, N, K, stride_wn, k_tiles, units,
                              HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BITS: tl.constexpr, EVICT: tl.constexpr):
+                             BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
     """`_one_row_kernel` over a grid of as many programs as the GPU holds at once, each
     streaming an equal share of the weight's tiles (row tile major, K tile minor) with the
     next tile always in flight, across row tiles too. A row tile cut by two shares is summed
@@ -261,25 +286,24 @@ def _one_row_streamed_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_pt
     programs = tl.num_programs(0)
     start = pid * units // programs  # (units * programs < 2**31)
     stop = (pid + 1) * units // programs
-    offs_k = tl.arange(0, BLOCK_K)
+    WORDS: tl.constexpr = BLOCK_K // 4
+    offs_c = tl.arange(0, WORDS)
     w = _streamed_tile(w_ptr, start, stop, k_tiles, N, K, stride_wn, BLOCK_N, BLOCK_K, EVICT)
     pdl.wait_for_previous()  # x is the previous kernel's output; the weights are not
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
     segment = start  # the first unit of the row tile being summed
     for unit in range(start, stop):
         w_next = _streamed_tile(w_ptr, unit + 1, stop, k_tiles, N, K, stride_wn, BLOCK_N,
                                 BLOCK_K, EVICT)
         tile = unit // k_tiles
-        cols = (unit - tile * k_tiles) * BLOCK_K + offs_k
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0)
-        acc += e4m3_to(w, tl.float32, BITS) * x.to(tl.float32)[None, :]
+        acc = _add_times_x(acc, w, x_ptr, (unit - tile * k_tiles) * WORDS + offs_c, K // 4)
         w = w_next
         tile_end = (tile + 1) * k_tiles
         if (unit + 1 == tile_end) | (unit + 1 == stop):
             rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = rows < N
             zero = tl.zeros([1], tl.int32)  # the one row, for the epilogue's [M, N] tiles
-            total = tl.sum(acc, 1)
+            total = tl.sum(acc, 1) * E4M3_WORD_F32_UNSCALE
             if (segment == tile * k_tiles) & (unit + 1 == tile_end):  # all of the tile
                 _weight_only_epilogue(total[None, :], w_scale_ptr, bias_ptr, y_ptr, zero,
                                       rows, zero == 0, mask, 0, HAS_BIAS)
@@ -289,7 +313,7 @@ def _one_row_streamed_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_pt
                 if last:
                     _weight_only_epilogue(total[None, :], w_scale_ptr, bias_ptr, y_ptr,
                                           zero, rows, zero == 0, mask, 0, HAS_BIAS)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
             segment = unit + 1
 
 
@@ -380,7 +404,7 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
     graph's memory pool serves)."""
     num_rows, k = x.shape
     cfg = cfg or (WEIGHT_ONLY_ONE_ROW if num_rows == 1 else WEIGHT_ONLY)
-    if num_rows == 1 and cfg.fma:
+    if num_rows == 1 and cfg.fma and _in_words(weight):
         return _one_row_linear(x, weight, weight_scale, bias, cfg)
     n = weight.shape[0]
     assert num_rows <= MAX_WEIGHT_ONLY_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -398,6 +422,14 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
         BITS=cfg.bits, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch_options())
     return y
+
+
+def _in_words(weight: Tensor) -> bool:
+    """Whether the one-row kernels can read the e4m3 weight's rows as int32 words (K, the
+    row stride and the start multiples of 4 bytes; any model's hidden sizes are); else the
+    tl.dot kernel takes the row."""
+    return (weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0
+            and weight.data_ptr() % 4 == 0)
 
 
 # 32-bit registers per SM: 64K on every NVIDIA GPU since Maxwell
@@ -441,7 +473,7 @@ def _one_row_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tenso
             x, weight, weight_scale, weight_scale if bias is None else bias, y, parts,
             arrival_counters(n_tiles, x.device), n, k, weight.stride(0), k_tiles, units,
             HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BITS=cfg.bits, EVICT="evict_first" if cfg.evict_first else "",
+            EVICT="evict_first" if cfg.evict_first else "",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(x, cfg),
             **pdl.launch_options())
         return y
@@ -452,7 +484,7 @@ def _one_row_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tenso
     _one_row_kernel[(n_tiles, splits)](
         x, weight, weight_scale, weight_scale if bias is None else bias, y, parts, arrivals,
         n, k, k_per_split, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=splits, BITS=cfg.bits,
+        BLOCK_K=cfg.block_k, SPLIT_K=splits,
         EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_options())
     return y

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.kernels.arrivals import arrival_counters
-from pagedserve.attention.kernels.e4m3 import e4m3_bits
+from pagedserve.attention.kernels.e4m3 import E4M3_WORD_F32_UNSCALE, e4m3_bits, e4m3_word_f32
 from pagedserve.attention.kv_quant import FP8_DTYPE
 from pagedserve.model import fp8
 from pagedserve.model.fp8_kernel import (WeightOnlyConfig, narrowed, quantize_tokens,
@@ -85,6 +85,18 @@ def test_weight_only_linear_matches_dequantized_weights(num_rows, dtype, cfg):
     assert not counters.any(), "a replayed split launch would reduce at the wrong arrival"
 
 
+def test_one_row_off_words_takes_tl_dot():
+    """A row of K = 602 cannot be read as int32 words: the one-row config's tl.dot
+    fallback still gives the product."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    w_q, w_scale = fp8.quantize_rows(torch.randn(37, 602, generator=gen))
+    x = torch.randn(1, 602, generator=gen).to(torch.float16)
+    want = x.float() @ (w_q.float() * w_scale[:, None]).t()
+    got = weight_only_linear(x, w_q, w_scale, None, CONFIGS["fma"])
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2, msg=f"seed {seed}")
+
+
 def test_split_k_fills_the_sms_without_empty_slices():
     cfg = WeightOnlyConfig(block_n=32, block_k=512, programs_per_sm=4)
     # Llama-3-8B on 132 SMs: qkv 192 tiles x 3, o 128 x 4 (8 tiles of K, 2 per slice),
@@ -122,3 +134,23 @@ def test_e4m3_bits_reads_every_value_exactly():
 def _read_bits(x_ptr, y_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
     tl.store(y_ptr + offs, e4m3_bits(tl.load(x_ptr + offs), y_ptr.dtype.element_ty))
+
+
+def test_e4m3_word_f32_reads_every_value_in_every_byte():
+    """Every finite e4m3 value in each of a word's four bytes (the others holding other
+    values, sign bits set) to float32 by `e4m3_word_f32`, times 2^120: torch's cast."""
+    values = torch.arange(256, dtype=torch.uint8)
+    words = torch.stack([values.roll(-j) for j in range(4)], dim=1)  # byte j of word i: i + j
+    got = torch.empty(256, 4)
+    _read_words[(1,)](words.contiguous().view(torch.int32), got, N=256)
+    want = words.view(FP8_DTYPE).float()
+    finite = want.isfinite()
+    assert torch.equal(got[finite], want[finite])
+
+
+@triton.jit
+def _read_words(w_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    w = tl.load(w_ptr + offs)
+    for j in tl.static_range(4):
+        tl.store(y_ptr + offs * 4 + j, e4m3_word_f32(w, j) * E4M3_WORD_F32_UNSCALE)

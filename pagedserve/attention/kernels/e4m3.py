@@ -92,6 +92,26 @@ def e4m3_bits(x, dtype: tl.constexpr, AS_LOADED: tl.constexpr = False):
     return y
 
 
+# float32 bits of an e4m3 byte moved to bits 20-27: its sign (bit 31), exponent and mantissa
+E4M3_F32_BITS = tl.constexpr(-0x78100000)  # 0x87F00000 as int32
+# what `e4m3_word_f32` leaves out: its values times this are the e4m3 values
+E4M3_WORD_F32_UNSCALE = tl.constexpr(2.0**120)
+
+
+@triton.jit
+def e4m3_word_f32(w, j: tl.constexpr):
+    """Byte j of int32 words w holding four e4m3 values (byte 0 the first in memory) as
+    float32 times 2^-120, exactly, in at most three integer ops: shifted to the top byte,
+    shifted down 4 arithmetically (the sign copied into bits 28-30, which the mask clears),
+    masked. As `_e4m3_bits_f32` but without its multiply by 2^120, which the caller applies
+    once to a sum of products (`E4M3_WORD_F32_UNSCALE`); subnormal e4m3 values become
+    subnormal float32 ones, which Triton's float32 FMAs keep (no flush to zero).
+
+    Why words: Triton keeps an e4m3 tensor as single bytes, so converting it (by cast or
+    inline PTX) first unpacks and repacks the bytes the load brought in as words."""
+    return (((w << (24 - 8 * j)) >> 4) & E4M3_F32_BITS).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def e4m3_to(x, dtype: tl.constexpr, BITS: tl.constexpr, AS_LOADED: tl.constexpr = False):
     """x (e4m3) as `dtype`: where BITS by bit moves (`e4m3_bits` for a 16-bit float,
