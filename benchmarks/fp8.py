@@ -319,11 +319,10 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
                 gbps = n_dim * k_dim * element / (us * 1e-6) / 1e9
                 if label == "weight_only":
                     cfg = WEIGHT_ONLY_ONE_ROW if rows == 1 else WEIGHT_ONLY
-                if cfg is not None and rows == 1 and cfg.fma and not cfg.streamed:
-                    cfg = narrowed(n_dim, num_sms, cfg)  # the tiles it launches
+                if cfg is not None and rows == 1 and cfg.fma:  # the tiles it launches
+                    cfg = narrowed(n_dim, num_sms, cfg)
                 launch = {} if cfg is None else {
-                    **asdict(cfg), "split_k": 0 if cfg.streamed and rows == 1 else
-                    split_k(n_dim, k_dim, num_sms, cfg)[0]}
+                    **asdict(cfg), "split_k": split_k(n_dim, k_dim, num_sms, cfg)[0]}
                 res.add("gemv", layer=name, k=k_dim, n=n_dim, rows=rows, method=label,
                         us=round(us, 2), gb_per_s=round(gbps, 1),
                         pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1), **launch)
@@ -332,31 +331,20 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
 
 
 def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
-    """Settings `--sweep` times beside the default (method "weight_only"), named by what
-    differs: nK/kK tile rows/columns, pP programs per SM, wW warps. "narrowed": the one-row
-    kernel with tiles of fewer rows until P programs per SM, then K split
-    (`fp8_kernel.narrowed`, the default before 2026-11-26 06:00); "streamed": P programs per
-    SM each streaming an equal share of the tiles (`_one_row_streamed_kernel`). (The sweeps
-    of other tile shapes and splits before that are in docs/benchmarks.md and in git.)"""
-    one_row = replace(WeightOnlyConfig(), fma=True, block_n=16, block_k=256)
+    """Settings `--sweep` times beside the default (method "weight_only") at one token,
+    named by what differs: nN kK the tile's rows and columns before `fp8_kernel.narrowed`
+    narrows it, pP programs per SM. (Earlier sweeps' tile shapes, splits and the "streamed"
+    kernel of 2026-11-26 05:27 are in docs/benchmarks.md and in git.)"""
+    one_row = replace(WeightOnlyConfig(), fma=True, min_block_n=4)
 
-    def streamed(n, k, p=5, **more):
-        return replace(one_row, block_n=n, block_k=k, programs_per_sm=p, streamed=True,
-                       **more)
+    def narrowed(n, k, p):
+        return replace(one_row, block_n=n, block_k=k, programs_per_sm=p)
 
-    def narrowed(n, k, p, **more):
-        return replace(one_row, block_n=n, block_k=k, programs_per_sm=p, min_block_n=4,
-                       **more)
-
-    return {"narrowed n16 k256 p5": narrowed(16, 256, 5),
-            "narrowed n16 k256 p6": narrowed(16, 256, 6),
-            "narrowed n16 k256 p8": narrowed(16, 256, 8),
-            "narrowed n16 k512 p6": narrowed(16, 512, 6),
-            "no split n16 k256": replace(one_row, programs_per_sm=0),
-            "streamed n16 k256 p6": streamed(16, 256, 6),
-            "streamed n8 k512 p8": streamed(8, 512, 8),
-            "streamed n4 k1024 p8": streamed(4, 1024, 8),
-            "streamed n8 k512 p6": streamed(8, 512, 6)}
+    return {"n16 k256 p4": narrowed(16, 256, 4),
+            "n16 k256 p6": narrowed(16, 256, 6),
+            "n16 k256 p8": narrowed(16, 256, 8),
+            "n16 k512 p6": narrowed(16, 512, 6),
+            "n8 k512 p6": narrowed(8, 512, 6)}
 
 
 def quality_prompts() -> list[list[int]]:
@@ -656,10 +644,7 @@ def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: 
 # `fp8_kernel.WEIGHT_ONLY_ONE_ROW`
 TPOT_CANDIDATES = {
     "narrowed to 6 programs per SM": {"programs_per_sm": 6},
-    "narrowed to 8 programs per SM": {"programs_per_sm": 8},
-    "streamed 8x512, 8 programs per SM": {"streamed": True, "block_n": 8, "block_k": 512,
-                                          "programs_per_sm": 8},
-    "streamed 16x256, 6 programs per SM": {"streamed": True, "programs_per_sm": 6},
+    "16x512 tiles narrowed to 6 programs per SM": {"block_k": 512, "programs_per_sm": 6},
 }
 
 

@@ -219,104 +219,6 @@ def _one_row_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arriva
                                   zero == 0, mask, 0, HAS_BIAS)
 
 
-@triton.jit
-def _program_of(unit, units, programs):
-    """The program whose share of `_one_row_streamed_kernel`'s units holds `unit` (program p
-    takes units [p * units // programs, (p + 1) * units // programs))."""
-    return ((unit + 1) * programs - 1) // units
-
-
-@triton.jit
-def _streamed_tile(w_ptr, unit, stop, k_tiles, N, K, stride_wn, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
-    """The weight words of `unit` (row tile unit // k_tiles, K tile unit % k_tiles); zeros
-    at and past `stop`."""
-    WORDS: tl.constexpr = BLOCK_K // 4
-    tile = unit // k_tiles
-    row0 = tile * BLOCK_N
-    c0 = (unit - tile * k_tiles) * WORDS
-    base = w_ptr.to(tl.pointer_type(tl.int32)) + row0.to(tl.int64) * (stride_wn // 4) + c0
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, WORDS)
-    mask = ((offs_n < tl.where(unit < stop, N - row0, 0))[:, None]
-            & (offs_c < K // 4 - c0)[None, :])
-    return tl.load(base + offs_n[:, None] * (stride_wn // 4) + offs_c[None, :], mask=mask,
-                   other=0, eviction_policy=EVICT)
-
-
-@triton.jit
-def _sum_shares(total, part_ptr, arrivals_ptr, tile, pid, k_tiles, units, programs,
-                BLOCK_N: tl.constexpr):
-    """A row tile that several programs' shares cut: store this program's sums (slot 0 if the
-    tile is where its share starts, else 1); the last of the tile's programs to arrive gets
-    (True, their sums added up in program order), the others (False, zeros)."""
-    offs = tl.arange(0, BLOCK_N)
-    starts_here = tile == (pid * units // programs) // k_tiles
-    tl.store(part_ptr + (2 * pid + (1 - starts_here.to(tl.int32))) * BLOCK_N + offs, total)
-    tl.debug_barrier()  # as in `_sum_slices`: every thread's store before the release
-    lo = _program_of(tile * k_tiles, units, programs)
-    hi = _program_of(tile * k_tiles + k_tiles - 1, units, programs)
-    counter = arrivals_ptr + tile
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == hi - lo
-    out = tl.zeros_like(total)
-    if last:
-        for q in range(lo, hi + 1):
-            q_starts = tile == (q * units // programs) // k_tiles
-            out += tl.load(part_ptr + (2 * q + (1 - q_starts.to(tl.int32))) * BLOCK_N + offs,
-                           cache_modifier=".cg")
-        tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
-    return last, out
-
-
-@triton.jit
-def _one_row_streamed_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr,
-                             arrivals_ptr, N, K, stride_wn, k_tiles, units,
-                             HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
-    """`_one_row_kernel` over a grid of as many programs as the GPU holds at once, each
-    streaming an equal share of the weight's tiles (row tile major, K tile minor) with the
-    next tile always in flight, across row tiles too. A row tile cut by two shares is summed
-    by the last of its programs to arrive (`_sum_shares`).
-
-    Why: with one program per tile, a projection of 768 or 1024 tiles on 660 resident
-    programs (q/k/v, o, down of Llama-3-8B) runs a second, mostly empty wave, and every
-    program starts its loads cold."""
-    pdl.allow_dependents()
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    start = pid * units // programs  # (units * programs < 2**31)
-    stop = (pid + 1) * units // programs
-    WORDS: tl.constexpr = BLOCK_K // 4
-    offs_c = tl.arange(0, WORDS)
-    w = _streamed_tile(w_ptr, start, stop, k_tiles, N, K, stride_wn, BLOCK_N, BLOCK_K, EVICT)
-    pdl.wait_for_previous()  # x is the previous kernel's output; the weights are not
-    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
-    segment = start  # the first unit of the row tile being summed
-    for unit in range(start, stop):
-        w_next = _streamed_tile(w_ptr, unit + 1, stop, k_tiles, N, K, stride_wn, BLOCK_N,
-                                BLOCK_K, EVICT)
-        tile = unit // k_tiles
-        acc = _add_times_x(acc, w, x_ptr, (unit - tile * k_tiles) * WORDS + offs_c, K // 4)
-        w = w_next
-        tile_end = (tile + 1) * k_tiles
-        if (unit + 1 == tile_end) | (unit + 1 == stop):
-            rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = rows < N
-            zero = tl.zeros([1], tl.int32)  # the one row, for the epilogue's [M, N] tiles
-            total = tl.sum(acc, 1) * E4M3_WORD_F32_UNSCALE
-            if (segment == tile * k_tiles) & (unit + 1 == tile_end):  # all of the tile
-                _weight_only_epilogue(total[None, :], w_scale_ptr, bias_ptr, y_ptr, zero,
-                                      rows, zero == 0, mask, 0, HAS_BIAS)
-            else:
-                last, total = _sum_shares(total, part_ptr, arrivals_ptr, tile, pid, k_tiles,
-                                          units, programs, BLOCK_N)
-                if last:
-                    _weight_only_epilogue(total[None, :], w_scale_ptr, bias_ptr, y_ptr,
-                                          zero, rows, zero == 0, mask, 0, HAS_BIAS)
-            acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
-            segment = unit + 1
-
-
 @dataclass(frozen=True)
 class WeightOnlyConfig:
     """Tiles of `weight_only_linear`. BLOCK_N is small and BLOCK_K long so that each program
@@ -326,11 +228,12 @@ class WeightOnlyConfig:
 
     A projection of few rows (N / block_n programs) does not fill the GPU: a 4096-row one
     gives 128 programs for 132 SMs, each streaming all of K. So K is split until there are
-    `programs_per_sm` programs per SM (`split_k`; 0: never split). `bits`: the weight is
-    converted by `e4m3.e4m3_bits` rather than Triton's cast. `fma`: a single row (batch 1)
-    is multiplied without tl.dot (`_row_times_w`): that is `WEIGHT_ONLY_ONE_ROW`, the batch-1
-    default, whose small tiles and programs make many loads in flight per SM without the
-    shared memory of tl.dot's padded rows."""
+    `programs_per_sm` programs per SM (`split_k`; 0: never split). `bits`: tl.dot's weight
+    is converted by `e4m3.e4m3_bits` rather than Triton's cast. `fma`: a single row (batch
+    1) is multiplied without tl.dot (`_row_times_w`, which always reads the weight as words
+    of bits): that is `WEIGHT_ONLY_ONE_ROW`, the batch-1 default, whose small tiles and
+    programs make many loads in flight per SM without the shared memory of tl.dot's padded
+    rows."""
 
     block_n: int = 32
     block_k: int = 512
@@ -345,9 +248,6 @@ class WeightOnlyConfig:
     # one row: tiles of fewer rows (down to this many, each as many bytes) while a
     # projection has too few rows for programs_per_sm programs per SM (0: block_n always)
     min_block_n: int = 0
-    # one row: programs_per_sm programs per SM, each streaming an equal share of the tiles
-    # (`_one_row_streamed_kernel`; block_n, block_k as given, neither narrowed nor split)
-    streamed: bool = False
 
 
 # The launch settings `weight_only_linear` takes when given none (read at each call): for one
@@ -432,20 +332,6 @@ def _in_words(weight: Tensor) -> bool:
             and weight.data_ptr() % 4 == 0)
 
 
-# 32-bit registers per SM: 64K on every NVIDIA GPU since Maxwell
-_REGISTERS_PER_SM = 65536
-
-
-def _register_cap(x: Tensor, cfg: WeightOnlyConfig) -> dict:
-    """The launch option that lets cfg.programs_per_sm programs share an SM's registers (a
-    multiple of 8 per thread): the streamed kernel's grid counts on all of them running at
-    once, while ptxas left alone takes ~125 a thread for 4 KB tiles (4 programs per SM)."""
-    if x.device.type != "cuda":
-        return {}
-    threads = cfg.programs_per_sm * cfg.num_warps * 32
-    return {"maxnreg": min(255, _REGISTERS_PER_SM // threads // 8 * 8)}
-
-
 def _split_buffers(splits: int, size: int, n_tiles: int, device: torch.device,
                    unused: Tensor) -> tuple[Tensor, Tensor]:
     """(float32 partials [splits, size], arrival counters) of a split-K launch; `unused`
@@ -463,20 +349,6 @@ def _one_row_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tenso
     k, n, sms = x.shape[1], weight.shape[0], num_sms(x.device)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    if cfg.streamed:
-        n_tiles, k_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
-        units = n_tiles * k_tiles
-        programs = min(units, cfg.programs_per_sm * sms)  # each with a unit at least
-        assert units * programs < 2**31, "the shares' bounds are int32"
-        parts = torch.empty((2 * programs, cfg.block_n), dtype=torch.float32, device=x.device)
-        _one_row_streamed_kernel[(programs,)](
-            x, weight, weight_scale, weight_scale if bias is None else bias, y, parts,
-            arrival_counters(n_tiles, x.device), n, k, weight.stride(0), k_tiles, units,
-            HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVICT="evict_first" if cfg.evict_first else "",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(x, cfg),
-            **pdl.launch_options())
-        return y
     cfg = narrowed(n, sms, cfg)
     splits, k_per_split = split_k(n, k, sms, cfg)
     n_tiles = triton.cdiv(n, cfg.block_n)

@@ -45,18 +45,7 @@ CONFIGS = {"no split": WeightOnlyConfig(16, 256, 4, 2),
                                                 fma=True),
            # one row in 4x1024 tiles (`narrowed`), K whole
            "fma narrowed": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, fma=True,
-                                            min_block_n=4),
-           # one row, 9 tiles of 16x256 shared by 4 programs (a tile cut in two), by 9 (each
-           # tile's three K tiles summed by three programs), by 2 with bits; 10 row tiles
-           # of 4 rows, each 10 K tiles of 64, by 7 programs
-           "fma streamed 4": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=4, fma=True,
-                                              streamed=True),
-           "fma streamed 9": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=64, fma=True,
-                                              streamed=True),
-           "fma streamed bits": WeightOnlyConfig(16, 256, 4, 2, programs_per_sm=2, fma=True,
-                                                 streamed=True, bits=True),
-           "fma streamed 4x64": WeightOnlyConfig(4, 64, 4, 2, programs_per_sm=7, fma=True,
-                                                 streamed=True)}
+                                            min_block_n=4)}
 
 
 @pytest.mark.parametrize("cfg", CONFIGS.values(), ids=CONFIGS.keys())
