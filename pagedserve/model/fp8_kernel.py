@@ -240,7 +240,7 @@ class WeightOnlyConfig:
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 4
-    bits: bool = True  # the H100's Llama-3-8B batch-1 TPOT: 4.48 ms with, 4.70 without
+    bits: bool = True  # tl.dot's weight by bit moves: faster on the H100 (docs/benchmarks.md)
     fma: bool = False
     # one row: the weights loaded with eviction_policy="evict_first" (read once; a shorter
     # 8B batch-1 step on the H100, docs/benchmarks.md, 2026-11-26)

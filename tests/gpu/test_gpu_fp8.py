@@ -283,7 +283,7 @@ def test_fp8_weights_one_sequence_at_a_time(checkpoint, monkeypatch):
 
     quantized = load(checkpoint, quantization="fp8")
     prompt_list = random_prompts(8, seed=9)
-    together = greedy(make_engine(quantized), 8, 9, max_tokens=16)
+    together = greedy(make_engine(quantized), 8, 9, 16, prompt_list=prompt_list)
     one_row, calls = fp8_kernel._one_row_linear, []
     monkeypatch.setattr(fp8_kernel, "_one_row_linear",
                         lambda *args: calls.append(1) or one_row(*args))
