@@ -282,7 +282,7 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
     `_scaled_mm` with per-token activation quantization and against the bf16 matmul, timed
     in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them)."""
     from pagedserve.model import fp8
-    from pagedserve.model.fp8_kernel import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW, narrowed,
+    from pagedserve.model.fp8_kernel import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW, one_row_tiles,
                                              quantize_tokens, split_k, weight_only_linear)
 
     kernels = _module("kernels")
@@ -319,10 +319,12 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
                 gbps = n_dim * k_dim * element / (us * 1e-6) / 1e9
                 if label == "weight_only":
                     cfg = WEIGHT_ONLY_ONE_ROW if rows == 1 else WEIGHT_ONLY
-                if cfg is not None and rows == 1 and cfg.fma:  # the tiles it launches
-                    cfg = narrowed(n_dim, num_sms, cfg)
-                launch = {} if cfg is None else {
-                    **asdict(cfg), "split_k": split_k(n_dim, k_dim, num_sms, cfg)[0]}
+                launch = {}  # the tiles it launches
+                if cfg is not None and rows == 1 and cfg.fma:
+                    cfg, splits, _ = one_row_tiles(n_dim, k_dim, num_sms, cfg)
+                    launch = {**asdict(cfg), "split_k": splits}
+                elif cfg is not None:
+                    launch = {**asdict(cfg), "split_k": split_k(n_dim, k_dim, num_sms, cfg)[0]}
                 res.add("gemv", layer=name, k=k_dim, n=n_dim, rows=rows, method=label,
                         us=round(us, 2), gb_per_s=round(gbps, 1),
                         pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1), **launch)
@@ -337,14 +339,14 @@ def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
     kernel of 2026-11-26 05:27 are in docs/benchmarks.md and in git.)"""
     one_row = replace(WeightOnlyConfig(), fma=True, min_block_n=4)
 
-    def narrowed(n, k, p):
+    def tile(n, k, p):
         return replace(one_row, block_n=n, block_k=k, programs_per_sm=p)
 
-    return {"n16 k256 p4": narrowed(16, 256, 4),
-            "n16 k256 p6": narrowed(16, 256, 6),
-            "n16 k256 p8": narrowed(16, 256, 8),
-            "n16 k512 p6": narrowed(16, 512, 6),
-            "n8 k512 p6": narrowed(8, 512, 6)}
+    return {"n16 k256 p4": tile(16, 256, 4),
+            "n16 k256 p6": tile(16, 256, 6),
+            "n16 k256 p8": tile(16, 256, 8),
+            "n16 k512 p6": tile(16, 512, 6),
+            "n8 k512 p6": tile(8, 512, 6)}
 
 
 def quality_prompts() -> list[list[int]]:

@@ -286,6 +286,14 @@ def split_k(n: int, k: int, num_sms: int, cfg: WeightOnlyConfig) -> tuple[int, i
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * cfg.block_k
 
 
+def one_row_tiles(n: int, k: int, num_sms: int,
+                  cfg: WeightOnlyConfig) -> tuple[WeightOnlyConfig, int, int]:
+    """What `_one_row_kernel` launches for an [n, k] weight: (cfg `narrowed` to n, slices of
+    K, K per slice)."""
+    cfg = narrowed(n, num_sms, cfg)
+    return (cfg, *split_k(n, k, num_sms, cfg))
+
+
 @functools.cache
 def num_sms(device: torch.device) -> int:
     """The SMs a launch on `device` spreads over (1 off CUDA: the interpreter runs one
@@ -349,8 +357,7 @@ def _one_row_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tenso
     k, n, sms = x.shape[1], weight.shape[0], num_sms(x.device)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    cfg = narrowed(n, sms, cfg)
-    splits, k_per_split = split_k(n, k, sms, cfg)
+    cfg, splits, k_per_split = one_row_tiles(n, k, sms, cfg)
     n_tiles = triton.cdiv(n, cfg.block_n)
     parts, arrivals = _split_buffers(splits, n, n_tiles, x.device, y)
     _one_row_kernel[(n_tiles, splits)](

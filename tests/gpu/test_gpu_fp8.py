@@ -227,12 +227,10 @@ def random_prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10_000) for _ in range(rng.randint(20, 300))] for _ in range(count)]
 
 
-def greedy(engine, count: int, seed: int, max_tokens: int,
-           prompt_list: list[list[int]] | None = None) -> list[list[int]]:
+def greedy(engine, prompt_list: list[list[int]], max_tokens: int) -> list[list[int]]:
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.entrypoints.llm import LLM
 
-    prompt_list = prompt_list or random_prompts(count, seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = LLM.from_engine(engine).generate(prompt_list, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -245,7 +243,8 @@ def first_token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 @torch.inference_mode()
 def test_fp8_kv_cache_engine(loaded):
     bf16 = make_engine(loaded)
-    reference = greedy(bf16, 32, seed=5, max_tokens=8)
+    first, second = random_prompts(32, seed=5), random_prompts(64, seed=6)
+    reference = greedy(bf16, first, max_tokens=8)
     bf16_blocks = bf16.model_runner.kv_caches[0][0].shape[0]
     del bf16
     one_step_prefill = dict(max_num_batched_tokens=32768)
@@ -253,22 +252,23 @@ def test_fp8_kv_cache_engine(loaded):
     runner = graphs.model_runner
     assert runner.kv_caches[0][0].dtype == FP8 and runner.graphs is not None
     assert runner.kv_caches[0][0].shape[0] in (2 * bf16_blocks, 2 * bf16_blocks + 1)
-    tokens = greedy(graphs, 32, seed=5, max_tokens=8)
+    tokens = greedy(graphs, first, max_tokens=8)
     assert first_token_agreement(tokens, reference) >= 0.75
-    with_graphs = greedy(graphs, 64, seed=6, max_tokens=16)
+    with_graphs = greedy(graphs, second, max_tokens=16)
     del graphs
     eager = make_engine(loaded, kv_cache_dtype="fp8", enforce_eager=True, **one_step_prefill)
-    assert greedy(eager, 64, seed=6, max_tokens=16) == with_graphs
+    assert greedy(eager, second, max_tokens=16) == with_graphs
 
 
 @torch.inference_mode()
 def test_fp8_weights_engine(checkpoint, loaded):
-    reference = greedy(make_engine(loaded), 32, seed=7, max_tokens=8)
+    prompt_list = random_prompts(32, seed=7)
+    reference = greedy(make_engine(loaded), prompt_list, max_tokens=8)
     quantized = load(checkpoint, quantization="fp8")
     assert quantized.model.quantization == "fp8"
     assert quantized.model.layers[0].mlp.down_proj.weight.dtype == FP8
     for options in ({}, {"kv_cache_dtype": "fp8"}):
-        tokens = greedy(make_engine(quantized, **options), 32, seed=7, max_tokens=8)
+        tokens = greedy(make_engine(quantized, **options), prompt_list, max_tokens=8)
         assert first_token_agreement(tokens, reference) >= 0.6, options
 
 
@@ -283,11 +283,11 @@ def test_fp8_weights_one_sequence_at_a_time(checkpoint, monkeypatch):
 
     quantized = load(checkpoint, quantization="fp8")
     prompt_list = random_prompts(8, seed=9)
-    together = greedy(make_engine(quantized), 8, 9, 16, prompt_list=prompt_list)
+    together = greedy(make_engine(quantized), prompt_list, max_tokens=16)
     one_row, calls = fp8_kernel._one_row_linear, []
     monkeypatch.setattr(fp8_kernel, "_one_row_linear",
                         lambda *args: calls.append(1) or one_row(*args))
     alone = make_engine(quantized, enforce_eager=True)
-    tokens = [greedy(alone, 1, 0, 16, prompt_list=[p])[0] for p in prompt_list]
+    tokens = [greedy(alone, [p], max_tokens=16)[0] for p in prompt_list]
     assert calls, "the lone sequences' steps did not take the one-row kernel"
     assert sum(a == b for a, b in zip(tokens, together)) >= 6, (tokens, together)
