@@ -1,7 +1,7 @@
 """Host time per engine-step phase, for benchmarks that need to see where a step goes.
 
 Wraps methods of one engine's objects with wall-clock timers: the step, scheduling, the
-runner's launches, the structured-output manager's calls on the engine thread (handing a
+executor's launches, the structured-output manager's calls on the engine thread (handing a
 job to its workers, waiting for a bitmask) and the wait for the device's tokens. A phase
 that grows with the device's work shows up as `wait_for_tokens` (or inside `execute_model`,
 which waits for its input buffers' previous uploads); one that grows with Python work shows
@@ -27,8 +27,8 @@ class HostTimers:
         self.calls: dict[str, int] = {}
         self._wrap(core, "step", "step")
         self._wrap(core.scheduler, "schedule", "schedule")
-        self._wrap(core.model_runner, "execute_model", "execute_model")
-        self._wrap(core.model_runner, "sample_tokens", "sample_tokens")
+        self._wrap(core.executor, "execute_model", "execute_model")
+        self._wrap(core.executor, "sample_tokens", "sample_tokens")
         # the grammar work runs on the manager's workers: `grammar_submit` is the engine
         # thread's share (planning the job), `grammar_wait` the part it waits for (not
         # hidden behind the engine thread's own work)

@@ -84,11 +84,14 @@ class StepTimer:
         self.steps: list[dict] = []
         self._current: dict = {}
         runner, scheduler = engine.model_runner, engine.scheduler
-        self._wrapped = [(scheduler, "schedule"), (runner, "prepare_inputs"),
-                         (runner, "execute_model"), (engine.engine_core, "_complete"),
-                         (engine.output_processor, "process_outputs"), (engine, "step")]
-        keys = ("schedule", "prepare", "execute", "complete", "process", "step")
-        for (obj, name), key in zip(self._wrapped, keys):
+        executor = engine.engine_core.executor
+        wrapped = [(scheduler, "schedule", "schedule"), (runner, "prepare_inputs", "prepare"),
+                   (executor, "execute_model", "execute"), (executor, "sample_tokens", "execute"),
+                   (engine.engine_core, "_update", "complete"),
+                   (engine.output_processor, "process_outputs", "process"),
+                   (engine, "step", "step")]
+        self._wrapped = [(obj, name) for obj, name, _ in wrapped]
+        for obj, name, key in wrapped:
             self._wrap(obj, name, key)
 
     def restore(self) -> None:
@@ -102,7 +105,7 @@ class StepTimer:
         def timed(*args, **kwargs):
             if key == "step":
                 self._current = {}
-            if key == "execute" and torch.cuda.is_available():
+            if name == "execute_model" and torch.cuda.is_available():
                 self._current["gpu_start"] = _timing_event()
             t0 = time.perf_counter()
             result = inner(*args, **kwargs)
@@ -110,7 +113,7 @@ class StepTimer:
             if key == "schedule":
                 self._current["batch"] = len(result.req_ids)
                 self._current["decodes"] = result.num_decodes
-            if key == "execute":
+            if name == "sample_tokens":
                 if "gpu_start" in self._current:
                     self._current["gpu_end"] = _timing_event()
                 self._wrap_wait(result)
@@ -162,8 +165,7 @@ class StepTimer:
             out["launch"] = round(out.pop("execute") - out["prepare"], 3)
             out["forward_sample_wait"] = round(out["launch"] + out["wait"], 3)
             # the core's token bookkeeping, then the frontend's text and RequestOutputs
-            out["output_processing"] = round(out.pop("complete") - out["wait"]
-                                             + out.pop("process"), 3)
+            out["output_processing"] = round(out.pop("complete") + out.pop("process"), 3)
             out["cpu"] = round(out["schedule"] + out["prepare"] + out["launch"]
                                + out["output_processing"], 3)
             gpu = self.gpu_times(steps)

@@ -9,24 +9,28 @@ scheduling and launching model steps competes for its interpreter.
 Token-level stops (EOS, stop token ids, max_tokens, max_model_len) are decided here, by the
 scheduler; a stop string is found by the frontend, which then aborts the core request.
 
-With async scheduling (`EngineConfig.async_scheduling`) a step schedules and launches the
-next model step before it waits for the tokens of the one in flight, then processes those
-while the device runs the new one: the device's queue always holds a step, and the CPU work
-of a step hides behind the device's. Requests are scheduled with placeholders for the
-tokens in flight (see scheduler.py). Penalties need no host tokens: the runner keeps their
-counts on the device (`penalties.py`).
+A step reads top to bottom (`step`): schedule -> execute (the forward pass) -> the grammar
+bitmask, if a sampling row is constrained -> sample -> update (the scheduler takes the
+tokens; the outputs are built).
+
+With async scheduling (`EngineConfig.async_scheduling`) `step_pipelined` runs instead: it
+takes the step in flight as an argument (`executor.InFlightStep`), launches the next step
+before it waits for that one's tokens, processes those while the device runs the new one,
+and returns the new one: the device's queue always holds a step, and the CPU work of a step
+hides behind the device's. Requests are scheduled with placeholders for the tokens in
+flight (see scheduler.py). Penalties need no host tokens: the runner keeps their counts on
+the device (`penalties.py`).
 
 Structured outputs (`pagedserve/structured`): the grammar bitmask of a step needs every
 earlier token of its constrained rows, and the grammar work runs on the manager's worker
-threads (or process). Async, a step with constrained rows launches its forward pass,
-completes the step in flight and hands its tokens and the new step's rows to the workers
-(advance the matchers, fill the rows), then returns its outputs without launching the new
-step's sampling: the workers fill while this thread builds the outputs, the frontend
-processes them, the next step is scheduled and its host work done (`prepare_model`); only
-then does the next `step()` take the bitmask, launch that sampling and then its own forward
-pass, which reads the sampled tokens. Synchronous, the workers advance the matchers while
-the step's outputs are processed and the next one is scheduled and launched, and the
-bitmask is filled while the device runs the forward pass.
+threads (or process). Synchronous, the workers advance the matchers while the step's outputs
+are processed and the next one is scheduled and launched, and the bitmask is filled while
+the device runs the forward pass. Async, a step with constrained rows launches its forward
+pass, completes the step in flight and hands its tokens and the new step's rows to the
+workers (advance the matchers, fill the rows), and stays in flight unsampled: the workers
+fill while this thread builds the outputs, the frontend processes them and the next step is
+scheduled; that step's `execute_model` does its host work, then samples this one under its
+bitmask, then launches its own forward pass, which reads the sampled tokens.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from pagedserve.config import EngineConfig, resolve_batch_limits
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.kv_events import KVEventPublisher
 from pagedserve.engine.executor import (
-    Executor, MultiprocExecutor, PendingOutput, UniprocExecutor)
+    Executor, InFlightStep, MultiprocExecutor, UniprocExecutor)
 from pagedserve.engine.messages import (
     EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVCacheSpec, LogprobsLists,
     ModelRunnerOutput, SchedulerOutput, SchedulerStats, TokenLogprobs)
@@ -154,9 +158,8 @@ class EngineCore:
         except BaseException:
             executor.shutdown()
             raise
-        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
-        # async: a launched step whose sampling waits for its grammar bitmask
-        self._awaiting_bitmask: SchedulerOutput | None = None
+        # async scheduling: the step launched by the last `step()`, handed to the next one
+        self.in_flight: InFlightStep | None = None
 
     def _setup(self, config: EngineConfig, executor: Executor) -> None:
         self.model_config = executor.model_config
@@ -249,83 +252,91 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while a step is in flight too: its results must be collected (or dropped)."""
-        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
-                or self._awaiting_bitmask is not None)
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
 
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule and launch a model step; return the tokens of the requests that progressed.
+        """Schedule, execute, sample and return the tokens of the requests that progressed.
 
-        Synchronous: those of the step just launched. Async: those of the step that was in
-        flight, processed while the new one runs.
-        """
-        outputs: list[EngineCoreOutput] = []
+        With async scheduling, `step_pipelined` from the step in flight: the tokens are
+        those of the step the previous call launched."""
+        if self.async_scheduling:
+            outputs, self.in_flight = self.step_pipelined(self.in_flight)
+            return outputs
         scheduler_output = self.scheduler.schedule()
-        launch = not scheduler_output.is_empty  # finished ids alone still reach the runner
-        prepared = False
-        if self._awaiting_bitmask is not None:  # sampled before the next forward pass
-            if launch:  # whose host work first, while the grammar work goes on
-                self.executor.prepare_model(scheduler_output)
-                prepared = True
-            self._sample_awaiting()
-        step = None
-        if launch:
-            step = self._execute(scheduler_output, outputs, prepared)
-        if self.async_scheduling:  # complete the step in flight, leave the new one running
-            step, self._in_flight = self._in_flight, step
-        if step is not None:
-            self._complete(*step, outputs)
+        outputs: list[EngineCoreOutput] = []
+        if not scheduler_output.is_empty:  # finished ids alone still reach the runner
+            step, _ = self.executor.execute_model(scheduler_output)
+            rows = self._grammar_rows(scheduler_output)
+            grammar = self.structured.grammar_bitmask(rows) if rows is not None else None
+            tokens = self.executor.sample_tokens(step, grammar)
+            outputs = self._update(scheduler_output, tokens.result())
+        return self._step_outputs(outputs)
+
+    def step_pipelined(self, in_flight: InFlightStep | None
+                       ) -> tuple[EngineCoreOutputs, InFlightStep | None]:
+        """Launch the next step, then complete `in_flight` (launched by the previous call)
+        while the device runs the new one; return its outputs and the new step in flight.
+
+        A step with constrained rows is not sampled at its launch: its bitmask needs the
+        tokens of the step in flight, which are completed first and handed to the grammar
+        workers with the new rows to fill. It is returned unsampled, and the next call's
+        `execute_model` samples it (see the module docstring)."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:  # nothing to launch: complete the step in flight
+            outputs = []
+            if in_flight is not None:
+                in_flight = self.executor.sample_awaiting(in_flight)
+                outputs = self._update(in_flight.scheduler_output, in_flight.tokens.result())
+            return self._step_outputs(outputs), None
+        step, previous = self.executor.execute_model(scheduler_output, in_flight)
+        rows = self._grammar_rows(scheduler_output)
+        if rows is None:
+            launched = InFlightStep(scheduler_output, step,
+                                    self.executor.sample_tokens(step, None))
+            outputs = []
+            if previous is not None:
+                outputs = self._update(previous.scheduler_output, previous.tokens.result())
+            return self._step_outputs(outputs), launched
+        if previous is not None:
+            outputs = self._update(previous.scheduler_output, previous.tokens.result(), rows)
+        else:
+            outputs = []
+            self.structured.submit((), rows)
+        return (self._step_outputs(outputs),
+                InFlightStep(scheduler_output, step, bitmask=self.structured.take_bitmask))
+
+    def _grammar_rows(self, scheduler_output: SchedulerOutput) -> list[str] | None:
+        """The step's sampling rows if one of them is under a grammar (the manager knows):
+        then the step is sampled under their bitmask."""
+        structured = self.structured
+        if not structured.has_requests():
+            return None
+        rows = scheduler_output.sampling_req_ids
+        return rows if any(map(structured.is_constrained, rows)) else None
+
+    def _step_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_cache_manager.block_pool.take_events())
         return EngineCoreOutputs(outputs, self.make_stats(), time.time())
 
-    def _execute(self, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput],
-                 prepared: bool = False) -> tuple[SchedulerOutput, PendingOutput] | None:
-        """Launch the step (`prepared`: its host work is done). A step with constrained
-        rows is sampled once their bitmask is filled: at once when synchronous; async, the
-        step in flight is completed into `outputs` first (its tokens advance the matchers),
-        and the step is left awaiting its bitmask (None is returned) while the workers fill
-        it."""
-        pending = (self.executor.launch_prepared() if prepared
-                   else self.executor.execute_model(scheduler_output))
-        if pending is not None:
-            return scheduler_output, pending
-        sampling_ids = [r for r, s in zip(scheduler_output.req_ids, scheduler_output.samples)
-                        if s]
-        if not self.async_scheduling:
-            return scheduler_output, self.executor.sample_tokens(
-                self.structured.grammar_bitmask(sampling_ids))
-        if self._in_flight is not None:
-            previous, self._in_flight = self._in_flight, None
-            self._complete(*previous, outputs, sampling_ids)
-        else:
-            self.structured.submit((), sampling_ids)
-        self._awaiting_bitmask = scheduler_output
-        return None
-
-    def _sample_awaiting(self) -> None:
-        """Launch the sampling of the step that awaits its bitmask; it is then in flight."""
-        scheduler_output, self._awaiting_bitmask = self._awaiting_bitmask, None
-        pending = self.executor.sample_tokens(self.structured.take_bitmask())
-        self._in_flight = (scheduler_output, pending)
-
-    def _complete(self, scheduler_output: SchedulerOutput, pending: PendingOutput,
-                  outputs: list[EngineCoreOutput],
-                  next_sampling_ids: list[str] | None = None) -> None:
-        """Wait for a step's tokens, hand them to the scheduler, append the outputs. The
-        tokens go to the grammar workers, with the rows of the next step to fill if given."""
-        runner_output = pending.result()
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                next_rows: list[str] | None = None) -> list[EngineCoreOutput]:
+        """Hand a step's tokens to the scheduler and build the outputs of the requests that
+        progressed. The tokens go to the grammar workers, with the rows of the next step to
+        fill if given."""
         if runner_output.prompt_logprobs:
             self._collect_prompt_logprobs(runner_output.prompt_logprobs)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
         structured = self.structured
-        if next_sampling_ids is not None:
-            structured.submit(progressed, next_sampling_ids)
+        if next_rows is not None:
+            structured.submit(progressed, next_rows)
         elif structured.has_requests():
             structured.submit(progressed)
         rows = (dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
                 if runner_output.logprobs is not None else None)
+        outputs = []
         append = outputs.append
         for request in progressed:  # per request at every step: plain attribute reads
             logprobs = None
@@ -339,9 +350,10 @@ class EngineCore:
             if self._prompt_logprobs and request.request_id in self._prompt_logprobs:
                 prompt_logprobs = self._prompt_logprobs.pop(request.request_id)
             append(EngineCoreOutput(
-                request.request_id, [request.output_token_ids[-1]], logprobs,
+                request.request_id, [request.all_token_ids[-1]], logprobs,
                 finish_reason, request.stop_reason, request.num_cached_tokens,
                 prompt_logprobs))
+        return outputs
 
     def _collect_prompt_logprobs(self, chunks: dict[str, LogprobsLists]) -> None:
         """Keep a prefill chunk's prompt logprobs until the request's first token, which

@@ -1,10 +1,13 @@
 """Executors: how the engine core runs model steps, on one device or on a tensor-parallel group.
 
-The engine core schedules once and drives an executor with plain data only:
-`execute_model(scheduler_output)` queues a step and returns a pending output (None when the
-step's sampling waits for a grammar bitmask, given by `sample_tokens(grammar)`), whose
-`result()` the core calls later. So async scheduling keeps its shape: launch step N+1, then
-collect step N.
+The engine core schedules once and drives an executor with two verbs, values in and out:
+`execute_model(scheduler_output, previous)` queues a step's forward pass and returns its
+handle; `sample_tokens(handle, grammar)` queues its sampling (under the step's grammar
+bitmask, if it has constrained rows) and returns a pending output, whose `result()` the core
+calls later. So async scheduling keeps its shape: launch step N+1, then collect step N.
+`previous` is the step in flight (`InFlightStep`), whose sampled tokens are the new step's
+placeholders; if it still awaits its bitmask, `execute_model` samples it first, once the new
+step's host work is done (the grammar work overlaps that host work).
 
 - `UniprocExecutor` (tensor_parallel_size 1): the ModelRunner in this process.
 - `MultiprocExecutor`: one worker process per rank (`worker.py`), each with a ModelRunner over
@@ -13,8 +16,10 @@ collect step N.
 
 Transport (multiprocess): one ZeroMQ ROUTER socket here, one DEALER per worker (its identity
 is its rank), carrying msgspec-encoded messages (`messages.py`). Each call is encoded once
-and sent to every rank. A step's calls get no answer; `result()` sends `collect`, on which
-every rank hands its sampled tokens to its own requests and rank 0 alone sends them back.
+and sent to every rank. A step's calls (`execute_model`, `sample_tokens`) get no answer: a
+worker keeps the handles of its launched steps in order and samples the oldest at each
+`sample_tokens`; `result()` sends `collect`, on which every rank hands its sampled tokens to
+its own requests and rank 0 alone sends them back.
 Collect is a call of its own so that each rank makes its runner's calls in exactly the
 core's order (launch N+1, then take in N's tokens), as the in-process runner does; a rank
 that ran ahead would count its requests' tokens differently.
@@ -47,8 +52,10 @@ import sys
 import time
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -60,7 +67,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.messages import (
     GrammarBitmask, KVCacheSpec, ModelRunnerOutput, SchedulerOutput, WorkerBlocks,
     WorkerFailure, WorkerHello, WorkerLoaded, decode, encode)
-from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.model_runner import ModelRunner, StepHandle
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -83,6 +90,21 @@ class ExecutorError(RuntimeError):
 
 class PendingOutput(Protocol):
     def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """A launched step whose tokens have not been read yet: the value the engine's pipelined
+    loop hands from one step to the next (`EngineCore.step_pipelined`)."""
+
+    scheduler_output: SchedulerOutput
+    step: Any  # the executor's handle of its queued forward pass
+    tokens: PendingOutput | None = None  # its sampling; None while it awaits its bitmask
+    bitmask: Callable[[], GrammarOutput | None] | None = None  # then: waits for the bitmask
+
+    @property
+    def awaits_bitmask(self) -> bool:
+        return self.tokens is None
 
 
 class Executor(ABC):
@@ -111,19 +133,24 @@ class Executor(ABC):
         """Allocate the KV cache (and swap space), set up step buffers and CUDA graphs."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None: ...
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      previous: InFlightStep | None = None) -> tuple[Any, InFlightStep | None]:
+        """Queue the step's forward pass after `previous` (the step in flight, if any: its
+        sampled tokens fill this step's placeholders). Returns the step's handle for
+        `sample_tokens`, and `previous` with its sampling queued: a step awaiting its bitmask
+        is sampled here, after this step's host work and before its forward pass."""
 
     @abstractmethod
-    def sample_tokens(self, grammar: GrammarOutput | None) -> PendingOutput: ...
+    def sample_tokens(self, step: Any, grammar: GrammarOutput | None = None) -> PendingOutput:
+        """Queue the sampling of a step `execute_model` launched (steps are sampled in launch
+        order), under `grammar`'s bitmask rows if given."""
 
-    @abstractmethod
-    def prepare_model(self, scheduler_output: SchedulerOutput) -> None:
-        """`execute_model` in two parts, for a step that follows one awaiting its grammar
-        bitmask: the step's host work now, then that step's `sample_tokens`, then
-        `launch_prepared`, which returns what `execute_model` would."""
-
-    @abstractmethod
-    def launch_prepared(self) -> PendingOutput | None: ...
+    def sample_awaiting(self, step: InFlightStep) -> InFlightStep:
+        """`step`, sampled: if it awaits its bitmask, sampled now under it."""
+        if not step.awaits_bitmask:
+            return step
+        return replace(step, tokens=self.sample_tokens(step.step, step.bitmask()),
+                       bitmask=None)
 
     def check_health(self) -> None:
         """Raise if the executor can no longer run steps (a worker has died); for an idle
@@ -181,21 +208,27 @@ class UniprocExecutor(Executor):
     def initialize(self, spec: KVCacheSpec) -> None:
         initialize_runner(self.model_runner, spec)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      previous: InFlightStep | None = None
+                      ) -> tuple[StepHandle, InFlightStep | None]:
+        runner = self.model_runner
+        prepared = runner.prepare_step(scheduler_output)
+        if previous is not None:
+            previous = self.sample_awaiting(previous)
+        step = runner.launch(prepared, previous.tokens if previous is not None else None)
+        return step, previous
 
-    def sample_tokens(self, grammar: GrammarOutput | None) -> PendingOutput:
-        return self.model_runner.sample_tokens(grammar)
+    def sample_tokens(self, step: StepHandle,
+                      grammar: GrammarOutput | None = None) -> PendingOutput:
+        return self.model_runner.sample_tokens(step, grammar)
 
-    def prepare_model(self, scheduler_output: SchedulerOutput) -> None:
-        self.model_runner.prepare_model(scheduler_output)
 
-    def launch_prepared(self) -> PendingOutput | None:
-        return self.model_runner.launch_prepared()
+class RemoteStep:
+    """A step launched on the workers, which keep its handle until it is sampled."""
 
 
 class RemotePendingOutput:
-    """A step launched on the workers; `result()` collects its tokens (in launch order)."""
+    """A step sampled on the workers; `result()` collects its tokens (in launch order)."""
 
     def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
         self._executor, self._seq = executor, seq
@@ -226,9 +259,7 @@ class MultiprocExecutor(Executor):
         self._stop = weakref.finalize(self, _stop_workers, self._context, self._socket,
                                       self._procs, self.size)
         self._error: str | None = None
-        self._constrained: set[str] = set()  # requests under structured outputs
-        self._prepared: SchedulerOutput | None = None  # prepare_model's, until launched
-        self._launched = self._collected = 0  # steps sent, steps collected
+        self._launched = self._collected = 0  # steps sampled, steps collected
         try:
             if config.tensor_parallel_address is None:
                 port = self._socket.bind_to_random_port("tcp://127.0.0.1")
@@ -288,35 +319,24 @@ class MultiprocExecutor(Executor):
 
     # -- steps ----------------------------------------------------------------------------
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingOutput | None:
-        """Send the step; None when a sampling row is constrained (as the runner decides:
-        it then waits for `sample_tokens`)."""
-        self._constrained.difference_update(scheduler_output.finished_req_ids)
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.sampling_params.structured_outputs is not None:
-                self._constrained.add(new.req_id)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      previous: InFlightStep | None = None
+                      ) -> tuple[RemoteStep, InFlightStep | None]:
+        """Send the step (the workers do its host work when it arrives); the workers take
+        the placeholders' tokens from their own latest sampling."""
+        if previous is not None:
+            previous = self.sample_awaiting(previous)
         self._send_all(b"execute_model", encode(scheduler_output))
-        constrained = self._constrained
-        if constrained and any(sample and req_id in constrained for req_id, sample
-                               in zip(scheduler_output.req_ids, scheduler_output.samples)):
-            return None
-        return self._launch()
+        return RemoteStep(), previous
 
-    def sample_tokens(self, grammar: GrammarOutput | None) -> PendingOutput:
+    def sample_tokens(self, step: RemoteStep,
+                      grammar: GrammarOutput | None = None) -> PendingOutput:
         message = None
         if grammar is not None:
             bitmask = np.ascontiguousarray(grammar.bitmask, dtype=np.int32)
             message = GrammarBitmask(grammar.req_ids, bitmask.tobytes(), bitmask.shape[1])
         self._send_all(b"sample_tokens", encode(message))
         return self._launch()
-
-    def prepare_model(self, scheduler_output: SchedulerOutput) -> None:
-        """The workers do the host work when the step arrives: it is sent at the launch."""
-        self._prepared = scheduler_output
-
-    def launch_prepared(self) -> PendingOutput | None:
-        scheduler_output, self._prepared = self._prepared, None
-        return self.execute_model(scheduler_output)
 
     def _launch(self) -> RemotePendingOutput:
         self._launched += 1

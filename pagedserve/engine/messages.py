@@ -178,6 +178,12 @@ class SchedulerOutput(Message):
     blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
 
     @property
+    def sampling_req_ids(self) -> list[str]:
+        """The requests this step samples for, in batch order: the rows of its sampled tokens
+        (and of its grammar bitmask)."""
+        return [req_id for req_id, sample in zip(self.req_ids, self.samples) if sample]
+
+    @property
     def is_empty(self) -> bool:
         """Nothing for the runner to do at all, not even to forget a finished request."""
         return not (self.req_ids or self.finished_req_ids or self.preempted_req_ids

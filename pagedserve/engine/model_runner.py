@@ -13,12 +13,18 @@ must stay far below a step's GPU time. Only the last token of each request whose
 reaches the end of its scheduled tokens goes through the LM head and the sampler. On CUDA,
 decode-only steps replay a captured graph (`cuda_graphs.py`).
 
+A step is three calls, each taking the value the one before returned, so nothing about a
+step waits in the runner between them: `prepare_step` (the runner's request states, swaps,
+the input buffers and their uploads: host work) -> `launch` (the forward pass and the LM
+head, queued) -> `sample_tokens` (under a grammar bitmask if the step has constrained rows).
+The executor (`executor.py`) composes them into its two verbs.
+
 Nothing in a step waits for the GPU: the sampled tokens come back through a non-blocking
 copy to pinned memory and an event (`PendingRunnerOutput`), so the engine can schedule and
 launch the next step before it waits for them (async scheduling). A token scheduled before
 it was known (a placeholder, see `request.py`) is the one the previous step sampled for the
-same request: the runner keeps that step's sampled tensor and its rows, and copies the token
-into the step's input ids on the device.
+same request: `launch` is given that step's pending output and copies the token from its
+sampled tensor into the step's input ids on the device.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from collections.abc import Callable
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -54,15 +60,17 @@ class PendingRunnerOutput:
 
     On CUDA they are copied without blocking into pinned memory, followed by an event:
     `result()` waits for that event only, not for whatever steps were queued after this one.
-    On the CPU the step has already run and the tensors are the results. `on_result` gets
-    the token ids once they are on the host (the runner appends them to its requests).
+    On the CPU the step has already run and the tensors are the results. `result()` also
+    appends each token to its request's state (by object, not id: a finished request's id
+    may already name a new request when a step in flight completes). The sampled tensor
+    stays on the device for the next step's placeholder rows (`ModelRunner.launch`).
     """
 
-    def __init__(self, req_ids: list[str], sampled: SamplerOutput | None,
-                 on_result: Callable[[list[int]], None] | None = None,
+    def __init__(self, states: list[CachedRequestState], sampled: SamplerOutput | None,
                  prompt_logprobs: dict[str, LogprobsLists] | None = None) -> None:
-        self.req_ids = req_ids
-        self._on_result = on_result
+        self.states = states
+        self.req_ids = [state.req_id for state in states]
+        self.sampled_token_ids = sampled.sampled_token_ids if sampled is not None else None
         self._prompt_logprobs = prompt_logprobs  # already on the host
         self._tokens = _to_host(sampled.sampled_token_ids) if sampled is not None else None
         self._logprobs = None
@@ -83,8 +91,8 @@ class PendingRunnerOutput:
         if self._ready is not None:
             self._ready.synchronize()
         tokens = self._tokens.tolist()
-        if self._on_result is not None:
-            self._on_result(tokens)
+        for state, token in zip(self.states, tokens):
+            state.append_output_token(token)
         logprobs = None
         if self._logprobs is not None:
             lp = self._logprobs
@@ -113,6 +121,24 @@ class StepInputs:
     placeholder_rows: np.ndarray
 
 
+class PreparedStep(NamedTuple):
+    """A step whose host work is done (`prepare_step`), ready to `launch`."""
+
+    output: SchedulerOutput
+    inputs: StepInputs | None  # None: no request is scheduled (finished ids only)
+
+
+@dataclass(eq=False)
+class StepHandle:
+    """A launched step: its forward pass and LM head are queued, its sampling is not. What
+    `sample_tokens` needs, handed back by the caller."""
+
+    states: list[CachedRequestState]  # the sampling rows, in batch order
+    logits: Tensor | None  # [rows, vocab]; None when the step samples nothing
+    sampling: SamplingMetadata | None
+    prompt_logprobs: dict[str, LogprobsLists] | None  # on the host already
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Decoder, model_config: ModelConfig,
                  device: torch.device) -> None:
@@ -135,13 +161,6 @@ class ModelRunner:
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request seen
-        # a launched step's sampling rows, logits and sampling inputs, until sample_tokens
-        self._to_sample: tuple[list[CachedRequestState], Tensor, SamplingMetadata] | None = None
-        self._prepared: tuple[SchedulerOutput, StepInputs | None] | None = None  # prepare_model
-        self._prompt_logprobs: dict[str, LogprobsLists] | None = None  # execute_model's
-        # the last step's sampled tokens on the device, and each sampling request's row
-        self._last_sampled: Tensor | None = None
-        self._last_sampled_rows: dict[str, int] = {}
 
     # -- KV cache sizing and allocation ---------------------------------------------------
 
@@ -400,17 +419,21 @@ class ModelRunner:
         else:
             input_ids[:] = known
 
-    def _copy_last_sampled(self, input_ids: Tensor, request_ids: list[str],
-                           rows: np.ndarray) -> None:
+    def _copy_last_sampled(self, inputs: StepInputs,
+                           previous: PendingRunnerOutput | None) -> None:
         """Queue the copy of the previous step's sampled tokens into the placeholder rows of
         the device input ids: no host sync, the previous step may still be running."""
+        if previous is None or previous.sampled_token_ids is None:
+            raise RuntimeError("a step with placeholder tokens was launched without the step "
+                               "that samples them")
         b = self.buffers
-        count = len(request_ids)
-        b.placeholder_rows.np[:count] = rows
-        b.placeholder_sources.np[:count] = [self._last_sampled_rows[r] for r in request_ids]
+        count = len(inputs.placeholder_ids)
+        rows = {req_id: row for row, req_id in enumerate(previous.req_ids)}
+        b.placeholder_rows.np[:count] = inputs.placeholder_rows
+        b.placeholder_sources.np[:count] = [rows[r] for r in inputs.placeholder_ids]
         sources = b.placeholder_sources.upload(count)
-        tokens = self._last_sampled.index_select(0, sources).to(input_ids.dtype)
-        input_ids.index_copy_(0, b.placeholder_rows.upload(count), tokens)
+        tokens = previous.sampled_token_ids.index_select(0, sources).to(inputs.input_ids.dtype)
+        inputs.input_ids.index_copy_(0, b.placeholder_rows.upload(count), tokens)
 
     def swap(self, output: SchedulerOutput) -> None:
         """Block copies the scheduler asked for, before this step's forward pass."""
@@ -428,63 +451,47 @@ class ModelRunner:
                                      torch.tensor(output.blocks_to_swap_in))
 
     @torch.inference_mode()
-    def execute_model(self, output: SchedulerOutput) -> PendingRunnerOutput | None:
-        """Queue the step on the device; the tokens come from the result's `result()`.
-
-        A step with a row under structured outputs returns None once its forward pass is
-        queued: its sampling waits for `sample_tokens`, which takes the rows' grammar
-        bitmask, filled on the host while the device runs the forward pass.
-        """
-        self.prepare_model(output)
-        return self.launch_prepared()
-
-    @torch.inference_mode()
-    def prepare_model(self, output: SchedulerOutput) -> None:
-        """A step's host work without its launch: the runner's states, swaps, the input
-        buffers and their uploads. While the step before awaits its grammar bitmask, the
-        engine does this before taking the bitmask, so the grammar work overlaps it; the
-        order on the device is kept: that step's sampling, then this step's forward pass
-        (`launch_prepared`), which reads the tokens it samples. The step before has built
-        its sampling inputs at its launch, so nothing done here changes them."""
+    def prepare_step(self, output: SchedulerOutput) -> PreparedStep:
+        """A step's host work: the runner's request states, swaps, the input buffers and
+        their uploads. Kept apart from `launch` so that the executor can sample a step that
+        awaited its grammar bitmask in between (the bitmask's work overlaps this; the step
+        before has built its sampling inputs at its launch, so nothing done here changes
+        them)."""
         self.update_states(output)
         self.swap(output)
-        self._prepared = (output, self.prepare_inputs(output) if output.req_ids else None)
+        return PreparedStep(output, self.prepare_inputs(output) if output.req_ids else None)
 
     @torch.inference_mode()
-    def launch_prepared(self) -> PendingRunnerOutput | None:
-        """Launch the step `prepare_model` prepared: as `execute_model` from there."""
-        (output, inputs), self._prepared = self._prepared, None
-        self._to_sample = None
-        if inputs is not None:
-            if inputs.placeholder_ids:
-                self._copy_last_sampled(inputs.input_ids, inputs.placeholder_ids,
-                                        inputs.placeholder_rows)
-            self.buffers.mark_uploaded()
-            hidden = self._forward(inputs)
-            self._prompt_logprobs = self._compute_prompt_logprobs(output, hidden)
-            states = inputs.sampling_states
-            if states:
-                logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                self._to_sample = (states, logits, self.sampling_metadata(states, logits))
-                if any(s.sampling_params.structured_outputs is not None for s in states):
-                    return None
-        return self.sample_tokens(None)
+    def launch(self, prepared: PreparedStep,
+               previous: PendingRunnerOutput | None = None) -> StepHandle:
+        """Queue the forward pass and the LM head of a prepared step. `previous`: the step
+        before, sampled already (its tokens may still be on their way): its sampled tokens
+        fill this step's placeholder rows on the device."""
+        output, inputs = prepared
+        if inputs is None:
+            return StepHandle([], None, None, None)
+        if inputs.placeholder_ids:
+            self._copy_last_sampled(inputs, previous)
+        self.buffers.mark_uploaded()
+        hidden = self._forward(inputs)
+        prompt_logprobs = self._compute_prompt_logprobs(output, hidden)
+        states = inputs.sampling_states
+        if not states:
+            return StepHandle([], None, None, prompt_logprobs)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return StepHandle(states, logits, self.sampling_metadata(states, logits),
+                          prompt_logprobs)
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar: GrammarOutput | None) -> PendingRunnerOutput:
-        """Sample the step queued by `execute_model`, under `grammar`'s bitmask rows."""
-        sampled, states = None, []
-        if self._to_sample is not None:
-            (states, logits, meta), self._to_sample = self._to_sample, None
+    def sample_tokens(self, step: StepHandle,
+                      grammar: GrammarOutput | None = None) -> PendingRunnerOutput:
+        """Sample a launched step, under `grammar`'s bitmask rows if given."""
+        sampled = None
+        if step.logits is not None:
             if grammar is not None:
-                self._attach_bitmask(meta, states, grammar)
-            sampled = self._sample(logits, meta)
-        req_ids = [state.req_id for state in states]
-        self._last_sampled = sampled.sampled_token_ids if sampled is not None else None
-        self._last_sampled_rows = dict(zip(req_ids, range(len(req_ids))))
-        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
-        return PendingRunnerOutput(req_ids, sampled, lambda tokens: _append_tokens(states, tokens),
-                                   prompt_logprobs)
+                self._attach_bitmask(step.sampling, step.states, grammar)
+            sampled = self._sample(step.logits, step.sampling)
+        return PendingRunnerOutput(step.states, sampled, step.prompt_logprobs)
 
     def _compute_prompt_logprobs(self, output: SchedulerOutput, hidden: Tensor
                                  ) -> dict[str, LogprobsLists] | None:
@@ -529,18 +536,20 @@ class ModelRunner:
             lists.sampled_ranks += lp.sampled_ranks.tolist()
         return lists
 
-    def sampling_metadata(self, states: list[CachedRequestState],
-                          logits: Tensor) -> SamplingMetadata:
+    def sampling_metadata(self, states: list[CachedRequestState], logits: Tensor,
+                          last_token_ids: Tensor | None = None) -> SamplingMetadata:
         """The one place a step's sampling inputs are built from the runner's state. A
         request with penalties gets its slot in `penalties` when it first samples (its
-        outputs so far are all known then) and keeps it across preemption until it finishes."""
+        outputs so far are all known then) and keeps it across preemption until it finishes.
+        `last_token_ids`: the step's input tokens at the sampled positions (for bad words)."""
         penalties = self.penalties
         for state in states:
             if state.sampling_params.needs_penalties and state.req_id not in penalties:
                 penalties.add(state.req_id, state.prompt_token_ids, state.output_token_ids)
         return SamplingMetadata.from_requests(
             states, logits.shape[1], self.device, penalty_state=penalties,
-            penalty_slots=penalties.slots([state.req_id for state in states]))
+            penalty_slots=penalties.slots([state.req_id for state in states]),
+            last_token_ids=last_token_ids)
 
     def _attach_bitmask(self, meta: SamplingMetadata, states: list[CachedRequestState],
                         grammar: GrammarOutput) -> None:
@@ -565,14 +574,6 @@ class ModelRunner:
             return self.graphs.replay(inputs.graph_size)
         with set_forward_context(inputs.meta, self.backend):
             return self.model(inputs.input_ids, inputs.positions)
-
-
-def _append_tokens(states: list[CachedRequestState], tokens: list[int]) -> None:
-    """The runner's requests learn what it sampled for them (by object, not id: a finished
-    request's id may already name a new request when a step in flight completes)."""
-    for state, token in zip(states, tokens):
-        state.output_token_ids.append(token)
-        state.all_token_ids.append(token)
 
 
 def _unbind_kv_cache(layers: list, first_k_cache: Tensor) -> None:

@@ -45,7 +45,7 @@ from pagedserve.engine.executor import (
 from pagedserve.engine.messages import (
     GrammarBitmask, KVCacheSpec, SchedulerOutput, WorkerBlocks, WorkerFailure, WorkerHello,
     WorkerLoaded, decode, encode)
-from pagedserve.engine.model_runner import ModelRunner, PendingRunnerOutput
+from pagedserve.engine.model_runner import ModelRunner, PendingRunnerOutput, StepHandle
 from pagedserve.model import parallel
 from pagedserve.structured.manager import GrammarOutput
 
@@ -58,6 +58,9 @@ class Worker:
         self.socket = sock
         self.stopping = stopping  # set once told to stop
         self.runner: ModelRunner | None = None
+        # the engine's calls in its order: launched steps until sampled, sampled steps until
+        # collected
+        self.launched: collections.deque[StepHandle] = collections.deque()
         self.pending: collections.deque[PendingRunnerOutput] = collections.deque()
         self.handlers = {b"load": self.load, b"profile": self.profile,
                          b"initialize": self.initialize, b"execute_model": self.execute_model,
@@ -114,9 +117,11 @@ class Worker:
     # -- steps ----------------------------------------------------------------------------
 
     def execute_model(self, payload: bytes) -> None:
-        pending = self.runner.execute_model(decode(payload, SchedulerOutput))
-        if pending is not None:
-            self.pending.append(pending)
+        """Launch a step; the placeholders' tokens are the latest sampled step's (a step
+        in flight is sampled before the next one is launched, as in the engine's process)."""
+        prepared = self.runner.prepare_step(decode(payload, SchedulerOutput))
+        latest = self.pending[-1] if self.pending else None
+        self.launched.append(self.runner.launch(prepared, latest))
 
     def sample_tokens(self, payload: bytes) -> None:
         message = decode(payload, GrammarBitmask | None)
@@ -125,7 +130,7 @@ class Worker:
             bitmask = np.frombuffer(message.bitmask, dtype=np.int32)
             grammar = GrammarOutput(message.req_ids,
                                     bitmask.reshape(-1, message.num_words).copy())
-        self.pending.append(self.runner.sample_tokens(grammar))
+        self.pending.append(self.runner.sample_tokens(self.launched.popleft(), grammar))
 
     def collect(self, payload: bytes) -> None:
         output = self.pending.popleft().result()

@@ -178,22 +178,27 @@ def through_msgpack(engine: LLMEngine) -> list[SchedulerOutput]:
     """Make every message of the engine cross msgpack, as it would between processes: core
     requests in, scheduler outputs to the runner, runner outputs back, core outputs out.
     Returns the list the scheduler outputs the runner received will be appended to."""
-    core, runner = engine.engine_core, engine.model_runner
+    core, executor = engine.engine_core, engine.engine_core.executor
     received = []
 
     def round_trip(message):
         return decode(encode(message), type(message))
 
-    def execute_model(scheduler_output):
+    def execute_model(scheduler_output, previous=None):
         received.append(round_trip(scheduler_output))
-        pending = execute(received[-1])
+        return execute(received[-1], previous)
+
+    def sample_tokens(step, grammar=None):
+        pending = sample(step, grammar)
         result = pending.result
         pending.result = lambda: round_trip(result())
         return pending
 
-    add, execute, step = core.add_request, runner.execute_model, core.step
+    add, step = core.add_request, core.step
+    execute, sample = executor.execute_model, executor.sample_tokens
     core.add_request = lambda request: add(round_trip(request))
-    runner.execute_model = execute_model
+    executor.execute_model = execute_model
+    executor.sample_tokens = sample_tokens
     core.step = lambda: round_trip(step())
     return received
 
@@ -255,7 +260,7 @@ def test_penalties_keep_a_step_in_flight_and_match(loaded):
 
     def recording_step():
         outputs = step()
-        in_flight.append(engine.engine_core._in_flight is not None)
+        in_flight.append(engine.engine_core.in_flight is not None)
         return outputs
 
     engine.step = recording_step

@@ -239,7 +239,7 @@ def test_abort_while_a_bitmask_is_filled_leaves_no_matcher(loaded, reference,
         if not aborted and any(o.request_id == "json-greedy" and len(o.outputs[0].token_ids) > 3
                                for o in outputs):
             if async_scheduling:
-                assert engine.engine_core._awaiting_bitmask is not None
+                assert engine.engine_core.in_flight.awaits_bitmask
             engine.abort_request(["json-greedy", "regex"])
             aborted = True
             assert not engine.structured.is_constrained("json-greedy")
