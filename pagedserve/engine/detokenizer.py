@@ -6,6 +6,11 @@ request keeps a small window: `prefix_offset..read_offset` are tokens already tu
 text, decoded again only as context; the new text is what decoding the window up to the
 newest token adds. A trailing U+FFFD means an unfinished UTF-8 sequence, so we wait.
 
+With special tokens kept (`skip_special_tokens=False`) and `spaces_between_special_tokens`
+(vLLM's and transformers' default), each added token is set off from the text around it by a
+space, as transformers' slow tokenizers decode; fast tokenizers ignore that option, so the
+window is decoded in runs split at the added tokens and joined with spaces.
+
 Stop strings are searched only in the region the new text could complete, and the last
 (longest stop - 1) characters are held back from streaming until the request finishes, so
 a streamed delta is never contradicted by a later truncation.
@@ -39,6 +44,7 @@ class IncrementalDetokenizer:
     stop_strings: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = self.prompt_token_ids[-_CONTEXT_TOKENS:]
@@ -48,6 +54,8 @@ class IncrementalDetokenizer:
         self.num_streamed_chars = 0
         self._holdback = max((len(s) for s in self.stop_strings), default=1) - 1
         self._decode = decode_function(self.tokenizer)
+        if not self.skip_special_tokens and self.spaces_between_special_tokens:
+            self._decode = _spaced_decode(self._decode, _added_token_ids(self.tokenizer))
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Add tokens; return the stop string that matched (text is truncated there) or None."""
@@ -104,3 +112,26 @@ class IncrementalDetokenizer:
         delta = self.output_text[self.num_streamed_chars:end]
         self.num_streamed_chars = end
         return delta
+
+
+def _added_token_ids(tokenizer) -> frozenset[int]:
+    return frozenset(tokenizer.get_added_vocab().values())
+
+
+def _spaced_decode(decode: Decode, added: frozenset[int]) -> Decode:
+    """`decode` with each added token decoded on its own, set off by spaces."""
+    def spaced(ids: list[int], skip: bool) -> str:
+        pieces, run = [], []
+        for token_id in ids:
+            if token_id in added:
+                if run:
+                    pieces.append(decode(run, skip))
+                    run = []
+                pieces.append(decode([token_id], skip))
+            else:
+                run.append(token_id)
+        if run:
+            pieces.append(decode(run, skip))
+        return " ".join(pieces)
+
+    return spaced

@@ -5,6 +5,9 @@ that needs the tokenizer or the user's view of a request: the n samples of a par
 (`<id>#<i>`), incremental detokenization, stop strings (a match finishes the sample here and
 is returned as a core request to abort), logprobs with their token strings, and the
 RequestOutput with cumulative and delta fields. No torch: it runs in the API process.
+
+The token that stopped a sample (EOS or one of stop_token_ids) stays in its token ids but not
+in its text, unless `include_stop_str_in_output` (vLLM's rule, the same as for stop strings).
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ class OutputProcessor:
             sample_params = core_request.sampling_params
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, sample_params.stop_strings,
-                sample_params.include_stop_str_in_output, sample_params.skip_special_tokens)
+                sample_params.include_stop_str_in_output, sample_params.skip_special_tokens,
+                sample_params.spaces_between_special_tokens)
             parent.samples.append(_Sample(
                 core_request.request_id, index, parent, detokenizer,
                 [] if wants_logprobs else None, 0.0 if wants_logprobs else None,
@@ -136,12 +140,17 @@ class OutputProcessor:
                                                                       out.prompt_logprobs)
             if out.new_logprobs is not None and sample.logprobs is not None:
                 self._append_logprobs(sample, new_ids, out.new_logprobs)
+            text_ids = new_ids
             if out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                detokenizer = sample.detokenizer
+                if out.finish_reason == "stop" and not detokenizer.include_stop_str_in_output:
+                    text_ids = new_ids[:-1]  # EOS or a stop token id: not part of the text
             if not sample.detokenize_at_end:
-                self._detokenize(sample, new_ids, to_abort)
+                self._detokenize(sample, text_ids, to_abort)
             elif sample.finish_reason is not None:
-                sample.detokenizer.update_at_once(sample.token_ids)
+                sample.detokenizer.update_at_once(
+                    sample.token_ids[:len(sample.token_ids) - len(new_ids) + len(text_ids)])
             # a final-only parent is looked at only when one of its samples finishes
             parent = sample.parent
             if not parent.final_only or sample.finish_reason is not None:

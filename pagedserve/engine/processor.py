@@ -1,21 +1,30 @@
 """Processor: the frontend's input side, from a user's request to engine-core requests.
 
-It tokenizes, checks the request against the model (vocabulary, max_model_len, logit_bias
-token ids, the structured-output spec, compiled here so a bad one fails at once) and fans
-n > 1 out into child requests `<id>#<i>` whose seeds derive from the parent's (seed + i). A bad
-request raises ValueError here, before the core sees it or takes any block. Shared by the
-in-process LLMEngine and the server's API process.
+It tokenizes, truncates the prompt when asked (`truncate_prompt_tokens`), checks the request
+against the model (vocabulary, max_model_len, the token ids of logit_bias, stop_token_ids and
+allowed_token_ids, the structured-output spec, compiled here so a bad one fails at once),
+tokenizes `bad_words`, and fans n > 1 out into child requests `<id>#<i>` whose seeds derive
+from the parent's (seed + i). A bad request raises RequestError (a ValueError naming the field)
+here, before the core sees it or takes any block: this is the one place these checks live,
+shared by the in-process LLMEngine and the server's API process (which maps the error to a
+400 naming the field the client sent).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable
 
+from pagedserve.engine.errors import RequestError
 from pagedserve.engine.messages import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.structured.grammar import GrammarCache
+from pagedserve.structured.params import StructuredOutputsParams
+
+# xgrammar's messages start with a time and the C++ source line that raised them
+_NATIVE_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] [^\s:]+\.(?:cc|cpp|h|hpp):\d+: ")
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -36,18 +45,21 @@ class Processor:
     def process(self, request_id: str, prompt: str | None, params: SamplingParams,
                 prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
                 cache_salt: str | None = None) -> tuple[list[int], list[EngineCoreRequest]]:
-        """The prompt's token ids and one core request per sample.
+        """The prompt's token ids (truncated if asked) and one core request per sample.
 
         `cache_salt` isolates the prefix cache: requests share cached blocks only when their
         salts are equal (it is hashed into the first block, so it reaches the whole chain).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self.prompt_token_ids(prompt, prompt_token_ids)
+        token_ids = self.truncate(self.prompt_token_ids(prompt, prompt_token_ids), params)
         self.check_lengths(len(token_ids), params)
-        self.check_logit_bias(params)
+        self.check_token_ids(params)
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self.bad_words_token_ids(
+                params.bad_words))
         if params.structured_outputs is not None:  # compiled now (and cached): fails early
-            self.grammars().get(params.structured_outputs)
+            self.check_structured_outputs(params.structured_outputs)
         arrival = time.time() if arrival_time is None else arrival_time
         requests = []
         for index, child_id in enumerate(child_request_ids(request_id, params.n)):
@@ -63,29 +75,81 @@ class Processor:
                          ) -> list[int]:
         if prompt_token_ids is None:
             if prompt is None:
-                raise ValueError("give a prompt or prompt_token_ids")
+                raise RequestError("give a prompt or prompt_token_ids", "prompt")
             prompt_token_ids = self.tokenizer.encode(prompt)
         token_ids = [int(t) for t in prompt_token_ids]
         if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise RequestError("The prompt is empty: it must have at least one token.",
+                               "prompt")
+        self._check_vocabulary(token_ids, "prompt", "prompt token ids")
         return token_ids
+
+    def truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens; -1: the most that leave room
+        for max_tokens (at least one new token)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len - (params.max_tokens or 1)
+        elif keep > self.max_model_len:
+            raise RequestError(f"truncate_prompt_tokens is {keep}, more than the model's limit "
+                               f"of {self.max_model_len} tokens.", "truncate_prompt_tokens")
+        return token_ids[-keep:] if keep > 0 else token_ids
 
     def check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens but max_model_len is "
-                             f"{limit}: it must leave room for at least one new token")
+            raise RequestError(
+                f"The prompt is {num_prompt_tokens} tokens long, which leaves no room to "
+                f"generate within the model's limit of {limit} tokens (max_model_len).",
+                "prompt", "context_length_exceeded")
         if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens "
-                             f"({params.max_tokens}) exceeds max_model_len={limit}")
+            raise RequestError(
+                f"{{param}} is {params.max_tokens}, but the prompt ({num_prompt_tokens} tokens) "
+                f"leaves room for at most {limit - num_prompt_tokens} within the model's limit "
+                f"of {limit} tokens (max_model_len).", "max_tokens", "context_length_exceeded")
+        if num_prompt_tokens + params.min_tokens > limit:
+            raise RequestError(
+                f"min_tokens is {params.min_tokens}, but the prompt ({num_prompt_tokens} "
+                f"tokens) leaves room for at most {limit - num_prompt_tokens} within the "
+                f"model's limit of {limit} tokens (max_model_len).", "min_tokens",
+                "context_length_exceeded")
 
-    def check_logit_bias(self, params: SamplingParams) -> None:
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Every token id a request names is in the vocabulary (which also keeps every id
+        within the 64 bits the core's messages and tensors hold)."""
+        self._check_vocabulary(params.logit_bias or (), "logit_bias", "logit_bias token ids")
+        self._check_vocabulary(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
+        self._check_vocabulary(params.allowed_token_ids or (), "allowed_token_ids",
+                               "allowed_token_ids")
+
+    def _check_vocabulary(self, token_ids, param: str, what: str) -> None:
         vocab = self.vocab_size
-        bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
-            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {vocab})")
+            raise RequestError(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})",
+                               param)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens, and those of the word after a space where that is another
+        token sequence of the same length (vLLM's rule): a word is banned at the start of the
+        output and in the middle of text alike."""
+        encode = self.tokenizer.encode
+        sequences: list[list[int]] = []
+        for word in words:
+            plain = list(encode(word.lstrip(), add_special_tokens=False))
+            sequences.append(plain)
+            spaced = list(encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        return sequences
+
+    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Compile `spec` (cached); RequestError naming structured_outputs if it is invalid,
+        in the grammar compiler's words without its source locations."""
+        try:
+            self.grammars().get(spec)
+        except ValueError as exc:
+            message = _NATIVE_PREFIX.sub("", str(exc)).strip()
+            raise RequestError(message, "structured_outputs") from None

@@ -7,6 +7,10 @@ lets each seeded row fill its own noise from its own generator: a seeded request
 same tokens whatever else shares its batch. Logprobs are those of the raw model
 distribution, before any processing, as the OpenAI API reports them.
 
+Before any path, the rows' token restrictions: the grammar bitmask (structured outputs),
+`allowed_token_ids` (every other token at -inf), `bad_words` (a word's last token at -inf
+where the output ends with the tokens before it), then logit_bias.
+
 The filters' rules, which every path follows: min-p keeps the tokens with exp(z - max z)
 >= min_p (z the logits over the temperature); top-k keeps the tokens at or above the k-th
 largest value; top-p keeps those at or above the largest value c whose mass at or above c
@@ -96,16 +100,26 @@ class SamplingMetadata:
     # logit_bias of the rows that have one, sparse: (row int64 [B], token id int64 [B],
     # bias float32 [B]) added to the logits after the bitmask. None when no row has one.
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
+    # allowed_token_ids: (row int64 [A], bool [A, V], True = allowed); None when no row has them
+    allowed_tokens: tuple[Tensor, Tensor] | None = None
+    # bad_words: (row int64 [B], token int64 [B], after int64 [B]): the token is banned on
+    # that row when the row's last token is `after` (-1: in any case), `last_token_ids` the
+    # rows' last tokens (needed only for an `after`). None when no row bans a token.
+    bad_words: tuple[Tensor, Tensor, Tensor] | None = None
+    last_token_ids: Tensor | None = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[CachedRequestState], vocab_size: int,
                       device: torch.device, fused: bool | None = None,
                       penalty_state: PenaltyState | None = None,
-                      penalty_slots: Sequence[int] | None = None) -> SamplingMetadata:
+                      penalty_slots: Sequence[int] | None = None,
+                      last_token_ids: Tensor | None = None) -> SamplingMetadata:
         """`fused` builds the fused kernels' inputs; None: when the device can run them.
         Rows with penalties read their slots (`PenaltyState.slots` of the rows' request
         ids) in `penalty_state`; without one, a state is built from the rows' token lists,
-        which is right only when those are complete (no token in flight)."""
+        which is right only when those are complete (no token in flight).
+        `last_token_ids` (int64 [S] on the device): each row's last token, which rows with
+        bad words need when that token is still in flight (async scheduling)."""
         params = [r.sampling_params for r in requests]
         greedy = [p.is_greedy for p in params]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -124,6 +138,18 @@ class SamplingMetadata:
             meta.penalties = _penalty_tensors(params, penalty_state, penalty_slots, device)
         if any(p.logit_bias for p in params):
             meta.logit_bias = _logit_bias(params, device)
+        if any(p.allowed_token_ids for p in params):
+            meta.allowed_tokens = _allowed_tokens(params, vocab_size, device)
+        if any(p.bad_words_token_ids for p in params):
+            bans = [ban for row, r in enumerate(requests) for ban in _bad_word_bans(row, r)]
+            if bans:
+                meta.bad_words = tuple(to_device(torch.tensor(column, dtype=torch.int64),
+                                                 device) for column in zip(*bans))
+                if any(after >= 0 for _, _, after in bans):
+                    if last_token_ids is None:
+                        raise ValueError("rows with bad words and a token in flight need "
+                                         "last_token_ids")
+                    meta.last_token_ids = last_token_ids
         return meta
 
     def _set_random(self, requests: Sequence[CachedRequestState], greedy: list[bool],
@@ -184,6 +210,34 @@ def _logit_bias(params: Sequence[SamplingParams], device: torch.device
             to_device(torch.tensor(biases, dtype=torch.float32), device))
 
 
+def _allowed_tokens(params: Sequence[SamplingParams], vocab_size: int,
+                    device: torch.device) -> tuple[Tensor, Tensor]:
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids]
+    allowed = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        allowed[i, params[row].allowed_token_ids] = True
+    return (to_device(torch.tensor(rows, dtype=torch.int64), device),
+            to_device(allowed, device))
+
+
+def _bad_word_bans(row: int, request: CachedRequestState) -> list[tuple[int, int, int]]:
+    """(row, token, after) per bad word whose last token this row must not sample now: the
+    output ends with the word's other tokens. The tokens the host knows decide all but the
+    one in flight (async scheduling: at most one, the row's last token), which the device
+    compares with `after`."""
+    output = request.output_token_ids
+    in_flight = max(request.num_output_placeholders - 1, 0)
+    bans = []
+    for *before, token in request.sampling_params.bad_words_token_ids or ():
+        if len(output) + in_flight < len(before):
+            continue
+        after = before[-1] if in_flight and before else -1
+        known = before[:-1] if after >= 0 else before
+        if not known or output[len(output) - len(known):] == known:
+            bans.append((row, token, after))
+    return bans
+
+
 def philox_rows(requests: Sequence[CachedRequestState]) -> Tensor:
     """The fused kernel's (seed, stream) per row, int64 [S, 2] on the host.
 
@@ -235,6 +289,18 @@ class Sampler:
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if meta.allowed_token_bitmask is not None:
             logits = apply_token_bitmask(logits, meta.allowed_token_bitmask)
+        if meta.allowed_tokens is not None:
+            rows, allowed = meta.allowed_tokens
+            banned = torch.zeros_like(logits, dtype=torch.bool)
+            banned[rows] = ~allowed
+            logits = logits.masked_fill(banned, float("-inf"))
+        if meta.bad_words is not None:
+            rows, tokens, after = meta.bad_words
+            hit = after < 0
+            if meta.last_token_ids is not None:
+                hit |= meta.last_token_ids.index_select(0, rows) == after
+            bans = torch.where(hit, float("-inf"), 0.0).to(logits.dtype)
+            logits = logits.index_put((rows, tokens), bans, accumulate=True)
         if meta.logit_bias is not None:
             rows, tokens, biases = meta.logit_bias
             logits = logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
