@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pagedserve.engine.request import TokenSequence
 from pagedserve.engine.sampling_params import SamplingParams
 
 
@@ -104,10 +105,13 @@ class StepBuffers:
 
 
 @dataclass(eq=False)
-class CachedRequestState:
+class CachedRequestState(TokenSequence):
     """The runner's own record of a request, from the `NewRequestData` that introduced it:
-    its tokens (the prompt, then each token it sampled, appended when the step's result is
-    read) and sampling state. Kept across preemption, dropped when the request finishes.
+    its tokens (`TokenSequence`: the prompt, then each token it sampled, appended when the
+    step's result is read) and sampling state. Kept across preemption, dropped when the
+    request finishes. The scheduler's `Request` is the engine core's record of the same
+    request; the runner keeps its own because it may run in another process (a
+    tensor-parallel rank) and reads nothing of the scheduler's.
 
     The sampler reads it as it reads a request (`sampler.SamplingMetadata.from_requests`).
     """
@@ -118,8 +122,7 @@ class CachedRequestState:
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self._init_tokens()
         # set for the rows a step samples: its tokens not known yet, the drawn one included
         self.num_output_placeholders = 0
         self.num_prompt_logprobs = 0  # prompt positions whose prompt_logprobs were reported
@@ -134,18 +137,6 @@ class CachedRequestState:
         if self.generator is not None and self.generator.device.type != device.type:
             self.generator = torch.Generator(device).manual_seed(self.sampling_params.seed)
         return self.generator
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
 
 class BlockTableRows:

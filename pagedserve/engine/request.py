@@ -1,6 +1,10 @@
 """Request: one sequence's state as the scheduler sees it (the runner keeps its own,
 `input_batch.CachedRequestState`, built from the plain-data step messages).
 
+Both keep a request's tokens the same way (`TokenSequence`): one list, the prompt then each
+token sampled after it, with the output tokens a view at the prompt's length rather than a
+second list.
+
 The scheduler owns `Request` objects. The KV cache manager reads them duck-typed
 (`request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`,
 `lora_id`), so the attribute names here are part of that contract.
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from pagedserve.engine.sampling_params import SamplingParams
 
@@ -49,8 +55,70 @@ _FINISH_REASONS = {
 FINISH_REASON_VALUES = {status: reason.value for status, reason in _FINISH_REASONS.items()}
 
 
+class OutputTokenIds(Sequence[int]):
+    """The tokens after the prompt, read in place from the sequence's one token list."""
+
+    __slots__ = ("_tokens", "_start")
+
+    def __init__(self, tokens: list[int], start: int) -> None:
+        self._tokens, self._start = tokens, start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step > 0:
+                return self._tokens[self._start + start:self._start + stop:step]
+            return self._tokens[self._start:][index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("output token index out of range")
+        return self._tokens[self._start + index]
+
+    def __iter__(self) -> Iterator[int]:
+        return islice(self._tokens, self._start, None)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return repr(self._tokens[self._start:])
+
+
+class TokenSequence:
+    """A prompt and the tokens sampled after it, in one list (`all_token_ids`); the output
+    tokens are a view of it (`output_token_ids`). Mixed into `Request` and the runner's
+    `CachedRequestState`, whose `__post_init__` calls `_init_tokens`."""
+
+    prompt_token_ids: list[int]
+
+    def _init_tokens(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> OutputTokenIds:
+        return OutputTokenIds(self.all_token_ids, self.num_prompt_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+
 @dataclass(eq=False)
-class Request:
+class Request(TokenSequence):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -61,26 +129,13 @@ class Request:
     lora_id: int | None = None
 
     def __post_init__(self) -> None:
+        self._init_tokens()
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0  # sampled tokens scheduled but not arrived yet
         self.num_preemptions = 0
         self.stop_reason: int | None = None  # the stop token id that finished it
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -90,10 +145,6 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
 
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-
     def check_stop(self, max_model_len: int) -> bool:
         """Token-level stop checks after a token was appended; sets the status when done.
 
@@ -101,8 +152,9 @@ class Request:
         processor, which then aborts the request.
         """
         params = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        last = self.all_token_ids[-1]
+        num_output = self.num_output_tokens
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -110,7 +162,7 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = last
                 return True
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -57,7 +57,6 @@ class Scheduler:
         self.swapped: dict[str, SwappedRequest] = {}
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
-        self._step_output: SchedulerOutput | None = None  # the output being built
         self._finished_ids: list[str] = []
         self._steps_in_flight: deque[list[Request]] = deque()  # sampling requests per step
 
@@ -72,10 +71,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        out = self._step_output = SchedulerOutput(finished_req_ids=self._finished_ids)
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         scheduled: list[tuple[Request, int]] = []
-        preempted = out.preempted_req_ids
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -86,20 +84,19 @@ class Scheduler:
                 continue
             num_new = min(num_tokens + num_pending - request.num_computed_tokens, budget)
             if not self._holds_its_slot(request, num_new) and not self._allocate_or_preempt(
-                    request, num_new, preempted):
+                    request, num_new, out):
                 break
             scheduled.append((request, num_new))
             budget -= num_new
-        if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+        if not out.preempted_req_ids:
+            budget = self._admit_waiting(budget, scheduled, out)
         scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
         self._advance(scheduled, out)
-        self._step_output = None
         return out
 
     def _ends_in_flight(self, request: Request, num_tokens: int, num_pending: int) -> bool:
         """Its tokens in flight take it to max_tokens or max_model_len: no step can use it."""
-        return (len(request.output_token_ids) + num_pending >= request.max_tokens
+        return (request.num_output_tokens + num_pending >= request.max_tokens
                 or num_tokens + num_pending >= self.max_model_len)
 
     def _advance(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
@@ -128,18 +125,18 @@ class Scheduler:
         return num_new == 1 and 0 < offset < self.block_size - 1
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             preempted: list[str]) -> bool:
+                             out: SchedulerOutput) -> bool:
         """Allocate, preempting from the tail until it fits; False if `request` went itself.
         The tail has not been scheduled this step, so no victim is in the batch."""
         while (blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
             victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim.request_id)
+            self._preempt(victim, out)
+            out.preempted_req_ids.append(victim.request_id)
             if victim is request:
                 return False
         windowed = self.kv_cache_manager.sliding_window is not None
         if blocks or windowed:  # a window may have nulled leading blocks
-            self._step_output.scheduled_cached_reqs.append(
+            out.scheduled_cached_reqs.append(
                 request.request_id, False, [block.block_id for block in blocks],
                 self._num_nulled_blocks(request) if windowed else 0)
         return True
@@ -157,9 +154,9 @@ class Scheduler:
                 high = middle
         return low
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         if self.swap_space is not None and request.num_computed_tokens > 0:
-            self._swap_out(request)
+            self._swap_out(request, out)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -167,7 +164,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _swap_out(self, request: Request) -> None:
+    def _swap_out(self, request: Request, out: SchedulerOutput) -> None:
         """Reserve CPU blocks for the request's computed KV and queue the copy; without room,
         the request is simply recomputed."""
         num_blocks = -(-request.num_computed_tokens // self.block_size)
@@ -175,11 +172,12 @@ class Scheduler:
         if cpu_ids is None:
             return
         gpu_ids = self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks]
-        self._step_output.blocks_to_swap_out.extend(zip(gpu_ids, cpu_ids))
+        out.blocks_to_swap_out.extend(zip(gpu_ids, cpu_ids))
         self.num_blocks_swapped_out += num_blocks
         self.swapped[request.request_id] = SwappedRequest(cpu_ids, request.num_computed_tokens)
 
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]],
+                       out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             blocks, num_hit = [], 0
@@ -194,8 +192,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if swapped is not None:
-                self._swap_in(request, swapped, num_hit)
-            self._add_to_batch_data(request, num_hit, num_ready)
+                self._swap_in(request, swapped, num_hit, out)
+            self._add_to_batch_data(request, num_hit, num_ready, out)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
             self.running.append(request)
@@ -203,10 +201,10 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _add_to_batch_data(self, request: Request, num_hit: int, num_ready: int) -> None:
+    def _add_to_batch_data(self, request: Request, num_hit: int, num_ready: int,
+                           out: SchedulerOutput) -> None:
         """What the runner needs to know of an admitted request: all of it when new; when
         resumed after preemption, its new blocks (its tokens are the runner's already)."""
-        out = self._step_output
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         if request.status == RequestStatus.WAITING:
             request.num_cached_tokens = num_hit
@@ -216,12 +214,13 @@ class Scheduler:
         else:
             out.scheduled_cached_reqs.append(request.request_id, True, block_ids)
 
-    def _swap_in(self, request: Request, swapped: SwappedRequest, num_hit: int) -> None:
+    def _swap_in(self, request: Request, swapped: SwappedRequest, num_hit: int,
+                 out: SchedulerOutput) -> None:
         """Queue the copy back of the blocks that the prefix hit did not already provide."""
         gpu_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         last = -(-swapped.num_computed_tokens // self.block_size)
         first = num_hit // self.block_size
-        self._step_output.blocks_to_swap_in.extend(
+        out.blocks_to_swap_in.extend(
             (swapped.cpu_block_ids[i], gpu_ids[i]) for i in range(first, last))
         self.num_blocks_swapped_in += max(0, last - first)
         self._release_swap(request)

@@ -120,9 +120,12 @@ def test_fused_draws_follow_the_reference_distribution(options):
     (and penalized) softmax. Chi-square below 35 (<= 7 dof: the 1e-5 tail is at 35)."""
     n, vocab = 40000, 8
     row = torch.tensor([2.0, 1.0, 0.5, 0.5, 0.0, -1.0, -3.0, 0.25], device=CUDA)
-    requests = requests_for([SamplingParams(temperature=0.8, **options)] * n, vocab)
-    for r in requests:  # one history for every row: token 0 twice, token 3 in the prompt
-        r.prompt_token_ids, r.output_token_ids = [3], [0, 0]
+    # one history for every row: token 0 twice, token 3 in the prompt
+    requests = [CachedRequestState(f"r{i}", [3], SamplingParams(temperature=0.8, **options))
+                for i in range(n)]
+    for r in requests:
+        r.append_output_token(0)
+        r.append_output_token(0)
     meta = metadata(requests, vocab, fused=True)
     tokens = Sampler()(row.expand(n, -1).contiguous(), meta).sampled_token_ids
     reference = metadata(requests[:1], vocab, fused=False)
