@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import time
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pexpect
@@ -19,9 +21,20 @@ CLI = ["-m", "pagedserve.entrypoints.cli"]
 LOAD_TIMEOUT_S = 300
 
 
-def spawn(*args: str) -> pexpect.spawn:
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def spawn(*args: str, preexec_fn=_default_sigint) -> pexpect.spawn:
+    """The CLI on a pseudo-terminal. Its SIGINT starts with the default action whatever
+    pytest's is: a disposition of "ignore" survives exec, and pytest started in the
+    background by a non-interactive shell (`make test &`) ignores SIGINT (issue 27)."""
     child = pexpect.spawn(sys.executable, [*CLI, *args], cwd=REPO, env=ENV, encoding="utf-8",
-                          timeout=LOAD_TIMEOUT_S, dimensions=(40, 200))
+                          timeout=LOAD_TIMEOUT_S, dimensions=(40, 200), preexec_fn=preexec_fn)
     child.logfile_read = io.StringIO()  # the whole transcript, to look for tracebacks
     return child
 
@@ -61,6 +74,70 @@ def test_chat_session_survives_ctrl_c_and_ends_cleanly_on_ctrl_d():
         assert "Traceback" not in chat.logfile_read.getvalue()
     finally:
         chat.close(force=True)
+
+
+def _turn(chat: pexpect.spawn, line: str) -> int:
+    """Send a message; the prompt tokens of its turn once the answer is done."""
+    chat.sendline(line)
+    chat.expect(r"\[(\d+) prompt tokens")
+    tokens = int(chat.match.group(1))
+    chat.expect_exact("> ")
+    return tokens
+
+
+def test_ctrl_c_burst_at_the_prompt_keeps_the_session_even_if_sigint_was_ignored():
+    """Bursts of Ctrl-C (300 SIGINTs within a few milliseconds) at the prompt only clear the
+    line; the conversation goes on. The chat is started with SIGINT ignored, as a
+    background job's children are: the REPL installs its own handler, since it relies on
+    Ctrl-C (ignored, the ^C would leave the line as it is and no new prompt would come)."""
+    chat = spawn("chat", "--kv-cache-memory", "64M", "--max-tokens", "1000",
+                 preexec_fn=_ignore_sigint)
+    try:
+        chat.expect_exact("> ")
+        first = _turn(chat, "Say hi.")
+        for burst in range(10):
+            chat.send("half a line")
+            for k in range(300):  # gaps from 0 to ~150 µs: some land mid-handling
+                os.kill(chat.pid, signal.SIGINT)
+                start = time.perf_counter()
+                while time.perf_counter() - start < 3e-6 * (k % 50):
+                    pass
+            chat.expect_exact("> ", timeout=60)
+        assert chat.isalive()
+        second = _turn(chat, "Say hi again.")
+        assert second > first + 4  # the first turn (question and answer) is still there
+        chat.sendeof()
+        chat.expect(pexpect.EOF)
+        chat.close()
+        assert chat.exitstatus == 0
+        assert "Traceback" not in chat.logfile_read.getvalue()
+    finally:
+        chat.close(force=True)
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """From the kernel's view of the process: its SigIgn mask has SIGINT's bit."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+               .split()[1], 16)
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_spawned_cli_gets_default_sigint_even_when_pytest_ignores_it():
+    """Issue 27: pytest run as a background job ignores SIGINT, which its children inherit;
+    `spawn` gives them the default action, which Ctrl-C in these tests needs."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        helped, inherited = spawn("chat"), spawn("chat", preexec_fn=None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert not _ignores_sigint(helped.pid)
+        assert _ignores_sigint(inherited.pid)  # what a child gets without the helper
+    finally:
+        helped.close(force=True)
+        inherited.close(force=True)
 
 
 def _loading(pid: int, timeout: float = LOAD_TIMEOUT_S) -> None:
