@@ -244,21 +244,3 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; False (nothing changed) while requests hold blocks."""
         return self.block_pool.reset_prefix_cache()
-
-    def get_slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """KV slots (block_id * block_size + offset) of token positions [start, end)."""
-        blocks = self.req_to_blocks[request_id]
-        bs = self.block_size
-        if end > len(blocks) * bs or start < 0 or start > end:
-            raise ValueError(f"positions [{start}, {end}) outside the {len(blocks) * bs} "
-                             f"allocated slots of request {request_id}")
-        return [blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
-
-    def get_block_table(self, request_ids: list[str], max_blocks: int | None = None
-                        ) -> list[list[int]]:
-        """Block ids per request, padded with the null block 0 to a common width."""
-        rows = [self.get_block_ids(r) for r in request_ids]
-        width = max((len(r) for r in rows), default=0) if max_blocks is None else max_blocks
-        if any(len(r) > width for r in rows):
-            raise ValueError(f"a request holds more than max_blocks={width} blocks")
-        return [r + [0] * (width - len(r)) for r in rows]

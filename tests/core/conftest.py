@@ -23,6 +23,18 @@ class FakeRequest:
         return len(self.all_token_ids)
 
 
+def slot_mapping(mgr: KVCacheManager, request_id: str, start: int, end: int) -> list[int]:
+    """The KV slots of positions [start, end) in the blocks the manager gave the request
+    (block_id * block_size + offset), which must cover them. What the runner computes from
+    the same blocks is tested in tests/engine/test_step_inputs.py."""
+    block_ids = mgr.get_block_ids(request_id)
+    bs = mgr.block_size
+    assert 0 <= start <= end <= len(block_ids) * bs, (
+        f"positions [{start}, {end}) outside the {len(block_ids) * bs} allocated slots of "
+        f"request {request_id}")
+    return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+
 def check_pool_invariants(pool: BlockPool) -> None:
     """I1, I3's index side, and exact counts; raises AssertionError on any violation."""
     free = pool.free_block_queue.get_all_free_blocks()

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
 
-from .conftest import FakeRequest, check_manager_invariants
+from .conftest import FakeRequest, check_manager_invariants, slot_mapping
 
 PREFIXES = [[], [1, 2, 3, 4, 5], [1, 2, 3, 4, 6, 7, 8], [2, 2, 2, 2, 2, 2, 2, 2, 2]]
 MAX_LEN = 28
@@ -36,7 +36,7 @@ class ManagerMachine(RuleBasedStateMachine):
         return (req.cache_salt, req.lora_id, tuple(req.all_token_ids[:pos + 1]))
 
     def check_context(self, req: FakeRequest, upto: int) -> None:
-        for pos, slot in enumerate(self.mgr.get_slot_mapping(req.request_id, 0, upto)):
+        for pos, slot in enumerate(slot_mapping(self.mgr, req.request_id, 0, upto)):
             assert self.kv.get(slot) == self.label(req, pos), f"wrong KV at {req}, pos {pos}"
 
     def pool_snapshot(self) -> tuple:
@@ -54,7 +54,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return False
         start = req.num_computed_tokens + num_hit
         for pos, slot in zip(range(start, start + num_new),
-                             self.mgr.get_slot_mapping(req.request_id, start, start + num_new)):
+                             slot_mapping(self.mgr, req.request_id, start, start + num_new)):
             self.kv[slot] = self.label(req, pos)
         req.num_computed_tokens = start + num_new
         self.check_context(req, req.num_computed_tokens)

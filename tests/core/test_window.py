@@ -11,7 +11,7 @@ from hypothesis.stateful import initialize
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
 
-from .conftest import FakeRequest, check_manager_invariants
+from .conftest import FakeRequest, check_manager_invariants, slot_mapping
 from .test_stateful import ManagerMachine
 
 BS = 4
@@ -119,7 +119,7 @@ class WindowedManagerMachine(ManagerMachine):
     def check_context(self, req: FakeRequest, upto: int) -> None:
         start = max(0, upto - self.mgr.sliding_window)  # the last token's window
         for pos, slot in zip(range(start, upto),
-                             self.mgr.get_slot_mapping(req.request_id, start, upto)):
+                             slot_mapping(self.mgr, req.request_id, start, upto)):
             assert slot >= self.mgr.block_size, f"{req} pos {pos} in the null block"
             assert self.kv.get(slot) == self.label(req, pos), f"wrong KV at {req}, pos {pos}"
 
