@@ -47,6 +47,7 @@ from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.input_batch import BlockTableRows, CachedRequestState, StepBuffers
 from pagedserve.engine.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedserve.engine.penalties import PenaltyState, to_device
+from pagedserve.engine.profile_run import profile_batch
 from pagedserve.engine.sampler import (
     LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, warm_up_sampler)
 from pagedserve.model import parallel
@@ -202,20 +203,12 @@ class ModelRunner:
                    - peak_activations)
 
     def _profile_run(self) -> None:
-        """One prefill of max_num_batched_tokens tokens against a throwaway 2-block cache."""
-        num_tokens = self.config.max_num_batched_tokens
+        """One prefill step of max_num_batched_tokens tokens (`profile_run.profile_batch`)
+        against a throwaway 2-block cache."""
         self.initialize_kv_cache(2)
-        meta = AttentionMetadata(
-            num_decodes=0, num_decode_tokens=0,
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
-            # every logical block maps to the null block: reads are valid, nothing is written
-            block_tables=torch.zeros((1, -(-num_tokens // self.block_size)), dtype=torch.int32,
-                                     device=self.device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            max_query_len=num_tokens, max_seq_len=num_tokens)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
+        ids, positions, meta = profile_batch(self.config.max_num_batched_tokens,
+                                             self.model_config.max_model_len, self.block_size,
+                                             self.device)
         with torch.inference_mode(), set_forward_context(meta, self.backend):
             hidden = self.model(ids, positions)
             logits = self.model.compute_logits(hidden[-self.config.max_num_seqs:])
