@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,14 +120,32 @@ def test_a_worker_that_cannot_start_is_an_error(llama, monkeypatch):
     assert time.monotonic() - start < 60
 
 
+def worker_processes() -> dict[int, int]:
+    """The tensor-parallel workers this process started and has not reaped: rank -> pid, from
+    their command lines (Linux /proc)."""
+    workers = {}
+    for children in Path("/proc/self/task").glob("*/children"):
+        for pid in children.read_text().split():
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue  # exited meanwhile
+            if b"pagedserve.engine.worker" in argv:
+                workers[int(argv[argv.index(b"--rank") + 1])] = int(pid)
+    return workers
+
+
 def test_a_killed_worker_is_an_error_and_no_worker_is_left(llama):
+    before = worker_processes()
     tp2 = engine(llama, 2)
-    executor = tp2.llm_engine.engine_core.executor
-    procs = list(executor._procs)
-    os.kill(procs[1].pid, signal.SIGKILL)
+    workers = {rank: pid for rank, pid in worker_processes().items()
+               if pid not in before.values()}
+    assert sorted(workers) == [0, 1]
+    os.kill(workers[1], signal.SIGKILL)
     prompts, params = workload()
     with pytest.raises(ExecutorError, match=r"rank 1 .* killed by signal 9"):
         tp2.generate(prompts, params, use_tqdm=False)
-    assert all(proc.poll() is not None for proc in procs)  # rank 0 was stopped too
+    # rank 0 was stopped too, and both were reaped
+    assert not set(workers.values()) & set(worker_processes().values())
     with pytest.raises(ExecutorError, match="rank 1"):  # and the engine stays failed
         tp2.generate(prompts[:1], params[:1], use_tqdm=False)

@@ -307,7 +307,9 @@ def test_scheduler_places_tokens_in_flight_and_caches_blocks_once_known():
     scheduler.update_from_output(first, ModelRunnerOutput(["r"], [9]))
     assert request.all_token_ids == [5, 6, 7, 9] and request.num_output_placeholders == 1
     assert block.block_hash is not None
-    assert manager.block_pool.get_cached_block(manager._block_hashes(request, 1)[0]) is block
+    # a request with the same first four tokens finds it
+    probe = Request("probe", [5, 6, 7, 9, 1], SamplingParams(max_tokens=8), 8)
+    assert manager.get_computed_blocks(probe) == ([block], 4)
     scheduler.update_from_output(second, ModelRunnerOutput(["r"], [4]))
     assert request.output_token_ids == [9, 4] and request.num_output_placeholders == 0
     scheduler.finish_requests("r", request.status.FINISHED_ABORTED)
