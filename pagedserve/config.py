@@ -17,6 +17,7 @@ HASH_ALGOS = ("sha256", "xxhash")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3 (attention/kv_quant.py)
 QUANTIZATIONS = ("fp8",)  # weights (model/fp8.py)
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights (model/dummy.py)
+SCHEDULING_POLICIES = ("fcfs", "priority")  # the waiting queue's order (engine/scheduler.py)
 
 # Batch limits when left to auto. The CPU's are where its bench is best. A GPU step costs
 # about the same from a few sequences up to hundreds (decode reads the weights once either
@@ -65,6 +66,10 @@ class EngineConfig:
     # "recompute" frees a preempted request's blocks and recomputes its KV on readmission;
     # "swap" copies them to pinned CPU memory (swap_space bytes) and back
     preemption_mode: str = "recompute"
+    # the waiting queue's order: "fcfs" by arrival; "priority" by each request's
+    # SamplingParams.priority (lower first), then arrival; also which running request a full
+    # KV cache preempts first (the lowest priority's)
+    scheduling_policy: str = "fcfs"
     swap_space: int = 4 << 30  # bytes of CPU memory for swapped-out blocks ("swap" mode)
     # execution
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
@@ -90,6 +95,7 @@ class EngineConfig:
         self._check_choice("prefix_caching_hash_algo", HASH_ALGOS)
         self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
         self._check_choice("load_format", LOAD_FORMATS)
+        self._check_choice("scheduling_policy", SCHEDULING_POLICIES)
         if self.quantization is not None:
             self._check_choice("quantization", QUANTIZATIONS)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

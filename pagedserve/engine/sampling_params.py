@@ -55,6 +55,9 @@ class SamplingParams:
     # grammar (pagedserve/structured)
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # scheduling, not sampling, but it travels with the request to the scheduler this way:
+    # under the "priority" policy lower values are admitted first (EngineConfig)
+    priority: int = 0
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,6 +109,8 @@ class SamplingParams:
              "allowed_token_ids must not be empty: no token could be sampled"),
             ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words or ()),
              "bad_words must be non-empty strings"),
+            ("priority", _SEEDS[0] <= self.priority < 2**63,
+             f"priority must be a 64-bit integer, got {self.priority}"),
         ]
         for param, ok, message in checks:
             if not ok:

@@ -5,6 +5,12 @@ not computed yet (`num_tokens - num_computed_tokens`), a whole prompt, a prefill
 the one token sampled last step. Each step spends `max_num_batched_tokens` first on running
 requests, in admission order, then on waiting ones, so prefill chunks mix with decodes.
 
+The waiting queue is in arrival order ("fcfs"), or, under the "priority" policy, in order of
+each request's `SamplingParams.priority` (lower first), arrival order within a priority.
+The running list is then kept in that order too, so the request a full KV cache preempts
+(the tail) is the lowest priority's: a running request yields to a higher-priority one only
+through that preemption, never just because one arrived.
+
 When the pool runs dry the most recently admitted running request is preempted and goes
 to the front of the waiting queue. By recompute (the default) its blocks are freed tail
 first (so its prompt prefix stays cached longest) and it restarts from zero computed
@@ -30,6 +36,7 @@ step's sampling requests, oldest first, to place the sampled tokens when they co
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable
 
@@ -50,6 +57,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the tail is preempted first
+        self.by_priority = config.scheduling_policy == "priority"  # both queues' order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.block_size = kv_cache_manager.block_size
@@ -63,7 +71,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.waiting.append(request)
+        self._enqueue(request)
         self.requests[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
@@ -162,7 +170,18 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at its end, or its front (preempted), in fcfs order; by
+        priority then arrival under the priority policy (a preempted request arrived before
+        the later ones of its priority, so it goes before them)."""
+        if self.by_priority:
+            bisect.insort_right(self.waiting, request, key=_priority_order)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def _swap_out(self, request: Request, out: SchedulerOutput) -> None:
         """Reserve CPU blocks for the request's computed KV and queue the copy; without room,
@@ -196,7 +215,10 @@ class Scheduler:
             self._add_to_batch_data(request, num_hit, num_ready, out)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
-            self.running.append(request)
+            if self.by_priority:
+                bisect.insort_right(self.running, request, key=_priority_order)
+            else:
+                self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
         return budget
@@ -285,3 +307,7 @@ class Scheduler:
         self._release_swap(request)
         self._finished_ids.append(request.request_id)
         self.requests.pop(request.request_id, None)
+
+
+def _priority_order(request: Request) -> tuple[int, float]:
+    return request.sampling_params.priority, request.arrival_time

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.config import (ATTENTION_BACKENDS, DTYPES, HASH_ALGOS, KV_CACHE_DTYPES,
-                               LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS, EngineConfig)
+                               LOAD_FORMATS, PREEMPTION_MODES, QUANTIZATIONS,
+                               SCHEDULING_POLICIES, EngineConfig)
 
 _SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -110,6 +111,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               default_text="the model's limit, capped by the KV cache"),
     EngineArg("preemption_mode", "when the KV cache is full: recompute a preempted request's "
               "KV later, or swap its blocks to CPU memory", choices=PREEMPTION_MODES),
+    EngineArg("scheduling_policy", "the waiting queue's order: fcfs = by arrival; priority = "
+              "by the requests' priority (lower first), then arrival; a running request "
+              "yields to a higher one only when the KV cache is full (preemption takes the "
+              "lowest priority first)", choices=SCHEDULING_POLICIES),
     EngineArg("swap_space", "CPU bytes for swapped-out blocks (--preemption-mode swap)",
               parse=parse_size, metavar="SIZE"),
     EngineArg("attention_backend", "auto = triton on CUDA; on the CPU the native kernels "

@@ -169,3 +169,62 @@ def test_blocks_nulled_out_of_a_sliding_window_reach_the_runner():
         out = run_step(scheduler)  # checks the runner's row against the manager's blocks
         nulled += out.scheduled_cached_reqs.num_nulled_blocks
     assert max(nulled) >= 5  # 36 tokens, a 6-token window: the early blocks went back
+
+
+def ranked(i: int, priority: int, prompt_len: int = 5, max_tokens: int = 2) -> Request:
+    """A request of the given priority that arrived at time i (so arrival order = i)."""
+    prompt = [i * 1000 + t for t in range(prompt_len)]
+    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, priority=priority),
+                   max_tokens, arrival_time=float(i))
+
+
+def admission_order(scheduler: Scheduler) -> list[str]:
+    """Run to the end; the ids in the order the scheduler first admitted them."""
+    order = []
+    while scheduler.has_unfinished_requests():
+        order += [new.req_id for new in run_step(scheduler).scheduled_new_reqs]
+    return order
+
+
+def test_priority_policy_admits_lower_priority_values_first_fcfs_within():
+    priorities = {1: 5, 2: 1, 3: 1, 4: 0, 5: 5}
+    orders = {}
+    for policy in ("fcfs", "priority"):
+        scheduler = make(max_num_seqs=1, scheduling_policy=policy)
+        scheduler.add_request(ranked(0, 9))  # admitted at once: nothing else is waiting
+        run_step(scheduler)
+        for i, priority in priorities.items():
+            scheduler.add_request(ranked(i, priority))
+        orders[policy] = admission_order(scheduler)
+    assert orders["fcfs"] == ["r1", "r2", "r3", "r4", "r5"]
+    assert orders["priority"] == ["r4", "r2", "r3", "r1", "r5"]
+
+
+def test_a_running_request_is_not_displaced_by_a_higher_priority_arrival():
+    scheduler = make(max_num_seqs=1, scheduling_policy="priority")
+    scheduler.add_request(ranked(0, 9, max_tokens=6))
+    run_step(scheduler)
+    scheduler.add_request(ranked(1, 0))
+    steps = 0
+    while "r0" in scheduler.requests:  # until it has run to its end
+        out = run_step(scheduler)
+        assert out.req_ids == ["r0"] and not out.preempted_req_ids
+        steps += 1
+    assert steps == 5  # its 6 tokens: 1 with the prompt, 5 decodes, none skipped
+    assert admission_order(scheduler) == ["r1"]
+
+
+def test_a_full_kv_cache_preempts_the_lowest_priority_not_the_latest_admitted():
+    # 9 usable blocks of 4 tokens: three 8-token prompts take 6, decoding needs more.
+    # Under fcfs the latest admitted (r2) goes first; by priority r0, the lowest (9).
+    victims = {}
+    for policy in ("fcfs", "priority"):
+        scheduler = make(num_blocks=10, max_num_batched_tokens=64, scheduling_policy=policy)
+        for i, priority in enumerate((9, 0, 1)):
+            scheduler.add_request(ranked(i, priority, prompt_len=8, max_tokens=12))
+        preempted = []
+        while scheduler.has_unfinished_requests():
+            preempted += run_step(scheduler).preempted_req_ids
+        victims[policy] = preempted[0]
+        assert scheduler.kv_cache_manager.get_num_free_blocks() == 9
+    assert victims == {"fcfs": "r2", "priority": "r0"}
