@@ -472,7 +472,9 @@ class ModelRunner:
         if not states:
             return StepHandle([], None, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return StepHandle(states, logits, self.sampling_metadata(states, logits),
+        last = inputs.input_ids[inputs.logits_indices] if any(  # bad words' in-flight tokens
+            state.sampling_params.bad_words_token_ids for state in states) else None
+        return StepHandle(states, logits, self.sampling_metadata(states, logits, last),
                           prompt_logprobs)
 
     @torch.inference_mode()

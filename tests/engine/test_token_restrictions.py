@@ -5,12 +5,15 @@ scheduling: the device's last token decides)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.sampler import Sampler, SamplingMetadata
 from pagedserve.engine.sampling_params import SamplingParams
+from tests.engine.test_async_scheduling import Arrival, greedy, loaded, make, run  # noqa: F401
 
 VOCAB = 40
 CPU = torch.device("cpu")
@@ -84,3 +87,20 @@ def test_bad_words_with_the_last_token_in_flight():
 def test_rows_without_restrictions_build_none():
     meta = SamplingMetadata.from_requests([request(temperature=0.0)], VOCAB, CPU)
     assert meta.allowed_tokens is None and meta.bad_words is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_bans_a_two_token_word_with_and_without_async_scheduling(loaded,
+                                                                        async_scheduling):
+    """The word's first token is still in flight when the step that must ban its second is
+    launched (async): the engines give the same output as the synchronous one, which follows
+    the free output up to the word's first token and then leaves the word."""
+    prompt = [5, 80, 81, 82, 83, 84, 85, 86, 87, 88]
+    free = run(make(loaded, False), [Arrival(0, "free", prompt, greedy(24))])["free"][0]
+    i = 3
+    word = free.token_ids[i:i + 2]
+    params = dataclasses.replace(greedy(24), bad_words_token_ids=[word])
+    out = run(make(loaded, async_scheduling), [Arrival(0, "r", prompt, params)])["r"][0]
+    assert out.token_ids[:i + 1] == free.token_ids[:i + 1]
+    assert out.token_ids[i + 1] != word[1]
+    assert all(out.token_ids[k:k + 2] != word for k in range(len(out.token_ids)))
