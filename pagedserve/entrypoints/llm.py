@@ -87,12 +87,15 @@ class LLM:
 
 
 def encode_chat(tokenizer, conversation: list[Message], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> list[int]:
-    """`tools`: OpenAI-style tool definitions for templates that render them."""
+                tools: list[dict] | None = None, continue_final_message: bool = False
+                ) -> list[int]:
+    """`tools`: OpenAI-style tool definitions for templates that render them;
+    `continue_final_message`: the last message is left open, for the model to continue."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use generate()")
     text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -1,36 +1,41 @@
 """Pydantic models of the OpenAI wire protocol that the server speaks.
 
 Ranges live on the fields so that FastAPI rejects bad values before any engine work; the
-error handlers turn those rejections into OpenAI-style 400 bodies. Every request field of
-OpenAI's completions and chat completions is in one of three groups, so a client never gets
-a plausible-looking wrong result:
+error handlers turn those rejections into OpenAI-style 400 bodies. Every request field is in
+one of three groups, so a client never gets a plausible-looking wrong result:
 - implemented: sampling (temperature, top_p, n, seed, stop, penalties, logit_bias), lengths,
   logprobs / top_logprobs, streaming with stream_options.include_usage, response_format
-  (json_object, json_schema), tools / tool_choice / parallel_tool_calls, `user` (also the
-  prefix-cache salt), and (vLLM's extension) prompt_logprobs without streaming; for
-  completions echo=false, best_of equal to n;
+  (json_object, json_schema), tools / tool_choice / parallel_tool_calls; for completions
+  echo=false; best_of equal to n;
 - accepted with no effect on the output, because they route, bill or monitor on OpenAI's side:
-  service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention, metadata,
-  store=false;
+  user, service_tier, safety_identifier, prompt_cache_key, prompt_cache_retention, metadata,
+  store=false (and, in messages, the fields an SDK echoes back from a response: refusal,
+  annotations, audio, function_call, all empty);
 - refused with a 400 naming the parameter: audio, modalities other than ["text"], prediction,
   web_search_options, reasoning_effort, verbosity, moderation, prompt_cache_options, the
   deprecated functions / function_call, store=true, stream_options.include_obfuscation=true,
-  suffix, echo=true, best_of other than n, prompt_logprobs with stream=true (as vLLM).
-Extensions (vLLM's names): top_k, min_p, repetition_penalty, min_tokens, stop_token_ids,
-ignore_eos, cache_salt, add_generation_prompt, and `structured_outputs` (exactly one of json,
-json_object, regex, choice, grammar: the output must match it). Fields nobody defines are
-ignored and logged once per field name.
+  suffix, completions' echo=true, best_of other than n, prompt_logprobs with stream=true (as
+  vLLM), use_beam_search=true, and every field nobody defines here (`extra="forbid"`).
+Extensions (vLLM's names and meanings): top_k, min_p, repetition_penalty, min_tokens,
+stop_token_ids, include_stop_str_in_output, ignore_eos, skip_special_tokens,
+spaces_between_special_tokens, truncate_prompt_tokens, allowed_token_ids, bad_words,
+prompt_logprobs, cache_salt, add_generation_prompt, continue_final_message, chat echo,
+guided_json / guided_regex / guided_choice / guided_grammar, and `structured_outputs`
+(exactly one of json, json_object, regex, choice, grammar: the output must match it).
 
-Numbers must be finite (JSON parsers accept NaN and Infinity, which no range check catches)
-and integers that reach torch must fit its 64-bit types; text must be valid Unicode (JSON's
-\ud800 escapes decode to unpaired surrogates, which no tokenizer and no UTF-8 response can
-carry). Errors raised by the validators here carry the offending parameter in their context,
-so the error body names it (`request_error`).
+Types are strict (pydantic's strict mode): "3", 2.0 and false are not integers, 0 is not a
+boolean. Numbers must be finite (JSON parsers accept NaN and Infinity, which no range check
+catches); text must be valid Unicode (JSON's \\ud800 escapes decode to unpaired surrogates,
+which no tokenizer and no UTF-8 response can carry). What needs the model (prompt length,
+token ids against the vocabulary, a grammar that compiles) is checked once, by the engine's
+Processor. Errors raised by the validators here carry the offending parameter in their
+context, so the error body names it (`request_error`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -39,6 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
     model_validator
 from pydantic_core import PydanticCustomError
 
+from pagedserve.structured.params import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 MAX_N = 16  # choices per prompt; each one occupies a running slot in the engine
@@ -46,6 +53,9 @@ MAX_LOGPROBS = 20  # top alternatives per token, as in OpenAI's chat API
 MAX_STOP = 16  # stop strings per request
 MAX_TOP_K = 2**31 - 1  # beyond any vocabulary; larger values would overflow the sampler
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what a torch generator's 64-bit seed takes
+# engine requests (prompts x n) one HTTP request may start: one client cannot fill the queue
+MAX_ENGINE_REQUESTS = 1024
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # ASCII digits only: int() takes others too
 
 
 def request_error(param: str | None, message: str,
@@ -99,25 +109,55 @@ def now() -> int:
     return int(time.time())
 
 
-_logged_extra_fields: set[str] = set()
+class _Part(BaseModel):
+    """A part of a request body: strict types, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              populate_by_name=True)
 
 
-def _log_unknown_fields(model: BaseModel) -> None:
-    for name in model.model_extra or {}:
-        if name not in _logged_extra_fields:
-            _logged_extra_fields.add(name)
-            logger.warning("ignoring the unknown request field %r (logged once)", name)
+class _Request(_Part):
+    """A request body: a part whose text is all valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        error = _unpaired_surrogate(data) if isinstance(data, dict) else None
+        if error is not None:
+            raise error
+        return data
 
 
-class StreamOptions(BaseModel):
+def _unsupported(value: Any, info: ValidationInfo) -> Any:
+    """Accepted only when null: any value asks for a feature the server does not have."""
+    if value is not None:
+        raise request_error(info.field_name, f"{info.field_name} is not supported.")
+    return value
+
+
+def _unsupported_unless_empty(value: Any, info: ValidationInfo) -> Any:
+    """Accepted when empty (null, false, "", []): what asks for nothing."""
+    if value:
+        raise request_error(info.field_name, f"{info.field_name} is not supported.")
+    return value
+
+
+class StreamOptions(_Part):
     include_usage: bool = False
-    include_obfuscation: bool = False  # no obfuscation padding is ever added
+    include_obfuscation: bool = False  # refused when true: no padding is ever added
 
 
-class StructuredOutputsRequest(BaseModel):
+def _constraint(param: str, **spec: Any) -> StructuredOutputsParams:
+    """StructuredOutputsParams, whose own checks (exactly one kind, a non-empty choice, JSON
+    text that parses) become a 400 naming `param`."""
+    try:
+        return StructuredOutputsParams(**spec)
+    except ValueError as exc:
+        raise request_error(param, f"Invalid {param}: {exc}") from None
+
+
+class StructuredOutputsRequest(_Part):
     """Extension: exactly one constraint on the output (pagedserve/structured/params.py)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema
     json_object: bool = False
@@ -125,15 +165,24 @@ class StructuredOutputsRequest(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (llama.cpp GBNF dialect), root rule `root`
 
+    @model_validator(mode="after")
+    def _check(self) -> StructuredOutputsRequest:
+        self.params()
+        return self
 
-class JSONSchemaFormat(BaseModel):
+    def params(self) -> StructuredOutputsParams:
+        return _constraint("structured_outputs", json=self.json_, json_object=self.json_object,
+                           regex=self.regex, choice=self.choice, grammar=self.grammar)
+
+
+class JSONSchemaFormat(_Part):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None  # every schema is enforced, which is what strict promises
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Part):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -145,27 +194,17 @@ class ResponseFormat(BaseModel):
         return self
 
 
-def _unsupported(value: Any, info: ValidationInfo) -> Any:
-    if value is not None:
-        raise request_error(info.field_name, f"{info.field_name} is not supported.")
-    return value
+# vLLM's guided decoding fields: the structured_outputs kind each one sets
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_unicode(cls, data: Any) -> Any:
-        error = _unpaired_surrogate(data) if isinstance(data, dict) else None
-        if error is not None:
-            raise error
-        return data
 
     model: str | None = None  # None = the served model
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = None  # only equal to n: every sample is returned
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # extension; -1 or 0 = disabled
@@ -176,32 +215,53 @@ class SamplingRequest(BaseModel):
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
+    include_stop_str_in_output: bool = False  # extension: the stop string ends the text
     ignore_eos: bool = False  # extension
+    min_tokens: int = Field(0, ge=0)  # extension: EOS and stop_token_ids ignored before this
+    skip_special_tokens: bool = True  # extension: special tokens left out of the text
+    spaces_between_special_tokens: bool = True  # extension: see engine/detokenizer.py
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # extension: keep the last k
+    allowed_token_ids: list[int] | None = None  # extension: only these can be sampled
+    bad_words: list[str] | None = None  # extension: never generated
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # also the prefix-cache salt unless cache_salt is given
     cache_salt: str | None = None  # extension: isolates the prefix cache between tenants
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    min_tokens: int = Field(0, ge=0)  # extension: EOS and stop_token_ids ignored before this
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # extension
+    guided_json: dict[str, Any] | str | None = None  # vLLM's names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # extension: per prompt position, the prompt token's logprob and this many top ones
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    use_beam_search: bool = False  # refused when true: there is no beam search
     # accepted, no effect on the output (see the module docstring)
+    user: str | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    # extension: per prompt position, the prompt token's logprob and this many top ones
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    _refuse_common = field_validator("use_beam_search")(_unsupported_unless_empty)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, value: StreamOptions | None) -> StreamOptions | None:
+        if value is not None and value.include_obfuscation:
+            raise request_error("stream_options.include_obfuscation",
+                                "include_obfuscation is not supported.")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.lstrip("-").isdigit():
-                raise request_error("logit_bias", f"logit_bias keys must be token ids, got "
-                                    f"{token!r}.")
+            if not _TOKEN_ID_KEY.fullmatch(token):
+                raise request_error("logit_bias", f"logit_bias keys must be token ids (at most "
+                                    f"19 digits 0-9), got {token!r}.")
             if not -100.0 <= bias <= 100.0:
                 raise request_error("logit_bias", f"logit_bias values must be in [-100, 100], "
                                     f"got {bias} for token {token}.")
@@ -213,14 +273,6 @@ class SamplingRequest(BaseModel):
         if value:
             raise request_error("store", "store=true is not supported: completions are not "
                                 "stored.")
-        return value
-
-    @field_validator("stream_options")
-    @classmethod
-    def _check_stream_options(cls, value: StreamOptions | None) -> StreamOptions | None:
-        if value is not None and value.include_obfuscation:
-            raise request_error("stream_options.include_obfuscation",
-                                "include_obfuscation is not supported.")
         return value
 
     @model_validator(mode="after")
@@ -236,12 +288,34 @@ class SamplingRequest(BaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise request_error("prompt_logprobs",
                                 "prompt_logprobs is not available when stream is true.")
-        if self.structured_outputs is not None and self.response_format is not None \
-                and self.response_format.type != "text":
-            raise request_error("structured_outputs", "Give either response_format or "
-                                "structured_outputs, not both.")
-        _log_unknown_fields(self)
+        if self.best_of is not None and self.best_of != self.n:
+            raise request_error("best_of", "best_of different from n is not supported.")
+        self.output_constraint()
         return self
+
+    def output_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The request field that constrains the output, as the engine's structured outputs:
+        response_format, structured_outputs or one of vLLM's guided_* fields (at most one)."""
+        found = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_
+            found.append(("response_format",
+                          StructuredOutputsParams(json=schema) if schema is not None
+                          else StructuredOutputsParams(json_object=True)))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.params()))
+        for name, kind in GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, _constraint(name, **{kind: value})))
+        if len(found) > 1:
+            raise request_error(found[1][0], f"Give one of response_format, "
+                                f"structured_outputs and {', '.join(GUIDED)}; got "
+                                f"{' and '.join(name for name, _ in found)}.")
+        return found[0] if found else None
 
 
 class CompletionRequest(SamplingRequest):
@@ -250,16 +324,19 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+
+    _refuse_completion = field_validator("echo", "suffix")(_unsupported_unless_empty)
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        if self.echo:
-            raise request_error("echo", "echo is not supported.")
-        if self.suffix:
-            raise request_error("suffix", "suffix is not supported.")
-        if self.best_of is not None and self.best_of != self.n:
-            raise request_error("best_of", "best_of different from n is not supported.")
+        count = len(self.prompts())
+        if count == 0:
+            raise request_error("prompt", "prompt must not be empty: give a text, a list of "
+                                "token ids, or a list of either.")
+        if count * self.n > MAX_ENGINE_REQUESTS:
+            raise request_error("prompt", f"This request asks for {count} prompts x n={self.n} "
+                                f"= {count * self.n} completions; the server takes at most "
+                                f"{MAX_ENGINE_REQUESTS} per request.")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -272,35 +349,36 @@ class CompletionRequest(SamplingRequest):
         return list(p)
 
 
-class TextPart(BaseModel):
+class TextPart(_Part):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(_Part):
     name: str
     arguments: str  # JSON text
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Part):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Part):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this is the result of
+    # what an SDK's response message carries when it is sent back as history: accepted empty
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
-    @model_validator(mode="after")
-    def _log_extra(self) -> ChatMessage:
-        _log_unknown_fields(self)
-        return self
+    _refuse_echoed = field_validator("refusal", "annotations", "audio",
+                                     "function_call")(_unsupported_unless_empty)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -308,23 +386,23 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_Part):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
     strict: bool | None = None  # forced calls always follow the schema
 
 
-class ChatTool(BaseModel):
+class ChatTool(_Part):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(_Part):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Part):
     type: Literal["function"]
     function: NamedFunction
 
@@ -339,6 +417,10 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # extension
+    # extension: the last message is left open and the answer continues it
+    continue_final_message: bool = False
+    # extension: the answer starts with the last message's text when that is the assistant's
+    echo: bool = False
     modalities: list[str] | None = None
     # refused (see the module docstring)
     audio: Any = None
@@ -366,8 +448,17 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and message.tool_call_id is None:
+                raise request_error(f"messages.{i}.tool_call_id", "A message with role 'tool' "
+                                    "needs the tool_call_id of the call it answers.",
+                                    code="missing_required_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise request_error("top_logprobs", "top_logprobs requires logprobs to be true.")
+        if self.continue_final_message and self.add_generation_prompt \
+                and "add_generation_prompt" in self.model_fields_set:
+            raise request_error("continue_final_message", "continue_final_message continues "
+                                "the last message, so add_generation_prompt must be false.")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise request_error("tool_choice", "tool_choice needs tools.")
         if isinstance(self.tool_choice, NamedToolChoice):
@@ -377,10 +468,9 @@ class ChatCompletionRequest(SamplingRequest):
                                     f"{self.tool_choice.function.name!r}, which is not among "
                                     "the tools.")
         forced = self.tool_choice not in (None, "none", "auto")
-        if forced and (self.structured_outputs is not None or (
-                self.response_format is not None and self.response_format.type != "text")):
+        if forced and self.output_constraint() is not None:
             raise request_error("tool_choice", "A forced tool_choice cannot be combined with "
-                                "response_format or structured_outputs.")
+                                f"{self.output_constraint()[0]}.")
         return self
 
     @property
@@ -395,6 +485,32 @@ class ChatCompletionRequest(SamplingRequest):
         """`max_completion_tokens` is OpenAI's newer name; it wins when both are given."""
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the template adds the assistant's turn: not when continuing the last."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise request_error(None, "Give exactly one of prompt and messages.")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -543,30 +659,9 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-    @model_validator(mode="after")
-    def _check(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise request_error(None, "Give exactly one of prompt and messages.")
-        return self
-
-
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
     tokens: list[int]
 
 

@@ -2,7 +2,11 @@
 
 Each handler validates and tokenizes up front, submits one engine request per prompt (the
 engine fans out `n` itself), and only then answers: so every bad input becomes a 400 before
-a stream has started, and a request the engine refused never holds a block. Streaming uses
+a stream has started, and a request the engine refused never holds a block. What needs the
+model (prompt length, token ids, grammars) is checked by the engine's Processor alone; its
+RequestError names the engine's field, which becomes the field the client sent (`prompt` is
+`messages` in a chat, `max_tokens` may be `max_completion_tokens`, a grammar is the field
+that asked for it). Streaming uses
 the engine's per-output deltas (`text_delta` is already held back where a stop string might
 still truncate it, so a streamed character is never taken back).
 
@@ -24,6 +28,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedserve.engine.errors import RequestError
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import encode_chat
 from pagedserve.entrypoints.server import tool_parsers
@@ -35,8 +40,8 @@ from pagedserve.entrypoints.server.protocol import (
     ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
     CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaFunctionCall, DeltaMessage,
     DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, NamedToolChoice,
-    PromptLogprob, PromptLogprobs, PromptTokensDetails, TokenizeRequest, TokenizeResponse, ToolCall, TopLogprob, UsageInfo,
-    SamplingRequest, random_id)
+    PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, TokenizeRequest,
+    TokenizeResponse, ToolCall, TopLogprob, UsageInfo, random_id)
 from pagedserve.structured.params import StructuredOutputsParams
 
 _DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks that its client is there
@@ -71,13 +76,10 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         base_id = random_id("cmpl")
-        prompts = req.prompts()
-        if not prompts:
-            raise bad_request("prompt must not be empty", param="prompt")
+        params = self._sampling_params(req, req.max_tokens, req.logprobs)
         requests = []
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(req.prompts()):
             token_ids = await asyncio.to_thread(self._tokenize_prompt, prompt)
-            params = self._sampling_params(req, len(token_ids), req.max_tokens, req.logprobs)
             text = prompt if isinstance(prompt, str) else None
             requests.append(_EngineRequest(f"{base_id}-{i}", text, token_ids, params))
         streams = await self._submit(requests, req)
@@ -96,10 +98,11 @@ class OpenAIServing:
         self._check_model(req.model)
         base_id = random_id("chatcmpl")
         tools = _tools_for(req)
-        token_ids = await asyncio.to_thread(self._apply_chat_template, req, tools)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, len(token_ids), req.max_new_tokens, top,
+        params = self._sampling_params(req, req.max_new_tokens, top,
                                        _forced_tool_outputs(req, tools))
+        await self._check_tool_schemas(req)
+        token_ids = await asyncio.to_thread(self._apply_chat_template, req, tools)
         requests = [_EngineRequest(base_id, None, token_ids, params)]
         streams = await self._submit(requests, req)
         if req.stream:
@@ -109,6 +112,8 @@ class OpenAIServing:
         choices = []
         for c in final.outputs:
             message, finish_reason = self._assistant_message(req, tools, c)
+            if req.echo:
+                message.content = _echo_text(req) + (message.content or "")
             choices.append(ChatChoice(
                 index=c.index, message=message, finish_reason=finish_reason,
                 logprobs=self._chat_logprobs(c.logprobs, c.token_ids, top),
@@ -143,20 +148,33 @@ class OpenAIServing:
             raise model_not_found(model)
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids; the engine checks them (empty, vocabulary, length)."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("prompt must not be empty", param="prompt")
             return list(self.tokenizer.encode(prompt))
-        if not prompt:
-            raise bad_request("prompt must not be empty", param="prompt")
-        return list(prompt)  # the engine checks the ids against the vocabulary
+        return list(prompt)
 
     def _apply_chat_template(self, req: ChatCompletionRequest,
                              tools: list[dict] | None) -> list[int]:
-        return self._render_chat(req.messages, tools, req.add_generation_prompt)
+        return self._render_chat(req.messages, tools, req.generation_prompt,
+                                 req.continue_final_message)
+
+    async def _check_tool_schemas(self, req: ChatCompletionRequest) -> None:
+        """Each tool's parameters must compile as a JSON schema, as a forced call's do, so
+        a tool is refused or accepted whatever the tool_choice."""
+        for i, tool in enumerate(req.tools or ()):
+            schema = tool.function.parameters
+            if schema is None:
+                continue
+            try:
+                await asyncio.to_thread(self.engine.processor.check_structured_outputs,
+                                        StructuredOutputsParams(json=schema))
+            except RequestError as exc:
+                raise bad_request(f"Invalid parameters schema for tool {tool.function.name!r}: "
+                                  f"{exc}", param=f"tools.{i}.function.parameters") from exc
 
     def _render_chat(self, chat: list, tools: list[dict] | None,
-                     add_generation_prompt: bool) -> list[int]:
+                     add_generation_prompt: bool, continue_final_message: bool = False
+                     ) -> list[int]:
         """The same rendering as `LLM.chat`, so the server and the offline API agree.
 
         Tools go to the template (transformers' `tools=`); a template that does not use them
@@ -171,7 +189,8 @@ class OpenAIServing:
                 messages.insert(0, {"role": "system", "content": prompt})
             tools = None
         try:
-            return encode_chat(self.tokenizer, messages, add_generation_prompt, tools=tools)
+            return encode_chat(self.tokenizer, messages, add_generation_prompt, tools=tools,
+                               continue_final_message=continue_final_message)
         except Exception as exc:  # no template, or one that rejects the roles' order
             raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
 
@@ -196,30 +215,22 @@ class OpenAIServing:
         calls: list[tool_parsers.ParsedToolCall] = []
         content: str | None = c.text
         choice = req.effective_tool_choice
-        if tools and c.finish_reason == "stop":
+        if tools and choice == "required":  # the complete calls, as streaming sends them
+            calls, content = tool_parsers.parse_forced_prefix(c.text), None
+        elif tools and c.finish_reason == "stop":
             if choice == "auto":
                 content, calls = tool_parsers.parse_tool_calls(self.tool_call_parser, c.text)
             else:  # held by the grammar, so it parses
                 calls = tool_parsers.parse_forced(c.text, _named(choice))
                 content = None
         message = AssistantMessage(content=content, tool_calls=[_tool_call(t) for t in calls])
-        return message, "tool_calls" if calls else c.finish_reason
+        return message, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
-    def _sampling_params(self, req: SamplingRequest, num_prompt_tokens: int,
-                         max_tokens: int | None, logprobs: int | None,
+    def _sampling_params(self, req: SamplingRequest, max_tokens: int | None,
+                         logprobs: int | None,
                          forced_tool: StructuredOutputsParams | None = None) -> SamplingParams:
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise bad_request(
-                f"the prompt is {num_prompt_tokens} tokens, which leaves no room to generate "
-                f"within the model's limit of {self.max_model_len} tokens",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                code="context_length_exceeded")
-        if max_tokens is not None and max_tokens > room:
-            raise bad_request(
-                f"max_tokens is {max_tokens} but the prompt ({num_prompt_tokens} tokens) leaves "
-                f"room for at most {room} within the model's limit of {self.max_model_len}",
-                param="max_tokens", code="context_length_exceeded")
+        """The engine's parameters; max_tokens None: up to the model's limit."""
+        constraint = req.output_constraint()
         try:
             return SamplingParams(
                 n=req.n,
@@ -231,33 +242,38 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 seed=req.seed,
-                max_tokens=room if max_tokens is None else max_tokens,
+                max_tokens=max_tokens,
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=req.prompt_logprobs,
                 min_tokens=req.min_tokens,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
                 logit_bias={int(k): v for k, v in req.logit_bias.items()}
                 if req.logit_bias else None,
-                structured_outputs=forced_tool or _structured_outputs(req))
-        except ValueError as exc:
-            raise bad_request(str(exc), param=_param_named_in(str(exc), req)) from exc
+                structured_outputs=forced_tool or (constraint[1] if constraint else None))
+        except RequestError as exc:
+            raise _refusal(exc, req) from exc
 
     async def _submit(self, requests: list[_EngineRequest],
                       req: SamplingRequest) -> list[AsyncIterator[Any]]:
         """Add every engine request; if one is refused, abort the ones already added."""
-        extra = {"cache_salt": req.cache_salt if req.cache_salt is not None else req.user}
         streams = []
         try:
             for r in requests:
                 streams.append(await self.engine.add_request(
                     r.request_id, prompt=r.prompt, params=r.params,
-                    prompt_token_ids=r.prompt_token_ids, **extra))
+                    prompt_token_ids=r.prompt_token_ids, cache_salt=req.cache_salt))
         except BaseException as exc:
             self._abort(requests)
-            if isinstance(exc, ValueError):  # the engine's checks concern the prompt ...
-                raise bad_request(str(exc), param=_engine_error_param(str(exc), req)) from exc
+            if isinstance(exc, RequestError):
+                raise _refusal(exc, req) from exc
             if isinstance(exc, EngineDeadError):
                 raise APIError(str(exc), 503, SERVER_ERROR) from exc
             raise
@@ -300,6 +316,10 @@ class OpenAIServing:
         for index in range(req.n):
             yield chunk([ChatStreamChoice(index=index,
                                           delta=DeltaMessage(role="assistant", content=""))])
+        echo = _echo_text(req)
+        if echo:
+            for index in range(req.n):
+                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=echo))])
         tool_streams = {i: _ToolStream(req.effective_tool_choice, self.tool_call_parser)
                         for i in range(req.n)} if tools else {}
         final = None
@@ -381,21 +401,33 @@ def _prompt_param(req: SamplingRequest) -> str:
     return "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
 
 
-def _engine_error_param(message: str, req: SamplingRequest) -> str:
-    """... or the grammar (which the engine compiles), or logit_bias's token ids."""
-    if "structured outputs" in message:
-        if isinstance(req, ChatCompletionRequest) and req.tools:
+def _client_param(param: str | None, req: SamplingRequest) -> str | None:
+    """The request field a RequestError's engine field stands for."""
+    if param == "prompt":
+        return _prompt_param(req)
+    if param == "max_tokens" and isinstance(req, ChatCompletionRequest) \
+            and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if param == "structured_outputs":
+        if isinstance(req, ChatCompletionRequest) and req.tools \
+                and req.effective_tool_choice not in ("auto", "none"):
             return "tools"
-        return "response_format" if req.response_format is not None else "structured_outputs"
-    if message.startswith("logit_bias"):
-        return "logit_bias"
-    return _prompt_param(req)
+        constraint = req.output_constraint()
+        return constraint[0] if constraint else param
+    return param
 
 
-def _param_named_in(message: str, req: SamplingRequest) -> str | None:
-    """The request field a SamplingParams message starts with ("top_p must be ...")."""
-    name = message.split(" ", 1)[0]
-    return name if name in type(req).model_fields else None
+def _refusal(exc: RequestError, req: SamplingRequest) -> APIError:
+    """A 400 for what the engine refused, in the client's field names."""
+    param = _client_param(exc.param, req)
+    return bad_request(exc.message_for(param), param=param, code=exc.code)
+
+
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the answer starts with the last message when it is the assistant's
+    (the one being continued), and with nothing otherwise."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == "assistant" else ""
 
 
 def _tools_for(req: ChatCompletionRequest) -> list[dict] | None:
@@ -417,22 +449,6 @@ def _forced_tool_outputs(req: ChatCompletionRequest, tools: list[dict] | None
         return None
     return StructuredOutputsParams(json=tool_parsers.forced_tool_schema(
         tools, _named(choice), req.parallel_tool_calls))
-
-
-def _structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """response_format, or our structured_outputs extension, as the engine's field."""
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if fmt is not None and fmt.type == "json_schema":
-        schema = fmt.json_schema.schema_
-        return (StructuredOutputsParams(json=schema) if schema is not None
-                else StructuredOutputsParams(json_object=True))
-    so = req.structured_outputs
-    if so is None:
-        return None
-    return StructuredOutputsParams(json=so.json_, json_object=so.json_object, regex=so.regex,
-                                   choice=so.choice, grammar=so.grammar)
 
 
 def _tool_call(call: tool_parsers.ParsedToolCall) -> ToolCall:

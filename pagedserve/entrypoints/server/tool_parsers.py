@@ -8,7 +8,10 @@ Two output formats, picked by `--tool-call-parser` or from the chat template:
   (several separated by ";"), optionally after `<|python_tag|>`.
 
 With `tool_choice` "required" or a named function the output is held by a JSON-schema grammar
-instead (see `forced_tool_schema`), so it parses by construction whatever the model.
+instead (see `forced_tool_schema`), so it parses by construction whatever the model. The
+"required" array holds 1 to MAX_PARALLEL_CALLS calls: a small model, free to go on, repeats
+its call until max_tokens. Its complete calls are what both streamed and whole responses
+give (`parse_forced_prefix`), so a cut-off array still yields the calls written before the cut.
 
 Streaming (`ToolCallStream`): text is streamed as content until a call may be starting; from
 there the text is held back and each call goes out once its text is complete (a delta with
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PARSERS = ("hermes", "llama3_json")
+MAX_PARALLEL_CALLS = 8  # calls in one forced ("required") answer with parallel_tool_calls
 
 
 @dataclass
@@ -144,7 +148,7 @@ def parse_forced_prefix(text: str) -> list[ParsedToolCall]:
 def forced_tool_schema(tools: list[dict], named: str | None,
                        parallel: bool = True) -> dict[str, Any]:
     """The JSON schema that holds the output to a call: the named function's parameters, or
-    one or more calls of any of the tools (one if parallel calls are off)."""
+    1 to MAX_PARALLEL_CALLS calls of any of the tools (one if parallel calls are off)."""
     def parameters(tool: dict) -> dict:
         return tool["function"].get("parameters") or {"type": "object"}
 
@@ -154,10 +158,8 @@ def forced_tool_schema(tools: list[dict], named: str | None,
               "properties": {"name": {"const": t["function"]["name"]},
                              "parameters": parameters(t)},
               "required": ["name", "parameters"]} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
+    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+            "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
 
 
 def fallback_tools_prompt(tools: list[dict]) -> str:

@@ -1,0 +1,521 @@
+"""Every request field is honored or refused (issue 29).
+
+`test_every_field_is_honored_accepted_or_refused` walks every field of every request model
+(the bodies and the parts inside them) and fails on a field that is in none of three tables:
+HONORED (with the test that checks its effect on a live server: here for the extensions,
+elsewhere for OpenAI's own fields), ACCEPTED (no effect on the output, by design: they route,
+bill or monitor on OpenAI's side) and REFUSED (a value that asks for what the server lacks,
+checked to give a 400 naming the field). A field added to the protocol without a decision
+fails here. Unknown fields are refused too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from pagedserve.entrypoints.server import protocol
+from pagedserve.model.loader import default_model_path, load_tokenizer
+from tests.server.conftest import MODEL_NAME
+
+SAY = [{"role": "user", "content": "Name a color."}]
+PROMPT = "The capital of France is"
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"]}
+
+
+def post(server, route: str, **body) -> httpx.Response:
+    if route == "chat":
+        body.setdefault("messages", SAY)
+        path = "/v1/chat/completions"
+    else:
+        body.setdefault("prompt", PROMPT)
+        path = "/v1/completions"
+    return httpx.post(server.url + path, json={"model": MODEL_NAME, **body}, timeout=300)
+
+
+def ok(server, route: str = "completions", **body) -> dict:
+    response = post(server, route, **body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def text(server, route: str = "completions", **body) -> str:
+    choice = ok(server, route, **body)["choices"][0]
+    return choice["message"]["content"] if route == "chat" else choice["text"]
+
+
+def greedy(server, route: str = "completions", **body) -> str:
+    body = {"temperature": 0, "max_tokens": 12, "ignore_eos": True, **body}
+    return text(server, route, **body)
+
+
+def token_strings(server, text_: str) -> list[str]:
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": text_,
+                                                     "add_special_tokens": False}).json()
+    return [httpx.post(server.url + "/detokenize", json={"tokens": [t]}).json()["prompt"]
+            for t in ids["tokens"]]
+
+
+def token_ids(server, text_: str) -> list[int]:
+    return httpx.post(server.url + "/tokenize", json={"prompt": text_,
+                                                      "add_special_tokens": False}
+                      ).json()["tokens"]
+
+
+def output_tokens(server, **body) -> list[str]:
+    """The output's tokens as strings (completions' logprobs name each one)."""
+    body = {"temperature": 0, "max_tokens": 12, "ignore_eos": True, "logprobs": 0, **body}
+    return ok(server, **body)["choices"][0]["logprobs"]["tokens"]
+
+
+# ---- effects of the extension fields ---------------------------------------------------------
+
+def check_guided_json(server):
+    for route in ("completions", "chat"):
+        out = text(server, route, guided_json=PERSON, temperature=0, max_tokens=40,
+                   **({"prompt": "A person as JSON:"} if route == "completions" else {}))
+        jsonschema.validate(json.loads(out), PERSON)
+    as_text = text(server, guided_json=json.dumps(PERSON), temperature=0, max_tokens=40)
+    jsonschema.validate(json.loads(as_text), PERSON)
+
+
+def check_guided_regex(server):
+    out = text(server, prompt="A phone number:", guided_regex=r"\d{3}-\d{4}", temperature=0,
+               max_tokens=16)
+    assert re.fullmatch(r"\d{3}-\d{4}", out)
+
+
+def check_guided_choice(server):
+    for seed in range(3):
+        out = text(server, "chat", guided_choice=["red", "green", "blue"], temperature=1.0,
+                   seed=seed, max_tokens=8)
+        assert out in ("red", "green", "blue")
+
+
+def check_guided_grammar(server):
+    grammar = 'root ::= "yes" | "no" | "maybe"'
+    for seed in range(3):
+        out = text(server, guided_grammar=grammar, temperature=1.0, seed=seed, max_tokens=8)
+        assert out in ("yes", "no", "maybe")
+
+
+def check_include_stop_str_in_output(server):
+    base = greedy(server, max_tokens=16)
+    stop = base[len(base) // 2:len(base) // 2 + 3]
+    cut = base.index(stop)
+    for stream in (False, True):
+        without = streamed_or_not(server, stream, stop=[stop])
+        with_stop = streamed_or_not(server, stream, stop=[stop], include_stop_str_in_output=True)
+        assert without == base[:cut]
+        assert with_stop == base[:cut + len(stop)]
+    # a stop token id: its text is left out too, unless asked for
+    stop_id, = token_ids(server, " Paris")
+    assert greedy(server, stop_token_ids=[stop_id]) == ""
+    assert greedy(server, stop_token_ids=[stop_id], include_stop_str_in_output=True) == " Paris"
+
+
+def streamed_or_not(server, stream: bool, **body) -> str:
+    body = {"temperature": 0, "max_tokens": 16, "ignore_eos": True, **body}
+    if not stream:
+        return text(server, **body)
+    response = post(server, "completions", stream=True, **body)
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+
+def special_token_text(server) -> str:
+    return httpx.post(server.url + "/detokenize", json={"tokens": [1]}).json()["prompt"]
+
+
+def check_skip_special_tokens(server):
+    """Token 1 (<|im_start|>) forced by logit_bias: left out by default, kept on request."""
+    forced = dict(prompt="Hello", max_tokens=2, logit_bias={"1": 100})
+    special = special_token_text(server)
+    assert special and greedy(server, **forced) == ""
+    assert greedy(server, skip_special_tokens=False, **forced).split() == [special, special]
+
+
+def check_spaces_between_special_tokens(server):
+    forced = dict(prompt="Hello", max_tokens=2, logit_bias={"1": 100}, skip_special_tokens=False)
+    special = special_token_text(server)
+    assert greedy(server, **forced) == f" {special} {special}"
+    assert greedy(server, spaces_between_special_tokens=False, **forced) == special * 2
+
+
+def check_truncate_prompt_tokens(server):
+    long_prompt = "Paged attention keeps the KV cache in blocks. " * 20
+    ids = token_ids(server, long_prompt)
+    assert len(ids) > 100
+    truncated = ok(server, prompt=long_prompt, truncate_prompt_tokens=7, temperature=0,
+                   max_tokens=6, ignore_eos=True)
+    assert truncated["usage"]["prompt_tokens"] == 7
+    tail = ok(server, prompt=ids[-7:], temperature=0, max_tokens=6, ignore_eos=True)
+    assert truncated["choices"][0]["text"] == tail["choices"][0]["text"]
+    chat = ok(server, "chat", truncate_prompt_tokens=5, max_tokens=1)
+    assert chat["usage"]["prompt_tokens"] == 5
+
+
+def check_allowed_token_ids(server):
+    allowed = token_ids(server, " yes no maybe")
+    free = output_tokens(server)
+    assert any(t not in (" yes", " no", " maybe") for t in free)
+    tokens = output_tokens(server, allowed_token_ids=allowed, temperature=1.0, seed=1)
+    assert tokens and set(tokens) <= {" yes", " no", " maybe"}
+
+
+def check_bad_words(server):
+    free = output_tokens(server)
+    assert free[0] == " Paris"  # a one-token word the model writes first
+    one = output_tokens(server, bad_words=["Paris"])
+    assert " Paris" not in one and one != free
+    # a two-token word it writes later: the same output up to its first token, then not its
+    # second (each word is banned with and without a leading space)
+    i = next(i for i in range(1, len(free) - 1)
+             if free[i].startswith(" ") and free[i + 1].startswith(" ")
+             and (free[i] + free[i + 1]).strip().replace(" ", "").isalpha())
+    word = (free[i] + free[i + 1]).strip()
+    assert token_strings(server, " " + word) == free[i:i + 2]
+    assert len(token_strings(server, word)) == 2
+    two = output_tokens(server, bad_words=[word])
+    assert two[:i + 1] == free[:i + 1] and two[i + 1] != free[i + 1]
+    assert all(two[k:k + 2] != free[i:i + 2] for k in range(len(two)))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+def check_continue_final_message(server, tokenizer):
+    """The last (assistant) message is continued: the same tokens as the template's own
+    rendering with continue_final_message, sent as a plain prompt."""
+    chat = SAY + [{"role": "assistant", "content": "My favorite color is"}]
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=True,
+                                             add_generation_prompt=False)
+    assert rendered.endswith("My favorite color is")
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    answer = ok(server, "chat", messages=chat, continue_final_message=True, temperature=0,
+                max_tokens=8, ignore_eos=True)
+    plain = ok(server, prompt=ids, temperature=0, max_tokens=8, ignore_eos=True)
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    assert answer["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
+    both = post(server, "chat", messages=chat, continue_final_message=True,
+                add_generation_prompt=True)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def check_chat_echo(server):
+    """vLLM's echo: the answer starts with the last message when that is the assistant's."""
+    chat = SAY + [{"role": "assistant", "content": "My favorite color is"}]
+    body = dict(messages=chat, continue_final_message=True, temperature=0, max_tokens=8,
+                ignore_eos=True)
+    plain = text(server, "chat", **body)
+    assert text(server, "chat", echo=True, **body) == "My favorite color is" + plain
+    response = post(server, "chat", echo=True, stream=True, **body)
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    assert streamed == "My favorite color is" + plain
+    # after a user message there is nothing to echo
+    assert text(server, "chat", echo=True, temperature=0, max_tokens=4) == \
+        text(server, "chat", temperature=0, max_tokens=4)
+
+
+def check_best_of(server):
+    out = ok(server, n=2, best_of=2, max_tokens=2)
+    assert len(out["choices"]) == 2
+    refused = post(server, "completions", n=2, best_of=3, max_tokens=2)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"
+
+
+def sampled(server, **body) -> str:
+    return text(server, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True, **body)
+
+
+def check_top_k(server):
+    assert sampled(server, top_k=1) == greedy(server)
+    assert sampled(server) != greedy(server)
+
+
+def check_top_p(server):
+    assert sampled(server, top_p=1e-6) == greedy(server)
+
+
+def check_min_p(server):
+    assert sampled(server, min_p=1.0) == greedy(server)
+
+
+def check_penalties(server):
+    """Each penalty changes a greedy output that repeats itself."""
+    base = greedy(server, prompt="one two one two one two", max_tokens=24)
+    for name, value in (("repetition_penalty", 2.0), ("presence_penalty", 2.0),
+                        ("frequency_penalty", 2.0)):
+        assert greedy(server, prompt="one two one two one two", max_tokens=24,
+                      **{name: value}) != base, name
+
+
+def check_use_beam_search(server):
+    assert ok(server, use_beam_search=False, max_tokens=1)
+    refused = post(server, "completions", use_beam_search=True, max_tokens=1)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "use_beam_search"
+
+
+EFFECTS = {
+    "guided_json": check_guided_json, "guided_regex": check_guided_regex,
+    "guided_choice": check_guided_choice, "guided_grammar": check_guided_grammar,
+    "include_stop_str_in_output": check_include_stop_str_in_output,
+    "skip_special_tokens": check_skip_special_tokens,
+    "spaces_between_special_tokens": check_spaces_between_special_tokens,
+    "truncate_prompt_tokens": check_truncate_prompt_tokens,
+    "allowed_token_ids": check_allowed_token_ids, "bad_words": check_bad_words,
+    "continue_final_message": check_continue_final_message, "echo": check_chat_echo,
+    "best_of": check_best_of, "top_k": check_top_k, "top_p": check_top_p,
+    "min_p": check_min_p, "penalties": check_penalties, "use_beam_search": check_use_beam_search,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EFFECTS))
+def test_field_has_its_effect(server, tokenizer, name):
+    check = EFFECTS[name]
+    if "tokenizer" in check.__code__.co_varnames[:check.__code__.co_argcount]:
+        check(server, tokenizer)
+    else:
+        check(server)
+
+
+# ---- the tables --------------------------------------------------------------------------------
+
+HERE = "tests.server.test_fields::test_field_has_its_effect"
+OPENAI = "tests.server.test_openai_api::"
+STRUCTURED = "tests.server.test_structured_api::"
+FINDINGS = "tests.server.test_findings::"
+
+# "Model.field" -> the test that checks its effect ("module::function", or HERE[name])
+HONORED = {
+    "SamplingRequest.model": "tests.server.test_bad_input::test_sdk_maps_errors_to_exceptions",
+    "SamplingRequest.n": OPENAI + "test_n2_and_ignore_eos",
+    "SamplingRequest.best_of": HERE + "[best_of]",
+    "SamplingRequest.temperature": OPENAI + "test_seed_makes_sampling_reproducible",
+    "SamplingRequest.top_p": HERE + "[top_p]",
+    "SamplingRequest.top_k": HERE + "[top_k]",
+    "SamplingRequest.min_p": HERE + "[min_p]",
+    "SamplingRequest.repetition_penalty": HERE + "[penalties]",
+    "SamplingRequest.presence_penalty": HERE + "[penalties]",
+    "SamplingRequest.frequency_penalty": HERE + "[penalties]",
+    "SamplingRequest.seed": OPENAI + "test_seed_makes_sampling_reproducible",
+    "SamplingRequest.stop": OPENAI + "test_stop_string_truncates_and_reports_stop",
+    "SamplingRequest.stop_token_ids": HERE + "[include_stop_str_in_output]",
+    "SamplingRequest.include_stop_str_in_output": HERE + "[include_stop_str_in_output]",
+    "SamplingRequest.ignore_eos": OPENAI + "test_n2_and_ignore_eos",
+    "SamplingRequest.min_tokens": STRUCTURED + "test_logit_bias_and_min_tokens",
+    "SamplingRequest.skip_special_tokens": HERE + "[skip_special_tokens]",
+    "SamplingRequest.spaces_between_special_tokens": HERE + "[spaces_between_special_tokens]",
+    "SamplingRequest.truncate_prompt_tokens": HERE + "[truncate_prompt_tokens]",
+    "SamplingRequest.allowed_token_ids": HERE + "[allowed_token_ids]",
+    "SamplingRequest.bad_words": HERE + "[bad_words]",
+    "SamplingRequest.stream": OPENAI + "test_greedy_completions_equal_llm_generate",
+    "SamplingRequest.stream_options": OPENAI + "test_without_include_usage_stream_has_no_usage",
+    "SamplingRequest.cache_salt": OPENAI + "test_cache_salt_isolates_the_prefix_cache",
+    "SamplingRequest.logit_bias": STRUCTURED + "test_logit_bias_and_min_tokens",
+    "SamplingRequest.response_format": STRUCTURED + "test_json_schema_greedy_and_sampled_validate",
+    "SamplingRequest.structured_outputs":
+        STRUCTURED + "test_structured_outputs_extension_on_completions",
+    "SamplingRequest.guided_json": HERE + "[guided_json]",
+    "SamplingRequest.guided_regex": HERE + "[guided_regex]",
+    "SamplingRequest.guided_choice": HERE + "[guided_choice]",
+    "SamplingRequest.guided_grammar": HERE + "[guided_grammar]",
+    "SamplingRequest.prompt_logprobs": STRUCTURED + "test_prompt_logprobs",
+    "CompletionRequest.prompt": OPENAI + "test_list_of_prompts_gives_a_choice_per_prompt",
+    "CompletionRequest.max_tokens": OPENAI + "test_greedy_completions_equal_llm_generate",
+    "CompletionRequest.logprobs": OPENAI + "test_logprobs_present_and_consistent",
+    "ChatCompletionRequest.messages": OPENAI + "test_greedy_chat_equals_llm_chat",
+    "ChatCompletionRequest.max_tokens": OPENAI + "test_greedy_chat_equals_llm_chat",
+    "ChatCompletionRequest.max_completion_tokens": OPENAI + "test_greedy_chat_equals_llm_chat",
+    "ChatCompletionRequest.logprobs": OPENAI + "test_logprobs_present_and_consistent",
+    "ChatCompletionRequest.top_logprobs": OPENAI + "test_logprobs_present_and_consistent",
+    "ChatCompletionRequest.tools": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "ChatCompletionRequest.tool_choice": STRUCTURED + "test_named_tool_call_plain_and_streamed",
+    "ChatCompletionRequest.parallel_tool_calls":
+        FINDINGS + "test_required_tool_call_is_bounded_and_the_same_streamed_or_not",
+    "ChatCompletionRequest.add_generation_prompt": HERE + "[continue_final_message]",
+    "ChatCompletionRequest.continue_final_message": HERE + "[continue_final_message]",
+    "ChatCompletionRequest.echo": HERE + "[echo]",
+    "ChatCompletionRequest.modalities": STRUCTURED + "test_refused_fields_get_a_400_naming_them",
+    "TokenizeRequest.model": FINDINGS + "test_tokenize_and_detokenize_refuse_bad_unicode",
+    "TokenizeRequest.prompt": STRUCTURED + "test_tokenize_and_detokenize",
+    "TokenizeRequest.messages": STRUCTURED + "test_tokenize_and_detokenize",
+    "TokenizeRequest.add_special_tokens": FINDINGS + "test_tokenize_add_special_tokens",
+    "TokenizeRequest.add_generation_prompt": FINDINGS + "test_tokenize_add_generation_prompt",
+    "DetokenizeRequest.model": FINDINGS + "test_tokenize_and_detokenize_refuse_bad_unicode",
+    "DetokenizeRequest.tokens": STRUCTURED + "test_tokenize_and_detokenize",
+    # the parts of a body
+    "StreamOptions.include_usage": OPENAI + "test_greedy_completions_equal_llm_generate",
+    "StructuredOutputsRequest.json_": FINDINGS + "test_structured_outputs_kinds",
+    "StructuredOutputsRequest.json_object": FINDINGS + "test_structured_outputs_kinds",
+    "StructuredOutputsRequest.regex": STRUCTURED + "test_structured_outputs_extension_on_completions",
+    "StructuredOutputsRequest.choice":
+        STRUCTURED + "test_structured_outputs_extension_on_completions",
+    "StructuredOutputsRequest.grammar": FINDINGS + "test_structured_outputs_kinds",
+    "ResponseFormat.type": STRUCTURED + "test_json_object_parses",
+    "ResponseFormat.json_schema": STRUCTURED + "test_json_schema_greedy_and_sampled_validate",
+    "JSONSchemaFormat.schema_": STRUCTURED + "test_json_schema_greedy_and_sampled_validate",
+    "ChatMessage.role": OPENAI + "test_greedy_chat_equals_llm_chat",
+    "ChatMessage.content": OPENAI + "test_greedy_chat_equals_llm_chat",
+    "ChatMessage.tool_calls": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "ChatMessage.tool_call_id": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "TextPart.type": FINDINGS + "test_text_parts_equal_plain_content",
+    "TextPart.text": FINDINGS + "test_text_parts_equal_plain_content",
+    "ToolCall.id": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "ToolCall.type": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "ToolCall.function": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "FunctionCall.name": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "FunctionCall.arguments": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "ChatTool.type": STRUCTURED + "test_named_tool_call_plain_and_streamed",
+    "ChatTool.function": STRUCTURED + "test_named_tool_call_plain_and_streamed",
+    "FunctionDefinition.name": STRUCTURED + "test_named_tool_call_plain_and_streamed",
+    "FunctionDefinition.description": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "FunctionDefinition.parameters": STRUCTURED + "test_named_tool_call_plain_and_streamed",
+    "NamedToolChoice.type": STRUCTURED + "test_named_tool_call_plain_and_streamed",
+    "NamedToolChoice.function": STRUCTURED + "test_named_tool_call_plain_and_streamed",
+    "NamedFunction.name": STRUCTURED + "test_named_tool_call_plain_and_streamed",
+}
+# part B of issue 29 (scheduling) owns these and their effect tests
+OWNED_ELSEWHERE = {"priority", "timeout"}
+
+# "Model.field" -> a value it is sent with: no effect on the output, by design
+ACCEPTED = {
+    "SamplingRequest.user": "end-user-1",  # OpenAI's abuse monitoring (not a cache salt)
+    "SamplingRequest.service_tier": "default",
+    "SamplingRequest.safety_identifier": "hashed-user",
+    "SamplingRequest.prompt_cache_key": "key",
+    "SamplingRequest.prompt_cache_retention": "24h",
+    "SamplingRequest.metadata": {"purpose": "test"},
+    "SamplingRequest.store": False,
+    "JSONSchemaFormat.name": None, "JSONSchemaFormat.description": None,  # labels
+    "JSONSchemaFormat.strict": None,  # every schema is enforced anyway
+    "FunctionDefinition.strict": None,  # forced calls always follow the schema
+    # given to the chat template, which may render it (the default model's ignores it)
+    "ChatMessage.name": "alice",
+}
+
+# "Model.field" -> (route, body fields that ask for the missing feature, the param named)
+MESSAGE = {"role": "assistant", "content": "Hi"}
+REFUSED = {
+    "SamplingRequest.use_beam_search": ("completions", {"use_beam_search": True}, None),
+    "StreamOptions.include_obfuscation": (
+        "completions", {"stream": True, "stream_options": {"include_obfuscation": True}},
+        "stream_options.include_obfuscation"),
+    "CompletionRequest.echo": ("completions", {"echo": True}, None),
+    "CompletionRequest.suffix": ("completions", {"suffix": "x"}, None),
+    **{f"ChatCompletionRequest.{name}": ("chat", {name: value}, None) for name, value in {
+        "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content"},
+        "web_search_options": {}, "reasoning_effort": "low", "verbosity": "low",
+        "moderation": {}, "prompt_cache_options": {}, "functions": [{"name": "f"}],
+        "function_call": "auto"}.items()},
+    **{f"ChatMessage.{name}": ("chat", {"messages": SAY + [{**MESSAGE, name: value}]},
+                               f"messages.1.{name}")
+       for name, value in {"refusal": "I cannot", "annotations": [{"type": "url"}],
+                           "audio": {"id": "a1"}, "function_call": {"name": "f"}}.items()},
+}
+
+
+def request_models() -> list[type[BaseModel]]:
+    """Every model a request body is made of: the parts' subclasses, all the way down."""
+    found, todo = [], [protocol._Part]
+    while todo:
+        model = todo.pop()
+        found.append(model)
+        todo += model.__subclasses__()
+    return [m for m in found if m.model_fields]
+
+
+def owner(model: type[BaseModel], name: str) -> str:
+    """The class that declares the field (shared fields are decided once)."""
+    for cls in model.__mro__:
+        if name in cls.__dict__.get("__annotations__", {}):
+            return cls.__name__
+    raise AssertionError(f"{model.__name__}.{name} has no declaring class")
+
+
+def all_fields() -> set[str]:
+    return {f"{owner(m, name)}.{name}" for m in request_models() for name in m.model_fields}
+
+
+def test_every_field_is_honored_accepted_or_refused():
+    fields = all_fields()
+    assert {"SamplingRequest.guided_json", "ChatMessage.tool_call_id",
+            "CompletionRequest.prompt", "DetokenizeRequest.tokens"} <= fields
+    undecided = sorted(f for f in fields if f not in HONORED and f not in ACCEPTED
+                       and f not in REFUSED and f.split(".")[1] not in OWNED_ELSEWHERE)
+    assert not undecided, f"fields neither honored nor refused: {undecided}"
+    stale = sorted((set(HONORED) | set(ACCEPTED) | set(REFUSED)) - fields)
+    assert not stale, f"tables name fields the protocol does not have: {stale}"
+    assert not set(HONORED) & (set(ACCEPTED) | set(REFUSED))
+
+
+@pytest.mark.parametrize("field", sorted(HONORED))
+def test_each_honored_field_names_a_test_that_exists(field):
+    module, _, function = HONORED[field].partition("::")
+    function, _, case = function.partition("[")
+    assert callable(getattr(importlib.import_module(module), function, None)), HONORED[field]
+    if case:
+        assert case.rstrip("]") in EFFECTS, HONORED[field]
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_refused_fields_get_a_400_naming_them(server, field):
+    route, body, param = REFUSED[field]
+    response = post(server, route, max_tokens=1, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    name = field.split(".")[1]
+    assert error["param"] == (param or name) and name in error["message"]
+
+
+def test_accepted_fields_change_nothing(server):
+    control = greedy(server, max_tokens=6)
+    top_level = {f.split(".")[1]: v for f, v in ACCEPTED.items()
+                 if f.startswith("SamplingRequest.")}
+    assert greedy(server, max_tokens=6, **top_level) == control
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    labelled = {"type": "json_schema", "json_schema": {
+        "name": "answer", "description": "an answer", "strict": True, "schema": schema}}
+    bare = {"type": "json_schema", "json_schema": {"schema": schema}}
+    assert text(server, "chat", response_format=labelled, temperature=0, max_tokens=12) == \
+        text(server, "chat", response_format=bare, temperature=0, max_tokens=12)
+    named = [{**SAY[0], "name": ACCEPTED["ChatMessage.name"]}]
+    assert greedy(server, "chat", messages=named) == greedy(server, "chat")
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("completions", {"some_unknown_field": 1}, "some_unknown_field"),
+    ("chat", {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "mood": "happy"}]},
+     "messages.0.mood"),
+    ("completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("chat", {"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
+])
+def test_unknown_fields_get_a_400_naming_them(server, route, body, param):
+    response = post(server, route, max_tokens=1, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == "unknown_parameter"
+    assert param in error["message"]
+
+
+def test_unknown_fields_on_tokenize_and_detokenize(server):
+    for path, body in (("/tokenize", {"prompt": "hi", "return_token_strs": True}),
+                       ("/detokenize", {"tokens": [1], "extra": 1})):
+        response = httpx.post(server.url + path, json=body)
+        assert response.status_code == 400 and \
+            response.json()["error"]["code"] == "unknown_parameter"
