@@ -361,7 +361,8 @@ HONORED = {
     "StreamOptions.include_usage": OPENAI + "test_greedy_completions_equal_llm_generate",
     "StructuredOutputsRequest.json_": FINDINGS + "test_structured_outputs_kinds",
     "StructuredOutputsRequest.json_object": FINDINGS + "test_structured_outputs_kinds",
-    "StructuredOutputsRequest.regex": STRUCTURED + "test_structured_outputs_extension_on_completions",
+    "StructuredOutputsRequest.regex":
+        STRUCTURED + "test_structured_outputs_extension_on_completions",
     "StructuredOutputsRequest.choice":
         STRUCTURED + "test_structured_outputs_extension_on_completions",
     "StructuredOutputsRequest.grammar": FINDINGS + "test_structured_outputs_kinds",

@@ -34,7 +34,6 @@ context, so the error body names it (`request_error`).
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 import uuid
@@ -45,8 +44,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from pagedserve.structured.params import StructuredOutputsParams
-
-logger = logging.getLogger(__name__)
 
 MAX_N = 16  # choices per prompt; each one occupies a running slot in the engine
 MAX_LOGPROBS = 20  # top alternatives per token, as in OpenAI's chat API
@@ -226,6 +223,11 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # extension: isolates the prefix cache between tenants
+    # extension: with --scheduling-policy priority, lower is admitted first (else only 0)
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
+    # extension: seconds from arrival until the request is aborted (408), at most the
+    # server's --request-timeout
+    timeout: float | None = Field(None, gt=0.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # extension
