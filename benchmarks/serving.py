@@ -313,39 +313,24 @@ def engine_flags(args: argparse.Namespace, tuned: bool) -> dict:
 def offline_rows(model: str | None, flags: dict, work: list[WorkItem], modes: list[str]
                  ) -> list[tuple[str, float, int]]:
     """(mode, seconds, output tokens) per mode, from one LLM; runs in a worker process."""
-    from benchmarks.host_timers import HostTimers
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.entrypoints.llm import LLM
 
-    llm = LLM(model, **flags)
+    llm = LLM(model, **flags)  # the engine core in its own process, as `serve` runs it
     prompts = [w.prompt for w in work]
     llm.generate(prompts[:16], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up: first-use compilation and allocations
-    timers = HostTimers(llm.llm_engine)
-    timers.take()
     rows = []
     for mode in modes:
         params = [SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, seed=w.seed,
                                  **SAMPLED) if mode == "sampled" and w.sampled else
                   SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True)
                   for w in work]
-        sync_debug(True)  # a host-device sync inside a step stalls async scheduling
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        sync_debug(False)
-        print(f"offline {mode}: host ms per step {timers.take()}", flush=True)
         rows.append((mode, seconds, sum(len(c.token_ids) for o in outs for c in o.outputs)))
     return rows
-
-
-def sync_debug(on: bool) -> None:
-    """On CUDA, torch warns (once per code location, with its stack) at every operation
-    that makes the host wait for the device: the log then names any sync in the step path."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.set_sync_debug_mode("warn" if on else "default")
 
 
 def run_offline(model: str | None, flags: dict, work: list[WorkItem], modes: list[str]

@@ -58,6 +58,7 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.loader import load_model, load_tokenizer, model_path, read_model_config
 from pagedserve.native.build import cpu_flags, has_bf16_compute
+from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.structured.remote import GrammarProcess
 
@@ -205,6 +206,11 @@ class EngineCore:
             raise AttributeError("a tensor-parallel engine has no model runner in this "
                                  "process: each worker has its own")
         return runner
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The structured-output matchers' grammar cache (the Processor checks specs with it)."""
+        return self.structured.grammars
 
     def check_health(self) -> None:
         """Raise ExecutorError if a tensor-parallel worker has died (a no-op in one process)."""

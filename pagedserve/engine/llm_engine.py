@@ -1,9 +1,15 @@
-"""LLMEngine: add_request / step / abort_request, in one process.
+"""LLMEngine: add_request / step / abort_request.
 
 It is the three parts the server splits over two processes, called in turn: the Processor
 (tokenize, validate, fan out n > 1 into child requests `<id>#<i>` with seeds seed + i), the
 EngineCore (scheduler, KV cache, model runner; token ids only) and the OutputProcessor (text,
 stop strings, logprobs, RequestOutputs). Single-threaded by design.
+
+The core runs in this process (the default: its parts can be inspected, engines can share
+loaded weights) or, with `core_process=True`, in a process of its own behind
+`core_client.RemoteEngineCore`, as the server runs it: the core then steps on while this
+process turns the previous steps' tokens into text, so output work never delays the device
+(the offline `LLM` does this).
 
 All children of a request are queued together, so they are usually admitted in the same
 step: the KV cache manager indexes a block as soon as the step that writes it is scheduled,
@@ -20,6 +26,7 @@ from collections.abc import Iterable
 from pagedserve.config import EngineConfig
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.core import EngineCore, LoadedModel
+from pagedserve.engine.core_client import RemoteEngineCore
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestOutput
@@ -33,22 +40,30 @@ __all__ = ["LLMEngine", "LoadedModel"]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 core_process: bool = False) -> None:
         """`loaded` lets tests and benchmarks build engines with other KV budgets or
-        scheduling options over one copy of the weights instead of reloading them."""
-        self.engine_core = core = EngineCore(config, loaded)
+        scheduling options over one copy of the weights instead of reloading them.
+        `core_process`: the engine core in a process of its own (see the module docstring)."""
+        if core_process and loaded is not None:
+            raise ValueError("an engine core in its own process loads its own weights: "
+                             "it cannot share loaded ones")
+        self.engine_core = core = (RemoteEngineCore(config) if core_process
+                                   else EngineCore(config, loaded))
         self.config = core.config  # with the batch limits resolved
         self.loaded = core.loaded
         self.model_config = core.model_config
         self.tokenizer = core.tokenizer
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size,
-                                   core.max_model_len, lambda: core.structured.grammars)
+                                   core.max_model_len, lambda: core.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._aborted_outputs: list[RequestOutput] = []
 
     @classmethod
-    def from_options(cls, model: str | None = None, **options) -> LLMEngine:
-        return cls(EngineConfig.from_options(model=model, **options))
+    def from_options(cls, model: str | None = None, core_process: bool = False,
+                     **options) -> LLMEngine:
+        return cls(EngineConfig.from_options(model=model, **options),
+                   core_process=core_process)
 
     # the core's parts, for introspection (stats, benchmarks, the CLI)
     @property
@@ -80,8 +95,8 @@ class LLMEngine:
         return self.engine_core.structured
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and the grammar process now (else when the
-        engine is collected or the process exits)."""
+        """Stop the core's process, the tensor-parallel workers and the grammar process now
+        (else when the engine is collected or the process exits)."""
         self.engine_core.shutdown()
 
     # -- requests -----------------------------------------------------------------------------

@@ -3,6 +3,12 @@
 It adds every prompt to one LLMEngine up front and steps until all are done, so the whole
 batch is continuously batched; results come back in input order whatever order they
 finish in.
+
+`LLM(model, ...)` runs the engine core in a process of its own, as the server does
+(`LLMEngine(core_process=True)`): this process tokenizes, detokenizes and builds the outputs
+of one step while the core already runs the next, so a batch runs at the speed the server
+gets. `LLM.from_engine` wraps an engine built here instead (in-process core: shared weights,
+inspectable parts).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ PromptInput = str | Sequence[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options) -> None:
-        self.llm_engine = LLMEngine.from_options(model=model, **engine_options)
+        self.llm_engine = LLMEngine.from_options(model=model, core_process=True,
+                                                 **engine_options)
         self._counter = 0
 
     @classmethod

@@ -1,4 +1,4 @@
-"""`LLM(tensor_parallel_size=2)` on the CPU: two gloo worker processes give TP=1's tokens.
+"""`tensor_parallel_size=2` on the CPU: two gloo worker processes give TP=1's tokens.
 
 The engines run the same requests with the same scheduling options and the same number of
 KV blocks (a rank's block holds half the KV heads, so it gets half the bytes): chunked
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pagedserve.engine.executor import ExecutorError
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.model import parallel
@@ -40,9 +41,12 @@ def kv_bytes_per_block(folder: str, tp: int, block_size: int = 4) -> int:
 
 
 def engine(folder: str, tp: int, **options) -> LLM:
-    return LLM(folder, device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
-               max_num_batched_tokens=24, seed=0, tensor_parallel_size=tp,
-               kv_cache_memory=NUM_BLOCKS * kv_bytes_per_block(folder, tp), **options)
+    """The core in this process, so that the workers are its children (the fault tests
+    kill them and watch them go)."""
+    return LLM.from_engine(LLMEngine.from_options(
+        folder, device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+        max_num_batched_tokens=24, seed=0, tensor_parallel_size=tp,
+        kv_cache_memory=NUM_BLOCKS * kv_bytes_per_block(folder, tp), **options))
 
 
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:
