@@ -31,6 +31,7 @@ class Server:
     proc: subprocess.Popen
     url: str  # http://127.0.0.1:PORT
     kv_events_endpoint: str | None = None  # where it publishes KV-cache events, if it does
+    headers: dict[str, str] | None = None  # for /health and /metrics (an API key)
 
     @property
     def base_url(self) -> str:
@@ -38,7 +39,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Scalar samples of /metrics keyed by name (labels folded in as name{k=v})."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=30).text
         values = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -106,21 +107,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra_args: str, stderr=None) -> Server:
+def start_server(*extra_args: str, stderr=None, headers: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None) -> Server:
+    """`headers` go with its /health and /metrics requests; `env` adds to its environment."""
     port = free_port()
     # exactly what `pagedserve serve ...` runs
     cmd = [sys.executable, "-c", "from pagedserve.entrypoints.cli import main; "
            "raise SystemExit(main())", "serve", "--port", str(port),
            "--kv-cache-memory", str(KV_CACHE_BYTES), "--log-level", "warning", *extra_args]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=stderr)
-    server = Server(proc, f"http://127.0.0.1:{port}")
+    server = Server(proc, f"http://127.0.0.1:{port}", headers=headers)
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} during startup")
         try:
-            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+            if httpx.get(server.url + "/health", headers=headers, timeout=5).status_code == 200:
                 return server
         except httpx.TransportError:
             pass

@@ -5,7 +5,21 @@ requests; after `--graceful-timeout` seconds we abort the ones still running in 
 each client gets a last chunk with finish_reason "abort" and `[DONE]` (or a complete JSON
 body) instead of a cut connection. Handlers still alive a few seconds later are cancelled by
 uvicorn (and abort their requests), then the lifespan hook stops the engine-core process
-(see async_engine.py for the process layout and what happens when the core dies).
+(see async_engine.py for the process layout and what happens when the core dies). A drained
+SIGTERM is a clean stop: exit code 0, as for SIGINT (uvicorn re-raises the signal after its
+shutdown; our handler for it turns that into a normal return).
+
+On a network (issue 29):
+- `--api-key` (or PAGEDSERVE_API_KEY; several keys allowed): every route but /health and
+  /metrics (unless `--auth-health-and-metrics`) wants `Authorization: Bearer <key>`, checked
+  before the body is read (`APIKeyAuth`); `--cache-salt-from-api-key` gives each key its own
+  prefix cache;
+- `--header-timeout`: a connection must finish each request's headers within it, or is
+  closed (slow-loris; uvicorn has no such timer of its own, `_HeaderTimeoutProtocol`);
+- the queue bound, the request deadline and the grammar limits (async_engine.Limits);
+- /health answers 503 when the engine is gone or when the threads that tokenize and apply
+  chat templates do not take a no-op within `--health-timeout` (a server whose requests
+  would wait that long cannot serve).
 """
 
 from __future__ import annotations
@@ -13,22 +27,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
+import os
+import signal
+from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pagedserve.entrypoints.engine_args import engine_options
-from pagedserve.entrypoints.server.async_engine import AsyncEngine
+from pagedserve.entrypoints.engine_args import engine_options, parse_size
+from pagedserve.entrypoints.server.async_engine import AsyncEngine, Limits
 from pagedserve.entrypoints.server.errors import APIError, install_error_handlers
+from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.entrypoints.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard,
-    ModelList, TokenizeRequest, TokenizeResponse)
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+    ErrorResponse, ModelCard, ModelList, SamplingRequest, TokenizeRequest, TokenizeResponse)
 from pagedserve.entrypoints.server.tool_parsers import PARSERS
 from pagedserve.entrypoints.server.serving import OpenAIServing
 
@@ -36,11 +58,46 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 2 << 20
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may call: `api_keys` (empty: anyone), whether /health and /metrics need a key
+    too, and whether each key gets a prefix cache of its own."""
+
+    api_keys: tuple[str, ...] = ()
+    auth_health_and_metrics: bool = False
+    cache_salt_from_api_key: bool = False
+
+    def __post_init__(self) -> None:
+        if any(not key for key in self.api_keys):
+            raise ValueError("an API key must not be empty")
+        if self.cache_salt_from_api_key and not self.api_keys:
+            raise ValueError("--cache-salt-from-api-key needs --api-key")
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error statuses a route can answer, in OpenAI's shape."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_TEXT[status]}
+            for status in statuses}
+
+
+_ERROR_TEXT = {
+    401: "No API key, or not one of the server's (--api-key)",
+    404: "The model is not served here",
+    408: "The request's timeout (or --request-timeout) passed; it was aborted",
+    413: "The body is larger than --max-body-size",
+    429: "The waiting queue (--max-queued-requests) or the grammar compile threads are full; "
+         "see Retry-After",
+    503: "The engine is not running (or, for /health, cannot serve now)",
+}
 
 
 def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (),
               tool_call_parser: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
+              health_timeout: float = 5.0) -> FastAPI:
     """An app serving `engine` under `model_name` (and `aliases`)."""
     ready = engine.ready
     card = {"max_model_len": ready.max_model_len, "kv_cache_dtype": ready.kv_cache_dtype,
@@ -58,38 +115,121 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
     app.state.async_engine = engine
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    open_paths = frozenset() if access.auth_health_and_metrics else OPEN_PATHS
+    if access.api_keys:  # outermost: nothing else runs for a request without a key
+        app.add_middleware(APIKeyAuth, keys=access.api_keys, open_paths=open_paths,
+                           metrics=engine.metrics)
+    auth = (401,) if access.api_keys else ()
+    status_auth = auth if access.auth_health_and_metrics else ()
+    generate = _errors(*auth, 404, 408, 413, 429, 503)
 
-    @app.get("/health")
+    @app.get("/health", responses=_errors(*status_auth, 503))
     async def health() -> Response:
-        if engine.is_running:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine not running"}, status_code=503)
+        if not engine.is_running:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        try:  # the threads every request's tokenization waits for
+            await asyncio.wait_for(asyncio.to_thread(_nothing), health_timeout)
+        except asyncio.TimeoutError:
+            return JSONResponse({"status": f"the tokenizer threads did not answer within "
+                                 f"{health_timeout:g} s"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(*auth))
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, **card)])
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=_errors(*status_auth))
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generate)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
+        _salt(req, raw, access)
         return await serving.create_completion(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generate)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        _salt(req, raw, access)
         return await serving.create_chat_completion(req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_errors(*auth, 404, 413))
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         return await asyncio.to_thread(serving.tokenize, req)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_errors(*auth, 404, 413))
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         return await asyncio.to_thread(serving.detokenize, req)
 
     return app
+
+
+def _nothing() -> None:
+    """/health's probe of the worker threads."""
+
+
+def _salt(req: SamplingRequest, raw: Request, access: Access) -> None:
+    """With --cache-salt-from-api-key the request's prefix-cache salt starts with its key's:
+    tenants never share a cached block, and a tenant's own cache_salt still splits further."""
+    if access.cache_salt_from_api_key:
+        key_salt = raw.scope["state"][_KEY_SALT]
+        req.cache_salt = key_salt if req.cache_salt is None else f"{key_salt}:{req.cache_salt}"
+
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # for probes and scrapers, unless configured
+_KEY_SALT = "pagedserve_key_salt"  # where APIKeyAuth leaves the caller's key's salt
+
+
+class APIKeyAuth:
+    """401 (OpenAI's shape) unless `Authorization: Bearer <key>` names one of the keys,
+    decided from the headers alone: a caller without a key gets no byte of its body read.
+
+    The comparison takes the same time whichever key matches, or none: the presented key and
+    each server key are compared as SHA-256 digests (equal lengths, so `compare_digest` does
+    not reveal a key's length), every key every time. The matched key's salt goes into the
+    request's scope for --cache-salt-from-api-key.
+    """
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], open_paths: frozenset[str],
+                 metrics: ServerMetrics) -> None:
+        self.app, self.open_paths, self.metrics = app, open_paths, metrics
+        self._digests = [_digest(key) for key in keys]
+        self._salts = [hashlib.sha256(b"pagedserve cache salt\0" + key.encode()).hexdigest()
+                       for key in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, token = get_authorization_scheme_param(header)
+        match = None
+        if scheme.lower() == "bearer" and token:
+            presented = _digest(token)
+            for i, digest in enumerate(self._digests):  # no early exit: constant time
+                if hmac.compare_digest(presented, digest):
+                    match = i
+        if match is None:
+            self.metrics.rejected.labels(reason="unauthorized").inc()
+            message = ("Incorrect API key provided." if token else "You didn't provide an API "
+                       "key: send it as 'Authorization: Bearer <key>'.")
+            response = APIError(message, 401, code="invalid_api_key").response()
+            response.headers["WWW-Authenticate"] = "Bearer"
+            response.headers["Connection"] = "close"  # its body, if any, stays unread
+            await response(scope, receive, send)
+            return
+        scope.setdefault("state", {})[_KEY_SALT] = self._salts[match]
+        await self.app(scope, receive, send)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    """The keys of every --api-key (each may be a comma list), else of PAGEDSERVE_API_KEY."""
+    given = flags if flags else [os.environ.get(API_KEY_ENV, "")]
+    keys = [key.strip() for value in given for key in value.split(",")]
+    return tuple(dict.fromkeys(key for key in keys if key))
 
 
 class BodySizeLimit:
@@ -156,6 +296,59 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replayed
 
 
+class _HeaderTimeoutProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol, plus a deadline on each request's headers: from the
+    connection's start for the first request, from its first byte for the next ones (idle
+    time between requests is uvicorn's keep-alive timeout). A connection that has not sent
+    complete headers by then is closed: slow-loris clients hold no connection for long."""
+
+    header_timeout = 10.0  # set per server (`_header_timeout_protocol`)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._header_timer is None:
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def _header_timeout_protocol(seconds: float) -> type[_HeaderTimeoutProtocol]:
+    return type("HeaderTimeoutProtocol", (_HeaderTimeoutProtocol,), {"header_timeout": seconds})
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The server's own options; the engine's come from `engine_args.add_engine_args`."""
     group = parser.add_argument_group("server options")
@@ -177,7 +370,50 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest request body in bytes; a larger one gets 413 "
                        "(default: %(default)s)")
+    net = parser.add_argument_group("on a network")
+    net.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="requests need 'Authorization: Bearer KEY' (401 otherwise); give it "
+                     f"several times or as a comma list for several keys (default: "
+                     f"${API_KEY_ENV}, else no key needed)")
+    net.add_argument("--auth-health-and-metrics", action="store_true",
+                     help="/health and /metrics need the key too (default: open, for probes "
+                     "and scrapers)")
+    net.add_argument("--cache-salt-from-api-key", action="store_true",
+                     help="each API key gets a prefix cache of its own (its requests' "
+                     "cache_salt starts with one derived from the key): for several tenants")
+    net.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                     help="engine requests (prompts x n) that may wait for a running slot; "
+                     "past it 429 with Retry-After (default: unbounded)")
+    net.add_argument("--request-timeout", type=_positive(float), default=None,
+                     metavar="SECONDS", help="a request still unfinished this long after it "
+                     "arrived is aborted (408, or an error event); the request's `timeout` "
+                     "field may set less (default: none)")
+    net.add_argument("--header-timeout", type=_positive(float), default=10.0,
+                     metavar="SECONDS", help="a connection that has not sent a request's "
+                     "headers within this is closed (default: %(default)s)")
+    net.add_argument("--health-timeout", type=_positive(float), default=5.0, metavar="SECONDS",
+                     help="/health answers 503 when the tokenizer threads do not take a no-op "
+                     "within this (default: %(default)s)")
+    net.add_argument("--max-grammar-bytes", type=parse_size, default=Limits.max_grammar_bytes,
+                     metavar="SIZE", help="largest structured-output spec (JSON schema, regex, "
+                     "grammar, choices); a larger one gets 400 (default: 256K)")
+    net.add_argument("--grammar-compile-timeout", type=_positive(float),
+                     default=Limits.grammar_compile_timeout, metavar="SECONDS",
+                     help="a grammar not compiled within this gets 400 and is refused at once "
+                     "afterwards (default: %(default)s)")
+    net.add_argument("--grammar-compile-threads", type=int,
+                     default=Limits.grammar_compile_threads, metavar="N",
+                     help="threads that compile grammars, apart from the ones that tokenize "
+                     "(default: %(default)s)")
     return parser
+
+
+def server_limits(args: argparse.Namespace) -> Limits:
+    return Limits(max_queued_requests=args.max_queued_requests,
+                  request_timeout=args.request_timeout,
+                  max_grammar_bytes=args.max_grammar_bytes,
+                  grammar_compile_timeout=args.grammar_compile_timeout,
+                  grammar_compile_threads=args.grammar_compile_threads)
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -189,24 +425,42 @@ def run_server(args: argparse.Namespace) -> None:
     from pagedserve.model.loader import load_tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    limits = server_limits(args)  # checked, as the access below, before the model loads
+    access = Access(api_keys(args.api_key), args.auth_health_and_metrics,
+                    args.cache_salt_from_api_key)
     client = EngineCoreClient(EngineConfig.from_options(**engine_options(args), seed=args.seed))
     try:
-        engine = AsyncEngine(client, load_tokenizer(client.ready.tokenizer))
+        engine = AsyncEngine(client, load_tokenizer(client.ready.tokenizer), limits=limits,
+                             scheduling_policy=args.scheduling_policy)
         name = args.served_model_name or (Path(args.model).stem if args.model
                                           else DEFAULT_MODEL_NAME)
         aliases = (args.model,) if args.model else ()
-        app = build_app(engine, name, aliases, args.tool_call_parser, args.max_body_size)
+        app = build_app(engine, name, aliases, args.tool_call_parser, args.max_body_size,
+                        access, args.health_timeout)
         # uvicorn cancels handlers still running after its own timeout; ours fires first and
         # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.graceful_timeout + _CANCEL_AFTER_S)
+                                timeout_graceful_shutdown=args.graceful_timeout + _CANCEL_AFTER_S,
+                                http=_header_timeout_protocol(args.header_timeout))
         server = _Server(config, engine, args.graceful_timeout)
-        with contextlib.suppress(KeyboardInterrupt):
-            server.run()
+        previous = signal.signal(signal.SIGTERM, _terminated)
+        try:
+            with contextlib.suppress(KeyboardInterrupt, _Terminated):
+                server.run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
         client.shutdown()
     if engine.error is not None:
         raise RuntimeError(str(engine.error))
+
+
+class _Terminated(Exception):
+    """SIGTERM, re-raised by uvicorn once its graceful shutdown is done."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 _CANCEL_AFTER_S = 5.0  # after the abort, how long handlers get to send their last bytes

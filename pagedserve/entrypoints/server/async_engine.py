@@ -14,6 +14,17 @@ turns False (so /health answers 503), and `on_dead` tells the server to exit, no
 server does not restart the core: its KV cache and every request in it are gone, and a
 supervisor (systemd, Kubernetes) that restarts the whole server is simpler and cleaner than
 a half-restarted one.
+
+Limits a server on a network needs (`Limits`), each answered before the request costs more:
+- the waiting queue: past `max_queued_requests` engine requests waiting, a new one gets 429
+  with Retry-After (`QueueFull`). Waiting = in flight here (samples not finished) minus
+  running in the core, as of the core's last step: exact for what was added since, and
+  never stricter than the core's own queue;
+- a deadline: `timeout` per request, capped by `request_timeout`, from submission; at the
+  deadline the request is aborted in the core (its blocks freed) and its consumer gets
+  `RequestTimeout` (408; in a stream that has started, an error event);
+- grammars: compiled on threads of their own, bounded in size and time
+  (`structured/compiles.py`), never on the threads that tokenize and apply chat templates.
 """
 
 from __future__ import annotations
@@ -26,16 +37,65 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from fastapi.responses import JSONResponse
+
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
 from pagedserve.engine.messages import EngineCoreOutputs, SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestOutput
 from pagedserve.engine.processor import Processor
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.entrypoints.server.errors import APIError, bad_request
 from pagedserve.entrypoints.server.metrics import RequestTiming, ServerMetrics
+from pagedserve.structured.compiles import GrammarBusy, GrammarCompiles
 from pagedserve.structured.grammar import GrammarCache
+from pagedserve.structured.params import StructuredOutputsParams
 
-__all__ = ["AsyncEngine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "Limits", "QueueFull", "RequestTimeout"]
+
+RETRY_AFTER_S = 1  # what a 429 tells a client to wait: the queue moves once per step
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's bounds on what requests may cost (None: unbounded)."""
+
+    max_queued_requests: int | None = None  # engine requests waiting in the core
+    request_timeout: float | None = None  # seconds from submission to the last token
+    max_grammar_bytes: int = 256 << 10  # a structured-output spec, as its cache key spells it
+    grammar_compile_timeout: float = 5.0  # seconds, waiting for a compile thread included
+    grammar_compile_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError("request_timeout must be > 0 seconds")
+        if self.max_grammar_bytes < 1 or self.grammar_compile_threads < 1:
+            raise ValueError("max_grammar_bytes and grammar_compile_threads must be >= 1")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be > 0 seconds")
+
+
+class QueueFull(APIError):
+    """429: the waiting queue (or every grammar compile thread) is full; retry later."""
+
+    def __init__(self, message: str, code: str = "queue_full") -> None:
+        super().__init__(message, 429, "rate_limit_error", None, code)
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
+
+class RequestTimeout(APIError):
+    """408: the request's deadline passed; it was aborted and its blocks freed."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"The request did not finish within its timeout of {timeout:g} s "
+                         "(the request's `timeout`, at most the server's --request-timeout); "
+                         "it was aborted.", 408, "timeout_error", "timeout", "request_timeout")
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +111,8 @@ class _Stream:
     """
 
     arrival: float  # time.monotonic() when the handler submitted it
+    num_live: int = 1  # its engine requests (n samples) not finished yet
+    timer: asyncio.TimerHandle | None = None  # its deadline's, when it has one
     first_token: float | None = None
     num_output_tokens: int = 0
     _pending: RequestOutput | BaseException | None = None
@@ -76,13 +138,21 @@ class AsyncEngine:
     """Streams `RequestOutput`s of the core process's steps to coroutines."""
 
     def __init__(self, client: EngineCoreClient, tokenizer: Any,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, limits: Limits = Limits(),
+                 scheduling_policy: str = "fcfs") -> None:
+        """`scheduling_policy`: the core's (a priority other than 0 is refused under fcfs)."""
         self.client = client
+        self.priorities = scheduling_policy == "priority"
         self.ready = ready = client.ready
         self.tokenizer = tokenizer
         self.metrics = metrics or ServerMetrics()
+        self.limits = limits
         self.processor = Processor(tokenizer, ready.vocab_size, ready.max_model_len,
                                    self._grammars)
+        self.compiles = GrammarCompiles(
+            self.processor.check_structured_outputs, limits.grammar_compile_threads,
+            limits.max_grammar_bytes, limits.grammar_compile_timeout)
+        self._num_running = 0  # in the core, as of its last step's stats
         self.output_processor = OutputProcessor(tokenizer)
         self.on_dead: Callable[[], None] | None = None  # called once if the core dies
         self.error: EngineDeadError | None = None
@@ -130,22 +200,33 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                           prompt_token_ids: list[int] | None = None,
-                          cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                          cache_salt: str | None = None, timeout: float | None = None
+                          ) -> AsyncIterator[RequestOutput]:
         """Submit a request; return its stream of outputs, up to the finished one.
 
         Raises ValueError (bad input) here, before any output exists, so the handler can still
-        answer 400. If the consumer stops early the request is aborted; a caller that never
-        iterates the stream must call `abort(request_id)` itself.
+        answer 400; QueueFull or RequestTimeout likewise. `timeout` (seconds, capped by
+        `limits.request_timeout`) bounds the request from now to its last token. If the
+        consumer stops early the request is aborted; a caller that never iterates the stream
+        must call `abort(request_id)` itself.
         """
         self._check_running()
-        args = (request_id, prompt, params, prompt_token_ids, None, cache_salt)
-        if params.structured_outputs is not None:  # compiling a grammar takes a while
-            token_ids, core_requests = await asyncio.to_thread(self.processor.process, *args)
+        if params.priority != 0 and not self.priorities:
+            raise bad_request("priority needs a server started with --scheduling-policy "
+                              "priority (this one schedules first come, first served), got "
+                              f"{params.priority}.", param="priority")
+        arrival = time.monotonic()
+        timeout = _earliest(timeout, self.limits.request_timeout)
+        deadline = None if timeout is None else arrival + timeout
+        self._check_queue(params.n)
+        if params.structured_outputs is not None:  # before anything else costs: may refuse
+            await self._compile(params.structured_outputs, deadline, timeout)
             self._check_running()
-        else:
-            token_ids, core_requests = self.processor.process(*args)
+            self._check_queue(params.n)
+        token_ids, core_requests = self.processor.process(
+            request_id, prompt, params, prompt_token_ids, None, cache_salt)
         self.output_processor.add_request(request_id, prompt, token_ids, params, core_requests)
-        stream = _Stream(time.monotonic())
+        stream = _Stream(arrival, num_live=len(core_requests))
         self._streams[request_id] = stream
         try:
             for core_request in core_requests:
@@ -153,7 +234,48 @@ class AsyncEngine:
         except EngineDeadError:
             self.abort(request_id)
             raise
+        if deadline is not None:
+            stream.timer = asyncio.get_running_loop().call_later(
+                deadline - time.monotonic(), self._expire, request_id, timeout)
         return self._outputs(request_id, stream)
+
+    async def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Compile `spec` on the grammar threads, within the server's limits (RequestError
+        naming structured_outputs, or QueueFull when every thread stays busy)."""
+        await self._compile(spec, None, None)
+
+    async def _compile(self, spec: StructuredOutputsParams, deadline: float | None,
+                       timeout: float | None) -> None:
+        try:
+            await self.compiles.compile(spec, deadline)
+        except GrammarBusy as exc:
+            self.metrics.rejected.labels(reason="grammar_busy").inc()
+            raise QueueFull(f"{exc}.", code="grammar_compiles_busy") from None
+        except asyncio.TimeoutError:
+            self.metrics.rejected.labels(reason="timeout").inc()
+            raise RequestTimeout(timeout) from None
+        except ValueError:
+            self.metrics.rejected.labels(reason="grammar").inc()
+            raise
+
+    def _check_queue(self, num_new: int) -> None:
+        """QueueFull when `num_new` more waiting engine requests would pass the bound."""
+        bound = self.limits.max_queued_requests
+        if bound is None:
+            return
+        waiting = sum(s.num_live for s in self._streams.values()) - self._num_running
+        if waiting + num_new > bound:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise QueueFull(f"The server's queue is full ({max(waiting, 0)} requests waiting, "
+                            f"at most {bound}: --max-queued-requests); retry later.")
+
+    def _expire(self, request_id: str, timeout: float) -> None:
+        """The deadline: abort in the core, the consumer gets RequestTimeout."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        self._finish(request_id, reason="timeout")
+        stream.put(RequestTimeout(timeout))
 
     def _check_running(self) -> None:
         if not self.is_running:
@@ -183,10 +305,12 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self._finish(request_id, deliver=True)
 
-    def _finish(self, request_id: str, deliver: bool = False) -> None:
+    def _finish(self, request_id: str, deliver: bool = False, reason: str = "abort") -> None:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return  # finished (or rejected) before the abort
+        if stream.timer is not None:
+            stream.timer.cancel()
         output, core_ids = self.output_processor.abort_request(request_id, time.time())
         if core_ids and self.error is None and not self._stopping:
             try:
@@ -195,7 +319,7 @@ class AsyncEngine:
                 pass  # the core is gone with the request; the process watch reports it
         if deliver and output is not None:
             stream.put(output)
-        self._record_finish(stream, "abort")
+        self._record_finish(stream, reason)
 
     # ---- the core's outputs ------------------------------------------------------------------
 
@@ -223,11 +347,15 @@ class AsyncEngine:
             if num_tokens and stream.first_token is None:
                 stream.first_token = now
             stream.num_output_tokens = num_tokens
+            stream.num_live = sum(c.finish_reason is None for c in output.outputs)
             stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
+                if stream.timer is not None:
+                    stream.timer.cancel()
                 self._record_finish(stream, _finish_reason(output))
         if core_outputs.scheduler_stats is not None:
+            self._num_running = core_outputs.scheduler_stats.num_running
             self.metrics.update_engine_stats(self._engine_stats(core_outputs.scheduler_stats))
 
     def _engine_stats(self, stats: SchedulerStats) -> EngineStats:
@@ -273,6 +401,8 @@ class AsyncEngine:
         now = time.time()
         for request_id, stream in streams.items():
             self.output_processor.abort_request(request_id, now)
+            if stream.timer is not None:
+                stream.timer.cancel()
             stream.put(error)
 
 
@@ -280,3 +410,8 @@ def _finish_reason(output: Any) -> str:
     """One label per request for the metrics: the "worst" reason over its n choices."""
     reasons = {c.finish_reason for c in output.outputs}
     return next((r for r in ("abort", "stop") if r in reasons), "length")
+
+
+def _earliest(*timeouts: float | None) -> float | None:
+    given = [t for t in timeouts if t is not None]
+    return min(given) if given else None

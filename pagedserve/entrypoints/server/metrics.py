@@ -96,6 +96,11 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter(PREFIX + "request_finished", "Requests finished, by reason.",
                                 ["finish_reason"], registry=self.registry)
+        self.rejected = Counter(
+            PREFIX + "request_rejected", "Requests refused by a server limit before they ran: "
+            "unauthorized, queue_full, grammar (too large, too slow to compile), grammar_busy, "
+            "timeout (the deadline passed while its grammar compiled).", ["reason"],
+            registry=self.registry)
 
     def update_engine_stats(self, stats: Any) -> None:
         """Called once per core step; a plain reference swap, read at scrape time."""
@@ -103,7 +108,7 @@ class ServerMetrics:
 
     def observe_request(self, timing: RequestTiming, finish_reason: str) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()
-        if finish_reason == "abort":
+        if finish_reason in ("abort", "timeout"):
             return  # an aborted request's latency says nothing about serving speed
         if timing.ttft is not None:
             self.ttft.observe(timing.ttft)

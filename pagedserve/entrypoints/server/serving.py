@@ -257,7 +257,8 @@ class OpenAIServing:
                 bad_words=req.bad_words,
                 logit_bias={int(k): v for k, v in req.logit_bias.items()}
                 if req.logit_bias else None,
-                structured_outputs=forced_tool or (constraint[1] if constraint else None))
+                structured_outputs=forced_tool or (constraint[1] if constraint else None),
+                priority=req.priority)
         except RequestError as exc:
             raise _refusal(exc, req) from exc
 
@@ -269,7 +270,8 @@ class OpenAIServing:
             for r in requests:
                 streams.append(await self.engine.add_request(
                     r.request_id, prompt=r.prompt, params=r.params,
-                    prompt_token_ids=r.prompt_token_ids, cache_salt=req.cache_salt))
+                    prompt_token_ids=r.prompt_token_ids, cache_salt=req.cache_salt,
+                    timeout=req.timeout))
         except BaseException as exc:
             self._abort(requests)
             if isinstance(exc, RequestError):
