@@ -166,8 +166,8 @@ class OpenAIServing:
             if schema is None:
                 continue
             try:
-                await asyncio.to_thread(self.engine.processor.check_structured_outputs,
-                                        StructuredOutputsParams(json=schema))
+                # on the grammar threads, within the server's size and time limits
+                await self.engine.check_structured_outputs(StructuredOutputsParams(json=schema))
             except RequestError as exc:
                 raise bad_request(f"Invalid parameters schema for tool {tool.function.name!r}: "
                                   f"{exc}", param=f"tools.{i}.function.parameters") from exc
