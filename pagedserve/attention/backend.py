@@ -28,6 +28,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = "base"
+    # whether a CUDA graph can capture `forward`: no host syncs, no data-dependent shapes
+    capturable: bool = True
 
     @abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,

@@ -214,6 +214,7 @@ class TorchRefBackend(AttentionBackend):
     """Reference backend that runs on any device torch supports."""
 
     name = "torch"
+    capturable = False  # it selects rows and builds its plan with data-dependent shapes
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,

@@ -275,7 +275,7 @@ class ModelRunner:
 
     def setup(self, max_model_len: int) -> None:
         """Allocate the step buffers, compile the sampling kernels and, on CUDA unless
-        enforce_eager, capture the decode graphs. Called once the KV cache is allocated and
+        enforce_eager or the backend cannot be captured, capture the decode graphs. Called once the KV cache is allocated and
         max_model_len is known."""
         config = self.config
         max_blocks = -(-max_model_len // self.block_size)
@@ -285,7 +285,7 @@ class ModelRunner:
         self.graphs = None
         warm_up_sampler(self.sampler, self.model_config.vocab_size, self.dtype, self.device,
                         config.max_num_seqs)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.capturable:
             self._bind_kv_cache()
             self.graphs = DecodeGraphs(self.model, self.backend, self.buffers,
                                        config.max_num_seqs, max_model_len)
