@@ -275,8 +275,8 @@ class ModelRunner:
 
     def setup(self, max_model_len: int) -> None:
         """Allocate the step buffers, compile the sampling kernels and, on CUDA unless
-        enforce_eager or the backend cannot be captured, capture the decode graphs. Called once the KV cache is allocated and
-        max_model_len is known."""
+        enforce_eager or the backend cannot be captured, capture the decode graphs. Called
+        once the KV cache is allocated and max_model_len is known."""
         config = self.config
         max_blocks = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(max(config.max_num_batched_tokens, config.max_num_seqs),
