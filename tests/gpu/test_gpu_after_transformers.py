@@ -82,17 +82,20 @@ def _engine_tokens(checkpoint: str, prompts: list[list[int]], backend: str) -> l
     """The KV cache is sized by the memory profile (the path that faulted), over what the
     other tests' fixtures leave free: 6 GiB more than is in use now. The profile batch is an
     H100's default 16384 tokens, four times the model's context, whatever that leaves."""
+    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.entrypoints.llm import LLM
 
     free, total = torch.cuda.mem_get_info()
-    llm = LLM(model=checkpoint, device="cuda", dtype="float32", attention_backend=backend,
-              max_num_seqs=64, max_num_batched_tokens=16384,
-              gpu_memory_utilization=min(0.95, (total - free + (6 << 30)) / total))
+    engine = LLMEngine.from_options(  # the core in this process, beside transformers
+        model=checkpoint, device="cuda", dtype="float32", attention_backend=backend,
+        max_num_seqs=64, max_num_batched_tokens=16384,
+        gpu_memory_utilization=min(0.95, (total - free + (6 << 30)) / total))
+    llm = LLM.from_engine(engine)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()  # an illegal access surfaces here at the latest
-    del llm
+    del llm, engine
     gc.collect()  # the engine's memory goes back before the next one measures what is free
     return [list(o.outputs[0].token_ids) for o in outputs]
 
