@@ -6,12 +6,12 @@ that tokenize and apply chat templates, six such compiles left a 4-token chat wa
 So the server compiles on threads of its own (a few: each compile also runs xgrammar's own
 threads), and each spec is bounded twice before it costs anything:
 - in size (`max_bytes`, of the spec as its cache key spells it): refused at once;
-- in time (`timeout`, from submission, waiting for a thread included): the waiter gets an
-  error at the deadline. A compile cannot be interrupted once it runs, so it goes on in the
-  background and its result is dropped; a spec that ran out its time on a thread is refused
-  at once afterwards (it would take as long again, here and in the engine core, which
-  compiles it too). A spec that timed out only waiting for a thread is not held against it:
-  that is the server being busy (`GrammarBusy`).
+- in time (`timeout`): a spec waits at most that long for a thread, then gets at most that
+  long on it; past either its waiter gets an error. A compile cannot be interrupted once it
+  runs, so it goes on in the background and its result is dropped; a spec that ran out its
+  time on a thread is refused at once afterwards (it would take as long again, here and in
+  the engine core, which compiles it too). A spec that never got a thread is not held
+  against it: that is the server being busy (`GrammarBusy`, a 429).
 
 The threads are daemons of this module rather than a `ThreadPoolExecutor`'s: the executor
 joins its threads at interpreter exit, and a compile nobody can stop would hold the server's
@@ -62,6 +62,9 @@ class GrammarCompiles:
         self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._jobs: dict[tuple[str, str], _Job] = {}  # in flight, by spec
         self._too_slow: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._counts = threading.Lock()  # guards the two counts below (loop and threads)
+        self.num_running = 0  # compiles on a thread now
+        self.num_waiting = 0  # compiles queued for a thread (not yet abandoned)
         self.num_threads = threads
         for i in range(threads):
             threading.Thread(target=self._work, name=f"grammar-compile-{i}", daemon=True).start()
@@ -78,24 +81,34 @@ class GrammarCompiles:
         job = self._jobs.get(key)
         if job is None:
             job = self._jobs[key] = _Job(spec, key, asyncio.get_running_loop().create_future())
+            with self._counts:
+                self.num_waiting += 1
             self._inbox.put(job)
         else:
             job.waiters += 1
-        wait = min(limit, deadline or limit) - time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.shield(job.done), max(wait, 0.0))
-        except asyncio.CancelledError:
+            while True:
+                # a thread within `timeout`, then `timeout` of compile time on it
+                until = limit if job.started is None else max(limit, job.started + self.timeout)
+                until = until if deadline is None else min(until, deadline)
+                try:
+                    await asyncio.wait_for(asyncio.shield(job.done),
+                                           max(until - time.monotonic(), 0.0))
+                    return
+                except asyncio.TimeoutError:
+                    now = time.monotonic()
+                    if deadline is not None and now >= deadline:
+                        raise
+                    if job.started is None:
+                        raise GrammarBusy("every grammar compile thread of the server stayed "
+                                          f"busy for {self.timeout:g} s; retry later") from None
+                    if now >= job.started + self.timeout:
+                        self._remember_too_slow(key)
+                        raise self._too_slow_error(key) from None
+                    # it got a thread meanwhile: wait for the rest of its compile time
+        except BaseException:
             self._leave(job)
             raise
-        except asyncio.TimeoutError:
-            self._leave(job)
-            if deadline is not None and deadline < limit:
-                raise
-            if job.started is None or time.monotonic() - job.started < self.timeout:
-                raise GrammarBusy("every grammar compile thread of the server stayed busy "
-                                  f"for {self.timeout:g} s; retry later") from None
-            self._remember_too_slow(key)
-            raise self._too_slow_error(key) from None
 
     def _check(self, key: tuple[str, str]) -> None:
         kind, text = key
@@ -117,7 +130,10 @@ class GrammarCompiles:
         job.waiters -= 1
         if job.waiters == 0 and self._jobs.get(job.key) is job:
             del self._jobs[job.key]  # a later request for it starts afresh (or is refused)
-            job.abandoned = job.started is None
+            with self._counts:
+                if job.started is None and not job.abandoned:
+                    job.abandoned = True
+                    self.num_waiting -= 1
 
     def _remember_too_slow(self, key: tuple[str, str]) -> None:
         self._too_slow[key] = None
@@ -129,15 +145,21 @@ class GrammarCompiles:
     def _work(self) -> None:
         while True:
             job = self._inbox.get()
-            if job.abandoned:
-                continue
-            job.started = time.monotonic()  # read on the loop: a float's store is atomic
+            with self._counts:
+                if job.abandoned:
+                    continue
+                job.started = time.monotonic()
+                self.num_waiting -= 1
+                self.num_running += 1
             try:
                 self._compile(job.spec)
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiters
                 job.loop.call_soon_threadsafe(self._settle, job, exc)
             else:
                 job.loop.call_soon_threadsafe(self._settle, job, None)
+            finally:
+                with self._counts:
+                    self.num_running -= 1
 
     def _settle(self, job: _Job, error: BaseException | None) -> None:
         if self._jobs.get(job.key) is job:

@@ -152,6 +152,8 @@ class AsyncEngine:
         self.compiles = GrammarCompiles(
             self.processor.check_structured_outputs, limits.grammar_compile_threads,
             limits.max_grammar_bytes, limits.grammar_compile_timeout)
+        self.metrics.watch_grammar_compiles(lambda: self.compiles.num_running,
+                                            lambda: self.compiles.num_waiting)
         self._num_running = 0  # in the core, as of its last step's stats
         self.output_processor = OutputProcessor(tokenizer)
         self.on_dead: Callable[[], None] | None = None  # called once if the core dies

@@ -9,10 +9,11 @@ monotonic clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "pagedserve_"
@@ -101,6 +102,14 @@ class ServerMetrics:
             "unauthorized, queue_full, grammar (too large, too slow to compile), grammar_busy, "
             "timeout (the deadline passed while its grammar compiled).", ["reason"],
             registry=self.registry)
+
+    def watch_grammar_compiles(self, running: Callable[[], int],
+                               waiting: Callable[[], int]) -> None:
+        """Gauges read at scrape time: grammar compiles on a thread, and queued for one."""
+        Gauge(PREFIX + "grammar_compiles_running", "Grammar compiles running on the server's "
+              "compile threads.", registry=self.registry).set_function(running)
+        Gauge(PREFIX + "grammar_compiles_waiting", "Grammar compiles waiting for a compile "
+              "thread.", registry=self.registry).set_function(waiting)
 
     def update_engine_stats(self, stats: Any) -> None:
         """Called once per core step; a plain reference swap, read at scrape time."""
