@@ -77,8 +77,7 @@ class IncrementalDetokenizer:
         context = self.token_ids[self.prefix_offset:self.read_offset]
         prefix_text = decode(context, skip)
         full_text = decode(context + new_token_ids, skip)
-        self.token_ids.extend(new_token_ids)
-        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.token_ids, self.prefix_offset, self.read_offset = [], 0, 0  # all of it is text
         self.output_text += full_text[len(prefix_text):].rstrip("\ufffd")
 
     def _decode_new(self) -> str:
@@ -87,8 +86,10 @@ class IncrementalDetokenizer:
         full_text = decode(self.token_ids[self.prefix_offset:], skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        # the window moves on: the tokens before it are text and never decoded again, so
+        # they are dropped (the window holds a few tokens, not the whole output)
+        del self.token_ids[:self.read_offset]
+        self.prefix_offset, self.read_offset = 0, len(self.token_ids)
         return full_text[len(prefix_text):]
 
     def _find_stop(self, previous_len: int) -> str | None:
