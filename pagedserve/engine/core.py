@@ -291,27 +291,25 @@ class EngineCore:
         `execute_model` samples it (see the module docstring)."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:  # nothing to launch: complete the step in flight
-            outputs = []
-            if in_flight is not None:
-                in_flight = self.executor.sample_awaiting(in_flight)
-                outputs = self._update(in_flight.scheduler_output, in_flight.tokens.result())
-            return self._step_outputs(outputs), None
+            previous = self.executor.sample_awaiting(in_flight) if in_flight else None
+            return self._step_outputs(self._complete(previous)), None
         step, previous = self.executor.execute_model(scheduler_output, in_flight)
         rows = self._grammar_rows(scheduler_output)
         if rows is None:
-            launched = InFlightStep(scheduler_output, step,
-                                    self.executor.sample_tokens(step, None))
-            outputs = []
-            if previous is not None:
-                outputs = self._update(previous.scheduler_output, previous.tokens.result())
-            return self._step_outputs(outputs), launched
-        if previous is not None:
-            outputs = self._update(previous.scheduler_output, previous.tokens.result(), rows)
-        else:
-            outputs = []
-            self.structured.submit((), rows)
-        return (self._step_outputs(outputs),
-                InFlightStep(scheduler_output, step, bitmask=self.structured.take_bitmask))
+            launched = InFlightStep(scheduler_output, step, self.executor.sample_tokens(step))
+        else:  # sampled by the next call, under the bitmask `previous`'s tokens lead to
+            launched = InFlightStep(scheduler_output, step, bitmask=self.structured.take_bitmask)
+        return self._step_outputs(self._complete(previous, rows)), launched
+
+    def _complete(self, step: InFlightStep | None,
+                  next_rows: list[str] | None = None) -> list[EngineCoreOutput]:
+        """Wait for a sampled step's tokens and `_update` from them; the grammar workers get
+        `next_rows` to fill after them (with no step, at once)."""
+        if step is None:
+            if next_rows is not None:
+                self.structured.submit((), next_rows)
+            return []
+        return self._update(step.scheduler_output, step.tokens.result(), next_rows)
 
     def _grammar_rows(self, scheduler_output: SchedulerOutput) -> list[str] | None:
         """The step's sampling rows if one of them is under a grammar (the manager knows):

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import random
-from pathlib import Path
 
 import pytest
 import torch
