@@ -1,0 +1,108 @@
+"""The hypothesis HTTP fuzz of test_fuzz_api.py, extended to every endpoint (issue 29):
+/tokenize and /detokenize bodies, the GET routes with junk query strings and headers, and
+every route under methods it does not take. Whatever comes, the answer is never a 5xx: a
+documented status with an OpenAI error body, or a real answer; and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedserve.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
+from tests.server.test_fuzz_api import (BIG_INTS, CONTENT_TYPES, FUZZ, JSON, LEAKS, MESSAGE,
+                                        TEXT, WORDS, bodies)
+
+PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models",
+         "/health", "/metrics", "/openapi.json"]
+GETS = ["/v1/models", "/health", "/metrics", "/openapi.json"]
+
+TOKENIZE = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from(["SmolLM2-135M-Instruct", "gpt-9"]) | TEXT | JSON,
+    "prompt": WORDS | JSON, "messages": st.lists(MESSAGE, max_size=3) | JSON,
+    "add_special_tokens": st.booleans() | JSON, "add_generation_prompt": st.booleans() | JSON})
+DETOKENIZE = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from(["SmolLM2-135M-Instruct"]) | TEXT | JSON,
+    "tokens": st.lists(st.integers(0, 49151) | BIG_INTS, max_size=6) | JSON})
+# header values: printable ASCII (what an HTTP client can send at all)
+HEADER_VALUES = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20)
+HEADERS = st.dictionaries(st.sampled_from(["accept", "x-junk", "authorization", "cookie",
+                                           "accept-encoding", "range", "if-none-match"]),
+                          HEADER_VALUES, max_size=3)
+QUERIES = st.dictionaries(TEXT.filter(bool), TEXT, max_size=3)
+
+
+def _post(server, path: str, body: bytes, content_type: str | None, model: type) -> None:
+    headers = {"content-type": content_type} if content_type else {}
+    response = httpx.post(server.url + path, content=body, headers=headers, timeout=120)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        _check_error(response, body, model)
+    else:
+        assert response.json()
+
+
+def _check_error(response: httpx.Response, body: bytes, model: type) -> None:
+    """OpenAI's error shape, no internals in the message; a field-level error names a field
+    of the request or one the client sent, or none (param null: no one field is at fault,
+    as in "give exactly one of prompt and messages")."""
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["type"] == "invalid_request_error" and error["message"].strip(), error
+    try:
+        sent = json.loads(body)
+    except ValueError:
+        sent = None
+    named = set(sent) if isinstance(sent, dict) else set()
+    # the parameter's name is the client's text and may look like a leak ('None')
+    message = error["message"].replace(f"'{error['param']}'", "'...'")
+    assert not LEAKS.search(message), error
+    if error["param"] is not None and error["code"] in ("invalid_value", "model_not_found",
+                                                        "missing_required_parameter"):
+        root = str(error["param"]).split(".")[0]
+        assert root in model.model_fields or root in named, error
+
+
+@FUZZ
+@given(body=bodies(TOKENIZE), content_type=CONTENT_TYPES)
+def test_fuzz_tokenize(server, body, content_type):
+    _post(server, "/tokenize", body, content_type, TokenizeRequest)
+
+
+@FUZZ
+@given(body=bodies(DETOKENIZE), content_type=CONTENT_TYPES)
+def test_fuzz_detokenize(server, body, content_type):
+    _post(server, "/detokenize", body, content_type, DetokenizeRequest)
+
+
+@FUZZ
+@given(path=st.sampled_from(GETS), params=QUERIES, headers=HEADERS)
+def test_fuzz_get_routes(server, path, params, headers):
+    response = httpx.get(server.url + path, params=params, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text  # nothing here depends on the input
+
+
+@FUZZ
+@given(path=st.sampled_from(PATHS),
+       method=st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "POST", "OPTIONS"]),
+       body=st.binary(max_size=30))
+def test_fuzz_methods(server, path, method, body):
+    response = httpx.request(method, server.url + path, content=body, timeout=60)
+    assert response.status_code < 500, response.text
+    allowed = "POST" if path in PATHS[:4] else "GET"
+    if method != allowed:
+        assert response.status_code == 405
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_still_serves_after_fuzzing_every_endpoint(server):
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "Hello"},
+                      timeout=60).json()["count"] > 0
+    response = httpx.post(server.url + "/v1/completions",
+                          json={"prompt": "Hello", "max_tokens": 2}, timeout=120)
+    assert response.status_code == 200
+    m = server.wait_idle()
+    assert m["pagedserve_kv_cache_usage_perc"] == 0.0
