@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Explain in two sentences why a paged KV cache wastes less memory.
 
-.PHONY: setup run test bench serve clean
+.PHONY: setup run test bench serve sanitize clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ bench: setup
 
 serve: setup
 	$(BIN)/pagedserve serve
+
+# every GPU path under compute-sanitizer (a CUDA machine's own Python, not the CPU venv)
+sanitize:
+	PYTHONPATH=. $(PYTHON) benchmarks/sanitize.py --out docs/results
 
 clean:
 	rm -rf $(VENV)
