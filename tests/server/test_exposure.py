@@ -208,6 +208,12 @@ def test_priority_order_and_429_past_the_queue_bound(exposed):
     assert m['pagedserve_request_rejected_total{reason=queue_full}'] >= 2
 
 
+def test_an_empty_queue_takes_a_request_with_more_samples_than_the_bound(exposed):
+    idle(exposed)
+    response = complete(exposed, max_tokens=2, n=MAX_QUEUED + 1)
+    assert response.status_code == 200 and len(response.json()["choices"]) == MAX_QUEUED + 1
+
+
 def test_priority_outside_64_bits_is_refused(exposed):
     error = assert_openai_error(complete(exposed, max_tokens=1, priority=2**63), 400,
                                 "invalid_value")

@@ -17,9 +17,9 @@ a half-restarted one.
 
 Limits a server on a network needs (`Limits`), each answered before the request costs more:
 - the waiting queue: past `max_queued_requests` engine requests waiting, a new one gets 429
-  with Retry-After (`QueueFull`). Waiting = in flight here (samples not finished) minus
-  running in the core, as of the core's last step: exact for what was added since, and
-  never stricter than the core's own queue;
+  with Retry-After (`QueueFull`; an empty queue takes any one request). Waiting = in flight
+  here (samples not finished) minus running in the core, as of the core's last step: exact
+  for what was added since, and never stricter than the core's own queue;
 - a deadline: `timeout` per request, capped by `request_timeout`, from submission; at the
   deadline the request is aborted in the core (its blocks freed) and its consumer gets
   `RequestTimeout` (408; in a stream that has started, an error event);
@@ -261,12 +261,13 @@ class AsyncEngine:
             raise
 
     def _check_queue(self, num_new: int) -> None:
-        """QueueFull when `num_new` more waiting engine requests would pass the bound."""
+        """QueueFull when `num_new` more waiting engine requests would pass the bound. An
+        empty queue takes any one request, so that one with n over the bound can still run."""
         bound = self.limits.max_queued_requests
         if bound is None:
             return
         waiting = sum(s.num_live for s in self._streams.values()) - self._num_running
-        if waiting + num_new > bound:
+        if waiting > 0 and waiting + num_new > bound:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise QueueFull(f"The server's queue is full ({max(waiting, 0)} requests waiting, "
                             f"at most {bound}: --max-queued-requests); retry later.")
