@@ -145,6 +145,8 @@ class Report:
 
 
 _SUMMARY = re.compile(r"ERROR SUMMARY: ([\d,]+) errors?\s*$")
+# racecheck (2025.3) ends with this line alone, no ERROR SUMMARY
+_RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY: [\d,]+ hazards? displayed \(([\d,]+) errors?,")
 # "at kernel+0x1d0 in file:line", "at kernel(int*)+0x120", "at 0xda0 in file:line:kernel"; not
 # "... backtrace up to driver entry point at error"
 _AT = re.compile(r"\bat (.+?\+0x[0-9a-fA-F]+(?: in .+)?|0x[0-9a-fA-F]+ in .+)$")
@@ -158,8 +160,11 @@ def parse_report(text: str, limit: int = 5) -> Report:
 
     An error is a headline (`========= Invalid __global__ read of size 4 bytes`) and its
     indented details, the first of which that says "at ..." names where it happened."""
-    counts = [int(m.group(1).replace(",", "")) for m in map(_SUMMARY.search, text.splitlines())
-              if m]
+    lines = text.splitlines()
+    counts = [int(m.group(1).replace(",", "")) for m in map(_SUMMARY.search, lines) if m]
+    if not counts:
+        counts = [int(m.group(1).replace(",", "")) for m in map(_RACE_SUMMARY.search, lines)
+                  if m]
     entries: list[list[str]] = []
     for line in text.splitlines():
         if not line.startswith("========="):

@@ -152,6 +152,27 @@ def test_report_of_racecheck_and_initcheck(sanitize):
         "Uninitialized __global__ memory read of size 2 bytes at _sample_split_kernel(...)"]
 
 
+# racecheck as compute-sanitizer 2025.3.1 prints it on the H100: no ERROR SUMMARY line
+RACECHECK_2025 = """\
+========= COMPUTE-SANITIZER
+========= Error: Potential WAW hazard detected at __shared__ 0x404 in block (10,3,18) :
+=========     Write Thread (47,0,0) at _decode_v2_kernel+0x6a20 in decode.py:227
+=========     Write Thread (48,0,0) at _decode_v2_kernel+0x6a20 in decode.py:227
+=========     Current Value : 93, Incoming Value : 94
+=========
+========= RACECHECK SUMMARY: 20 hazards displayed (366 errors, 0 warnings)
+"""
+
+
+def test_report_of_racecheck_without_an_error_summary(sanitize):
+    race = sanitize.parse_report(RACECHECK_2025)
+    assert race.errors == 366
+    assert race.first_errors[0].startswith("Error: Potential WAW hazard")
+    assert "_decode_v2_kernel (decode.py:227)" in race.first_errors[0]
+    clean = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    assert sanitize.parse_report(clean).errors == 0
+
+
 def test_report_sums_processes_and_knows_when_there_is_no_summary(sanitize):
     assert sanitize.parse_report(CLEAN + RACECHECK).errors == 1
     killed = "========= COMPUTE-SANITIZER\n" + MEMCHECK.split("=========\nTraceback")[0]
