@@ -20,9 +20,11 @@ Parts (all by default, in this order):
 logits, tpot and workload share one engine per TP size. Weights are random (load_format
 dummy: no checkpoint to write; the same weights at every TP size, see pagedserve/model/
 dummy.py); a folder holds only config.json and a byte-level tokenizer. Every engine runs in a
-fresh subprocess: a TP=2 engine built in a process that had run a TP=1 engine crashed with an
-illegal memory access, and each engine should size its KV cache on clean GPUs. A part that
-fails is recorded as an `error` row and the run goes on.
+fresh subprocess so that each sizes its KV cache on clean GPUs. (A TP=2 engine built after a
+TP=1 engine in one process once crashed with an illegal memory access: issue 27's
+out-of-bounds RoPE read in the memory-profiling prefill, fixed since; the same-process run is
+not yet re-checked on two GPUs.) A part that fails is recorded as an `error` row and the run
+goes on.
 
 Expected to take 6-7 minutes on the H200 pair. If one device call may not last that long, run
 `--only topo,allreduce,logits,tpot,workload`, then `--only allreduce,big` (the all-reduce part
