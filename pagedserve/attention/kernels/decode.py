@@ -203,7 +203,14 @@ def _merge_partitions(max_ptr, sum_ptr, part_ptr, out_ptr, seq, kv_head, num_par
                       GROUP_P2: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Merge a GQA group's per-partition partials into the output, rescaling each by
     exp2(max_p - running max). The partials were written by other programs of this launch, so
-    they are read from L2 (.cg): this SM's L1 may hold nothing valid for them."""
+    they are read from L2 (.cg): this SM's L1 may hold nothing valid for them.
+
+    v2 launches without FP contraction (`enable_fp_fusion=False`) because of the sums here:
+    Triton reduces `w * l` across lanes by butterfly shuffles, and with contraction each lane
+    fused its own product into the first add (fma(w_i, l_i, round(w_j * l_j))), so lanes of
+    one row held sums differing in the last bit, and all of them stored to one shared word
+    for the broadcast: the last writer won, a data race (compute-sanitizer racecheck: WAW
+    hazards at the `total` line) and a merge that was not bitwise repeatable."""
     offs_g = tl.arange(0, GROUP_P2)
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -449,7 +456,8 @@ def paged_decode_v2(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8,
         F16_DOT=_f16_dot(fp8, cfg, q), K_BITS=fp8 and cfg.bits_k,
         V_BITS=fp8 and cfg.bits_v, SPLIT_SHORT=cfg.split_short, num_warps=cfg.num_warps,
-        num_stages=_v2_stages(cfg.num_stages), **pdl.launch_options())
+        num_stages=_v2_stages(cfg.num_stages), enable_fp_fusion=False,
+        **pdl.launch_options())
     return out
 
 
