@@ -150,10 +150,11 @@ class WorkerClock:
 
 def run(tokenizer, vocab: int, eos: list[int], mode: str, threads: int, args,
         grammars=None) -> dict:
+    # one token table for all configurations; the spec compiled already, so each request
+    # gets its matcher at add_request (no background compile)
     manager = StructuredOutputManager(tokenizer, vocab, eos, args.batch,
-                                      num_threads=threads if mode != "legacy" else 0)
-    if grammars is not None:
-        manager._grammars = grammars  # one token table for all configurations
+                                      num_threads=threads if mode != "legacy" else 0,
+                                      grammars=grammars)
     legacy_batch = xgr.BatchGrammarMatcher(max_threads=max(threads, 1)) if mode == "legacy" \
         else None
     sampler = Sampler(min(vocab, len(tokenizer)), args.seed)

@@ -21,16 +21,21 @@ hides behind the device's. Requests are scheduled with placeholders for the toke
 flight (see scheduler.py). Penalties need no host tokens: the runner keeps their counts on
 the device (`penalties.py`).
 
-Structured outputs (`pagedserve/structured`): the grammar bitmask of a step needs every
-earlier token of its constrained rows, and the grammar work runs on the manager's worker
-threads (or process). Synchronous, the workers advance the matchers while the step's outputs
-are processed and the next one is scheduled and launched, and the bitmask is filled while
-the device runs the forward pass. Async, a step with constrained rows launches its forward
-pass, completes the step in flight and hands its tokens and the new step's rows to the
-workers (advance the matchers, fill the rows), and stays in flight unsampled: the workers
-fill while this thread builds the outputs, the frontend processes them and the next step is
-scheduled; that step's `execute_model` does its host work, then samples this one under its
-bitmask, then launches its own forward pass, which reads the sampled tokens.
+Structured outputs (`pagedserve/structured`): a constrained request's grammar compiles in
+the background (seconds for a large schema, which would stall every running request if it
+ran here); the request waits in the queue (`WAITING_FOR_GRAMMAR`) while the others are
+scheduled, and each step first takes the compiles that finished (`_take_compiled`: ready
+requests become schedulable, failed ones finish with an error). The grammar bitmask of a
+step needs every earlier token of its constrained rows, and the grammar work runs on the
+manager's worker threads (or process). Synchronous, the workers advance the matchers while
+the step's outputs are processed and the next one is scheduled and launched, and the
+bitmask is filled while the device runs the forward pass. Async, a step with constrained
+rows launches its forward pass, completes the step in flight and hands its tokens and the
+new step's rows to the workers (advance the matchers, fill the rows), and stays in flight
+unsampled: the workers fill while this thread builds the outputs, the frontend processes
+them and the next step is scheduled; that step's `execute_model` does its host work, then
+samples this one under its bitmask, then launches its own forward pass, which reads the
+sampled tokens.
 """
 
 from __future__ import annotations
@@ -245,7 +250,9 @@ class EngineCore:
             request.request_id, request.prompt_token_ids, params, max_tokens,
             self.eos_token_ids, request.arrival_time, cache_salt=request.cache_salt)
         self.scheduler.add_request(core_request)  # first: it refuses an id in use
-        self.structured.add_request(core_request)
+        if params.structured_outputs is not None:  # compiled in the background: see step
+            core_request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.structured.add_request(core_request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests at once, freeing their blocks; unknown ids are ignored. An aborted
@@ -260,6 +267,14 @@ class EngineCore:
         """True while a step is in flight too: its results must be collected (or dropped)."""
         return self.scheduler.has_unfinished_requests() or self.in_flight is not None
 
+    def waits_for_grammars_only(self) -> bool:
+        """Every unfinished request waits for its grammar to compile: a step now would
+        schedule nothing (a busy loop may sleep a little instead of spinning)."""
+        scheduler = self.scheduler
+        return (self.in_flight is None and not scheduler.running and bool(scheduler.waiting)
+                and all(r.status == RequestStatus.WAITING_FOR_GRAMMAR
+                        for r in scheduler.waiting))
+
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
@@ -270,6 +285,7 @@ class EngineCore:
         if self.async_scheduling:
             outputs, self.in_flight = self.step_pipelined(self.in_flight)
             return outputs
+        failed = self._take_compiled()
         scheduler_output = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
         if not scheduler_output.is_empty:  # finished ids alone still reach the runner
@@ -278,7 +294,7 @@ class EngineCore:
             grammar = self.structured.grammar_bitmask(rows) if rows is not None else None
             tokens = self.executor.sample_tokens(step, grammar)
             outputs = self._update(scheduler_output, tokens.result())
-        return self._step_outputs(outputs)
+        return self._step_outputs(failed + outputs)
 
     def step_pipelined(self, in_flight: InFlightStep | None
                        ) -> tuple[EngineCoreOutputs, InFlightStep | None]:
@@ -289,17 +305,35 @@ class EngineCore:
         tokens of the step in flight, which are completed first and handed to the grammar
         workers with the new rows to fill. It is returned unsampled, and the next call's
         `execute_model` samples it (see the module docstring)."""
+        failed = self._take_compiled()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:  # nothing to launch: complete the step in flight
             previous = self.executor.sample_awaiting(in_flight) if in_flight else None
-            return self._step_outputs(self._complete(previous)), None
+            return self._step_outputs(failed + self._complete(previous)), None
         step, previous = self.executor.execute_model(scheduler_output, in_flight)
         rows = self._grammar_rows(scheduler_output)
         if rows is None:
             launched = InFlightStep(scheduler_output, step, self.executor.sample_tokens(step))
         else:  # sampled by the next call, under the bitmask `previous`'s tokens lead to
             launched = InFlightStep(scheduler_output, step, bitmask=self.structured.take_bitmask)
-        return self._step_outputs(self._complete(previous, rows)), launched
+        return self._step_outputs(failed + self._complete(previous, rows)), launched
+
+    def _take_compiled(self) -> list[EngineCoreOutput]:
+        """Let the requests whose grammar has compiled be scheduled; finish those whose
+        compile failed (they hold no block yet), returning their final outputs."""
+        if not self.structured.has_compiles():
+            return []
+        ready, failed = self.structured.take_compiled()
+        self.scheduler.grammars_ready(ready)
+        outputs = []
+        for request_id, error in failed:
+            if request_id not in self.scheduler.requests:
+                continue  # aborted meanwhile
+            logger.error("request %s: its grammar failed to compile: %s", request_id, error)
+            self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(
+                request_id, [], finish_reason=FINISH_REASON_VALUES[RequestStatus.FINISHED_ERROR]))
+        return outputs
 
     def _complete(self, step: InFlightStep | None,
                   next_rows: list[str] | None = None) -> list[EngineCoreOutput]:

@@ -17,7 +17,8 @@ a one-byte kind and its payload.
                                       FAILED    EngineCoreFailed, then the process exits 1
 
 The loop drains every queued input without blocking, runs one step when there is work and
-sends that step's outputs in one message; with no work it blocks on the input socket. It
+sends that step's outputs in one message; with no work it blocks on the input socket (with
+only requests whose grammar compiles, for a few ms at a time: no spinning on empty steps). It
 leaves when told to (SHUTDOWN) and when its parent is gone (`os.getppid()` changes; on Linux
 the kernel also kills it at once, `PR_SET_PDEATHSIG`), so it never outlives the server.
 SIGINT and SIGTERM are ignored: a Ctrl-C reaches the whole process group and a service
@@ -49,6 +50,7 @@ ADD, ABORT, SHUTDOWN = b"a", b"x", b"q"
 READY, OUTPUTS, FAILED = b"r", b"o", b"f"
 
 _IDLE_POLL_MS = 1000  # an idle core wakes this often to check that its parent is alive
+_GRAMMAR_POLL_MS = 5  # a core whose requests all wait for a grammar looks this often
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # start-up errors whose message is the whole story (bad options, a missing file)
@@ -112,6 +114,10 @@ class EngineCoreProc:
                 core.check_health()  # a dead tensor-parallel worker fails the core now
             if not self._drain_inputs() or os.getppid() != self.parent_pid:
                 return
+            if core.waits_for_grammars_only():  # until an input comes or a compile ends
+                poller.poll(_GRAMMAR_POLL_MS)
+                if not self._drain_inputs():
+                    return
             if core.has_unfinished_requests():
                 self.outputs.send_multipart([OUTPUTS, encode(core.step())], copy=False)
                 self._stats_sent = True  # a step's message carries its stats

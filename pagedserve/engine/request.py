@@ -29,12 +29,14 @@ from pagedserve.engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # queued; not admitted until its grammar compiles
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # everything after this point is finished
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # its grammar failed to compile in the core
 
 
 class FinishReason(str, enum.Enum):
@@ -51,6 +53,8 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    # the wire has no error reason yet: the frontend sees an abort (the core logs why)
+    RequestStatus.FINISHED_ERROR: FinishReason.ABORT,
 }
 FINISH_REASON_VALUES = {status: reason.value for status, reason in _FINISH_REASONS.items()}
 

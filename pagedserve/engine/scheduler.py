@@ -11,6 +11,11 @@ The running list is then kept in that order too, so the request a full KV cache 
 (the tail) is the lowest priority's: a running request yields to a higher-priority one only
 through that preemption, never just because one arrived.
 
+A request whose grammar is still compiling (structured outputs, `WAITING_FOR_GRAMMAR`) keeps
+its place in the waiting queue but is passed over: the requests behind it are admitted
+meanwhile, and it is admitted once the engine core marks its grammar ready
+(`grammars_ready`).
+
 When the pool runs dry the most recently admitted running request is preempted and goes
 to the front of the waiting queue. By recompute (the default) its blocks are freed tail
 first (so its prompt prefix stays cached longest) and it restarts from zero computed
@@ -195,10 +200,23 @@ class Scheduler:
         self.num_blocks_swapped_out += num_blocks
         self.swapped[request.request_id] = SwappedRequest(cpu_ids, request.num_computed_tokens)
 
+    def grammars_ready(self, request_ids: Iterable[str]) -> None:
+        """These requests' grammars have compiled: they may be admitted from now on."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                request.status = RequestStatus.WAITING
+
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]],
                        out: SchedulerOutput) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        """Admit from the front of the queue while the budget, the batch and the pool allow,
+        passing over requests whose grammar is still compiling (they keep their place)."""
+        skipped = 0
+        while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[skipped]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                skipped += 1
+                continue
             blocks, num_hit = [], 0
             if request.sampling_params.prompt_logprobs is None:  # else: every position's logits
                 blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
@@ -209,7 +227,7 @@ class Scheduler:
             if self.kv_cache_manager.allocate_slots(
                     request, num_ready - num_hit + num_new, blocks, num_hit) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[skipped]
             if swapped is not None:
                 self._swap_in(request, swapped, num_hit, out)
             self._add_to_batch_data(request, num_hit, num_ready, out)

@@ -10,8 +10,9 @@ and an in-place masked fill of the logits on the device (a Triton kernel on CUDA
 
     params.py   StructuredOutputsParams: the one SamplingParams field that asks for it
     grammar.py  GrammarCache: compiles each grammar once per (kind, spec) for the tokenizer
-    manager.py  StructuredOutputManager: one matcher per constrained request in the engine
-                core, the bitmask of a step's constrained rows, advancing on sampled tokens
+    manager.py  StructuredOutputManager: grammars compiled in the background (the request
+                waits meanwhile), one matcher per constrained request in the engine core,
+                the bitmask of a step's constrained rows, advancing on sampled tokens
     remote.py   GrammarProcess: the manager in a child process (the default on a GPU)
     bitmask.py  applying a step's bitmask to the logits (the sampler's hook)
 """

@@ -62,6 +62,11 @@ class GrammarCache:
                 self._compiled[key] = compiled
         return compiled
 
+    def peek(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar | None:
+        """The compiled grammar if it is cached, else None (never compiles)."""
+        with self._lock:
+            return self._compiled.get(params.key())
+
     def _compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
         try:
             if kind == "json":

@@ -17,6 +17,15 @@ only filled after its matcher has accepted every earlier token, with no barrier 
 xgrammar's own threaded batch fill is not used: it starts and joins a new thread pool on
 every call.
 
+Grammars compile in the background, never in the engine's step: `add` of a spec not yet
+compiled starts its compile on a daemon thread of its own (one per distinct spec in flight;
+requests asking for the same spec share it; xgrammar's compile releases the interpreter lock)
+and returns. The engine keeps such a request waiting (`WAITING_FOR_GRAMMAR`) and schedules
+everyone else; `take_compiled` then hands it the requests whose grammar is ready (each now has
+its matcher) and those whose compile failed. A compile cannot be interrupted: one whose
+requests all left runs to its end, and its grammar is cached. The threads are daemons, not an
+executor's, so a long compile never holds the process's exit.
+
 While a job is outstanding the interpreter's switch interval is lowered (`_GIL_SWITCH_S`): a
 worker needs the GIL for a few lines between its xgrammar calls, and at the default 5 ms it
 would wait for the engine thread's whole step of Python before it even started.
@@ -79,6 +88,14 @@ class GrammarOutput:
 
     req_ids: list[str]
     bitmask: np.ndarray  # int32 [len(req_ids), ceil(vocab_size / 32)]
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A request whose grammar is compiling: what its matcher needs once it is ready."""
+
+    spec: StructuredOutputsParams
+    output_token_ids: list[int]
 
 
 @dataclass(eq=False)
@@ -196,7 +213,8 @@ class StructuredOutputManager:
                  max_num_seqs: int, pin_memory: bool = False,
                  num_threads: int | None = None, device_type: str = "cuda",
                  buffers: Sequence[np.ndarray] | None = None,
-                 on_release: Callable[[str], None] | None = None) -> None:
+                 on_release: Callable[[str], None] | None = None,
+                 grammars: GrammarCache | None = None) -> None:
         """`stop_token_ids`: the engine's EOS ids, the tokens a finished grammar allows (those
         the tokenizer has: a config's EOS may lie past a borrowed tokenizer's ids).
         `pin_memory`: the bitmask goes to a GPU (its buffers are then page-locked). The
@@ -207,9 +225,17 @@ class StructuredOutputManager:
         `buffers`: the two bitmask buffers (int32 [max_num_seqs, words]) to fill, where
         another process reads them (`remote.py`); None allocates them here. `on_release`
         hears of each request the manager frees itself (a grammar that ended or refused a
-        token, at `add` or later), for a caller that mirrors which requests are constrained."""
+        token, at `add` or later), for a caller that mirrors which requests are constrained.
+        `grammars`: the compiled-grammar cache to use (None: one built on first use)."""
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
-        self._grammars: GrammarCache | None = None
+        self._grammars = grammars
+        self._grammars_lock = threading.Lock()  # built by a compile thread or the caller's
+        # background compiles: request id -> what its matcher needs once the grammar is ready
+        self._waiting: dict[str, _Waiting] = {}
+        self._compiling: dict[tuple[str, str], list[str]] = {}  # spec key -> its request ids
+        self._compiled: queue.SimpleQueue = queue.SimpleQueue()  # (key, error) per compile
+        self._ready: list[str] = []  # since the last take_compiled
+        self._failed: list[tuple[str, str]] = []
         width = grammar_vocab_size(tokenizer, vocab_size)
         # None: no EOS id is the tokenizer's; then those xgrammar detects in its vocabulary
         self._stop_token_ids: list[int] | None = sorted(
@@ -244,22 +270,77 @@ class StructuredOutputManager:
     def grammars(self) -> GrammarCache:
         """Built on first use: its token table costs a second for a large vocabulary."""
         if self._grammars is None:
-            self._grammars = GrammarCache(self._tokenizer, self._vocab_size)
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = GrammarCache(self._tokenizer, self._vocab_size)
         return self._grammars
 
     # -- requests -----------------------------------------------------------------------------
 
     def add_request(self, request: Any) -> None:
-        """Give an engine request a matcher if it asks for structured outputs."""
+        """Give an engine request a matcher if it asks for structured outputs (once its
+        grammar has compiled: see `add`)."""
         spec = request.sampling_params.structured_outputs
         if spec is not None:
             self.add(request.request_id, spec, request.output_token_ids)
 
     def add(self, request_id: str, spec: StructuredOutputsParams,
             output_token_ids: Sequence[int] = ()) -> None:
-        """A matcher for `spec`, advanced by the tokens the request already has. A request
-        whose grammar has already ended, or refuses them, stays free (`on_release`)."""
-        compiled = self.grammars.get(spec)
+        """Give the request a matcher for `spec` now if its grammar is cached, else once it
+        has compiled in the background; either way the next `take_compiled` reports it
+        (ready, or failed). Returns at once."""
+        key = spec.key()
+        if key not in self._compiling and self._grammars is not None:
+            compiled = self._grammars.peek(spec)
+            if compiled is not None:
+                self._add_matcher(request_id, compiled, output_token_ids)
+                self._ready.append(request_id)
+                return
+        self._waiting[request_id] = _Waiting(spec, list(output_token_ids))
+        if key in self._compiling:
+            self._compiling[key].append(request_id)
+            return
+        self._compiling[key] = [request_id]
+        threading.Thread(target=self._compile, args=(key, spec), name="grammar-compile",
+                         daemon=True).start()
+
+    def _compile(self, key: tuple[str, str], spec: StructuredOutputsParams) -> None:
+        """A compile thread: compile (into the cache) and report to `take_compiled`."""
+        error = None
+        try:
+            self.grammars.get(spec)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
+            error = str(exc) if isinstance(exc, ValueError) else f"compile failed: {exc!r}"
+        self._compiled.put((key, error))
+
+    def has_compiles(self) -> bool:
+        """Requests are waiting for their grammar, or `take_compiled` has news for them."""
+        return bool(self._waiting or self._ready or self._failed)
+
+    def take_compiled(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """The requests whose grammar became ready since the last call (each has its
+        matcher, or is free if its grammar had already ended), and (request id, error) for
+        those whose compile failed. Never waits."""
+        while not self._compiled.empty():
+            key, error = self._compiled.get()
+            for request_id in self._compiling.pop(key):
+                waiting = self._waiting.pop(request_id, None)
+                if waiting is None:
+                    continue  # removed while its grammar compiled
+                if error is not None:
+                    self._failed.append((request_id, error))
+                    continue
+                self._add_matcher(request_id, self.grammars.get(waiting.spec),
+                                  waiting.output_token_ids)
+                self._ready.append(request_id)
+        ready, failed = self._ready, self._failed
+        self._ready, self._failed = [], []
+        return ready, failed
+
+    def _add_matcher(self, request_id: str, compiled: xgr.CompiledGrammar,
+                     output_token_ids: Sequence[int]) -> None:
+        """A matcher over `compiled`, advanced by the tokens the request already has. A
+        request whose grammar has already ended, or refuses them, stays free (`on_release`)."""
         if self._stop_token_ids is None:
             self._stop_token_ids = list(self.grammars.tokenizer_info.stop_token_ids)
             self._stop_set = frozenset(self._stop_token_ids)
@@ -287,6 +368,7 @@ class StructuredOutputManager:
         entry = self._entries.pop(request_id, None)
         if entry is not None:
             heapq.heappush(self._free_slots, entry.slot)
+        self._waiting.pop(request_id, None)
 
     def _release(self, request_id: str) -> None:
         """The manager's own decision to free a request (its grammar ended or refused a

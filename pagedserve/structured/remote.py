@@ -21,10 +21,17 @@ builds it at that request). It leaves when told (`shutdown`, or when the engine 
 or its process exits), or within a second of its parent's death; it ignores SIGINT and
 SIGTERM, which its engine's process group receives.
 
+Grammars compile in the child, in the background (the manager's compile threads): the
+child's loop goes on serving the engine's steps meanwhile, and reports each request whose
+grammar is ready (its matcher made) or failed in a `_Ready` as soon as it knows. The engine
+reads them without waiting at the start of a step (`take_compiled`), and schedules a
+constrained request only after its `_Ready`: a request sent to the child is not constrained
+until then, even with its grammar cached there (one round trip).
+
 Wire (msgpack, one frame): engine -> child `_Add`, `_Remove`, `_Submit`, `_Threads`,
 `_Stop`; child -> engine `_Taken`, once per `_Submit` with rows to fill, sent as soon as they
 are filled: the engine's `take_bitmask` finds it waiting rather than asking for it (a round
-trip of thread wake-ups in both processes).
+trip of thread wake-ups in both processes); `_Ready`, whenever compiles have finished.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from pagedserve.structured.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 1000  # how often a waiting side checks that the other is still alive
+_COMPILE_POLL_MS = 5  # how often the child looks for finished compiles while any runs
 _STOP_TIMEOUT_S = 5.0
 
 
@@ -84,10 +92,15 @@ class _Stop(msgspec.Struct, array_like=True, tag="q"):
 _Message = _Add | _Remove | _Submit | _Threads | _Stop
 
 
-class _Taken(msgspec.Struct, array_like=True):  # the answer to a _Submit with rows to fill
+class _Taken(msgspec.Struct, array_like=True, tag="t"):  # the answer to a fill's _Submit
     buffer: int  # which shared buffer holds the bitmask; -1: no row was constrained
     released: list[str]  # requests the child freed since its last reply
     error: str | None = None
+
+
+class _Ready(msgspec.Struct, array_like=True, tag="d"):  # compiles that finished
+    ready: list[str]  # requests that have their matcher now
+    failed: list[tuple[str, str]]  # (request id, why its grammar did not compile)
 
 
 class GrammarProcess:
@@ -105,6 +118,11 @@ class GrammarProcess:
                             else num_threads)
         self._grammars: GrammarCache | None = None
         self._constrained: set[str] = set()
+        self._compiling: set[str] = set()  # sent to the child, no _Ready for them yet
+        self._taken: list[_Taken] = []  # a fill's answer read early, by take_compiled
+        # the news of the _Ready messages read since the last take_compiled
+        self._ready: list[str] = []
+        self._failed: list[tuple[str, str]] = []
         self._removed: list[str] = []  # sent before the next message
         self._filling: list[str] | None = None  # the rows of a fill not taken yet
         self._child: _Child | None = None
@@ -134,15 +152,50 @@ class GrammarProcess:
         if self._child is None:
             self._start()
         self._send(_Add(request.request_id, spec, list(request.output_token_ids)))
-        self._constrained.add(request.request_id)
+        self._compiling.add(request.request_id)
 
     def remove_request(self, request_id: str) -> None:
-        if request_id in self._constrained:
+        if request_id in self._constrained or request_id in self._compiling:
             self._constrained.discard(request_id)
+            self._compiling.discard(request_id)
             self._removed.append(request_id)
 
     def has_requests(self) -> bool:
         return bool(self._constrained)
+
+    def has_compiles(self) -> bool:
+        """Requests sent to the child that it has not reported ready or failed yet, or
+        news of them that `take_compiled` has not returned."""
+        return bool(self._compiling or self._ready or self._failed)
+
+    def take_compiled(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """`StructuredOutputManager.take_compiled`, from the child's `_Ready`s received so
+        far (never waits)."""
+        child = self._child
+        while self._compiling and child.socket.poll(0):
+            message = child.receive()
+            if isinstance(message, _Taken):
+                self._taken.append(message)  # take_bitmask's, read on the way
+            else:
+                self._note(message)
+        ready, failed = self._ready, self._failed
+        if self._compiling and not (ready or failed) and child.process.poll() is not None:
+            # else its requests would wait for ever
+            raise RuntimeError(f"the grammar process exited with code "
+                               f"{child.process.returncode}")
+        self._ready, self._failed = [], []
+        return ready, failed
+
+    def _note(self, message: _Ready) -> None:
+        """Take in the child's news in the order it came (a request ready now may be
+        released by a later `_Taken`); requests removed meanwhile are dropped."""
+        compiling = self._compiling
+        ready = [i for i in message.ready if i in compiling]
+        self._failed += (f for f in message.failed if f[0] in compiling)
+        compiling.difference_update(message.ready)
+        compiling.difference_update(i for i, _ in message.failed)
+        self._constrained.update(ready)
+        self._ready += ready
 
     def is_constrained(self, request_id: str) -> bool:
         """As the engine knows it: the child may have freed it since its last reply."""
@@ -175,13 +228,19 @@ class GrammarProcess:
         rows, self._filling = self._filling, None
         if rows is None:
             return None
-        taken = self._child.receive()
+        taken = self._taken.pop(0) if self._taken else self._receive_taken()
         self._constrained.difference_update(taken.released)
         if taken.error is not None:
             raise RuntimeError(f"the grammar process failed: {taken.error}")
         if taken.buffer < 0:
             return None
         return GrammarOutput(rows, self._child.buffers[taken.buffer][:len(rows)])
+
+    def _receive_taken(self) -> _Taken:
+        """Wait for the fill's answer; the `_Ready`s before it are noted on the way."""
+        while not isinstance(message := self._child.receive(), _Taken):
+            self._note(message)
+        return message
 
     def set_num_threads(self, num_threads: int) -> None:
         """The child's worker count (0: its main thread does the work)."""
@@ -197,6 +256,10 @@ class GrammarProcess:
             self._finalizer()
         self._child = self._finalizer = None
         self._constrained.clear()
+        self._compiling.clear()
+        self._taken.clear()
+        self._ready.clear()
+        self._failed.clear()
         self._removed.clear()
         self._filling = None
 
@@ -231,7 +294,7 @@ class _Child:
             logger.warning("could not page-lock the grammar bitmask buffers: each upload "
                            "copies them first")
         self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(_Taken)
+        self.decoder = msgspec.msgpack.Decoder(_Taken | _Ready)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PAIR)
         # connecting (not binding) queues messages until the child has bound the address
@@ -250,7 +313,7 @@ class _Child:
     def send(self, message: msgspec.Struct) -> None:
         self.socket.send(self.encoder.encode(message), copy=False)
 
-    def receive(self) -> _Taken:
+    def receive(self) -> _Taken | _Ready:
         while not self.socket.poll(_POLL_MS):
             if self.process.poll() is not None:
                 raise RuntimeError(f"the grammar process exited with code "
@@ -307,34 +370,42 @@ def _unregister_host_memory(address: int) -> None:
 
 def serve(socket: zmq.Socket, manager: StructuredOutputManager, buffers: list[np.ndarray],
           released: list[str], parent_pid: int) -> None:
-    """Apply the engine's messages in order until told to stop or the parent is gone."""
+    """Apply the engine's messages in order until told to stop or the parent is gone; report
+    finished compiles between them (looking every few ms while one runs)."""
     decoder = msgspec.msgpack.Decoder(_Message)
     encoder = msgspec.msgpack.Encoder()
     while True:
-        if not socket.poll(_POLL_MS):
-            if os.getppid() != parent_pid:
+        if socket.poll(_COMPILE_POLL_MS if manager.has_compiles() else _POLL_MS):
+            message = decoder.decode(socket.recv(copy=False).buffer)
+            if not _apply(message, socket, manager, buffers, released, encoder):
                 return
-            continue
-        message = decoder.decode(socket.recv(copy=False).buffer)
-        if isinstance(message, _Submit):
-            manager.submit_tokens(message.tokens, message.sampling_ids)
-            if message.sampling_ids is not None:
-                socket.send(encoder.encode(_take(manager, buffers, released)))
-        elif isinstance(message, _Remove):
-            for request_id in message.request_ids:
-                manager.remove_request(request_id)
-        elif isinstance(message, _Add):
-            try:
-                manager.add(message.request_id, message.spec, message.output_token_ids)
-            except ValueError as exc:  # validated by the frontend: should not happen
-                logger.error("request %s: %s; its output is not constrained",
-                             message.request_id, exc)
-                released.append(message.request_id)
-        elif isinstance(message, _Threads):
-            manager.set_num_threads(message.num_threads)
-        else:
-            manager.shutdown()
+        elif os.getppid() != parent_pid:
             return
+        if manager.has_compiles():
+            ready, failed = manager.take_compiled()
+            if ready or failed:
+                socket.send(encoder.encode(_Ready(ready, failed)))
+
+
+def _apply(message: _Message, socket: zmq.Socket, manager: StructuredOutputManager,
+           buffers: list[np.ndarray], released: list[str], encoder: msgspec.msgpack.Encoder
+           ) -> bool:
+    """One message of the engine's; False once told to stop."""
+    if isinstance(message, _Submit):
+        manager.submit_tokens(message.tokens, message.sampling_ids)
+        if message.sampling_ids is not None:
+            socket.send(encoder.encode(_take(manager, buffers, released)))
+    elif isinstance(message, _Remove):
+        for request_id in message.request_ids:
+            manager.remove_request(request_id)
+    elif isinstance(message, _Add):  # compiled in the background: a _Ready tells the engine
+        manager.add(message.request_id, message.spec, message.output_token_ids)
+    elif isinstance(message, _Threads):
+        manager.set_num_threads(message.num_threads)
+    else:
+        manager.shutdown()
+        return False
+    return True
 
 
 def _take(manager: StructuredOutputManager, buffers: list[np.ndarray],

@@ -228,3 +228,25 @@ def test_a_full_kv_cache_preempts_the_lowest_priority_not_the_latest_admitted():
         victims[policy] = preempted[0]
         assert scheduler.kv_cache_manager.get_num_free_blocks() == 9
     assert victims == {"fcfs": "r2", "priority": "r0"}
+
+
+def test_a_request_waiting_for_its_grammar_is_passed_over_and_keeps_its_place():
+    """Under either policy: the requests behind it are admitted meanwhile; once its grammar
+    is ready it goes before the ones that arrived after it and still wait."""
+    for policy in ("fcfs", "priority"):
+        scheduler = make(max_num_seqs=2, scheduling_policy=policy)
+        waiting = request(0, 6)
+        waiting.status = RequestStatus.WAITING_FOR_GRAMMAR
+        for r in (waiting, request(1, 6), request(2, 6), request(3, 6)):
+            scheduler.add_request(r)
+        out = run_step(scheduler)
+        assert out.req_ids == ["r1", "r2"], policy
+        assert [r.request_id for r in scheduler.waiting] == ["r0", "r3"]
+        scheduler.grammars_ready(["r0", "unknown"])
+        assert waiting.status == RequestStatus.WAITING
+        scheduler.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)
+        out = run_step(scheduler)
+        assert [new.req_id for new in out.scheduled_new_reqs] == ["r0"], policy
+        scheduler.finish_requests(["r0", "r2", "r3"], RequestStatus.FINISHED_ERROR)
+        assert not scheduler.has_unfinished_requests()
+        assert scheduler.kv_cache_manager.get_num_free_blocks() == 63

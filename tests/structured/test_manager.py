@@ -12,6 +12,7 @@ import logging
 import random
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -50,6 +51,21 @@ def tokenizer():
 
 def make(tokenizer, threads: int, rows: int = 16) -> StructuredOutputManager:
     return StructuredOutputManager(tokenizer, VOCAB, [EOS], rows, num_threads=threads)
+
+
+def add_ready(manager: StructuredOutputManager, request) -> None:
+    """`add_request`, then wait until its grammar (compiled in the background) is ready."""
+    manager.add_request(request)
+    if request.sampling_params.structured_outputs is None:
+        return
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, failed = manager.take_compiled()
+        assert not failed
+        if request.request_id in ready:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"{request.request_id}: its grammar never compiled")
 
 
 def expected_row(manager, request) -> np.ndarray:
@@ -92,7 +108,7 @@ def test_rows_match_fresh_matchers_through_adds_removes_and_stops(tokenizer, thr
         nonlocal serial
         serial += 1
         request = Request(f"r{serial}", rng.choice(SPECS + [None]))
-        manager.add_request(request)
+        add_ready(manager, request)
         live.append(request)
 
     for _ in range(6):
@@ -149,7 +165,7 @@ def test_stop_token_ends_the_grammar_and_frees_the_row(tokenizer):
     manager = make(tokenizer, 2)
     spec = StructuredOutputsParams(choice=["ab"])
     request = Request("x", spec)
-    manager.add_request(request)
+    add_ready(manager, request)
     for token in tokenizer.encode("ab", add_special_tokens=False):
         request.output_token_ids.append(token)
         manager.submit([request], ["x"])
@@ -169,7 +185,7 @@ def test_stop_token_ends_the_grammar_and_frees_the_row(tokenizer):
 def test_a_refused_token_drops_the_matcher_with_an_error(tokenizer, caplog):
     manager = make(tokenizer, 1)
     request = Request("x", StructuredOutputsParams(regex="[a-c]+"))
-    manager.add_request(request)
+    add_ready(manager, request)
     request.output_token_ids.append(tokenizer.encode("z", add_special_tokens=False)[0])
     with caplog.at_level(logging.ERROR, logger="pagedserve.structured.manager"):
         manager.submit([request], ["x"])
@@ -184,7 +200,7 @@ def test_a_refused_token_drops_the_matcher_with_an_error(tokenizer, caplog):
 def test_a_worker_failure_reaches_the_engine_thread(tokenizer):
     manager = make(tokenizer, 2)
     request = Request("x", StructuredOutputsParams(choice=["a"]))
-    manager.add_request(request)
+    add_ready(manager, request)
     matcher = manager._entries["x"].matcher
     for token in tokenizer.encode("a", add_special_tokens=False) + [EOS]:  # ended behind the manager's back
         assert matcher.accept_token(token)
@@ -199,7 +215,7 @@ def test_a_worker_failure_reaches_the_engine_thread(tokenizer):
 
 def test_one_bitmask_at_a_time(tokenizer):
     manager = make(tokenizer, 1)
-    manager.add_request(Request("x", SPECS[1]))
+    add_ready(manager, Request("x", SPECS[1]))
     manager.submit([], ["x"])
     with pytest.raises(RuntimeError, match="take it"):
         manager.submit([], ["x"])
@@ -211,7 +227,7 @@ def test_switch_interval_is_lowered_only_while_the_workers_have_work(tokenizer):
     before = sys.getswitchinterval()
     manager = make(tokenizer, 1)
     request = Request("x", SPECS[0])
-    manager.add_request(request)
+    add_ready(manager, request)
     others = set(threading.enumerate())
     manager.submit([], ["x"])
     assert sys.getswitchinterval() < min(before, 1e-3)
@@ -232,7 +248,7 @@ def test_shutdown_stops_the_workers(tokenizer):
 
     already = workers()
     manager = make(tokenizer, 3)
-    manager.add_request(Request("x", SPECS[0]))
+    add_ready(manager, Request("x", SPECS[0]))
     manager.submit([], ["x"])
     manager.take_bitmask()
     assert len(workers() - already) == 3
@@ -254,7 +270,7 @@ def test_an_lm_head_wider_than_the_tokenizer(tokenizer):
     manager = StructuredOutputManager(tokenizer, 1000, [EOS, 999], 4, num_threads=1)
     assert manager.grammars.vocab_size == 288  # 259 ids + 1, rounded to 32
     request = Request("x", StructuredOutputsParams(regex="[a-c]+"))
-    manager.add_request(request)
+    add_ready(manager, request)
     manager.submit([], ["free", "x"])
     grammar = manager.take_bitmask()
     assert grammar.bitmask.shape == (2, 9)

@@ -18,7 +18,7 @@ from benchmarks.make_checkpoint import byte_level_tokenizer
 from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.structured.remote import GrammarProcess
-from tests.structured.test_manager import Request
+from tests.structured.test_manager import Request, add_ready
 
 VOCAB, EOS, ROWS = 259, 2, 4
 SPEC = StructuredOutputsParams(regex=r"[a-c]{1,3}(-[0-9]{1,2}){1,4}")
@@ -39,7 +39,7 @@ def test_rows_match_the_in_process_manager_and_shutdown_cleans_up(tokenizer_dir)
     requests = [Request("a", SPEC), Request("free", None), Request("b", SPEC, [ord("a") + 3])]
     for manager in (remote, local):
         for request in requests:
-            manager.add_request(request)
+            add_ready(manager, request)
     ids = [r.request_id for r in requests]
     for step in range(4):
         remote.submit([r for r in requests if r.output_token_ids], ids)
@@ -58,10 +58,35 @@ def test_rows_match_the_in_process_manager_and_shutdown_cleans_up(tokenizer_dir)
         shared_memory.SharedMemory(name)
 
 
+def test_compiles_are_reported_ready_or_failed(tokenizer_dir):
+    """The child compiles in the background and says which requests are ready (then
+    constrained) and which failed, with the compiler's error; a removed one is forgotten."""
+    tokenizer, source = tokenizer_dir
+    remote = GrammarProcess(tokenizer, source, VOCAB, [EOS], ROWS, num_threads=0)
+    bad = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": 7}}})
+    for request in (Request("good", SPEC), Request("bad", bad), Request("gone", SPEC)):
+        remote.add_request(request)
+    remote.remove_request("gone")
+    assert not remote.is_constrained("good")  # not before the child says so
+    ready, failed = [], []
+    deadline = time.monotonic() + 60
+    while remote.has_compiles() and time.monotonic() < deadline:
+        more_ready, more_failed = remote.take_compiled()
+        ready += more_ready
+        failed += more_failed
+        time.sleep(0.001)
+    assert ready == ["good"] and remote.is_constrained("good")
+    assert [request_id for request_id, _ in failed] == ["bad"]
+    assert "invalid json" in failed[0][1]
+    remote.submit([], ["good", "gone"])
+    assert remote.take_bitmask().req_ids == ["good", "gone"]
+    remote.shutdown()
+
+
 def test_a_dead_child_is_an_error_not_a_hang(tokenizer_dir):
     tokenizer, source = tokenizer_dir
     remote = GrammarProcess(tokenizer, source, VOCAB, [EOS], ROWS, num_threads=0)
-    remote.add_request(Request("a", SPEC))
+    add_ready(remote, Request("a", SPEC))
     remote._child.process.kill()
     remote.submit([], ["a"])
     with pytest.raises(RuntimeError, match="grammar process exited"):
@@ -73,7 +98,7 @@ def test_the_child_ignores_a_ctrl_c_to_its_process_group(tokenizer_dir):
     """SIGINT and SIGTERM are the engine's to act on: the child still answers after them."""
     tokenizer, source = tokenizer_dir
     remote = GrammarProcess(tokenizer, source, VOCAB, [EOS], ROWS, num_threads=0)
-    remote.add_request(Request("a", SPEC))
+    add_ready(remote, Request("a", SPEC))
     remote.submit([], ["a"])
     assert remote.take_bitmask() is not None  # the child is up
     for sig in (signal.SIGINT, signal.SIGTERM):
