@@ -7,11 +7,11 @@ Run from the repo root: `python -m benchmarks.cpu_kernels [--rows 16] [--repeats
           cold (538 MB in float32, more than any cache), interleaved; min and median:
           float32: oneDNN prepacked (`_linear_pointwise`) and the native kernel;
           quantized (the fast mode's weights: Q4_1 layers, Q8_0 head, as the default GGUF):
-          the native kernel (`native/quant.c`, int8 activations) and torch's own CPU kernels
+          the native kernel (`kernels/native/quant.c`, int8 activations) and torch's own CPU kernels
           on the nearest formats they take, `_weight_int8pack_mm` (int8 weights, a scale per
           row, float activations) and `_weight_int4pack_mm_for_cpu` (4-bit, groups of 32);
           bfloat16 (`--dtype bfloat16`'s weights, 269 MB per copy, bfloat16 activations): the
-          native kernel (`native/linear.c`, AMX-BF16, where this CPU and build have it),
+          native kernel (`kernels/native/linear.c`, AMX-BF16, where this CPU and build have it),
           oneDNN through `F.linear` (what the engine ran before it: `aten::mm`/`addmm`) and
           oneDNN prepacked (`_linear_pointwise`).
           `--kinds` picks some of float32, quantized, bfloat16 (all by default).
@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
+from pagedserve.kernels.native import linear as native_linear
+from pagedserve.kernels.native.quant import QuantizedLinear
 from pagedserve.model.gguf_blocks import from_gguf
-from pagedserve.native import linear as native_linear
-from pagedserve.native.quant import QuantizedLinear
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
@@ -198,7 +198,8 @@ def main() -> None:
     parser.add_argument("--model", help="the step's model (default: the bench's)")
     args = parser.parse_args()
     if not native_linear.available():
-        raise SystemExit("the native kernels are unavailable here (see pagedserve.native.build)")
+        raise SystemExit("the native kernels are unavailable here "
+                         "(see pagedserve.kernels.native.build)")
     if args.only != "step":
         bench_gemms(args.rows, args.repeats, args.kinds)
     if args.only != "gemms":

@@ -59,13 +59,13 @@ import torch  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.attention.backend import set_forward_context  # noqa: E402
-from pagedserve.attention.kernels import DecodeConfig, paged_decode  # noqa: E402
-from pagedserve.attention.kernels.decode import FP8_DECODE  # noqa: E402
 from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 from pagedserve.entrypoints.llm import LLM  # noqa: E402
-from pagedserve.model.fp8_kernel import WeightOnlyConfig  # noqa: E402
+from pagedserve.kernels.triton.attention import DecodeConfig, paged_decode  # noqa: E402
+from pagedserve.kernels.triton.attention.decode import FP8_DECODE  # noqa: E402
+from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig  # noqa: E402
 
 QUALITY_PROMPTS = 24
 QUALITY_TOKENS = 48
@@ -148,7 +148,7 @@ def part_kv(res: Results, loaded: LoadedModel, model_dir: str, bandwidth: float,
             sweep: bool = False) -> None:
     """Workload A with a bf16 and an FP8 KV cache; with `sweep` also the FP8 cache under
     each of `KV_CANDIDATES` (`decode.FP8_DECODE`, read at each launch; "config" says which)."""
-    from pagedserve.attention.kernels import decode
+    from pagedserve.kernels.triton.attention import decode
 
     prompts, out_lens = throughput.workload_prompts()
     runs = [("auto", None), ("fp8", None)]
@@ -276,14 +276,15 @@ def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:
 def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
     """FP8 weights at decode batch sizes, Llama-3-8B's projections (K x N) and, at one
     token, its LM head (kept bf16 by `quantization="fp8"`: what quantizing it would save):
-    the weight-only kernel (`fp8_kernel.weight_only_linear`, method "weight_only"; with
+    the weight-only kernel (`fp8_linear.weight_only_linear`, method "weight_only"; with
     `sweep` also "weight_only <candidate>" at one token for each of
     `weight_only_candidates`; rows carry the launch settings and the split of K) against
     `_scaled_mm` with per-token activation quantization and against the bf16 matmul, timed
     in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them)."""
+    from pagedserve.kernels.triton.fp8_linear import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW,
+                                                      one_row_tiles, quantize_tokens, split_k,
+                                                      weight_only_linear)
     from pagedserve.model import fp8
-    from pagedserve.model.fp8_kernel import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW, one_row_tiles,
-                                             quantize_tokens, split_k, weight_only_linear)
 
     kernels = _module("kernels")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -334,7 +335,7 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
 
 def weight_only_candidates() -> dict[str, WeightOnlyConfig]:
     """Settings `--sweep` times beside the default (method "weight_only") at one token,
-    named by what differs: nN kK the tile's rows and columns before `fp8_kernel.narrowed`
+    named by what differs: nN kK the tile's rows and columns before `fp8_linear.narrowed`
     narrows it, pP programs per SM. (Earlier sweeps' tile shapes, splits and the "streamed"
     kernel of 2026-11-26 05:27 are in docs/benchmarks.md and in git.)"""
     one_row = replace(WeightOnlyConfig(), fma=True, min_block_n=4)
@@ -623,14 +624,14 @@ def part_profile(res: Results, loaded: LoadedModel | None, model_dir: str | None
 def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: float,
                     common: dict) -> None:
     """The FP8-weight model's batch-1 TPOT with the weight-only kernel's one-row setting
-    (`fp8_kernel.WEIGHT_ONLY_ONE_ROW`, read when the engine captures its graphs) changed as
+    (`fp8_linear.WEIGHT_ONLY_ONE_ROW`, read when the engine captures its graphs) changed as
     each of `TPOT_CANDIDATES` says."""
-    from pagedserve.model import fp8_kernel
+    from pagedserve.kernels.triton import fp8_linear
 
-    default = fp8_kernel.WEIGHT_ONLY_ONE_ROW
+    default = fp8_linear.WEIGHT_ONLY_ONE_ROW
     try:
         for label, changes in TPOT_CANDIDATES.items():
-            fp8_kernel.WEIGHT_ONLY_ONE_ROW = cfg = replace(default, **changes)
+            fp8_linear.WEIGHT_ONLY_ONE_ROW = cfg = replace(default, **changes)
             engine = engine_for(loaded, model_dir, max_num_seqs=8)  # fewer graphs to capture
             ms = tpot_batch1(engine)
             res.add("8b", measure="tpot_batch1_ms", variant=f"fp8_weights {label}",
@@ -639,11 +640,11 @@ def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: 
             del engine
             throughput.release()
     finally:
-        fp8_kernel.WEIGHT_ONLY_ONE_ROW = default
+        fp8_linear.WEIGHT_ONLY_ONE_ROW = default
 
 
 # what --sweep times beside the default: label -> what differs from
-# `fp8_kernel.WEIGHT_ONLY_ONE_ROW`
+# `fp8_linear.WEIGHT_ONLY_ONE_ROW`
 TPOT_CANDIDATES = {
     "narrowed to 6 programs per SM": {"programs_per_sm": 6},
     "16x512 tiles narrowed to 6 programs per SM": {"block_k": 512, "programs_per_sm": 6},
@@ -663,7 +664,7 @@ def main() -> None:
                         "here, random, LM head x25)")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    from pagedserve.attention.kernels import decode
+    from pagedserve.kernels.triton.attention import decode
 
     split_short = args.decode_split_short == "on"
     decode.BF16_DECODE = replace(decode.BF16_DECODE, split_short=split_short)

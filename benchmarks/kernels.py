@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, paged_decode,
+from pagedserve.kernels.triton.attention import (DecodeConfig, PrefillConfig, paged_decode,
                                           paged_decode_v1, paged_decode_v2, paged_prefill,
                                           store_kv, use_v2)
 from pagedserve.attention.torch_ref import TorchRefBackend

@@ -29,11 +29,11 @@ import time
 import torch
 import triton
 
-from pagedserve.engine.filtered_sampling_kernel import FilteredKernelConfig, filtered_sample
-from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.input_batch import CachedRequestState
+from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, apply_penalties
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
 
 PROMPT_LEN, OUTPUT_LEN = 512, 256
 WORKLOADS = {

@@ -469,11 +469,11 @@ def w_attention(ctx: Ctx) -> None:
     import torch
 
     from pagedserve.attention import kv_quant, torch_ref
-    from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, longest_first,
+    from pagedserve.kernels.triton.attention import (DecodeConfig, PrefillConfig, longest_first,
                                               paged_decode_v1, paged_decode_v2, paged_prefill,
                                               store_kv)
-    from pagedserve.attention.kernels.arrivals import arrival_counters
-    from pagedserve.attention.kernels.decode import FP8_DECODE
+    from pagedserve.kernels.triton.arrivals import arrival_counters
+    from pagedserve.kernels.triton.attention.decode import FP8_DECODE
     from pagedserve.attention.triton_backend import TritonBackend
     from tests.attention.paged_case import make_case
 
@@ -616,7 +616,8 @@ def w_model_ops(ctx: Ctx) -> None:
     SiLU * up over two column blocks."""
     import torch
 
-    from pagedserve.model import ops, triton_ops
+    from pagedserve.kernels.triton import model_ops
+    from pagedserve.model import ops
     from pagedserve.model.config import ModelConfig
     from pagedserve.model.rope import RotaryEmbedding
 
@@ -643,7 +644,7 @@ def w_model_ops(ctx: Ctx) -> None:
             weight = 1 + 0.3 * randn(hidden)
             ref_res = None if residual is None else residual.clone()
             ref_out, ref_sum = ops.eager_fused_add_rms_norm(x.clone(), ref_res, weight, 1e-6)
-            out, total = triton_ops.rms_norm(x, weight, 1e-6, residual)
+            out, total = model_ops.rms_norm(x, weight, 1e-6, residual)
             what = f"rms_norm {tokens}x{hidden} residual={with_residual}"
             ctx.check(torch.equal(total, ref_sum), f"{what}: the residual sum differs")
             matches(out, ref_out, what)
@@ -669,7 +670,7 @@ def w_model_ops(ctx: Ctx) -> None:
             ops.eager_rotate_qk_(expected, positions, cos, sin, heads, kv_heads, *weights,
                                  1e-6)
             before = buffer.clone()
-            triton_ops.rotate_qk_(qkv, positions, cos, sin, heads, kv_heads, *weights, 1e-6)
+            model_ops.rotate_qk_(qkv, positions, cos, sin, heads, kv_heads, *weights, 1e-6)
             what = f"rotate_qk_ D={head_dim} {heads}/{kv_heads} qk_norm={qk_norm}"
             rotated = heads + kv_heads
             matches(qkv[:, :rotated], expected[:, :rotated], what)
@@ -680,7 +681,7 @@ def w_model_ops(ctx: Ctx) -> None:
     for tokens, inner in ([(1, 3072), (37, 1500), (64, 9728)] if ctx.gpu
                           else [(1, 96), (6, 1500)]):
         gate_up = 3 * randn(tokens, 2 * inner)
-        matches(triton_ops.silu_and_mul(gate_up), ops.eager_silu_and_mul(gate_up),
+        matches(model_ops.silu_and_mul(gate_up), ops.eager_silu_and_mul(gate_up),
                 f"silu_and_mul {tokens}x{inner}")
 
 
@@ -702,9 +703,10 @@ def w_fp8(ctx: Ctx) -> None:
     `_scaled_mm`); a norm -> GEMV -> SiLU chain launched back to back (PDL on Hopper)."""
     import torch
 
-    from pagedserve.attention.kernels.arrivals import arrival_counters
-    from pagedserve.model import fp8, triton_ops
-    from pagedserve.model.fp8_kernel import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW,
+    from pagedserve.kernels.triton.arrivals import arrival_counters
+    from pagedserve.kernels.triton import model_ops
+    from pagedserve.model import fp8
+    from pagedserve.kernels.triton.fp8_linear import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW,
                                              WeightOnlyConfig, quantize_tokens,
                                              weight_only_linear)
 
@@ -781,7 +783,7 @@ def w_fp8(ctx: Ctx) -> None:
     for num_rows in (1, 4):
         for _ in range(3):
             x = torch.randn(num_rows, hidden, generator=gen, device=dev).to(dtype)
-            y = triton_ops.silu_and_mul(weight_only_linear(triton_ops.rms_norm(
+            y = model_ops.silu_and_mul(weight_only_linear(model_ops.rms_norm(
                 x, norm_w, 1e-5)[0], w_q, w_scale))
             xn = x.double().cpu()
             xn = xn * torch.rsqrt(xn.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double().cpu()
@@ -802,7 +804,7 @@ def w_moe(ctx: Ctx) -> None:
     import torch.nn.functional as F
 
     from pagedserve.model.moe import route
-    from pagedserve.model.moe_kernel import fused_moe
+    from pagedserve.kernels.triton.moe import fused_moe
 
     dev = ctx.device
     if ctx.gpu:
@@ -845,12 +847,12 @@ def w_sampling(ctx: Ctx) -> None:
     reference's kept set, the top-k candidate path draws the full pass's tokens)."""
     import torch
 
-    from pagedserve.engine.filtered_sampling_kernel import FilteredKernelConfig, filtered_sample
+    from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
     from pagedserve.engine.input_batch import CachedRequestState
     from pagedserve.engine.penalties import PenaltyState
     from pagedserve.engine.sampler import (Sampler, SamplingMetadata, apply_min_p,
                                            apply_penalties, apply_top_k_top_p)
-    from pagedserve.engine.sampling_kernel import SamplingKernelConfig, fused_sample
+    from pagedserve.kernels.triton.sampling import SamplingKernelConfig, fused_sample
     from pagedserve.engine.sampling_params import SamplingParams
 
     dev = torch.device(ctx.device)
@@ -980,12 +982,14 @@ def w_graphs(ctx: Ctx) -> None:
     eagerly (the checks still hold)."""
     import torch
 
-    from pagedserve.attention.kernels import DecodeConfig, PrefillConfig
-    from pagedserve.attention.kernels.arrivals import arrival_counters
+    from pagedserve.kernels.triton.attention import DecodeConfig, PrefillConfig
+    from pagedserve.kernels.triton.arrivals import arrival_counters
     from pagedserve.attention.metadata import AttentionMetadata
     from pagedserve.attention.triton_backend import TritonBackend
-    from pagedserve.model import fp8, triton_ops
-    from pagedserve.model.fp8_kernel import WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW, weight_only_linear
+    from pagedserve.kernels.triton import model_ops
+    from pagedserve.kernels.triton.fp8_linear import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW,
+                                                      weight_only_linear)
+    from pagedserve.model import fp8
     from tests.attention.paged_case import make_case
 
     dev = ctx.device
@@ -1053,9 +1057,9 @@ def w_graphs(ctx: Ctx) -> None:
         x = torch.randn(num_rows, hidden, generator=gen, device=dev).to(chain_dtype)
 
         def chain(sync: bool):
-            y = triton_ops.rms_norm(x, norm_w, 1e-5)[0]
+            y = model_ops.rms_norm(x, norm_w, 1e-5)[0]
             for fn in (lambda t: weight_only_linear(t, w_q, w_scale, None, cfg),
-                       triton_ops.silu_and_mul):
+                       model_ops.silu_and_mul):
                 if sync and ctx.gpu:
                     torch.cuda.synchronize()
                 y = fn(y)

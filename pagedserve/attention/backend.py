@@ -1,4 +1,5 @@
-"""The attention backend interface, backend selection and the per-step forward context.
+"""The attention backend interface and the per-step forward context (the choice of backend:
+`selector.py`).
 
 The model's attention layers do not receive metadata as arguments: the model runner sets a
 forward context once per step and each layer fetches it, which keeps the model's `forward`
@@ -7,7 +8,6 @@ signature identical to a plain decoder's (`input_ids`, `positions`).
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -113,54 +113,6 @@ def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
             runs.append((start, i, ids[start]))
             start = i
     return runs
-
-
-def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
-    """None/"auto" picks "triton" on CUDA, "cpu" on the CPU when the native kernels can be
-    built, and "torch" elsewhere.
-
-    "triton" on a CPU device runs the kernels under the Triton interpreter; TRITON_INTERPRET
-    must be set before triton compiles the kernels, so it is set here when the kernels have
-    not been imported yet.
-    """
-    from pagedserve.native import attention as native_attention
-
-    device = torch.device(device)
-    if name in (None, "auto"):
-        cpu_kernels = device.type == "cpu" and native_attention.available()
-        name = "triton" if device.type == "cuda" else "cpu" if cpu_kernels else "torch"
-    if name == "torch":
-        from pagedserve.attention.torch_ref import TorchRefBackend
-
-        return TorchRefBackend()
-    if name == "cpu":
-        if device.type != "cpu" or not native_attention.available():
-            raise ValueError(f"the cpu attention backend needs a CPU device and the native "
-                             f"kernels (device {device.type}; see pagedserve.native.build)")
-        from pagedserve.attention.cpu_backend import CpuBackend
-
-        return CpuBackend()
-    if name == "triton":
-        if device.type not in ("cuda", "cpu"):
-            raise ValueError(f"the triton attention backend does not run on {device.type}")
-        if device.type == "cpu":
-            _require_interpreter()
-        from pagedserve.attention.triton_backend import TritonBackend
-
-        return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or "
-                     "'triton'")
-
-
-def _require_interpreter() -> None:
-    import sys
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    if any(m.startswith("pagedserve.attention.kernels") for m in sys.modules):
-        raise RuntimeError("the triton backend on CPU needs TRITON_INTERPRET=1 set before "
-                           "pagedserve.attention.kernels is imported")
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 The decode step is where the CPU engine spends its attention time, and there the reference's
 gather of every decode's context into a padded copy costs more than the attention itself; the
-kernel (`pagedserve/native/attention.c`) reads K/V in place through the block tables, in the
+kernel (`pagedserve/kernels/native/attention.c`) reads K/V in place through the block tables, in the
 same call that stores the step's new K/V rows. A short prefill chunk goes through the same
 call as one decode per new token (token i of a chunk of n ending at seq_len L attends to the
 first L - n + i + 1 tokens, which the store has just completed): each token then re-reads its
@@ -32,7 +32,7 @@ from torch import Tensor
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.torch_ref import TorchRefBackend, paged_prefills
-from pagedserve.native import attention as native
+from pagedserve.kernels.native import attention as native
 
 
 # Prefills attended per token by the kernel when none in the step is longer than this.

@@ -26,6 +26,7 @@ from pagedserve.config import KV_CACHE_DTYPES
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
+MIN_AMAX = 1e-12  # the floor of an absolute maximum that sets a scale: zeros get a finite one
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.attention.backend import AttentionBackend
-from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, copy_blocks,
+from pagedserve.kernels.triton.attention import (DecodeConfig, PrefillConfig, copy_blocks,
                                           longest_first, paged_decode, paged_prefill, store_kv)
 from pagedserve.attention.metadata import AttentionMetadata
 

@@ -59,10 +59,10 @@ from pagedserve.engine.messages import (
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.kernels.native.build import cpu_flags, has_bf16_compute
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.loader import load_model, load_tokenizer, model_path, read_model_config
-from pagedserve.native.build import cpu_flags, has_bf16_compute
 from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.structured.remote import GrammarProcess

@@ -11,7 +11,7 @@ grids, so:
 - attention is captured with `max_seq_len` = max_model_len. v1's grid ignores it; v2's grid
   is then sized for the longest possible context, and its programs past a sequence's
   length exit at once while the reduce only reads the partitions that the sequence has
-  (see attention/kernels/decode.py), so one graph serves every context length.
+  (see kernels/triton/attention/decode.py), so one graph serves every context length.
 
 Only decode-only steps replay a graph; steps with a prefill chunk run eagerly.
 """

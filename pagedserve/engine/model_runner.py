@@ -40,8 +40,9 @@ import torch
 from torch import Tensor
 
 from pagedserve.attention import kv_quant
-from pagedserve.attention.backend import get_attention_backend, set_forward_context
+from pagedserve.attention.backend import set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.engine.cuda_graphs import DecodeGraphs
 from pagedserve.engine.input_batch import BlockTableRows, CachedRequestState, StepBuffers

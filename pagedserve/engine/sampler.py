@@ -19,8 +19,8 @@ tied with the cut-off are all kept. The penalties read each request's token coun
 a `PenaltyState` on the same device (`penalties.py`).
 
 On CUDA every row goes through fused Triton kernels that read the logits once per pass in
-the model's dtype: greedy and plain temperature rows through `sampling_kernel.py`, and a
-batch with any filtered or penalized row through `filtered_sampling_kernel.py`, which
+the model's dtype: greedy and plain temperature rows through `kernels/triton/sampling.py`, and a
+batch with any filtered or penalized row through `kernels/triton/filtered_sampling.py`, which
 draws with the same noise (a row's token does not depend on which kernel served it). The
 CPU takes the torch path. Seeded draws repeat per device type and path, not across them.
 """
@@ -34,8 +34,8 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from pagedserve.engine.penalties import PenaltyState, to_device
 from pagedserve.engine.input_batch import CachedRequestState
+from pagedserve.engine.penalties import PenaltyState, PenaltyTensors, apply_penalties, to_device
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.structured.bitmask import apply_token_bitmask
 
@@ -45,8 +45,8 @@ _UNSEEDED_STREAM = 2**32  # unseeded rows' streams: a Philox counter word seeded
 
 @dataclass(frozen=True)
 class _Kernels:
-    plain: Callable[..., Tensor]  # sampling_kernel.fused_sample
-    filtered: Callable[..., Tensor]  # filtered_sampling_kernel.filtered_sample
+    plain: Callable[..., Tensor]  # kernels.triton.sampling.fused_sample
+    filtered: Callable[..., Tensor]  # kernels.triton.filtered_sampling.filtered_sample
 
 
 @cache
@@ -55,8 +55,8 @@ def _fused_kernels() -> _Kernels | None:
     interpreter tests can set TRITON_INTERPRET before the kernels are jitted. None without
     Triton: the torch path then serves every row."""
     try:
-        from pagedserve.engine.filtered_sampling_kernel import filtered_sample
-        from pagedserve.engine.sampling_kernel import fused_sample
+        from pagedserve.kernels.triton.filtered_sampling import filtered_sample
+        from pagedserve.kernels.triton.sampling import fused_sample
     except ImportError:
         return None
     return _Kernels(fused_sample, filtered_sample)
@@ -64,20 +64,6 @@ def _fused_kernels() -> _Kernels | None:
 
 def fused_sampling_available(device: torch.device) -> bool:
     return device.type == "cuda" and _fused_kernels() is not None
-
-
-@dataclass
-class PenaltyTensors:
-    """Per-row penalties for one step: each row's slot in the `PenaltyState` counts (-1:
-    the row has no penalties) and its three factors (neutral on rows without)."""
-
-    rows: Tensor  # int64 [S]
-    output_counts: Tensor  # int32 [slots, V]: the sampled tokens of each slot, counted
-    prompt_mask: Tensor  # bool [slots, V]: the tokens of each slot's prompt
-    repetition: Tensor  # float32 [S]
-    presence: Tensor  # float32 [S]
-    frequency: Tensor  # float32 [S]
-    penalized_rows: list[int]  # the rows with a slot, known on the host (no device read)
 
 
 @dataclass
@@ -395,22 +381,6 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype,
                 meta.allowed_token_bitmask = torch.full(
                     (rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
             sampler(torch.randn(rows, vocab_size, dtype=dtype, device=device), meta)
-
-
-def apply_penalties(logits: Tensor, penalties: PenaltyTensors) -> Tensor:
-    """Repetition (tokens of the prompt or output: divide positive, multiply negative
-    logits), then frequency (times the output count) and presence (seen in the output)
-    subtracted, in float32. Rows without penalties (slot -1) are left as they are."""
-    has_slot = (penalties.rows >= 0).unsqueeze(1)
-    slots = penalties.rows.clamp(min=0)
-    counts = penalties.output_counts.index_select(0, slots)
-    counts = torch.where(has_slot, counts, 0).to(logits.dtype)
-    seen = has_slot & (penalties.prompt_mask.index_select(0, slots) | (counts > 0))
-    rep = penalties.repetition.unsqueeze(1).expand_as(logits)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - penalties.frequency.unsqueeze(1) * counts
-    return logits - penalties.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:

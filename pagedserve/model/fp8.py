@@ -6,7 +6,7 @@ over memory bandwidth; e4m3 halves those bytes against bf16. Activation scales a
 per token (row) at run time, so nothing is calibrated and an outlier token costs only its
 own row's precision.
 
-Decode steps of at most 16 tokens take `fp8_kernel.weight_only_linear` instead: x @ (W_q *
+Decode steps of at most 16 tokens take `fp8_linear.weight_only_linear` instead: x @ (W_q *
 s_w)^T with x unquantized, the weight cast in registers (`_scaled_mm` at a handful of rows
 does not read the weights at bandwidth, which is all such a step should cost).
 
@@ -38,10 +38,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
+from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from pagedserve.config import QUANTIZATIONS
 # An all-zero row gets this amax: its scale stays finite and its values quantize to zero.
-MIN_AMAX = 1e-12
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -58,7 +57,7 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
     if not x.is_cuda:
         return reference_linear(x, weight, weight_scale, bias)
     # Triton: imported on CUDA only
-    from pagedserve.model.fp8_kernel import (MAX_WEIGHT_ONLY_ROWS, quantize_tokens,
+    from pagedserve.kernels.triton.fp8_linear import (MAX_WEIGHT_ONLY_ROWS, quantize_tokens,
                                              weight_only_linear)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:

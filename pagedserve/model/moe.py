@@ -8,7 +8,7 @@ the activation dtype, Mixtral keeps them in float32.
 
 The experts' weights are stacked, `w13` [E, 2I, H] (gate rows first, then up) and `w2`
 [E, H, I], so one kernel launch can reach all of them. On CUDA the fused Triton kernels
-(`moe_kernel.py`) do gate/up and down as one grouped GEMM launch each over the tokens sorted
+(`kernels/triton/moe.py`) do gate/up and down as one grouped GEMM launch each over the tokens sorted
 by expert; elsewhere each expert that received tokens runs its two matmuls on just those
 tokens (through a `PackedWeight`, the native kernel on the CPU), accumulated in expert order
 as transformers does.
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.packed import PackedWeight
 
 
 def route(logits: Tensor, top_k: int, renormalize: bool,
@@ -56,7 +57,7 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize,
                              x.dtype if self.round_weights else None)
         if x.is_cuda:
-            from pagedserve.model.moe_kernel import fused_moe
+            from pagedserve.kernels.triton.moe import fused_moe
 
             return fused_moe(x, self.w13, self.w2, weights, ids)
         return self._per_expert(x, weights, ids)
@@ -64,8 +65,6 @@ class SparseMoE(nn.Module):
     def _per_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """Each expert with tokens: its matmuls on those tokens only, scaled by their routing
         weight and added into the output in expert order."""
-        from pagedserve.model.decoder import PackedWeight  # (the decoder imports this module)
-
         out = torch.zeros_like(x)
         if self._packed is None or self._packed[0][0].data_ptr() != self.w13.data_ptr():
             self._packed = [(self.w13[e], self.w2[e], PackedWeight(), PackedWeight())

@@ -2,15 +2,15 @@
 Triton kernels on CUDA.
 
 Each op has one contract and three implementations. The eager PyTorch one is the reference: it
-follows transformers op for op (RMSNorm in float32, cast back to the activation dtype before
-the weight multiply; RoPE tables in float32 cast to the activation dtype). The Triton one
-(`triton_ops.py`) fuses each op into one or two launches and rounds where the eager path
-rounds, so results agree. Triton is imported only when a CUDA tensor (or `triton_on_cpu`, for
-the interpreter tests) first needs it. On the CPU, float32 inference goes to the native kernels
-(`pagedserve/native/ops.c`): one call instead of the eager path's 4 to 10 small ops, whose
-per-op overhead dominates at decode sizes. They round where the eager path rounds; only the
-order of a norm's sum of squares and the last bit of some exps differ. Anything else on the CPU
-(other dtypes, autograd, no C compiler) runs the eager path.
+follows transformers op for op (RMSNorm in float32, cast back to the activation dtype before the
+weight multiply; RoPE tables in float32 cast to the activation dtype). The Triton one
+(`kernels/triton/model_ops.py`) fuses each op into one or two launches and rounds where the
+eager path rounds, so results agree. Triton is imported only when a CUDA tensor (or
+`triton_on_cpu`, for the interpreter tests) first needs it. On the CPU, float32 inference goes
+to the native kernels (`pagedserve/kernels/native/ops.c`): one call instead of the eager path's
+4 to 10 small ops, whose per-op overhead dominates at decode sizes. They round where the eager
+path rounds; only the order of a norm's sum of squares and the last bit of some exps differ.
+Anything else on the CPU (other dtypes, autograd, no C compiler) runs the eager path.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedserve.native import ops as native
+from pagedserve.kernels.native import ops as native
 
 _force_triton = False  # set by `triton_on_cpu`
 
@@ -42,9 +42,9 @@ def triton_on_cpu() -> Iterator[None]:
 
 @cache
 def _kernels() -> ModuleType:
-    from pagedserve.model import triton_ops
+    from pagedserve.kernels.triton import model_ops
 
-    return triton_ops
+    return model_ops
 
 
 def _use_triton(x: Tensor) -> bool:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from pagedserve.attention.backend import (AttentionBackend, consecutive_runs,
-                                          get_attention_backend, get_forward_context,
-                                          set_forward_context)
+                                          get_forward_context, set_forward_context)
+from pagedserve.attention.selector import get_attention_backend
 from pagedserve.attention.torch_ref import TorchRefBackend
 from tests.attention.paged_case import make_case
 

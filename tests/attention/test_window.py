@@ -9,7 +9,7 @@ import torch
 
 from pagedserve.attention.cpu_backend import CpuBackend
 from pagedserve.attention.torch_ref import TorchRefBackend
-from pagedserve.native import attention as native
+from pagedserve.kernels.native import attention as native
 from tests.attention.paged_case import make_case
 
 # (cached, new) per sequence: decodes first, then prefills, one with a cached prefix

@@ -40,9 +40,9 @@ def at_most_one_step_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 8), (32, 8), (8, 1)])
 def test_fp8_kernels_match_float64_attention(num_heads, num_kv_heads):
     from pagedserve.attention import torch_ref
-    from pagedserve.attention.kernels import (DecodeConfig, paged_decode_v1, paged_decode_v2,
+    from pagedserve.kernels.triton.attention import (DecodeConfig, paged_decode_v1, paged_decode_v2,
                                               store_kv)
-    from pagedserve.attention.kernels.decode import FP8_DECODE
+    from pagedserve.kernels.triton.attention.decode import FP8_DECODE
     from pagedserve.attention.triton_backend import TritonBackend
     from tests.attention.paged_case import make_case
 
@@ -81,7 +81,7 @@ def test_fp8_kernels_match_float64_attention(num_heads, num_kv_heads):
 
 def test_activation_quantization_and_fp8_gemm():
     from pagedserve.model import fp8
-    from pagedserve.model.fp8_kernel import quantize_tokens
+    from pagedserve.kernels.triton.fp8_linear import quantize_tokens
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(37, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -120,9 +120,9 @@ def test_weight_only_variants_and_e4m3_bits():
     import triton
     import triton.language as tl
 
-    from pagedserve.attention.kernels.e4m3 import e4m3_bits
+    from pagedserve.kernels.triton.e4m3 import e4m3_bits
     from pagedserve.model import fp8
-    from pagedserve.model.fp8_kernel import WeightOnlyConfig, weight_only_linear
+    from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, weight_only_linear
 
     @triton.jit
     def read_bits(x_ptr, y_ptr, N: tl.constexpr):
@@ -157,10 +157,10 @@ def test_pdl_chain_waits_for_its_input(fma):
     one before it ends) and captured in a CUDA graph as a decode step runs: every replay with
     a new input equals the same kernels with a device sync between each two (a kernel that
     read its input before the previous one had written it would see the last replay's)."""
-    from pagedserve.attention.kernels import pdl
+    from pagedserve.kernels.triton import pdl
     from pagedserve.model import fp8
-    from pagedserve.model.fp8_kernel import WeightOnlyConfig, weight_only_linear
-    from pagedserve.model.triton_ops import rms_norm, silu_and_mul
+    from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, weight_only_linear
+    from pagedserve.kernels.triton.model_ops import rms_norm, silu_and_mul
 
     assert bool(pdl.launch_options()) == (torch.cuda.get_device_capability()[0] >= 9)
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -274,18 +274,18 @@ def test_fp8_weights_engine(checkpoint, loaded):
 
 @torch.inference_mode()
 def test_fp8_weights_one_sequence_at_a_time(checkpoint, monkeypatch):
-    """A lone sequence's decode steps take the one-row GEMV (`fp8_kernel._one_row_linear`,
+    """A lone sequence's decode steps take the one-row GEMV (`fp8_linear._one_row_linear`,
     e4m3 read as int32 words, rebiased once per output); the same sequences decoded together
     take tl.dot. Both sum the same float32 products in different orders: the greedy tokens
     agree but for a rare near-tie, where a wrong kernel (a byte misplaced, the 2^120 lost)
     agrees on almost none."""
-    from pagedserve.model import fp8_kernel
+    from pagedserve.kernels.triton import fp8_linear
 
     quantized = load(checkpoint, quantization="fp8")
     prompt_list = random_prompts(8, seed=9)
     together = greedy(make_engine(quantized), prompt_list, max_tokens=16)
-    one_row, calls = fp8_kernel._one_row_linear, []
-    monkeypatch.setattr(fp8_kernel, "_one_row_linear",
+    one_row, calls = fp8_linear._one_row_linear, []
+    monkeypatch.setattr(fp8_linear, "_one_row_linear",
                         lambda *args: calls.append(1) or one_row(*args))
     alone = make_engine(quantized, enforce_eager=True)
     tokens = [greedy(alone, [p], max_tokens=16)[0] for p in prompt_list]

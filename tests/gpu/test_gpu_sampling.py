@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.filtered_sampling_kernel import FilteredKernelConfig, filtered_sample
-from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.input_batch import CachedRequestState
+from pagedserve.engine.penalties import PenaltyState
+from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
 from pagedserve.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
                                        apply_top_k_top_p)
 from pagedserve.engine.sampling_params import SamplingParams

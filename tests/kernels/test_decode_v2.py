@@ -11,9 +11,9 @@ must be left zero: CUDA-graph replays rely on it.
 import pytest
 import torch
 
-from pagedserve.attention.kernels import DecodeConfig, decode, paged_decode_v2, store_kv
-from pagedserve.attention.kernels.arrivals import arrival_counters
-from pagedserve.attention.kernels.decode import choose_v2_config
+from pagedserve.kernels.triton.arrivals import arrival_counters
+from pagedserve.kernels.triton.attention import DecodeConfig, decode, paged_decode_v2, store_kv
+from pagedserve.kernels.triton.attention.decode import choose_v2_config
 from tests.attention.paged_case import make_case
 
 # (context, 1 new token): 1 to 17 partitions of 16, crossing block and partition edges

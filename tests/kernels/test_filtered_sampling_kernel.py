@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine import filtered_sampling_kernel
-from pagedserve.engine.filtered_sampling_kernel import FilteredKernelConfig, filtered_sample
-from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.input_batch import CachedRequestState
+from pagedserve.engine.penalties import PenaltyState
+from pagedserve.kernels.triton import filtered_sampling
+from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
 from pagedserve.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
                                        apply_top_k_top_p)
-from pagedserve.engine.sampling_kernel import fused_sample
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kernels.triton.sampling import fused_sample
 from tests.kernels.test_sampling_kernel import chi_square, fresh_seed, reference_draws
 
 CONFIG = FilteredKernelConfig(block=16, pivots=64)  # 40 tokens: three tiles, one partial
@@ -210,14 +210,14 @@ def test_top_k_rows_drawn_from_candidates_equal_the_full_pass(monkeypatch):
     logits[8, 0] = float("nan")
     philox = torch.tensor([(seed + i, i * 5) for i in range(9)], dtype=torch.int64)
     launches = []
-    sample_rows = filtered_sampling_kernel._sample_rows
+    sample_rows = filtered_sampling._sample_rows
 
     def spy(logits, *args, skip=None):
         launches.append((len(logits), args[-2] is not None,
                          None if skip is None else skip.tolist()))
         return sample_rows(logits, *args, skip=skip)
 
-    monkeypatch.setattr(filtered_sampling_kernel, "_sample_rows", spy)
+    monkeypatch.setattr(filtered_sampling, "_sample_rows", spy)
     config = FilteredKernelConfig(block=16, pivots=64, candidates=8)
     got = filtered_sample(logits, temperature, greedy, philox, min_p, top_k, top_p,
                           config=config)
@@ -271,7 +271,7 @@ def test_start_up_warm_up_launches_every_kernel_variant_a_step_can(monkeypatch):
     from pagedserve.engine import sampler as sampler_module
 
     launched = set()
-    sample_rows = filtered_sampling_kernel._sample_rows
+    sample_rows = filtered_sampling._sample_rows
     apply_bitmask = sampler_module.apply_token_bitmask
 
     def spy_rows(logits, temperature, greedy_mask, philox, min_p, top_k, top_p, penalties,
@@ -289,7 +289,7 @@ def test_start_up_warm_up_launches_every_kernel_variant_a_step_can(monkeypatch):
         launched.add(("bitmask",))
         return apply_bitmask(logits, bitmask)
 
-    monkeypatch.setattr(filtered_sampling_kernel, "_sample_rows", spy_rows)
+    monkeypatch.setattr(filtered_sampling, "_sample_rows", spy_rows)
     monkeypatch.setattr(sampler_module, "_fused_kernels",
                         lambda: sampler_module._Kernels(spy_plain, filtered_sample))
     monkeypatch.setattr(sampler_module, "fused_sampling_available", lambda device: True)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pagedserve.attention import kv_quant, torch_ref
-from pagedserve.attention.kernels import decode
-from pagedserve.attention.kernels import (PrefillConfig, copy_blocks, paged_decode_v1,
+from pagedserve.kernels.triton.attention import decode
+from pagedserve.kernels.triton.attention import (PrefillConfig, copy_blocks, paged_decode_v1,
                                           paged_decode_v2, paged_prefill, store_kv)
 from pagedserve.attention.triton_backend import TritonBackend
 from tests.attention.paged_case import make_case

@@ -11,11 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.kernels.arrivals import arrival_counters
-from pagedserve.attention.kernels.e4m3 import E4M3_WORD_F32_UNSCALE, e4m3_bits, e4m3_word_f32
 from pagedserve.attention.kv_quant import FP8_DTYPE
+from pagedserve.kernels.triton.arrivals import arrival_counters
+from pagedserve.kernels.triton.e4m3 import E4M3_WORD_F32_UNSCALE, e4m3_bits, e4m3_word_f32
 from pagedserve.model import fp8
-from pagedserve.model.fp8_kernel import (WeightOnlyConfig, narrowed, quantize_tokens,
+from pagedserve.kernels.triton.fp8_linear import (WeightOnlyConfig, narrowed, quantize_tokens,
                                          split_k, weight_only_linear)
 from tests.kernels.test_kernels import fresh_seed
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pagedserve.attention import torch_ref
-from pagedserve.attention.backend import get_attention_backend
-from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, choose_partition,
+from pagedserve.attention.selector import get_attention_backend
+from pagedserve.kernels.triton.attention import (DecodeConfig, PrefillConfig, choose_partition,
                                           longest_first, paged_decode, paged_decode_v1,
                                           paged_decode_v2, paged_prefill, store_kv, use_v2)
 from pagedserve.attention.triton_backend import TritonBackend

@@ -1,4 +1,4 @@
-"""The decoder's Triton ops (model/triton_ops.py) against the eager PyTorch ops (model/ops.py),
+"""The decoder's Triton ops (model/model_ops.py) against the eager PyTorch ops (model/ops.py),
 under TRITON_INTERPRET=1 (conftest), then the whole decoder with one set and the other.
 
 Fresh seeds each run (printed on failure), ragged token counts, head_dim 64 and 128, GQA ratios
@@ -16,7 +16,8 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from pagedserve.model import ops, triton_ops
+from pagedserve.kernels.triton import model_ops
+from pagedserve.model import ops
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder, RotaryEmbedding
 from tests.model.paged import PagedDriver
@@ -71,7 +72,7 @@ def test_fused_add_rms_norm(dtype, num_tokens, hidden, with_residual):
     weight = (1 + 0.3 * torch.randn(hidden)).to(dtype)
     ref_res = None if residual is None else residual.clone()
     ref_out, ref_sum = ops.fused_add_rms_norm(x.clone(), ref_res, weight, 1e-6)
-    out, total = triton_ops.rms_norm(x, weight, 1e-6, residual)
+    out, total = model_ops.rms_norm(x, weight, 1e-6, residual)
     if residual is None:
         assert total is x
     else:
@@ -110,7 +111,7 @@ def test_rotate_qk(dtype, head_dim, num_heads, num_kv_heads, qk_norm):
     expected = qkv.clone()
     ops.rotate_qk_(expected, positions, cos, sin, num_heads, num_kv_heads, *weights, 1e-6)
     before = buffer.clone()
-    triton_ops.rotate_qk_(qkv, positions, cos, sin, num_heads, num_kv_heads, *weights, 1e-6)
+    model_ops.rotate_qk_(qkv, positions, cos, sin, num_heads, num_kv_heads, *weights, 1e-6)
     msg = f"seed {seed}"
     rotated = num_heads + num_kv_heads
     assert_matches(qkv[:, :rotated], expected[:, :rotated], msg, exact=not qk_norm)
@@ -125,7 +126,7 @@ def test_silu_and_mul(dtype, num_tokens, inner):
     seed = fresh_seed()
     gate_up = 3 * torch.randn(num_tokens, 2 * inner).to(dtype)
     expected = ops.silu_and_mul(gate_up)
-    actual = triton_ops.silu_and_mul(gate_up)
+    actual = model_ops.silu_and_mul(gate_up)
     # exp differs from PyTorch's in the last float32 bit, which can tip a bf16 rounding
     assert_matches(actual, expected, f"seed {seed}")
 

@@ -1,4 +1,4 @@
-"""The fused MoE kernels (`pagedserve.model.moe_kernel`) under TRITON_INTERPRET=1 (conftest)
+"""The fused MoE kernels (`pagedserve.kernels.triton.moe`) under TRITON_INTERPRET=1 (conftest)
 against a dense reference: every token through each of its experts, weighted and summed.
 Expert counts 8 and 128, top-k 1, 2 and 8, experts that receive no token, ragged tiles."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.triton.moe import fused_moe, group_by_expert
 from pagedserve.model.moe import route
-from pagedserve.model.moe_kernel import fused_moe, group_by_expert
 
 HIDDEN, INTER = 32, 48
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.input_batch import CachedRequestState
+from pagedserve.engine.penalties import PenaltyState
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, apply_penalties
-from pagedserve.engine.sampling_kernel import (SamplingKernelConfig, choose_num_splits,
+from pagedserve.kernels.triton.sampling import (SamplingKernelConfig, choose_num_splits,
                                                fused_sample)
 from pagedserve.engine.sampling_params import SamplingParams
 

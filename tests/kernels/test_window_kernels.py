@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.attention.kernels import (DecodeConfig, PrefillConfig, paged_decode_v1,
+from pagedserve.kernels.triton.attention import (DecodeConfig, PrefillConfig, paged_decode_v1,
                                           paged_decode_v2, paged_prefill, store_kv)
 from pagedserve.attention.triton_backend import TritonBackend
 from tests.attention.paged_case import make_case

@@ -13,13 +13,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kernels.native import linear as native_linear
+from pagedserve.kernels.native.build import cpu_flags, has_bf16_compute
 from pagedserve.model.decoder import Linear
 from pagedserve.model.loader import default_model_path
-from pagedserve.native import linear as native_linear
-from pagedserve.native.build import cpu_flags, has_bf16_compute
 
 pytestmark = pytest.mark.skipif(not has_bf16_compute(cpu_flags()),
                                 reason="CPU without AVX-512-BF16 / AMX")

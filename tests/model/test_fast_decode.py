@@ -1,4 +1,4 @@
-"""The fast mode's whole-step decode (`model/fast_decode.py`, `native/decode.c`) on the default
+"""The fast mode's whole-step decode (`kernels/native/fast_decode.py`, `decode.c`) on the default
 GGUF: the same kernels on the same values as the per-op fast mode, so every step it takes must
 give the per-op path's hidden states and KV cache writes bit for bit; the steps it does not
 take (prefills, other backends, other models) must fall through to the layers.
@@ -13,13 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.attention.backend import get_attention_backend, set_forward_context
+from pagedserve.attention.backend import set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.model import fast_decode
-from pagedserve.model.fast_decode import FastDecode
+from pagedserve.kernels.native import fast_decode
+from pagedserve.kernels.native.fast_decode import FastDecode
 from pagedserve.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(fast_decode._kernel() is None,

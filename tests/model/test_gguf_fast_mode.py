@@ -20,8 +20,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import encode_chat
+from pagedserve.kernels.native import quant
 from pagedserve.model.loader import load_model
-from pagedserve.native import quant
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="native kernels unavailable")
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.native import linear as native_linear
 from pagedserve.model.decoder import Linear
-from pagedserve.native import linear as native_linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="torch built without oneDNN")

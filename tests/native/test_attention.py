@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pagedserve.attention import cpu_backend
-from pagedserve.attention.backend import get_attention_backend
 from pagedserve.attention.cpu_backend import CpuBackend
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.selector import get_attention_backend
 from pagedserve.attention.torch_ref import TorchRefBackend, paged_prefills
-from pagedserve.native import attention as native
+from pagedserve.kernels.native import attention as native
 from tests.attention.paged_case import PagedCase, make_case
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")

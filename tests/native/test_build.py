@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pagedserve.native import build
+from pagedserve.kernels.native import build
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.native import build, linear
+from pagedserve.kernels.native import build, linear
 
 pytestmark = pytest.mark.skipif(not linear.available(), reason="native kernels unavailable")
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from pagedserve.native import linear
+from pagedserve.kernels.native import linear
 
 pytestmark = pytest.mark.skipif(not linear.available(torch.bfloat16),
                                 reason="no native bfloat16 kernel (needs AMX-BF16)")
@@ -115,8 +115,8 @@ def test_same_result_for_any_thread_count(threads):
 
 FALLBACK = """
 import torch, torch.nn.functional as F
+from pagedserve.kernels.native import build, linear
 from pagedserve.model.decoder import Linear
-from pagedserve.native import build, linear
 assert build.variant().name == "avx2" and linear.available()
 assert not hasattr(build.library(), "pagedserve_linear_bf16")
 assert not linear.available(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The native float32 decoder ops (native/ops.c) against float64 references and the eager
+"""The native float32 decoder ops (kernels/native/ops.c) against float64 references and the eager
 PyTorch ops they replace (model/ops.py), and the routing between the two.
 
 Fresh seeds each run (printed on failure); token counts 1 to 300 (300 splits rows over
@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.kernels.native import build
+from pagedserve.kernels.native import ops as native
 from pagedserve.model import ops
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import RotaryEmbedding
-from pagedserve.native import build
-from pagedserve.native import ops as native
 
 pytestmark = pytest.mark.skipif(build.library() is None, reason="native kernels unavailable")
 

@@ -18,9 +18,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
+from pagedserve.kernels.native import build, quant
+from pagedserve.kernels.native.quant import GroupedWeight, QuantizedLinear
 from pagedserve.model.gguf_blocks import GGUF_TYPES, from_gguf
-from pagedserve.native import build, quant
-from pagedserve.native.quant import GroupedWeight, QuantizedLinear
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 

@@ -19,7 +19,7 @@ from functools import cache
 
 import torch
 
-from pagedserve.native.build import function
+from pagedserve.kernels.native.build import function
 
 BLOCK = 32  # weights per kernel block; K must be a multiple
 GROUP = 16  # weight rows interleaved in the kernel's layout (quant.c's GR)

@@ -1,4 +1,4 @@
-"""Decode steps of a quantized GGUF model on the CPU in one native call (`native/decode.c`).
+"""Decode steps of a quantized GGUF model on the CPU in one native call (`decode.c`).
 
 Why: in the fast mode a decode step at batch 1 is memory-light (the model's 4-bit blocks),
 so what is left is overhead: per layer about ten Python-level ops, each with its module call,
@@ -25,12 +25,12 @@ import torch
 from torch import Tensor
 
 from pagedserve.attention.backend import get_forward_context
+from pagedserve.kernels.native import attention as native_attention
+from pagedserve.kernels.native import ops as native_ops
+from pagedserve.kernels.native.build import function
+from pagedserve.kernels.native.quant import QuantizedLinear
 from pagedserve.model import parallel
 from pagedserve.model.decoder import MLP, Decoder, DecoderLayer, Linear, RMSNorm, UnitOffsetRMSNorm
-from pagedserve.native import attention as native_attention
-from pagedserve.native import ops as native_ops
-from pagedserve.native.build import function
-from pagedserve.native.quant import QuantizedLinear
 
 # Most sequences a step may have here: the per-op path's quantized GEMM keeps 64 activation
 # rows in cache (quant.c's MCHUNK); beyond that the two would tile differently.

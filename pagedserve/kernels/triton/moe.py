@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kernels.precision import dot_precision
+from pagedserve.kernels.triton.precision import dot_precision
 
 BLOCK_M = 16  # pairs per tile (tl.dot needs 16 rows)
 

@@ -16,7 +16,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from pagedserve.native.build import function
+from pagedserve.kernels.native.build import function
 
 MAX_GROUP = 16  # query heads per kv head (MAX_GROUP in attention.c)
 MAX_HEAD_DIM = 256  # MAX_DIM in attention.c

@@ -1,4 +1,5 @@
-"""e4m3 to a 16-bit float in registers, for kernels that read FP8 (weights, a KV cache).
+"""e4m3 to a 16-bit float in registers, for kernels that read FP8 (weights, a KV cache), and
+float32 rounded to e4m3 values (`round_to_e4m3`) for those that write it.
 
 Triton's cast of e4m3 to bfloat16 goes e4m3 -> float16 (one packed conversion per two
 values) and then float16 -> bfloat16 one value at a time, on the SM's conversion unit, which
@@ -123,3 +124,20 @@ def e4m3_to(x, dtype: tl.constexpr, BITS: tl.constexpr, AS_LOADED: tl.constexpr 
     else:
         y = x.to(dtype)
     return y
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """float32 x with |x| <= 448 rounded to the nearest e4m3 value (ties to even), still in
+    float32, so that the cast that follows is exact. Why not the cast alone: the Triton
+    interpreter's float32 -> e4m3 cast rounds ties up and drops the carry of a rounded-up
+    mantissa (126.7 became 64), and rounding here makes every backend agree bit for bit
+    with torch. Normal values keep 3 of float32's 23 mantissa bits (carries move into the
+    exponent); below e4m3's smallest normal, 2^-6, magnitudes round to multiples of 2^-9 by an
+    add whose float32 spacing is 2^-9."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    magnitude = tl.abs(x)
+    subnormal = ((magnitude + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
+    subnormal = subnormal | (bits & 0x80000000)  # the sign, -0.0 included
+    return tl.where(magnitude < 0.015625, subnormal, normal).to(tl.float32, bitcast=True)

@@ -14,7 +14,7 @@ from functools import cache
 
 import torch
 
-from pagedserve.native.build import cpu_flags, function, library
+from pagedserve.kernels.native.build import cpu_flags, function, library
 
 # C function per weight dtype: (GEMM, panel width).
 _KERNELS = {torch.float32: ("pagedserve_linear", "pagedserve_linear_panel"),

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
-from pagedserve.native.build import function
+from pagedserve.kernels.native.build import function
 
 
 @cache

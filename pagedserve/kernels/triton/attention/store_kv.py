@@ -12,27 +12,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kernels import pdl
 from pagedserve.attention.kv_quant import FP8_MAX, is_fp8
+from pagedserve.kernels.triton import pdl
+from pagedserve.kernels.triton.e4m3 import round_to_e4m3
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def round_to_e4m3(x):
-    """float32 x with |x| <= 448 rounded to the nearest e4m3 value (ties to even), still in
-    float32, so that the cast that follows is exact. Why not the cast alone: the Triton
-    interpreter's float32 -> e4m3 cast rounds ties up and drops the carry of a rounded-up
-    mantissa (126.7 became 64), and rounding here makes every backend agree bit for bit
-    with torch. Normal values keep 3 of float32's 23 mantissa bits (carries move into the
-    exponent); below e4m3's smallest normal, 2^-6, magnitudes round to multiples of 2^-9 by an
-    add whose float32 spacing is 2^-9."""
-    bits = x.to(tl.uint32, bitcast=True)
-    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-    magnitude = tl.abs(x)
-    subnormal = ((magnitude + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
-    subnormal = subnormal | (bits & 0x80000000)  # the sign, -0.0 included
-    return tl.where(magnitude < 0.015625, subnormal, normal).to(tl.float32, bitcast=True)
 
 
 @triton.jit

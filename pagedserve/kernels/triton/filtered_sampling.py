@@ -16,7 +16,7 @@ reference (`sampler.apply_top_k_top_p`) follows.
 
 Order and rules are the reference's: penalties on the raw logits, divide by the
 temperature, min-p (keep exp(z - max z) >= min_p), top-k over what min-p kept, top-p over
-what top-k kept (its mass renormalised there). The draw is then `sampling_kernel`'s
+what top-k kept (its mass renormalised there). The draw is then `sampling`'s
 Gumbel-max with the same Philox noise, restricted to the kept tokens, so a row's draw is
 the same token whichever kernel serves it. Greedy rows take the argmax of the penalized
 logits (torch.argmax's order). In a filtered row a NaN logit counts as -inf and +inf as
@@ -39,10 +39,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from pagedserve.engine.penalties import to_device
-from pagedserve.engine.sampler import PenaltyTensors, apply_penalties
-from pagedserve.engine.sampling_kernel import (FLOAT32_MAX, LOG2E, _best_of, _gumbel2,
-                                               _interpreting, _token_gumbel2)
+from pagedserve.engine.penalties import PenaltyTensors, apply_penalties, to_device
+from pagedserve.kernels.triton.gumbel import (FLOAT32_MAX, LOG2E, best_of, gumbel2,
+                                              interpreting, token_gumbel2)
 
 _INT32_MIN = tl.constexpr(-(2**31))
 
@@ -247,9 +246,9 @@ def _filtered_sample_kernel(
         scores = x
         if noisy:
             if GATHERED:
-                noise = _token_gumbel2(seed, stream_lo, stream_hi, tokens, ROUNDS, GPU)
+                noise = token_gumbel2(seed, stream_lo, stream_hi, tokens, ROUNDS, GPU)
             else:
-                noise = _gumbel2(seed, stream_lo, stream_hi, (start // 4 + groups).to(tl.uint32),
+                noise = gumbel2(seed, stream_lo, stream_hi, (start // 4 + groups).to(tl.uint32),
                                  ROUNDS, GPU)
             scores = x * scale + noise
         if filtered:
@@ -267,7 +266,7 @@ def _filtered_sample_kernel(
             better |= (scores == best) & (tokens < best_token) & in_row
         best = tl.where(better, scores, best)
         best_token = tl.where(better, tokens, best_token)
-    _, token = _best_of(best, best_token)
+    _, token = best_of(best, best_token)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
@@ -285,7 +284,7 @@ def filtered_sample(logits: Tensor, temperature: Tensor, greedy_mask: Tensor, ph
     """Sampled token ids, int64 [S], from logits [S, V] of any float dtype.
 
     temperature (float32 [S]), greedy_mask (bool [S]) and philox (int64 [S, 2]) as in
-    `sampling_kernel.fused_sample`; min_p / top_k / top_p per row (None: off for every
+    `sampling.fused_sample`; min_p / top_k / top_p per row (None: off for every
     row; top_k 0 is off); penalties: None when no row has any.
 
     With top_k set and a vocabulary wider than config.candidates, rows first take the
@@ -387,5 +386,5 @@ def _sample_rows(logits: Tensor, temperature: Tensor, greedy_mask: Tensor, philo
         slot, counts, prompt, stride_slot, repetition, presence, frequency, ids, stride_ids,
         min_p if skip is None else skip, out, HAS_PENALTIES=penalties is not None,
         GATHERED=candidate_ids is not None, HAS_SKIP=skip is not None, BLOCK=config.block, PIVOTS=config.pivots, ROUNDS=config.philox_rounds,
-        GPU=logits.is_cuda and not _interpreting(), num_warps=config.num_warps)
+        GPU=logits.is_cuda and not interpreting(), num_warps=config.num_warps)
     return out

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kernels.decode import capped_scores, scale_args, score_args
-from pagedserve.attention.kernels.precision import dot_precision
+from pagedserve.kernels.triton.attention.decode import capped_scores, scale_args, score_args
+from pagedserve.kernels.triton.precision import dot_precision
 
 
 @triton.jit

@@ -20,13 +20,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kernels.arrivals import arrival_counters
-from pagedserve.attention.kernels import pdl
-from pagedserve.attention.kernels.e4m3 import E4M3_WORD_F32_UNSCALE, e4m3_to, e4m3_word_f32
-from pagedserve.attention.kernels.precision import dot_precision
-from pagedserve.attention.kernels.store_kv import round_to_e4m3
-from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX
-from pagedserve.model.fp8 import MIN_AMAX
+from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from pagedserve.kernels.triton import pdl
+from pagedserve.kernels.triton.arrivals import arrival_counters
+from pagedserve.kernels.triton.e4m3 import (E4M3_WORD_F32_UNSCALE, e4m3_to, e4m3_word_f32,
+                                            round_to_e4m3)
+from pagedserve.kernels.triton.precision import dot_precision
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)

@@ -12,7 +12,7 @@ reads its inputs once and writes its outputs once:
 Numerics are those of the eager path in `ops.py` (and of transformers): math in float32, and a
 rounding to the activation dtype wherever eager PyTorch would produce a tensor of that dtype
 (`_round`), so bf16 results agree bit for bit except for the order of a norm's sum of squares.
-Each starts with `pdl.step_entry` and is launched with PDL (see attention/kernels/pdl.py).
+Each starts with `pdl.step_entry` and is launched with PDL (see kernels/triton/pdl.py).
 The kernels run on CUDA and, under TRITON_INTERPRET=1, on the CPU (tests/kernels).
 """
 
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kernels import pdl
+from pagedserve.kernels.triton import pdl
 
 
 @triton.jit

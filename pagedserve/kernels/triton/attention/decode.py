@@ -35,11 +35,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kernels import pdl
-from pagedserve.attention.kernels.arrivals import arrival_counters
-from pagedserve.attention.kernels.e4m3 import e4m3_to
-from pagedserve.attention.kernels.precision import dot_precision
 from pagedserve.attention.kv_quant import is_fp8
+from pagedserve.kernels.triton import pdl
+from pagedserve.kernels.triton.arrivals import arrival_counters
+from pagedserve.kernels.triton.e4m3 import e4m3_to
+from pagedserve.kernels.triton.precision import dot_precision
 
 LOG2E = 1.4426950408889634
 

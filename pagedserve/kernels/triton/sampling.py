@@ -26,18 +26,15 @@ times the natural score less a constant, so the same argmax, with one fast lg2 p
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra import libdevice
 
-LOG2E = tl.constexpr(1.4426950408889634)
-FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
-_TOKEN_SENTINEL = tl.constexpr(2**31 - 1)  # above every token id: never a real row's minimum
+from pagedserve.kernels.triton.gumbel import (FLOAT32_MAX, LOG2E, TOKEN_SENTINEL, best_of,
+                                              gumbel2, interpreting)
 
 
 @dataclass(frozen=True)
@@ -56,56 +53,6 @@ DEFAULT_CONFIG = SamplingKernelConfig()
 
 
 @triton.jit
-def _log2(x, FAST: tl.constexpr):
-    """log2; on the GPU the one-instruction approximation (2^-22 relative error), which is
-    all the noise needs, the interpreter has no libdevice."""
-    if FAST:
-        return libdevice.fast_log2f(x)
-    else:
-        return tl.log2(x)
-
-
-@triton.jit
-def _gumbel2(seed, stream_lo, stream_hi, groups, ROUNDS: tl.constexpr, FAST: tl.constexpr):
-    """Gumbel noise in base 2, -log2(log2(e) * E) with E ~ Exp(1), [GROUPS, 4] for tokens
-    groups * 4 + lane; log2(e) times a natural Gumbel draw less a constant.
-
-    V is the top 23 bits of a Philox output centred in its bin, exact in float32 and strictly
-    inside (0, 1), and E = -ln(1 - V), so every log stays finite. The largest noise comes
-    from the smallest E, where 1 - V is within 2^-7 of 1 and the fast log2 (absolute error
-    2^-22 there) could even flip the sign: that range takes the series V + V^2/2 + V^3/3,
-    exact to float32."""
-    zero = groups * 0
-    r0, r1, r2, r3 = tl.philox(seed, groups, zero + stream_lo, zero + stream_hi, zero, ROUNDS)
-    lane = tl.arange(0, 4)[None, :]
-    bits = tl.where(lane == 0, r0[:, None],
-                    tl.where(lane == 1, r1[:, None], tl.where(lane == 2, r2[:, None], r3[:, None])))
-    return _bits_to_gumbel2(bits, FAST)
-
-
-@triton.jit
-def _token_gumbel2(seed, stream_lo, stream_hi, tokens, ROUNDS: tl.constexpr,
-                   FAST: tl.constexpr):
-    """`_gumbel2`'s noise for arbitrary token ids (any shape): one Philox call per token,
-    for rows whose candidates are scattered over the vocabulary."""
-    groups = (tokens // 4).to(tl.uint32)
-    zero = groups * 0
-    r0, r1, r2, r3 = tl.philox(seed, groups, zero + stream_lo, zero + stream_hi, zero, ROUNDS)
-    lane = tokens % 4
-    bits = tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
-    return _bits_to_gumbel2(bits, FAST)
-
-
-@triton.jit
-def _bits_to_gumbel2(bits, FAST: tl.constexpr):
-    """Base-2 Gumbel noise from one 32-bit Philox output (see `_gumbel2`)."""
-    v = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    series = v * (1.0 + v * (0.5 + v * (1.0 / 3.0))) * LOG2E
-    exponential2 = tl.where(v < 1.0 / 128.0, series, -_log2(1.0 - v, FAST))
-    return -_log2(exponential2, FAST)
-
-
-@triton.jit
 def _tile_scores(row_ptr, start, vocab, noisy, scale, seed, stream_lo, stream_hi,
                  GROUPS: tl.constexpr, ROUNDS: tl.constexpr, FAST: tl.constexpr):
     """Scores and token ids [GROUPS, 4] of tokens [start, start + 4 * GROUPS); tokens past the
@@ -116,16 +63,9 @@ def _tile_scores(row_ptr, start, vocab, noisy, scale, seed, stream_lo, stream_hi
     x = tl.load(row_ptr + tokens, mask=tokens < vocab, other=float("-inf")).to(tl.float32)
     if noisy:
         groups = (start // 4 + tl.arange(0, GROUPS)).to(tl.uint32)
-        x = x * scale + _gumbel2(seed, stream_lo, stream_hi, groups, ROUNDS, FAST)
+        x = x * scale + gumbel2(seed, stream_lo, stream_hi, groups, ROUNDS, FAST)
     x = tl.where(x == float("inf"), FLOAT32_MAX, x)
     return tl.where(x != x, float("inf"), x), tokens
-
-
-@triton.jit
-def _best_of(scores, tokens):
-    """(max score, lowest token id holding it) of a block of candidates."""
-    best = tl.max(scores)
-    return best, tl.min(tl.where(scores == best, tokens, _TOKEN_SENTINEL))
 
 
 @triton.jit
@@ -158,7 +98,7 @@ def _sample_split_kernel(logits_ptr, stride_row, vocab, split_len, temperature_p
         better = scores > best  # strict: an equal score keeps the earlier (lower) token
         best = tl.where(better, scores, best)
         best_token = tl.where(better, tokens, best_token)
-    score, token = _best_of(best, best_token)
+    score, token = best_of(best, best_token)
     num_splits = tl.num_programs(1)
     tl.store(part_score_ptr + row * num_splits + split, score)
     tl.store(part_token_ptr + row * num_splits + split, token)
@@ -175,13 +115,9 @@ def _reduce_splits_kernel(part_score_ptr, part_token_ptr, out_ptr, num_splits,
     offs = tl.arange(0, SPLITS)
     mask = offs < num_splits
     scores = tl.load(part_score_ptr + row * num_splits + offs, mask=mask, other=float("-inf"))
-    tokens = tl.load(part_token_ptr + row * num_splits + offs, mask=mask, other=_TOKEN_SENTINEL)
-    _, token = _best_of(scores, tokens)
+    tokens = tl.load(part_token_ptr + row * num_splits + offs, mask=mask, other=TOKEN_SENTINEL)
+    _, token = best_of(scores, tokens)
     tl.store(out_ptr + row, token.to(tl.int64))
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 @functools.cache
@@ -230,7 +166,7 @@ def fused_sample(logits: Tensor, temperature: Tensor | None, greedy_mask: Tensor
     _sample_split_kernel[(num_rows, num_splits)](
         logits, logits.stride(0), vocab, split_len, temperature, greedy_mask, philox,
         part_score, part_token, ALL_GREEDY=all_greedy, GROUPS=config.block // 4,
-        ROUNDS=config.philox_rounds, FAST=logits.is_cuda and not _interpreting(),
+        ROUNDS=config.philox_rounds, FAST=logits.is_cuda and not interpreting(),
         num_warps=config.num_warps)
     # SPLITS covers the most splits this vocabulary can have, not this batch's count: one
     # compiled variant for every batch size
