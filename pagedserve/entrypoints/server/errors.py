@@ -162,7 +162,8 @@ class UTF8Body:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        # only POST routes read a body; any other method gets the router's answer (405)
+        if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
         messages, head = [], b""
