@@ -74,6 +74,18 @@ def text(core: EngineCore, token_ids: list[int]) -> str:
     return core.tokenizer.decode(token_ids)
 
 
+def assert_free_first_then_valid(core: EngineCore, events, tokens, reasons,
+                                  constrained: str, schema: dict) -> None:
+    """The free request produced all its tokens before the constrained one's first token,
+    which then finished with JSON valid under `schema`; every block is free again."""
+    assert len(tokens["free"]) == FREE_TOKENS
+    last_free = max(i for i, (rid, _) in enumerate(events) if rid == "free")
+    assert first_token_index(events, constrained) > last_free
+    assert reasons[constrained] == "stop"
+    jsonschema.validate(json.loads(text(core, tokens[constrained])), schema)
+    assert_pool_clean(core)
+
+
 def first_token_index(events: list[tuple[str, int]], request_id: str) -> int:
     return next(i for i, (rid, n) in enumerate(events) if rid == request_id and n)
 
@@ -114,12 +126,8 @@ def test_a_held_compile_delays_only_its_own_request(loaded, async_scheduling):  
 
     events, tokens, reasons = run(core, open_when_free_is_done)
     assert grammars.threads and threading.main_thread() not in grammars.threads
-    assert len(tokens["free"]) == FREE_TOKENS and reasons["free"] == "length"
-    last_free = max(i for i, (rid, _) in enumerate(events) if rid == "free")
-    assert first_token_index(events, "json") > last_free
-    assert reasons["json"] == "stop"
-    jsonschema.validate(json.loads(text(core, tokens["json"])), PERSON)
-    assert_pool_clean(core)
+    assert reasons["free"] == "length"
+    assert_free_first_then_valid(core, events, tokens, reasons, "json", PERSON)
     core.shutdown()
 
 
@@ -134,12 +142,7 @@ def test_a_slow_compile_does_not_delay_a_free_request(loaded, where,  # noqa: F8
     add(core, "enum", json_params(ENUM), 0)
     add(core, "free", free_params(), 1)
     events, tokens, reasons = run(core)
-    assert len(tokens["free"]) == FREE_TOKENS
-    last_free = max(i for i, (rid, _) in enumerate(events) if rid == "free")
-    assert first_token_index(events, "enum") > last_free
-    assert reasons["enum"] == "stop"
-    jsonschema.validate(json.loads(text(core, tokens["enum"])), ENUM)
-    assert_pool_clean(core)
+    assert_free_first_then_valid(core, events, tokens, reasons, "enum", ENUM)
     core.shutdown()
 
 
