@@ -158,12 +158,21 @@ class UTF8Body:
     byte-order mark or has a zero byte among its first four (JSON text in UTF-8 never does).
     Only those first bytes are read here; the app then gets the body as it came."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, routes: FastAPI) -> None:
         self.app = app
+        self.routes = routes  # the app whose POST routes read a body (known once it serves)
+        self._post_paths: frozenset[str] | None = None
+
+    def post_paths(self) -> frozenset[str]:
+        if self._post_paths is None:
+            self._post_paths = frozenset(route.path for route in self.routes.routes
+                                         if "POST" in getattr(route, "methods", ()))
+        return self._post_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # only POST routes read a body; any other method gets the router's answer (405)
-        if scope["type"] != "http" or scope.get("method") != "POST":
+        # only POST routes read a body; any other request gets the router's answer (405)
+        if (scope["type"] != "http" or scope.get("method") != "POST"
+                or scope.get("path") not in self.post_paths()):
             await self.app(scope, receive, send)
             return
         messages, head = [], b""
@@ -218,7 +227,7 @@ def _openapi_with_errors(app: FastAPI) -> dict[str, Any]:
 def install_error_handlers(app: FastAPI) -> None:
     """Every failure in OpenAI's error shape (the handlers below), UTF-8 bodies only
     (`UTF8Body`), and an OpenAPI document that declares the 400s the server sends."""
-    app.add_middleware(UTF8Body)
+    app.add_middleware(UTF8Body, routes=app)
     app.openapi = lambda: _openapi_with_errors(app)
 
     @app.exception_handler(APIError)
