@@ -473,8 +473,9 @@ class ModelRunner:
         if not states:
             return StepHandle([], None, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        last = inputs.input_ids[inputs.logits_indices] if any(  # bad words' in-flight tokens
-            state.sampling_params.bad_words_token_ids for state in states) else None
+        last = inputs.input_ids[inputs.logits_indices] if any(  # in-flight tokens' conditions
+            state.sampling_params.bad_words_token_ids or state.sampling_params.thinking_budget
+            for state in states) else None
         return StepHandle(states, logits, self.sampling_metadata(states, logits, last),
                           prompt_logprobs)
 
@@ -537,7 +538,8 @@ class ModelRunner:
         """The one place a step's sampling inputs are built from the runner's state. A
         request with penalties gets its slot in `penalties` when it first samples (its
         outputs so far are all known then) and keeps it across preemption until it finishes.
-        `last_token_ids`: the step's input tokens at the sampled positions (for bad words)."""
+        `last_token_ids`: the step's input tokens at the sampled positions (for bad words and
+        thinking budgets)."""
         penalties = self.penalties
         for state in states:
             if state.sampling_params.needs_penalties and state.req_id not in penalties:

@@ -123,6 +123,10 @@ class Processor:
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         self._check_vocabulary(params.allowed_token_ids or (), "allowed_token_ids",
                                "allowed_token_ids")
+        budget = params.thinking_budget
+        if budget is not None:
+            self._check_vocabulary(budget.start_token_ids + budget.end_token_ids,
+                                   "thinking_budget", "thinking_budget token ids")
 
     def _check_vocabulary(self, token_ids, param: str, what: str) -> None:
         vocab = self.vocab_size

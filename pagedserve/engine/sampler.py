@@ -9,7 +9,8 @@ distribution, before any processing, as the OpenAI API reports them.
 
 Before any path, the rows' token restrictions: the grammar bitmask (structured outputs),
 `allowed_token_ids` (every other token at -inf), `bad_words` (a word's last token at -inf
-where the output ends with the tokens before it), then logit_bias.
+where the output ends with the tokens before it), then logit_bias, then the tokens a thinking
+budget forces (`thinking_budget.py`: every other token of the row at -inf).
 
 The filters' rules, which every path follows: min-p keeps the tokens with exp(z - max z)
 >= min_p (z the logits over the temperature); top-k keeps the tokens at or above the k-th
@@ -37,6 +38,7 @@ from torch import Tensor
 from pagedserve.engine.input_batch import CachedRequestState
 from pagedserve.engine.penalties import PenaltyState, PenaltyTensors, apply_penalties, to_device
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.thinking_budget import ALWAYS, IF_LAST, UNLESS_LAST, forced_token
 from pagedserve.structured.bitmask import apply_token_bitmask
 
 _SEED_MASK = 2**63 - 1  # Philox takes a 64-bit key; int64 holds the low 63 bits of any seed
@@ -93,6 +95,10 @@ class SamplingMetadata:
     # rows' last tokens (needed only for an `after`). None when no row bans a token.
     bad_words: tuple[Tensor, Tensor, Tensor] | None = None
     last_token_ids: Tensor | None = None
+    # thinking budgets' forced tokens: (row int64 [F], token int64 [F], when int64 [F], last
+    # int64 [F]): the row takes only `token` when `when` (thinking_budget.ALWAYS, IF_LAST,
+    # UNLESS_LAST) holds of its last token and `last`. None when no row is forced.
+    forced: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[CachedRequestState], vocab_size: int,
@@ -136,7 +142,29 @@ class SamplingMetadata:
                         raise ValueError("rows with bad words and a token in flight need "
                                          "last_token_ids")
                     meta.last_token_ids = last_token_ids
+        if any(p.thinking_budget for p in params):
+            meta._set_forced(requests, device, last_token_ids)
         return meta
+
+    def _set_forced(self, requests: Sequence[CachedRequestState], device: torch.device,
+                    last_token_ids: Tensor | None) -> None:
+        forced = []
+        for row, r in enumerate(requests):
+            budget = r.sampling_params.thinking_budget
+            if budget is not None:
+                in_flight = max(r.num_output_placeholders - 1, 0)
+                f = forced_token(budget, r.output_token_ids, in_flight)
+                if f is not None:
+                    forced.append((row, f.token, f.when, f.last))
+        if not forced:
+            return
+        if any(when != ALWAYS for _, _, when, _ in forced):
+            if last_token_ids is None:
+                raise ValueError("rows with a thinking budget and a token in flight need "
+                                 "last_token_ids")
+            self.last_token_ids = last_token_ids
+        self.forced = tuple(to_device(torch.tensor(column, dtype=torch.int64), device)
+                            for column in zip(*forced))
 
     def _set_random(self, requests: Sequence[CachedRequestState], greedy: list[bool],
                     device: torch.device, fused: bool) -> None:
@@ -250,6 +278,20 @@ def _drawn_token_index(request: CachedRequestState) -> int:
     return request.num_output_tokens + max(request.num_output_placeholders - 1, 0)
 
 
+def _force(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """The forced rows whose condition holds: their token at 0, every other at -inf (the
+    conditions are read on the device: no wait for a token in flight)."""
+    rows, tokens, when, last = meta.forced
+    active = when == ALWAYS
+    if meta.last_token_ids is not None:
+        previous = meta.last_token_ids.index_select(0, rows)
+        active = active | ((when == IF_LAST) & (previous == last)) \
+            | ((when == UNLESS_LAST) & (previous != last))
+    current = logits.index_select(0, rows)
+    only = torch.full_like(current, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+    return logits.index_copy(0, rows, torch.where(active[:, None], only, current))
+
+
 @dataclass
 class LogprobsTensors:
     top_token_ids: Tensor  # int64 [S, k]
@@ -290,6 +332,8 @@ class Sampler:
         if meta.logit_bias is not None:
             rows, tokens, biases = meta.logit_bias
             logits = logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
+        if meta.forced is not None:
+            logits = _force(logits, meta)
         fused = self._takes_fused_path(logits, meta)
         if fused:  # the kernels read the model's dtype; only logprobs need float32
             tokens = self._sample_fused(logits, meta)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.engine.errors import RequestError
+from pagedserve.engine.thinking_budget import ThinkingBudget
 from pagedserve.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (argmax)
@@ -55,6 +56,9 @@ class SamplingParams:
     # grammar (pagedserve/structured)
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # at most this many tokens inside a reasoning block, then its end is forced
+    # (engine/thinking_budget.py)
+    thinking_budget: ThinkingBudget | None = None
     # scheduling, not sampling, but it travels with the request to the scheduler this way:
     # under the "priority" policy lower values are admitted first (EngineConfig)
     priority: int = 0
@@ -109,6 +113,9 @@ class SamplingParams:
              "allowed_token_ids must not be empty: no token could be sampled"),
             ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words or ()),
              "bad_words must be non-empty strings"),
+            ("thinking_budget", self.thinking_budget is None or self.structured_outputs is None,
+             "{param} cannot be combined with structured outputs: the grammar holds from the "
+             "first token, so it would refuse the forced end of the thinking block"),
             ("priority", _SEEDS[0] <= self.priority < 2**63,
              f"priority must be a 64-bit integer, got {self.priority}"),
         ]
