@@ -94,15 +94,19 @@ class LLM:
 
 
 def encode_chat(tokenizer, conversation: list[Message], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None, continue_final_message: bool = False
+                tools: list[dict] | None = None, continue_final_message: bool = False,
+                chat_template: str | None = None, template_kwargs: dict | None = None
                 ) -> list[int]:
     """`tools`: OpenAI-style tool definitions for templates that render them;
-    `continue_final_message`: the last message is left open, for the model to continue."""
-    if getattr(tokenizer, "chat_template", None) is None:
+    `continue_final_message`: the last message is left open, for the model to continue;
+    `chat_template`: used instead of the tokenizer's; `template_kwargs`: variables the
+    template reads (Qwen3's `enable_thinking`)."""
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use generate()")
     text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message)
+                                         continue_final_message=continue_final_message,
+                                         chat_template=chat_template, **(template_kwargs or {}))
     return tokenizer.encode(text, add_special_tokens=False)
 
 

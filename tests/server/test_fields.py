@@ -298,6 +298,7 @@ HERE = "tests.server.test_fields::test_field_has_its_effect"
 OPENAI = "tests.server.test_openai_api::"
 STRUCTURED = "tests.server.test_structured_api::"
 FINDINGS = "tests.server.test_findings::"
+REASONING = "tests.server.test_reasoning_api::"
 
 # "Model.field" -> the test that checks its effect ("module::function", or HERE[name])
 HONORED = {
@@ -349,12 +350,19 @@ HONORED = {
     "ChatCompletionRequest.add_generation_prompt": HERE + "[continue_final_message]",
     "ChatCompletionRequest.continue_final_message": HERE + "[continue_final_message]",
     "ChatCompletionRequest.echo": HERE + "[echo]",
+    "ChatCompletionRequest.chat_template_kwargs":
+        REASONING + "test_enable_thinking_false_changes_the_prompt",
+    "ChatCompletionRequest.thinking_token_budget":
+        REASONING + "test_thinking_budget_closes_the_block",
+    "ChatCompletionRequest.include_reasoning": REASONING + "test_reasoning_split_whole_and_streamed",
     "ChatCompletionRequest.modalities": STRUCTURED + "test_refused_fields_get_a_400_naming_them",
     "TokenizeRequest.model": FINDINGS + "test_tokenize_and_detokenize_refuse_bad_unicode",
     "TokenizeRequest.prompt": STRUCTURED + "test_tokenize_and_detokenize",
     "TokenizeRequest.messages": STRUCTURED + "test_tokenize_and_detokenize",
     "TokenizeRequest.add_special_tokens": FINDINGS + "test_tokenize_add_special_tokens",
     "TokenizeRequest.add_generation_prompt": FINDINGS + "test_tokenize_add_generation_prompt",
+    "TokenizeRequest.chat_template_kwargs":
+        REASONING + "test_enable_thinking_false_changes_the_prompt",
     "DetokenizeRequest.model": FINDINGS + "test_tokenize_and_detokenize_refuse_bad_unicode",
     "DetokenizeRequest.tokens": STRUCTURED + "test_tokenize_and_detokenize",
     # the parts of a body

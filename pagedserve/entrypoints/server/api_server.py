@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import json
 import logging
 import os
 import signal
@@ -49,10 +50,12 @@ from pagedserve.entrypoints.server.async_engine import AsyncEngine, Limits
 from pagedserve.entrypoints.server.errors import APIError, install_error_handlers
 from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.entrypoints.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-    ErrorResponse, ModelCard, ModelList, SamplingRequest, TokenizeRequest, TokenizeResponse)
+    RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
+    TokenizeResponse)
+from pagedserve.entrypoints.server.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.server.tool_parsers import PARSERS
-from pagedserve.entrypoints.server.serving import OpenAIServing
+from pagedserve.entrypoints.server.serving import ChatSettings, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ _ERROR_TEXT = {
 
 
 def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (),
-              tool_call_parser: str | None = None,
+              chat: ChatSettings = ChatSettings(),
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
               health_timeout: float = 5.0) -> FastAPI:
     """An app serving `engine` under `model_name` (and `aliases`)."""
@@ -103,7 +106,7 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
     card = {"max_model_len": ready.max_model_len, "kv_cache_dtype": ready.kv_cache_dtype,
             "quantization": ready.quantization}
     serving = OpenAIServing(
-        engine, model_name, aliases, engine.tokenizer, ready.max_model_len, tool_call_parser)
+        engine, model_name, aliases, engine.tokenizer, ready.max_model_len, chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -364,7 +367,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "requests get to finish on SIGINT/SIGTERM (default: %(default)s)")
     group.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                        help="how the model writes tool calls (default: from its chat "
-                       "template; hermes when the template does not say)")
+                       "template; hermes for a template without tools, which the server then "
+                       "teaches hermes; needed for a template in no known format)")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="split the model's <think> text into reasoning_content (default: "
+                       "from its chat template when it is Qwen3's or DeepSeek-R1's)")
+    group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                       help="a Jinja chat template (a file, or the template itself) used "
+                       "instead of the model's")
+    group.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default={},
+                       metavar="JSON", help="variables every request's chat template gets, "
+                       "as a JSON object, e.g. '{\"enable_thinking\": false}'; a request's "
+                       "chat_template_kwargs override them")
     group.add_argument("--log-level", default="info", choices=["critical", "error", "warning",
                        "info", "debug"], help="server log verbosity (default: %(default)s)")
     group.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -408,6 +422,30 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _template_kwargs(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value))
+    if reserved:
+        raise argparse.ArgumentTypeError(f"may not set {', '.join(reserved)}")
+    return value
+
+
+def chat_settings(args: argparse.Namespace) -> ChatSettings:
+    template = args.chat_template
+    if template is not None and "{" not in template:  # a file's name, not a template
+        try:
+            template = Path(template).read_text()
+        except OSError as exc:
+            raise ValueError(f"--chat-template: cannot read {template}: {exc}") from None
+    return ChatSettings(args.tool_call_parser, args.reasoning_parser, template,
+                        args.default_chat_template_kwargs)
+
+
 def server_limits(args: argparse.Namespace) -> Limits:
     return Limits(max_queued_requests=args.max_queued_requests,
                   request_timeout=args.request_timeout,
@@ -426,6 +464,7 @@ def run_server(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     limits = server_limits(args)  # checked, as the access below, before the model loads
+    chat = chat_settings(args)
     access = Access(api_keys(args.api_key), args.auth_health_and_metrics,
                     args.cache_salt_from_api_key)
     client = EngineCoreClient(EngineConfig.from_options(**engine_options(args), seed=args.seed))
@@ -435,8 +474,8 @@ def run_server(args: argparse.Namespace) -> None:
         name = args.served_model_name or (Path(args.model).stem if args.model
                                           else DEFAULT_MODEL_NAME)
         aliases = (args.model,) if args.model else ()
-        app = build_app(engine, name, aliases, args.tool_call_parser, args.max_body_size,
-                        access, args.health_timeout)
+        app = build_app(engine, name, aliases, chat, args.max_body_size, access,
+                        args.health_timeout)
         # uvicorn cancels handlers still running after its own timeout; ours fires first and
         # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

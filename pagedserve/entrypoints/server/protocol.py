@@ -21,7 +21,9 @@ stop_token_ids, include_stop_str_in_output, ignore_eos, skip_special_tokens,
 spaces_between_special_tokens, truncate_prompt_tokens, allowed_token_ids, bad_words,
 prompt_logprobs, cache_salt, add_generation_prompt, continue_final_message, chat echo,
 guided_json / guided_regex / guided_choice / guided_grammar, and `structured_outputs`
-(exactly one of json, json_object, regex, choice, grammar: the output must match it).
+(exactly one of json, json_object, regex, choice, grammar: the output must match it);
+for reasoning models chat_template_kwargs (e.g. {"enable_thinking": false}),
+thinking_token_budget and include_reasoning.
 
 Types are strict (pydantic's strict mode): "3", 2.0 and false are not integers, 0 is not a
 boolean. Numbers must be finite (JSON parsers accept NaN and Infinity, which no range check
@@ -409,8 +411,31 @@ class NamedToolChoice(_Part):
     function: NamedFunction
 
 
+# apply_chat_template's own arguments: not variables a request may set for the template
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _template_kwargs(value: dict[str, Any] | None, info: ValidationInfo
+                     ) -> dict[str, Any] | None:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or ()))
+    if reserved:
+        raise request_error(info.field_name, f"{info.field_name} may not set "
+                            f"{', '.join(reserved)}: the server passes those itself (use the "
+                            "request's own fields).")
+    return value
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # extensions for reasoning models (vLLM's names): variables for the chat template (over
+    # the server's --default-chat-template-kwargs), the most tokens inside the think block,
+    # and whether the reasoning is returned at all
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = Field(None, ge=0)
+    include_reasoning: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -439,6 +464,8 @@ class ChatCompletionRequest(SamplingRequest):
                                    "reasoning_effort", "verbosity", "moderation",
                                    "prompt_cache_options", "functions",
                                    "function_call")(_unsupported)
+
+    _check_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
 
     @field_validator("modalities")
     @classmethod
@@ -502,6 +529,9 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _check_template_kwargs = field_validator("chat_template_kwargs")(_template_kwargs)
 
     @model_validator(mode="after")
     def _check(self) -> TokenizeRequest:
@@ -586,6 +616,9 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # the reasoning parser's share of the output, under vLLM's older and newer names
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -623,6 +656,8 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

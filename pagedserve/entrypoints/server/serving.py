@@ -18,8 +18,9 @@ away mid-request gives its blocks back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from fastapi import Request
@@ -30,8 +31,9 @@ from starlette.types import Receive, Scope, Send
 
 from pagedserve.engine.errors import RequestError
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.thinking_budget import ThinkingBudget
 from pagedserve.entrypoints.llm import encode_chat
-from pagedserve.entrypoints.server import tool_parsers
+from pagedserve.entrypoints.server import reasoning, tool_parsers
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.entrypoints.server.errors import (SERVER_ERROR, APIError, bad_request,
                                                   model_not_found)
@@ -47,6 +49,19 @@ from pagedserve.structured.params import StructuredOutputsParams
 _DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks that its client is there
 
 
+@dataclass(frozen=True)
+class ChatSettings:
+    """The server's chat options: how a chat is rendered and how its output is read.
+    `tool_call_parser` / `reasoning_parser` None: picked from the chat template when it says
+    unambiguously (tool_parsers / reasoning); `chat_template` replaces the tokenizer's;
+    `template_kwargs` are every request's template variables (a request's own win)."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class _EngineRequest:
     request_id: str
@@ -59,17 +74,21 @@ class OpenAIServing:
     """Turns protocol requests into engine requests and engine outputs into responses."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, accepted_names: Iterable[str],
-                 tokenizer: Any, max_model_len: int, tool_call_parser: str | None = None
+                 tokenizer: Any, max_model_len: int, chat: ChatSettings = ChatSettings()
                  ) -> None:
-        """`tool_call_parser`: hermes or llama3_json; None picks it from the chat template."""
         self.engine = engine
         self.model_name = model_name
         self.accepted_names = {model_name, *accepted_names}
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        template = getattr(tokenizer, "chat_template", None)
-        self.tool_call_parser = tool_call_parser or tool_parsers.parser_for_template(template)
+        self.chat = chat
+        template = chat.chat_template or getattr(tokenizer, "chat_template", None)
         self.template_has_tools = tool_parsers.template_supports_tools(template)
+        # None: no format to read calls in (an ambiguous template; tool_parsers says why)
+        self.tool_call_parser = chat.tool_call_parser or tool_parsers.parser_for_template(
+            template)
+        name = chat.reasoning_parser or reasoning.parser_for_template(template)
+        self.reasoning = reasoning.get_reasoning_parser(name) if name else None
 
     # ---- endpoints -------------------------------------------------------------------------
 
@@ -99,19 +118,23 @@ class OpenAIServing:
         base_id = random_id("chatcmpl")
         tools = _tools_for(req)
         top = (req.top_logprobs or 0) if req.logprobs else None
+        self._check_tool_parser(req, tools)
         params = self._sampling_params(req, req.max_new_tokens, top,
                                        _forced_tool_outputs(req, tools))
+        params = self._chat_output_params(req, tools, params)
         await self._check_tool_schemas(req)
         token_ids = await asyncio.to_thread(self._apply_chat_template, req, tools)
+        thinking = self._prompt_reasoning(req, token_ids)
+        params = self._with_thinking_budget(req, params, thinking)
         requests = [_EngineRequest(base_id, None, token_ids, params)]
         streams = await self._submit(requests, req)
         if req.stream:
-            return _SSEResponse(self._chat_events(req, base_id, streams[0], tools),
+            return _SSEResponse(self._chat_events(req, base_id, streams[0], tools, thinking),
                                 on_close=lambda: self._abort(requests))
         final, = await _unless_disconnected(_collect(streams), raw, lambda: self._abort(requests))
         choices = []
         for c in final.outputs:
-            message, finish_reason = self._assistant_message(req, tools, c)
+            message, finish_reason = self._assistant_message(req, tools, c, thinking)
             if req.echo:
                 message.content = _echo_text(req) + (message.content or "")
             choices.append(ChatChoice(
@@ -128,7 +151,8 @@ class OpenAIServing:
             tokens = list(self.tokenizer.encode(req.prompt,
                                                 add_special_tokens=req.add_special_tokens))
         else:
-            tokens = self._render_chat(req.messages, None, req.add_generation_prompt)
+            tokens = self._render_chat(req.messages, None, req.add_generation_prompt,
+                                       template_kwargs=req.chat_template_kwargs)
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len,
                                 tokens=tokens)
 
@@ -156,7 +180,55 @@ class OpenAIServing:
     def _apply_chat_template(self, req: ChatCompletionRequest,
                              tools: list[dict] | None) -> list[int]:
         return self._render_chat(req.messages, tools, req.generation_prompt,
-                                 req.continue_final_message)
+                                 req.continue_final_message, req.chat_template_kwargs)
+
+    def _check_tool_parser(self, req: ChatCompletionRequest, tools: list[dict] | None) -> None:
+        """Tools under "auto" need a format to read the calls in: never a guessed one."""
+        if tools and req.effective_tool_choice == "auto" and self.tool_call_parser is None:
+            raise bad_request("This model's chat template matches no known tool-call format, "
+                              "so its calls cannot be read: start the server with "
+                              "--tool-call-parser (tool_choice 'required' or a named function "
+                              "works without it).", param="tools")
+
+    def _chat_output_params(self, req: ChatCompletionRequest, tools: list[dict] | None,
+                            params: SamplingParams) -> SamplingParams:
+        """What the tool parser needs of the output text: its markers, when they are special
+        tokens (Mistral's [TOOL_CALLS]), kept unless the request says otherwise."""
+        if tools and req.effective_tool_choice == "auto" \
+                and tool_parsers.needs_special_tokens(self.tool_call_parser) \
+                and "skip_special_tokens" not in req.model_fields_set:
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
+    def _prompt_reasoning(self, req: ChatCompletionRequest, token_ids: list[int]
+                          ) -> reasoning.PromptReasoning | None:
+        """The reasoning parser bound to this prompt; None when reasoning is not split out.
+        A forced tool call is JSON from its first token; an output a grammar holds starts
+        outside the block whatever the prompt left open (only a block the output writes
+        itself is reasoning)."""
+        if self.reasoning is None or req.effective_tool_choice not in ("auto", "none"):
+            return None
+        bound = self.reasoning.for_prompt(self.tokenizer, token_ids)
+        if req.output_constraint() is not None:
+            return reasoning.PromptReasoning(self.reasoning, False)
+        return bound
+
+    def _with_thinking_budget(self, req: ChatCompletionRequest, params: SamplingParams,
+                              thinking: reasoning.PromptReasoning | None) -> SamplingParams:
+        if req.thinking_token_budget is None:
+            return params
+        if thinking is None:
+            why = ("the server has no reasoning parser (--reasoning-parser)"
+                   if self.reasoning is None else "a forced tool call has no reasoning")
+            raise bad_request(f"thinking_token_budget needs a thinking block: {why}.",
+                              param="thinking_token_budget")
+        parser = thinking.parser
+        budget = ThinkingBudget(req.thinking_token_budget, parser.start_token_ids(self.tokenizer),
+                                parser.end_token_ids(self.tokenizer), thinking.starts_inside)
+        try:
+            return dataclasses.replace(params, thinking_budget=budget)
+        except RequestError as exc:
+            raise _refusal(exc, req) from exc
 
     async def _check_tool_schemas(self, req: ChatCompletionRequest) -> None:
         """Each tool's parameters must compile as a JSON schema, as a forced call's do, so
@@ -173,8 +245,8 @@ class OpenAIServing:
                                   f"{exc}", param=f"tools.{i}.function.parameters") from exc
 
     def _render_chat(self, chat: list, tools: list[dict] | None,
-                     add_generation_prompt: bool, continue_final_message: bool = False
-                     ) -> list[int]:
+                     add_generation_prompt: bool, continue_final_message: bool = False,
+                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The same rendering as `LLM.chat`, so the server and the offline API agree.
 
         Tools go to the template (transformers' `tools=`); a template that does not use them
@@ -190,7 +262,10 @@ class OpenAIServing:
             tools = None
         try:
             return encode_chat(self.tokenizer, messages, add_generation_prompt, tools=tools,
-                               continue_final_message=continue_final_message)
+                               continue_final_message=continue_final_message,
+                               chat_template=self.chat.chat_template,
+                               template_kwargs={**self.chat.template_kwargs,
+                                                **(template_kwargs or {})})
         except Exception as exc:  # no template, or one that rejects the roles' order
             raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
 
@@ -210,20 +285,27 @@ class OpenAIServing:
         return message
 
     def _assistant_message(self, req: ChatCompletionRequest, tools: list[dict] | None,
-                           c: Any) -> tuple[AssistantMessage, str | None]:
-        """The choice's message with its tool calls parsed out, and its finish reason."""
+                           c: Any, thinking: reasoning.PromptReasoning | None
+                           ) -> tuple[AssistantMessage, str | None]:
+        """The choice's message with its reasoning and tool calls parsed out (the calls from
+        the text after the reasoning), and its finish reason."""
         calls: list[tool_parsers.ParsedToolCall] = []
-        content: str | None = c.text
+        split = thinking.split(c.text) if thinking else reasoning.Split(None, c.text)
+        content = split.content
         choice = req.effective_tool_choice
         if tools and choice == "required":  # the complete calls, as streaming sends them
             calls, content = tool_parsers.parse_forced_prefix(c.text), None
         elif tools and c.finish_reason == "stop":
             if choice == "auto":
-                content, calls = tool_parsers.parse_tool_calls(self.tool_call_parser, c.text)
+                content, calls = tool_parsers.parse_tool_calls(
+                    self.tool_call_parser, content or "", tools)
+                calls = calls if req.parallel_tool_calls else calls[:1]
             else:  # held by the grammar, so it parses
                 calls = tool_parsers.parse_forced(c.text, _named(choice))
                 content = None
-        message = AssistantMessage(content=content, tool_calls=[_tool_call(t) for t in calls])
+        thought = split.reasoning if req.include_reasoning else None
+        message = AssistantMessage(content=content, reasoning_content=thought, reasoning=thought,
+                                   tool_calls=[_tool_call(t) for t in calls])
         return message, "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
 
     def _sampling_params(self, req: SamplingRequest, max_tokens: int | None,
@@ -307,8 +389,8 @@ class OpenAIServing:
                                           usage=_usage([finals[i] for i in sorted(finals)])))
 
     async def _chat_events(self, req: ChatCompletionRequest, base_id: str,
-                           stream: AsyncIterator[Any], tools: list[dict] | None
-                           ) -> AsyncIterator[str]:
+                           stream: AsyncIterator[Any], tools: list[dict] | None,
+                           thinking: reasoning.PromptReasoning | None) -> AsyncIterator[str]:
         top = (req.top_logprobs or 0) if req.logprobs else None
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -322,8 +404,8 @@ class OpenAIServing:
         if echo:
             for index in range(req.n):
                 yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(content=echo))])
-        tool_streams = {i: _ToolStream(req.effective_tool_choice, self.tool_call_parser)
-                        for i in range(req.n)} if tools else {}
+        choices = {i: _ChatStream(req, tools, self.tool_call_parser, thinking)
+                   for i in range(req.n)}
         final = None
         async for out in stream:
             for c in out.outputs:
@@ -331,12 +413,7 @@ class OpenAIServing:
                     continue
                 new_ids = c.token_ids[len(c.token_ids) - len(c.token_ids_delta):]
                 lp = self._chat_logprobs(_tail(c.logprobs, len(new_ids)), new_ids, top)
-                finish_reason = c.finish_reason
-                deltas = [DeltaMessage(content=c.text_delta or None)]
-                if tools:
-                    deltas = tool_streams[c.index].deltas(c.text, c.finish_reason)
-                    if tool_streams[c.index].num_calls and finish_reason == "stop":
-                        finish_reason = "tool_calls"
+                deltas, finish_reason = choices[c.index].deltas(c)
                 for k, delta in enumerate(deltas):
                     last = k == len(deltas) - 1
                     yield chunk([ChatStreamChoice(
@@ -407,6 +484,8 @@ def _client_param(param: str | None, req: SamplingRequest) -> str | None:
     """The request field a RequestError's engine field stands for."""
     if param == "prompt":
         return _prompt_param(req)
+    if param == "thinking_budget":
+        return "thinking_token_budget"
     if param == "max_tokens" and isinstance(req, ChatCompletionRequest) \
             and req.max_completion_tokens is not None:
         return "max_completion_tokens"
@@ -457,14 +536,54 @@ def _tool_call(call: tool_parsers.ParsedToolCall) -> ToolCall:
     return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
+class _ChatStream:
+    """One streamed choice's deltas: its reasoning split off first (when the server has a
+    reasoning parser), then the content (the text after the reasoning) read for tool calls."""
+
+    def __init__(self, req: ChatCompletionRequest, tools: list[dict] | None,
+                 parser: str | None, thinking: reasoning.PromptReasoning | None) -> None:
+        self.include_reasoning = req.include_reasoning
+        self.reasoning = thinking.stream() if thinking else None
+        # the forced calls read the whole text: a grammar writes JSON, never reasoning
+        self.forced = req.effective_tool_choice not in ("auto", "none")
+        self.tools = _ToolStream(req.effective_tool_choice, parser, tools,
+                                 req.parallel_tool_calls) if tools else None
+        self.content = ""  # the content so far (the tool parser reads it whole)
+
+    def deltas(self, c: Any) -> tuple[list[DeltaMessage], str | None]:
+        """The deltas for this output of the choice (at least one), and its finish reason."""
+        thought, text = "", c.text_delta
+        if self.reasoning is not None and not self.forced:
+            part = self.reasoning.feed(c.text_delta)
+            thought, text = part.reasoning, part.content
+            if c.finish_reason is not None:
+                rest = self.reasoning.finish()
+                thought, text = thought + rest.reasoning, text + rest.content
+        self.content += text
+        out = []
+        if thought and self.include_reasoning:
+            out.append(DeltaMessage(reasoning_content=thought, reasoning=thought))
+        finish_reason = c.finish_reason
+        if self.tools is not None:
+            out += [d for d in self.tools.deltas(c.text if self.forced else self.content,
+                                                 c.finish_reason) if d != DeltaMessage()]
+            if self.tools.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        elif text:
+            out.append(DeltaMessage(content=text))
+        return out or [DeltaMessage()], finish_reason
+
+
 class _ToolStream:
     """One streamed choice's text turned into content and tool-call deltas: a named call's
     arguments as they are written, complete calls otherwise (see tool_parsers)."""
 
-    def __init__(self, choice: str | NamedToolChoice, parser: str) -> None:
+    def __init__(self, choice: str | NamedToolChoice, parser: str | None, tools: list[dict],
+                 parallel: bool = True) -> None:
         self.named = _named(choice)
         self.required = choice == "required"
-        self.parsed = tool_parsers.ToolCallStream(parser)
+        self.parsed = tool_parsers.ToolCallStream(parser, tools) if parser else None
+        self.max_calls = None if parallel or self.required else 1  # required: by the grammar
         self.num_calls = 0
         self._sent = 0  # characters of a named call's arguments sent
 
@@ -479,6 +598,8 @@ class _ToolStream:
         else:
             content, calls = self.parsed.finish(text)
         out = [DeltaMessage(content=content)] if content else []
+        if self.max_calls is not None:
+            calls = calls[:max(self.max_calls - self.num_calls, 0)]
         for call in calls:
             out += self._call_deltas(call)
         return out or [DeltaMessage()]
