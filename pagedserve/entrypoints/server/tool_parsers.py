@@ -201,24 +201,29 @@ def _typed(value: str, schema: Any) -> Any:
 
 
 def _parse_llama3_json(text: str, tools: list[dict] | None) -> _Parsed:
-    stripped = text.strip()
-    body = stripped.removeprefix("<|python_tag|>").strip()
-    if not body.startswith("{"):
+    pos = _skip_blanks(text, 0)
+    if text.startswith("<|python_tag|>", pos):
+        pos = _skip_blanks(text, pos + len("<|python_tag|>"))
+    if not text.startswith("{", pos):
         return _Parsed(text, [], len(text))
-    calls, decoder, pos = [], json.JSONDecoder(), 0
-    while pos < len(body):
+    calls, decoder = [], json.JSONDecoder()
+    while pos < len(text):
         try:
-            obj, end = decoder.raw_decode(body, pos)
-        except ValueError:  # unfinished (or not JSON): the whole message is pending
-            return _Parsed("", [], 0)
+            obj, end = decoder.raw_decode(text, pos)
+        except ValueError:  # unfinished (or not JSON): pending from here
+            return _Parsed("", calls, pos)
         call = _call(obj, "parameters")
         if call is None:
-            return _Parsed(text, [], len(text))
+            return (_Parsed("", calls, pos) if calls else _Parsed(text, [], len(text)))
         calls.append(call)
-        pos = end
-        while pos < len(body) and body[pos] in "; \n\t":
-            pos += 1
+        pos = _skip_blanks(text, end, "; \n\t")
     return _Parsed("", calls, len(text))
+
+
+def _skip_blanks(text: str, pos: int, blanks: str = " \n\t\r") -> int:
+    while pos < len(text) and text[pos] in blanks:
+        pos += 1
+    return pos
 
 
 _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]")
@@ -443,8 +448,10 @@ class ToolCallStream:
         return delta
 
     def _new(self, calls: list[ParsedToolCall]) -> list[ParsedToolCall]:
+        """The calls past those already sent (a longer text may read as fewer complete
+        calls for a while: a whole-message format's closing marker half-written)."""
         new = calls[self._calls_sent:]
-        self._calls_sent = len(calls)
+        self._calls_sent += len(new)
         return new
 
 
