@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from benchmarks.make_checkpoint import byte_level_tokenizer
@@ -219,3 +220,19 @@ def test_flags_template_parser_and_default_kwargs(r1, qwen3):
     # the prompt opened the block, which the output never closes: all of it is reasoning
     message = chat(r1, allowed_token_ids=[a], max_tokens=3)["choices"][0]["message"]
     assert message["reasoning_content"] == "aaa" and message["content"] is None
+
+
+def test_openai_sdk_reads_the_reasoning(qwen3):
+    """The fields reach an OpenAI client as the extras it keeps (vLLM's names)."""
+    client = openai.OpenAI(base_url=qwen3.base_url, api_key="unused", max_retries=0,
+                           timeout=300)
+    held = regex("<think>hm</think>ok")
+    answer = client.chat.completions.create(model="tiny", messages=ASK, temperature=0,
+                                            max_tokens=held.pop("max_tokens"), extra_body=held)
+    assert answer.choices[0].message.reasoning_content == "hm"
+    assert answer.choices[0].message.content == "ok"
+    chunks = client.chat.completions.create(model="tiny", messages=ASK, temperature=0,
+                                            max_tokens=32, extra_body=held, stream=True)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "hm"
+    assert "".join(d.content or "" for d in deltas) == "ok"

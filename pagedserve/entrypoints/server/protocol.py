@@ -413,9 +413,10 @@ class NamedToolChoice(_Part):
 
 # apply_chat_template's own arguments: not variables a request may set for the template
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    "self", "conversation", "conversations", "messages", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def _template_kwargs(value: dict[str, Any] | None, info: ValidationInfo
