@@ -381,6 +381,8 @@ HONORED = {
     "ChatMessage.content": OPENAI + "test_greedy_chat_equals_llm_chat",
     "ChatMessage.tool_calls": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
     "ChatMessage.tool_call_id": STRUCTURED + "test_required_tool_call_and_auto_round_trip",
+    "ChatMessage.reasoning_content": REASONING + "test_reasoning_sent_back_reaches_the_template",
+    "ChatMessage.reasoning": REASONING + "test_reasoning_sent_back_reaches_the_template",
     "TextPart.type": FINDINGS + "test_text_parts_equal_plain_content",
     "TextPart.text": FINDINGS + "test_text_parts_equal_plain_content",
     "ToolCall.id": STRUCTURED + "test_required_tool_call_and_auto_round_trip",

@@ -25,7 +25,9 @@ QWEN3_TEMPLATE = (
     "{{ tool | tojson }}{% endfor %}\n</tools>\nFor each function call, return a json object "
     "with function name and arguments within <tool_call></tool_call> XML tags.<|im_end|>\n"
     "{%- endif %}"
-    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.reasoning_content %}<think>\n{{ message.reasoning_content }}\n</think>\n\n"
+    "{%- endif %}{{ message.content }}"
     "{%- if message.tool_calls %}{% for call in message.tool_calls %}\n<tool_call>\n"
     '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
     "\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n{%- endfor %}"
@@ -173,6 +175,21 @@ def test_enable_thinking_false_changes_the_prompt(qwen3):
     assert off["usage"]["prompt_tokens"] == on + len(plain) - len(thinking)
     error = refusal(qwen3, chat_template_kwargs={"add_generation_prompt": False})
     assert error["param"] == "chat_template_kwargs"
+
+
+def test_reasoning_sent_back_reaches_the_template(qwen3):
+    """An assistant message as a response gave it (reasoning_content, or vLLM's newer
+    `reasoning`, even null) is taken back, and the template renders its reasoning."""
+    turn = {"role": "assistant", "content": "4"}
+    plain = detokenize(qwen3, tokenize(qwen3, messages=[*ASK, turn]))
+    for name in ("reasoning_content", "reasoning"):
+        with_thought = detokenize(qwen3, tokenize(qwen3, messages=[*ASK, {**turn,
+                                                                        name: "2 + 2"}]))
+        assert "<think>" not in plain
+        assert with_thought.replace("<think>\n2 + 2\n</think>", "") == plain
+    echoed = chat(qwen3, max_tokens=2, messages=[*ASK, {**turn, "reasoning_content": None,
+                                                        "reasoning": None}, *ASK])
+    assert echoed["choices"][0]["finish_reason"] == "length"
 
 
 def test_thinking_budget_closes_the_block(qwen3):

@@ -23,7 +23,8 @@ prompt_logprobs, cache_salt, add_generation_prompt, continue_final_message, chat
 guided_json / guided_regex / guided_choice / guided_grammar, and `structured_outputs`
 (exactly one of json, json_object, regex, choice, grammar: the output must match it);
 for reasoning models chat_template_kwargs (e.g. {"enable_thinking": false}),
-thinking_token_budget and include_reasoning.
+thinking_token_budget, include_reasoning, and an assistant message's reasoning_content /
+reasoning (given to the template).
 
 Types are strict (pydantic's strict mode): "3", 2.0 and false are not integers, 0 is not a
 boolean. Numbers must be finite (JSON parsers accept NaN and Infinity, which no range check
@@ -375,6 +376,10 @@ class ChatMessage(_Part):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this is the result of
+    # assistant: its reasoning, as a response gave it (vLLM's older and newer names); the
+    # template gets it as `reasoning_content` (Qwen3's renders it for the current turn)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # what an SDK's response message carries when it is sent back as history: accepted empty
     refusal: str | None = None
     annotations: list[Any] | None = None

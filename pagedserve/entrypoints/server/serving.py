@@ -278,6 +278,8 @@ class OpenAIServing:
             else:
                 text = tool_parsers.render_tool_calls_text(calls)
                 message["content"] = (message["content"] + "\n" + text).strip()
+        if m.reasoning_content is not None or m.reasoning is not None:
+            message["reasoning_content"] = m.reasoning_content or m.reasoning or ""
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         if m.name is not None:
