@@ -117,7 +117,9 @@ TEMPLATES = {
                  "<|end_header_id|>{% endif %}"),
     "llama3.2-pythonic": ("{%- if tools %}If you decide to invoke any of the function(s), you "
                           "MUST put it in the format of [func_name1(params_name1=params_value1,"
-                          " params_name2=params_value2...), func_name2(params)]{% endif %}"),
+                          " params_name2=params_value2...), func_name2(params)]{% endif %}"
+                          "{%- if message.role == 'ipython' %}<|start_header_id|>ipython"
+                          '<|end_header_id|>{{ {"parameters": 1} | tojson }}{% endif %}'),
     "smollm2": ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
                 "{{ message['content'] }}<|im_end|>\n{% endfor %}"),
     "mistral-v0.3": ("{%- if tools is not none %}[AVAILABLE_TOOLS] {{ tools | tojson }}"

@@ -78,8 +78,8 @@ def parser_for_template(chat_template: str | None) -> str | None:
              if all(sign in template for sign in signs)]
     if "qwen3_coder" in found:
         found.remove("hermes")  # its calls are in <tool_call> too, with XML inside
-    if "llama3_json" not in found and "ipython" in template and '"parameters"' in template:
-        found.append("llama3_json")
+    if not found and "ipython" in template and '"parameters"' in template:
+        found.append("llama3_json")  # Llama 3.2's JSON template, without a python tag
     if len(found) == 1:
         return found[0]
     logger.warning("the chat template renders tools in %s; tool calls under tool_choice "
