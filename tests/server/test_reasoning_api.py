@@ -55,6 +55,7 @@ def checkpoint(tmp_path_factory) -> Path:
     (folder / "config.json").write_text(json.dumps(CONFIG))
     tokenizer = byte_level_tokenizer()
     tokenizer.add_tokens(THINK_TOKENS)  # not special: the text keeps them, as Qwen3's does
+    tokenizer.add_tokens(["[TOOL_CALLS]"], special_tokens=True)  # special, as Mistral's is
     tokenizer.chat_template = QWEN3_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder
@@ -222,7 +223,7 @@ def r1(checkpoint, tmp_path_factory):
     template.write_text(R1_TEMPLATE)
     srv = start_server("--model", str(checkpoint), "--load-format", "dummy",
                        "--served-model-name", "tiny", "--chat-template", str(template),
-                       "--reasoning-parser", "deepseek_r1",
+                       "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "mistral",
                        "--default-chat-template-kwargs", '{"persona": "pirate"}')
     yield srv
     stop_server(srv)
@@ -253,3 +254,20 @@ def test_openai_sdk_reads_the_reasoning(qwen3):
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "hm"
     assert "".join(d.content or "" for d in deltas) == "ok"
+
+
+def test_mistral_markers_survive_the_decode(r1):
+    """[TOOL_CALLS] is a special token: a chat with tools under the mistral parser keeps
+    special tokens in its text (else the call's marker would vanish), unless the request
+    says otherwise."""
+    marker = tokenize(r1, messages=[{"role": "user", "content": "[TOOL_CALLS]"}],
+                      add_generation_prompt=False)[-1]
+    body = dict(allowed_token_ids=[marker], max_tokens=1, ignore_eos=True)
+
+    def content(**extra) -> str | None:
+        message = chat(r1, **body, **extra)["choices"][0]["message"]
+        return message["content"] or message["reasoning_content"]
+
+    assert content(tools=WEATHER) == "[TOOL_CALLS]"
+    assert content() is None
+    assert content(tools=WEATHER, skip_special_tokens=True) is None

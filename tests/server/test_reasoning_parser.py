@@ -58,10 +58,8 @@ def test_stream_sends_reasoning_before_the_block_closes() -> None:
     stream = PromptReasoning(QWEN3, False).stream()
     assert stream.feed("<thi") == Split("", "")  # may be the marker: held
     assert stream.feed("nk>\nLet me ") == Split("Let me", "")
-    assert stream.in_reasoning
     assert stream.feed("think.</th") == Split(" think.", "")
     assert stream.feed("ink>\n\nHi") == Split("", "Hi")
-    assert not stream.in_reasoning
     assert stream.finish() == Split("", "")
 
 

@@ -38,6 +38,9 @@ RECORDED = [
      [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome", "days": 2})]),
     ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}', None,
      [("get_weather", {"city": "Oslo"})]),
+    # special tokens decoded with spaces around them (spaces_between_special_tokens)
+    ("mistral", '[TOOL_CALLS] get_weather [ARGS] {"city": "Paris"}', None,
+     [("get_weather", {"city": "Paris"})]),
     ("mistral", "Just text, [no calls].", "Just text, [no calls].", []),
     # Qwen3-Coder: XML, values typed by the tool's schema
     ("qwen3_coder", "I'll look it up.\n<tool_call>\n<function=get_weather>\n"

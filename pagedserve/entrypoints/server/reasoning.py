@@ -108,11 +108,6 @@ class ReasoningStream:
         self._reasoning_started = False  # reasoning text sent (leading whitespace dropped)
         self._content_started = False
 
-    @property
-    def in_reasoning(self) -> bool:
-        """Whether the output is (as far as it has come) inside the thinking block."""
-        return self._state == "reasoning" or (self._state == "head" and self._inside_at_head)
-
     def feed(self, delta: str) -> Split:
         self._held += delta
         return self._advance(final=False)

@@ -226,7 +226,9 @@ def _skip_blanks(text: str, pos: int, blanks: str = " \n\t\r") -> int:
     return pos
 
 
-_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]")
+# spaces allowed around the markers: a decode that keeps special tokens may put them there
+_MISTRAL_NAMED = re.compile(
+    r"\s*([A-Za-z0-9_.-]+)\s*(?:\[CALL_ID\]\s*([A-Za-z0-9]+)\s*)?\[ARGS\]\s*")
 
 
 def _parse_mistral(text: str, tools: list[dict] | None) -> _Parsed:
