@@ -17,6 +17,8 @@ import openai
 import pytest
 
 from benchmarks.make_checkpoint import byte_level_tokenizer
+from pagedserve.entrypoints.cli import build_parser
+from pagedserve.entrypoints.server.api_server import chat_settings
 from tests.server.conftest import start_server, stop_server
 
 THINK_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -271,3 +273,22 @@ def test_mistral_markers_survive_the_decode(r1):
     assert content(tools=WEATHER) == "[TOOL_CALLS]"
     assert content() is None
     assert content(tools=WEATHER, skip_special_tokens=True) is None
+
+
+@pytest.mark.parametrize("value, message", [("[1]", "JSON object"), ("{bad", "not JSON"),
+                                            ('{"tools": []}', "may not set tools")])
+def test_bad_default_template_kwargs_are_argparse_errors(value, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser(["serve"]).parse_args(["serve", "--default-chat-template-kwargs", value])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_chat_template_flag_reads_a_file_or_takes_the_text(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text(R1_TEMPLATE)
+    for given in (str(template), R1_TEMPLATE):
+        args = build_parser(["serve"]).parse_args(["serve", "--chat-template", given])
+        assert chat_settings(args).chat_template == R1_TEMPLATE
+    args = build_parser(["serve"]).parse_args(["serve", "--chat-template", str(tmp_path / "no")])
+    with pytest.raises(ValueError, match="--chat-template"):
+        chat_settings(args)
