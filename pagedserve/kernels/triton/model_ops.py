@@ -24,13 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pagedserve.kernels.triton import pdl
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """x rounded to `dtype` and back to float32: where eager PyTorch would store an
-    intermediate tensor in the activation dtype. A no-op at float32."""
-    return x.to(dtype).to(tl.float32)
+from pagedserve.kernels.triton.precision import round_to
 
 
 @triton.jit
@@ -44,10 +38,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, strid
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
-        x = _round(x + res, dtype)  # the residual stream is stored in the activation dtype
+        x = round_to(x + res, dtype)  # the residual stream is stored in the activation dtype
         tl.store(res_ptr + row * stride_res + offs, x.to(dtype), mask=mask)
     var = tl.sum(x * x, axis=0) / N
-    y = _round(x * tl.rsqrt(var + eps), dtype)
+    y = round_to(x * tl.rsqrt(var + eps), dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (y * w).to(dtype), mask=mask)
 
@@ -95,16 +89,16 @@ def _rotate_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, stri
                       tl.load(k_w_ptr + d, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
         w2 = tl.where(is_q, tl.load(q_w_ptr + HALF + d, mask=d_mask, other=0.0)[None, :],
                       tl.load(k_w_ptr + HALF + d, mask=d_mask, other=0.0)[None, :]).to(tl.float32)
-        x1 = _round(_round(x1 * inv, dtype) * w1, dtype)
-        x2 = _round(_round(x2 * inv, dtype) * w2, dtype)
+        x1 = round_to(round_to(x1 * inv, dtype) * w1, dtype)
+        x2 = round_to(round_to(x2 * inv, dtype) * w2, dtype)
     # Row `pos` of the tables: cos is [cos, cos], sin is sign-folded [-sin, sin] (decoder.py).
     pos = tl.load(pos_ptr + token).to(tl.int64)
     cos = tl.load(cos_ptr + pos * HEAD_DIM + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * HEAD_DIM + HALF + d, mask=d_mask,
                   other=0.0).to(tl.float32)[None, :]
     # transformers: x * cos + rotate_half(x) * sin, each product rounded to the activation dtype.
-    out1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
-    out2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)
+    out1 = round_to(x1 * cos, dtype) - round_to(x2 * sin, dtype)
+    out2 = round_to(x2 * cos, dtype) + round_to(x1 * sin, dtype)
     tl.store(lo, out1.to(dtype), mask=mask)
     tl.store(lo + HALF, out2.to(dtype), mask=mask)
 
@@ -145,7 +139,7 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, N: tl.cons
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + N + cols, mask=mask, other=0.0).to(tl.float32)
-    act = _round(gate / (1.0 + tl.exp(-gate)), dtype)  # F.silu's output tensor
+    act = round_to(gate / (1.0 + tl.exp(-gate)), dtype)  # F.silu's output tensor
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(dtype), mask=mask)
 
 

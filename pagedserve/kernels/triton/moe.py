@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.kernels.triton.precision import dot_precision
+from pagedserve.kernels.triton.precision import dot_precision, round_to
 
 BLOCK_M = 16  # pairs per tile (tl.dot needs 16 rows)
 
@@ -58,7 +58,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, order_ptr, tile_expert_ptr, tile_
         acc_gate += tl.dot(a, gate, input_precision=DOT_PRECISION)
         acc_up += tl.dot(a, up, input_precision=DOT_PRECISION)
     dtype = inter_ptr.dtype.element_ty
-    g = acc_gate.to(dtype).to(tl.float32)
+    g = round_to(acc_gate, dtype)
     act = (g * tl.sigmoid(g)).to(dtype)
     h = act * acc_up.to(dtype)
     tl.store(inter_ptr + rows[:, None].to(tl.int64) * inter_size + offs_n[None, :],
@@ -93,7 +93,7 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, weights_ptr, order_ptr, tile_expert
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
     dtype = out_ptr.dtype.element_ty
     routed = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
-    y = acc.to(dtype).to(tl.float32) * routed.to(tl.float32)[:, None]
+    y = round_to(acc, dtype) * routed.to(tl.float32)[:, None]
     tl.store(out_ptr + pair[:, None] * hidden + offs_n[None, :], y.to(dtype),
              mask=m_mask[:, None] & n_mask[None, :])
 
