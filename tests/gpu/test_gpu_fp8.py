@@ -267,9 +267,12 @@ def test_fp8_weights_engine(checkpoint, loaded):
     quantized = load(checkpoint, quantization="fp8")
     assert quantized.model.quantization == "fp8"
     assert quantized.model.layers[0].mlp.down_proj.weight.dtype == FP8
+    # On this random model e4m3 weights move the logits past the top-two gap in about half
+    # the prompts: the bf16 model-op rounding points alone moved the agreement between 0.53
+    # and 0.66 (docs/benchmarks.md, issue 27). A wrong scale or layout gives about 0.
     for options in ({}, {"kv_cache_dtype": "fp8"}):
         tokens = greedy(make_engine(quantized, **options), prompt_list, max_tokens=8)
-        assert first_token_agreement(tokens, reference) >= 0.6, options
+        assert first_token_agreement(tokens, reference) >= 0.4, options
 
 
 @torch.inference_mode()
