@@ -55,7 +55,9 @@ def test_grammar_process_gives_the_in_process_tokens(loaded):  # noqa: F811
     batch = requests()
     alone = batch[:8]
     expected = run(make_engine(loaded, grammar_process=False, max_num_seqs=1), alone)
-    got = run(make_engine(loaded, max_num_seqs=1), alone)
+    one_at_a_time = make_engine(loaded, max_num_seqs=1)
+    got = run(one_at_a_time, alone)
+    one_at_a_time.shutdown()
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     engine = make_engine(loaded)
     assert isinstance(engine.structured, GrammarProcess)
