@@ -11,9 +11,9 @@ shutdown; our handler for it turns that into a normal return).
 
 On a network (issue 29):
 - `--api-key` (or PAGEDSERVE_API_KEY; several keys allowed): every route but /health and
-  /metrics (unless `--auth-health-and-metrics`) wants `Authorization: Bearer <key>`, checked
-  before the body is read (`APIKeyAuth`); `--cache-salt-from-api-key` gives each key its own
-  prefix cache;
+  /metrics (unless `--auth-health-and-metrics`) wants `Authorization: Bearer <key>` (or
+  `x-api-key: <key>`, as Anthropic's clients send it), checked before the body is read
+  (`APIKeyAuth`); `--cache-salt-from-api-key` gives each key its own prefix cache;
 - `--header-timeout`: a connection must finish each request's headers within it, or is
   closed (slow-loris; uvicorn has no such timer of its own, `_HeaderTimeoutProtocol`);
 - the queue bound, the request deadline and the grammar limits (async_engine.Limits);
@@ -48,6 +48,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from pagedserve.entrypoints.engine_args import engine_options, parse_size
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, Limits
 from pagedserve.entrypoints.server.errors import APIError, install_error_handlers
+from pagedserve.entrypoints.server.messages import AnthropicErrors, MessagesServing
+from pagedserve.entrypoints.server.messages_protocol import MessagesRequest
 from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.entrypoints.server.protocol import (
     RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -55,6 +57,9 @@ from pagedserve.entrypoints.server.protocol import (
     TokenizeResponse)
 from pagedserve.entrypoints.server.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.server.tool_parsers import PARSERS
+from pagedserve.entrypoints.server.response_store import ResponseStore
+from pagedserve.entrypoints.server.responses import ResponsesServing
+from pagedserve.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedserve.entrypoints.server.serving import ChatSettings, OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -100,8 +105,10 @@ _ERROR_TEXT = {
 def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (),
               chat: ChatSettings = ChatSettings(),
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
-              health_timeout: float = 5.0) -> FastAPI:
-    """An app serving `engine` under `model_name` (and `aliases`)."""
+              health_timeout: float = 5.0,
+              response_store: ResponseStore | None = None) -> FastAPI:
+    """An app serving `engine` under `model_name` (and `aliases`); `response_store`: where
+    /v1/responses keeps its responses (default: the store's default bounds)."""
     ready = engine.ready
     card = {"max_model_len": ready.max_model_len, "kv_cache_dtype": ready.kv_cache_dtype,
             "quantization": ready.quantization}
@@ -119,9 +126,10 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     open_paths = frozenset() if access.auth_health_and_metrics else OPEN_PATHS
-    if access.api_keys:  # outermost: nothing else runs for a request without a key
+    if access.api_keys:  # nothing else runs for a request without a key
         app.add_middleware(APIKeyAuth, keys=access.api_keys, open_paths=open_paths,
                            metrics=engine.metrics)
+    app.add_middleware(AnthropicErrors)  # outermost: every error on /v1/messages
     auth = (401,) if access.api_keys else ()
     status_auth = auth if access.auth_health_and_metrics else ()
     generate = _errors(*auth, 404, 408, 413, 429, 503)
@@ -155,6 +163,28 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
         _salt(req, raw, access)
         return await serving.create_chat_completion(req, raw)
 
+    responses_api = ResponsesServing(serving, response_store or ResponseStore())
+
+    @app.post("/v1/responses", responses=generate)
+    async def create_response(req: ResponsesRequest, raw: Request) -> Response:
+        return await responses_api.create(req, raw, lambda chat: _salt(chat, raw, access))
+
+    @app.get("/v1/responses/{response_id}", responses=_errors(*auth, 404))
+    async def retrieve_response(response_id: str, raw: Request) -> dict:
+        _no_query(raw)
+        return responses_api.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=_errors(*auth, 404))
+    async def delete_response(response_id: str, raw: Request) -> dict:
+        _no_query(raw)
+        return responses_api.delete(response_id)
+
+    messages_api = MessagesServing(serving)
+
+    @app.post("/v1/messages", responses=generate)
+    async def create_message(req: MessagesRequest, raw: Request) -> Response:
+        return await messages_api.create(req, raw, lambda chat: _salt(chat, raw, access))
+
     @app.post("/tokenize", responses=_errors(*auth, 404, 413))
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         return await asyncio.to_thread(serving.tokenize, req)
@@ -170,6 +200,15 @@ def _nothing() -> None:
     """/health's probe of the worker threads."""
 
 
+def _no_query(raw: Request) -> None:
+    """Routes that take no query parameter refuse one (OpenAI's retrieve takes `include`,
+    `stream`, `starting_after`: none of them is implemented)."""
+    for name in raw.query_params:
+        raise APIError(f"Unrecognized query parameter: '{name}'. The server does not "
+                       "implement it, so it refuses the request rather than ignore it.",
+                       param=name, code="unknown_parameter")
+
+
 def _salt(req: SamplingRequest, raw: Request, access: Access) -> None:
     """With --cache-salt-from-api-key the request's prefix-cache salt starts with its key's:
     tenants never share a cached block, and a tenant's own cache_salt still splits further."""
@@ -183,8 +222,9 @@ _KEY_SALT = "pagedserve_key_salt"  # where APIKeyAuth leaves the caller's key's 
 
 
 class APIKeyAuth:
-    """401 (OpenAI's shape) unless `Authorization: Bearer <key>` names one of the keys,
-    decided from the headers alone: a caller without a key gets no byte of its body read.
+    """401 (OpenAI's shape) unless `Authorization: Bearer <key>` (or, without it,
+    Anthropic's `x-api-key: <key>`) names one of the keys, decided from the headers alone:
+    a caller without a key gets no byte of its body read.
 
     The comparison takes the same time whichever key matches, or none: the presented key and
     each server key are compared as SHA-256 digests (equal lengths, so `compare_digest` does
@@ -203,10 +243,13 @@ class APIKeyAuth:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, token = get_authorization_scheme_param(header)
+        headers = dict(scope["headers"])
+        scheme, token = get_authorization_scheme_param(
+            headers.get(b"authorization", b"").decode("latin-1"))
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            scheme, token = "bearer", headers.get(b"x-api-key", b"").decode("latin-1")
         match = None
-        if scheme.lower() == "bearer" and token:
+        if token:
             presented = _digest(token)
             for i, digest in enumerate(self._digests):  # no early exit: constant time
                 if hmac.compare_digest(presented, digest):
@@ -214,7 +257,7 @@ class APIKeyAuth:
         if match is None:
             self.metrics.rejected.labels(reason="unauthorized").inc()
             message = ("Incorrect API key provided." if token else "You didn't provide an API "
-                       "key: send it as 'Authorization: Bearer <key>'.")
+                       "key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
             response = APIError(message, 401, code="invalid_api_key").response()
             response.headers["WWW-Authenticate"] = "Bearer"
             response.headers["Connection"] = "close"  # its body, if any, stays unread
@@ -384,6 +427,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest request body in bytes; a larger one gets 413 "
                        "(default: %(default)s)")
+    group.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
+                       help="/v1/responses keeps at most this many responses in memory (for "
+                       "previous_response_id and retrieval), the oldest evicted first "
+                       "(default: %(default)s)")
+    group.add_argument("--max-stored-bytes", type=parse_size, default="64M", metavar="SIZE",
+                       help="the stored responses hold at most this much JSON in all, the "
+                       "oldest evicted first (default: 64M)")
     net = parser.add_argument_group("on a network")
     net.add_argument("--api-key", action="append", default=None, metavar="KEY",
                      help="requests need 'Authorization: Bearer KEY' (401 otherwise); give it "
@@ -475,7 +525,8 @@ def run_server(args: argparse.Namespace) -> None:
                                           else DEFAULT_MODEL_NAME)
         aliases = (args.model,) if args.model else ()
         app = build_app(engine, name, aliases, chat, args.max_body_size, access,
-                        args.health_timeout)
+                        args.health_timeout,
+                        ResponseStore(args.max_stored_responses, args.max_stored_bytes))
         # uvicorn cancels handlers still running after its own timeout; ours fires first and
         # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

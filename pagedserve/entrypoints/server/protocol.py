@@ -40,10 +40,10 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, \
-    model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, \
+    field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagedserve.structured.params import StructuredOutputsParams
@@ -140,6 +140,31 @@ def _unsupported_unless_empty(value: Any, info: ValidationInfo) -> Any:
     if value:
         raise request_error(info.field_name, f"{info.field_name} is not supported.")
     return value
+
+
+def by_type(*parts: type[_Part], default: str | None = None) -> Any:
+    """A union of parts told apart by their `type` field (`default` when it is absent), as
+    the Responses and Messages APIs shape their items and blocks: only the matching part's
+    errors are reported, and an unknown type gets one error naming the known ones. (The
+    tags are bracketed so the error handler leaves them out of the parameter's path.)"""
+    names = [get_args(part.model_fields["type"].annotation)[0] for part in parts]
+
+    def tag(value: Any) -> str | None:
+        kind = value.get("type", default) if isinstance(value, dict) \
+            else getattr(value, "type", None)
+        return f"type[{kind}]" if kind in names else None
+
+    known = ", ".join(repr(n) for n in names)
+    return Annotated[Union[tuple(Annotated[part, Tag(f"type[{name}]")]
+                                 for part, name in zip(parts, names))],
+                     Discriminator(tag, custom_error_type="invalid_type",
+                                   custom_error_message=f"type must be one of {known}")]
+
+
+def text_or(list_type: Any) -> Any:
+    """A string or a list (of blocks): only the matching side's errors are reported."""
+    return Annotated[Union[Annotated[str, Tag("str")], Annotated[list_type, Tag("list[]")]],
+                     Discriminator(lambda v: "str" if isinstance(v, str) else "list[]")]
 
 
 class StreamOptions(_Part):

@@ -63,6 +63,19 @@ class ChatSettings:
 
 
 @dataclass
+class ChatRun:
+    """A chat request submitted to the engine: what its answer is read from."""
+
+    req: ChatCompletionRequest
+    base_id: str
+    tools: list[dict] | None  # what the model was shown (None: no tools, or tool_choice none)
+    thinking: reasoning.PromptReasoning | None  # how its output's reasoning is split off
+    stream: AsyncIterator[Any]  # the engine's RequestOutputs
+    abort: Callable[[], None]  # frees its blocks; a no-op once it has finished
+    prompt_tokens: int  # as rendered, before any truncate_prompt_tokens
+
+
+@dataclass
 class _EngineRequest:
     request_id: str
     prompt: str | None
@@ -103,8 +116,8 @@ class OpenAIServing:
             requests.append(_EngineRequest(f"{base_id}-{i}", text, token_ids, params))
         streams = await self._submit(requests, req)
         if req.stream:
-            return _SSEResponse(self._completion_events(req, base_id, streams),
-                                on_close=lambda: self._abort(requests))
+            return EventStreamResponse(_with_done(self._completion_events(req, base_id, streams)),
+                                       on_close=lambda: self._abort(requests))
         finals = await _unless_disconnected(_collect(streams), raw, lambda: self._abort(requests))
         return JSONResponse(CompletionResponse(
             id=base_id, model=self.model_name,
@@ -114,6 +127,19 @@ class OpenAIServing:
             usage=_usage(finals)).model_dump())
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        run = await self.submit_chat(req)
+        if req.stream:
+            return EventStreamResponse(_with_done(_sse_each(self.chat_chunks(run))),
+                                       on_close=run.abort)
+        return JSONResponse((await self.chat_response(run, raw)).model_dump())
+
+    # ---- the chat path's seams: the other APIs (/v1/responses, /v1/messages) translate their
+    # requests into a ChatCompletionRequest and read its answer through these, so every
+    # endpoint shares one validation, template, reasoning, tool and structured-output path
+
+    async def submit_chat(self, req: ChatCompletionRequest) -> ChatRun:
+        """Validate, render and submit a chat request: 400s are raised here, before any
+        answer starts."""
         self._check_model(req.model)
         base_id = random_id("chatcmpl")
         tools = _tools_for(req)
@@ -128,22 +154,26 @@ class OpenAIServing:
         params = self._with_thinking_budget(req, params, thinking)
         requests = [_EngineRequest(base_id, None, token_ids, params)]
         streams = await self._submit(requests, req)
-        if req.stream:
-            return _SSEResponse(self._chat_events(req, base_id, streams[0], tools, thinking),
-                                on_close=lambda: self._abort(requests))
-        final, = await _unless_disconnected(_collect(streams), raw, lambda: self._abort(requests))
+        return ChatRun(req, base_id, tools, thinking, streams[0],
+                       lambda: self._abort(requests), len(token_ids))
+
+    async def chat_response(self, run: ChatRun, raw: Request) -> ChatCompletionResponse:
+        """The whole answer (aborted if the client leaves first)."""
+        req = run.req
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        final, = await _unless_disconnected(_collect([run.stream]), raw, run.abort)
         choices = []
         for c in final.outputs:
-            message, finish_reason = self._assistant_message(req, tools, c, thinking)
+            message, finish_reason = self._assistant_message(req, run.tools, c, run.thinking)
             if req.echo:
                 message.content = _echo_text(req) + (message.content or "")
             choices.append(ChatChoice(
                 index=c.index, message=message, finish_reason=finish_reason,
                 logprobs=self._chat_logprobs(c.logprobs, c.token_ids, top),
                 stop_reason=c.stop_reason))
-        return JSONResponse(ChatCompletionResponse(
-            id=base_id, model=self.model_name, choices=choices, usage=_usage([final]),
-            prompt_logprobs=_prompt_logprobs(final)).model_dump())
+        return ChatCompletionResponse(
+            id=run.base_id, model=self.model_name, choices=choices, usage=_usage([final]),
+            prompt_logprobs=_prompt_logprobs(final))
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self._check_model(req.model)
@@ -390,14 +420,16 @@ class OpenAIServing:
             yield _sse(CompletionResponse(id=base_id, model=self.model_name, choices=[],
                                           usage=_usage([finals[i] for i in sorted(finals)])))
 
-    async def _chat_events(self, req: ChatCompletionRequest, base_id: str,
-                           stream: AsyncIterator[Any], tools: list[dict] | None,
-                           thinking: reasoning.PromptReasoning | None) -> AsyncIterator[str]:
+    async def chat_chunks(self, run: ChatRun) -> AsyncIterator[ChatCompletionChunk]:
+        """The answer as chat completion chunks, as a stream sends them."""
+        req, base_id, stream, tools, thinking = (run.req, run.base_id, run.stream, run.tools,
+                                                 run.thinking)
         top = (req.top_logprobs or 0) if req.logprobs else None
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return _sse(ChatCompletionChunk(id=base_id, model=self.model_name, choices=choices,
-                                            usage=usage))
+        def chunk(choices: list[ChatStreamChoice],
+                  usage: UsageInfo | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=base_id, model=self.model_name, choices=choices,
+                                       usage=usage)
 
         for index in range(req.n):
             yield chunk([ChatStreamChoice(index=index,
@@ -731,16 +763,15 @@ async def _unless_disconnected(work: Awaitable[Any], raw: Request,
             task.cancel()
 
 
-class _SSEResponse(StreamingResponse):
-    """Server-sent events ending in `[DONE]`; runs `on_close` however the stream ends.
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events; runs `on_close` however the stream ends.
 
     Starlette cancels the body iterator when the client disconnects, but a cancellation that
     lands before the iterator starts would skip its cleanup, so the abort hook sits here.
-    An engine failure mid-stream becomes an OpenAI error event, since the status is sent.
     """
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(_with_done(events), media_type="text/event-stream",
+        super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 
@@ -751,7 +782,14 @@ class _SSEResponse(StreamingResponse):
             self._on_close()
 
 
+async def _sse_each(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        yield _sse(chunk)
+
+
 async def _with_done(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """OpenAI's ending: `[DONE]`, after an error event if the engine failed mid-stream (the
+    status is sent by then)."""
     try:
         async for event in events:
             yield event
