@@ -315,3 +315,26 @@ def test_health_says_503_while_the_tokenizer_threads_are_stuck(exposed):
         assert all(job.result().status_code == 200 for job in jobs)
     assert 503 in statuses
     assert httpx.get(exposed.url + "/health", timeout=60).status_code == 200
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(exposed):
+    """/v1/messages takes the key as Anthropic's clients send it, and answers a missing or
+    wrong one in Anthropic's error shape."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=exposed.url, api_key=KEYS[1], max_retries=0,
+                                 timeout=120)
+    message = claude.messages.create(model=MODEL_NAME, max_tokens=2,
+                                     messages=[{"role": "user", "content": "Hi"}])
+    assert message.usage.output_tokens == 2
+    for headers in (None, {"x-api-key": "wrong"}):
+        response = post(exposed, "/v1/messages", {"model": MODEL_NAME, "max_tokens": 2,
+                                                  "messages": [{"role": "user",
+                                                                "content": "Hi"}]},
+                        headers=headers)
+        assert response.status_code == 401
+        assert response.json()["type"] == "error"
+        assert response.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=exposed.url, api_key="nope", max_retries=0).messages.create(
+            model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])

@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from pagedserve.entrypoints.server import protocol
+from pagedserve.entrypoints.server import messages_protocol, protocol, responses_protocol
 from pagedserve.model.loader import default_model_path, load_tokenizer
 from tests.server.conftest import MODEL_NAME
 
@@ -36,6 +36,14 @@ def post(server, route: str, **body) -> httpx.Response:
     if route == "chat":
         body.setdefault("messages", SAY)
         path = "/v1/chat/completions"
+    elif route == "responses":
+        body.setdefault("input", SAY)
+        body.setdefault("max_output_tokens", body.pop("max_tokens", 16))
+        path = "/v1/responses"
+    elif route == "messages":
+        body.setdefault("messages", SAY)
+        body.setdefault("max_tokens", 16)
+        path = "/v1/messages"
     else:
         body.setdefault("prompt", PROMPT)
         path = "/v1/completions"
@@ -399,6 +407,77 @@ HONORED = {
     "NamedToolChoice.function": STRUCTURED + "test_named_tool_call_plain_and_streamed",
     "NamedFunction.name": STRUCTURED + "test_named_tool_call_plain_and_streamed",
 }
+RESPONSES = "tests.server.test_responses_api::"
+MESSAGES = "tests.server.test_messages_api::"
+HONORED |= {
+    **{f"ResponsesRequest.{name}": RESPONSES + "test_create_answers_as_chat_completions_do"
+       for name in ("model", "input", "instructions", "max_output_tokens")},
+    **{f"ResponsesRequest.{name}": RESPONSES + "test_sampling_fields_reach_the_engine"
+       for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "seed", "stop")},
+    "ResponsesRequest.cache_salt": RESPONSES + "test_cache_salt_isolates_the_prefix_cache",
+    "ResponsesRequest.tools": RESPONSES + "test_tool_round_trip_and_previous_response_id",
+    "ResponsesRequest.tool_choice": RESPONSES + "test_tool_round_trip_and_previous_response_id",
+    "ResponsesRequest.parallel_tool_calls": RESPONSES + "test_parallel_tool_calls",
+    "ResponsesRequest.previous_response_id":
+        RESPONSES + "test_tool_round_trip_and_previous_response_id",
+    "ResponsesRequest.text": RESPONSES + "test_text_format_json_schema_and_json_object",
+    "ResponsesRequest.store": RESPONSES + "test_store_retrieve_delete_and_store_false",
+    "ResponsesRequest.stream": RESPONSES + "test_stream_sends_the_responses_event_sequence",
+    "ResponsesRequest.metadata": RESPONSES + "test_metadata_is_returned_and_stored",
+    **{f"InputMessage.{name}": RESPONSES + "test_create_answers_as_chat_completions_do"
+       for name in ("type", "role", "content")},
+    **{f"InputText.{name}": RESPONSES + "test_create_answers_as_chat_completions_do"
+       for name in ("type", "text")},
+    **{f"OutputText.{name}": RESPONSES + "test_history_renders_as_the_chat_messages"
+       for name in ("type", "text")},
+    **{f"FunctionCallItem.{name}": RESPONSES + "test_tool_round_trip_and_previous_response_id"
+       for name in ("type", "call_id", "name", "arguments")},
+    **{f"FunctionCallOutputItem.{name}":
+       RESPONSES + "test_tool_round_trip_and_previous_response_id"
+       for name in ("type", "call_id", "output")},
+    **{f"FunctionTool.{name}": RESPONSES + "test_tool_round_trip_and_previous_response_id"
+       for name in ("type", "name", "description", "parameters")},
+    **{f"FunctionToolChoice.{name}": RESPONSES + "test_tool_round_trip_and_previous_response_id"
+       for name in ("type", "name")},
+    "TextConfig.format": RESPONSES + "test_text_format_json_schema_and_json_object",
+    "TextFormatText.type": RESPONSES + "test_text_format_json_schema_and_json_object",
+    "TextFormatJSONObject.type": RESPONSES + "test_text_format_json_schema_and_json_object",
+    "TextFormatJSONSchema.type": RESPONSES + "test_text_format_json_schema_and_json_object",
+    "TextFormatJSONSchema.schema_": RESPONSES + "test_text_format_json_schema_and_json_object",
+    **{f"MessagesRequest.{name}": MESSAGES + "test_create_answers_as_chat_completions_do"
+       for name in ("model", "messages", "max_tokens", "system")},
+    **{f"MessagesRequest.{name}": MESSAGES + "test_sampling_fields_reach_the_engine"
+       for name in ("temperature", "top_p", "top_k")},
+    "MessagesRequest.stop_sequences": MESSAGES + "test_stop_sequences",
+    "MessagesRequest.stream": MESSAGES + "test_stream_sends_anthropics_event_sequence",
+    "MessagesRequest.tools": MESSAGES + "test_tool_round_trip",
+    "MessagesRequest.tool_choice": MESSAGES + "test_tool_round_trip",
+    "MessagesRequest.output_config": MESSAGES + "test_output_config_format",
+    "OutputConfig.format": MESSAGES + "test_output_config_format",
+    "JSONOutputFormat.type": MESSAGES + "test_output_config_format",
+    "JSONOutputFormat.schema_": MESSAGES + "test_output_config_format",
+    "MessageParam.role": MESSAGES + "test_a_last_assistant_message_is_continued",
+    "MessageParam.content": MESSAGES + "test_create_answers_as_chat_completions_do",
+    "TextBlock.type": MESSAGES + "test_create_answers_as_chat_completions_do",
+    "TextBlock.text": MESSAGES + "test_create_answers_as_chat_completions_do",
+    **{f"ToolUseBlock.{name}": MESSAGES + "test_tool_round_trip"
+       for name in ("type", "id", "name", "input")},
+    **{f"ToolResultBlock.{name}": MESSAGES + "test_tool_round_trip"
+       for name in ("type", "tool_use_id", "content", "is_error")},
+    **{f"ToolDefinition.{name}": MESSAGES + "test_tool_round_trip"
+       for name in ("name", "description", "input_schema")},
+    "ToolChoiceTool.type": MESSAGES + "test_tool_round_trip",
+    "ToolChoiceTool.name": MESSAGES + "test_tool_round_trip",
+    # a named tool is one call, whatever this says
+    "ToolChoiceTool.disable_parallel_tool_use": MESSAGES + "test_tool_round_trip",
+    "ToolChoiceAuto.type": MESSAGES + "test_tool_round_trip",
+    "ToolChoiceNone.type": MESSAGES + "test_tool_round_trip",
+    "ToolChoiceAny.type": MESSAGES + "test_streamed_tool_use",
+    "ToolChoiceAny.disable_parallel_tool_use": MESSAGES + "test_streamed_tool_use",
+    "ToolChoiceAuto.disable_parallel_tool_use": MESSAGES + "test_streamed_tool_use",
+}
+
 # part B of issue 29 (scheduling) owns these and their effect tests
 OWNED_ELSEWHERE = {"priority", "timeout"}
 
@@ -416,6 +495,34 @@ ACCEPTED = {
     "FunctionDefinition.strict": None,  # forced calls always follow the schema
     # given to the chat template, which may render it (the default model's ignores it)
     "ChatMessage.name": "alice",
+}
+
+# the Responses and Messages fields accepted with no effect (test_agent_apis_accepted_fields):
+# top-level ones with the value sent, the echoed parts of history items in that test
+RESPONSES_ACCEPTED = {"user": "end-user-1", "safety_identifier": "hashed-user",
+                      "prompt_cache_key": "key", "prompt_cache_retention": "24h",
+                      "service_tier": "default", "truncation": "disabled", "reasoning": {}}
+MESSAGES_ACCEPTED = {"metadata": {"user_id": "u1"}, "service_tier": "auto",
+                     "cache_control": {"type": "ephemeral"}}
+ACCEPTED |= {
+    **{f"ResponsesRequest.{name}": value for name, value in RESPONSES_ACCEPTED.items()},
+    "ResponsesRequest.stream_options": {"include_obfuscation": False},
+    **{f"MessagesRequest.{name}": value for name, value in MESSAGES_ACCEPTED.items()},
+    **{f"InputMessage.{name}": None for name in ("id", "status", "phase")},
+    "InputText.prompt_cache_breakpoint": None, "OutputText.logprobs": None,
+    **{f"{model}.{name}": None for model in ("FunctionCallItem", "FunctionCallOutputItem")
+       for name in ("id", "status")},
+    **{f"ReasoningItem.{name}": None for name in ("type", "id", "summary", "content", "status")},
+    **{f"{model}.{name}": None for model in ("SummaryText", "ReasoningText")
+       for name in ("type", "text")},
+    "FunctionTool.strict": None, "TextFormatJSONSchema.name": None,
+    "TextFormatJSONSchema.description": None, "TextFormatJSONSchema.strict": None,
+    "Metadata.user_id": None, "CacheControl.type": None, "CacheControl.ttl": None,
+    **{f"{model}.cache_control": None
+       for model in ("TextBlock", "ToolUseBlock", "ToolResultBlock", "ToolDefinition")},
+    "ToolDefinition.type": None, "ToolDefinition.strict": None,
+    **{f"ThinkingBlock.{name}": None for name in ("type", "thinking", "signature")},
+    "ThinkingDisabled.type": None,
 }
 
 # "Model.field" -> (route, body fields that ask for the missing feature, the param named)
@@ -436,6 +543,44 @@ REFUSED = {
                                f"messages.1.{name}")
        for name, value in {"refusal": "I cannot", "annotations": [{"type": "url"}],
                            "audio": {"id": "a1"}, "function_call": {"name": "f"}}.items()},
+}
+
+ITEM = {"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                             "text": "Hi"}]}
+REFUSED |= {
+    **{f"ResponsesRequest.{name}": ("responses", {name: value}, None) for name, value in {
+        "background": True, "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+        "max_tool_calls": 1, "conversation": "conv_1", "prompt": {"id": "pmpt_1"},
+        "context_management": [{"type": "compaction"}], "moderation": {"model": "m"},
+        "image": {"context_compression": "auto"}, "access_programs": {"cyber": "standard"},
+        "background_options": {"completion_window": "2h"},
+        "prompt_cache_options": {"mode": "explicit"}}.items()},
+    "ResponsesStreamOptions.include_obfuscation": (
+        "responses", {"stream": True, "stream_options": {"include_obfuscation": True}},
+        "stream_options.include_obfuscation"),
+    **{f"ReasoningConfig.{name}": ("responses", {"reasoning": {name: value}},
+                                   f"reasoning.{name}")
+       for name, value in {"effort": "high", "summary": "auto", "generate_summary": "auto",
+                           "context": "all_turns", "mode": "pro"}.items()},
+    "TextConfig.verbosity": ("responses", {"text": {"verbosity": "low"}}, "text.verbosity"),
+    "OutputText.annotations": (
+        "responses", {"input": [{**ITEM, "content": [{**ITEM["content"][0], "annotations": [
+            {"type": "url_citation"}]}]}]}, "input.0.content.0.annotations"),
+    "ReasoningItem.encrypted_content": (
+        "responses", {"input": [{"type": "reasoning", "summary": [],
+                                 "encrypted_content": "x"}, *SAY]},
+        "input.0.encrypted_content"),
+    "MessagesRequest.thinking": ("messages", {"thinking": {"type": "adaptive"}}, None),
+    **{f"ThinkingEnabled.{name}": ("messages", {"thinking": {
+        "type": "enabled", "budget_tokens": 1024, "display": "omitted"}}, "thinking")
+       for name in ("type", "budget_tokens", "display")},
+    **{f"ThinkingAdaptive.{name}": ("messages", {"thinking": {
+        "type": "adaptive", "display": "omitted"}}, "thinking") for name in ("type", "display")},
+    "OutputConfig.effort": ("messages", {"output_config": {"effort": "high"}},
+                            "output_config.effort"),
+    "TextBlock.citations": ("messages", {"messages": [{"role": "user", "content": [{
+        "type": "text", "text": "Hi", "citations": [{"type": "char_location"}]}]}]},
+        "messages.0.content.0.citations"),
 }
 
 
@@ -489,7 +634,10 @@ def test_refused_fields_get_a_400_naming_them(server, field):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     name = field.split(".")[1]
-    assert error["param"] == (param or name) and name in error["message"]
+    if route == "messages":  # Anthropic's shape: the field leads the message
+        assert error["type"] == "invalid_request_error" and (param or name) in error["message"]
+    else:
+        assert error["param"] == (param or name) and name in error["message"]
 
 
 def test_accepted_fields_change_nothing(server):
@@ -530,3 +678,65 @@ def test_unknown_fields_on_tokenize_and_detokenize(server):
         response = httpx.post(server.url + path, json=body)
         assert response.status_code == 400 and \
             response.json()["error"]["code"] == "unknown_parameter"
+
+
+def output_text(server, route: str, **body) -> str:
+    """The answer's text on the Responses or Messages API, greedy."""
+    response = post(server, route, temperature=0, max_tokens=8, **body)
+    assert response.status_code == 200, response.text
+    if route == "messages":
+        return "".join(b.get("text", "") for b in response.json()["content"])
+    return "".join(part["text"] for item in response.json()["output"]
+                   if item["type"] == "message" for part in item["content"])
+
+
+def test_agent_apis_accepted_fields_change_nothing(server):
+    """The accepted fields of /v1/responses and /v1/messages, top-level and the parts an SDK
+    echoes back in history items: the same answer as without them."""
+    assert output_text(server, "responses", **RESPONSES_ACCEPTED) == \
+        output_text(server, "responses")
+    streamed = [post(server, "responses", temperature=0, max_tokens=8, stream=True, **extra).text
+                for extra in ({}, {"stream_options": {"include_obfuscation": False}})]
+    deltas = [[json.loads(line[6:]).get("delta") for line in text.splitlines()
+               if line.startswith("data: ") and "output_text.delta" in line]
+              for text in streamed]
+    assert deltas[0] and deltas[0] == deltas[1]
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris"}'}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    bare = [*SAY, {"role": "assistant", "content": [{"type": "output_text", "text": "Blue."}]},
+            call, result, {"role": "user", "content": "Another?"}]
+    echoed = [
+        {"type": "message", "role": "user", "content": [{
+            "type": "input_text", "text": SAY[0]["content"],
+            "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "s"}],
+         "content": [{"type": "reasoning_text", "text": "t"}], "status": "completed"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "phase": "final_answer",
+         "content": [{"type": "output_text", "text": "Blue.", "annotations": [],
+                      "logprobs": []}]},
+        {**call, "id": "fc_1", "status": "completed"},
+        {**result, "id": "fco_1", "status": "completed"}, {"role": "user", "content": "Another?"}]
+    tool = {"type": "function", "name": "get_weather", "parameters": PERSON}
+    labels = {"name": "x", "description": "a person", "strict": True}
+    schema = {"format": {"type": "json_schema", "schema": PERSON}}
+    assert output_text(server, "responses", input=echoed, tools=[{**tool, "strict": True}],
+                       text={"format": {**schema["format"], **labels}}) == \
+        output_text(server, "responses", input=bare, tools=[tool], text=schema)
+
+    assert output_text(server, "messages", **MESSAGES_ACCEPTED,
+                       thinking={"type": "disabled"}) == output_text(server, "messages")
+    cache = {"cache_control": {"type": "ephemeral", "ttl": "5m"}}
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+           "input": {"city": "Paris"}}
+    answer = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}
+    plain = [*SAY, {"role": "assistant", "content": [use]}, {"role": "user", "content": [answer]}]
+    marked = [{"role": "user", "content": [{"type": "text", "text": SAY[0]["content"], **cache}]},
+              {"role": "assistant", "content": [
+                  {"type": "thinking", "thinking": "t", "signature": "sig"}, {**use, **cache}]},
+              {"role": "user", "content": [{**answer, **cache}]}]
+    tool = {"name": "get_weather", "input_schema": PERSON}
+    assert output_text(server, "messages", messages=marked,
+                       tools=[{**tool, "type": "custom", "strict": True, **cache}]) == \
+        output_text(server, "messages", messages=plain, tools=[tool])
