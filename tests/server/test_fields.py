@@ -409,6 +409,7 @@ HONORED = {
 }
 RESPONSES = "tests.server.test_responses_api::"
 MESSAGES = "tests.server.test_messages_api::"
+REASONING = "tests.server.test_agent_reasoning::"
 HONORED |= {
     **{f"ResponsesRequest.{name}": RESPONSES + "test_create_answers_as_chat_completions_do"
        for name in ("model", "input", "instructions", "max_output_tokens")},
@@ -476,6 +477,13 @@ HONORED |= {
     "ToolChoiceAny.type": MESSAGES + "test_streamed_tool_use",
     "ToolChoiceAny.disable_parallel_tool_use": MESSAGES + "test_streamed_tool_use",
     "ToolChoiceAuto.disable_parallel_tool_use": MESSAGES + "test_streamed_tool_use",
+    "ReasoningConfig.effort": REASONING + "test_thinking_switches_reach_the_template",
+    "MessagesRequest.thinking": REASONING + "test_thinking_switches_reach_the_template",
+    "ThinkingDisabled.type": REASONING + "test_thinking_switches_reach_the_template",
+    "ThinkingAdaptive.type": REASONING + "test_thinking_switches_reach_the_template",
+    "ThinkingAdaptive.display": REASONING + "test_thinking_budget_and_display",
+    **{f"ThinkingEnabled.{name}": REASONING + "test_thinking_budget_and_display"
+       for name in ("type", "budget_tokens", "display")},
 }
 
 # part B of issue 29 (scheduling) owns these and their effect tests
@@ -522,7 +530,6 @@ ACCEPTED |= {
        for model in ("TextBlock", "ToolUseBlock", "ToolResultBlock", "ToolDefinition")},
     "ToolDefinition.type": None, "ToolDefinition.strict": None,
     **{f"ThinkingBlock.{name}": None for name in ("type", "thinking", "signature")},
-    "ThinkingDisabled.type": None,
 }
 
 # "Model.field" -> (route, body fields that ask for the missing feature, the param named)
@@ -560,7 +567,7 @@ REFUSED |= {
         "stream_options.include_obfuscation"),
     **{f"ReasoningConfig.{name}": ("responses", {"reasoning": {name: value}},
                                    f"reasoning.{name}")
-       for name, value in {"effort": "high", "summary": "auto", "generate_summary": "auto",
+       for name, value in {"summary": "auto", "generate_summary": "auto",
                            "context": "all_turns", "mode": "pro"}.items()},
     "TextConfig.verbosity": ("responses", {"text": {"verbosity": "low"}}, "text.verbosity"),
     "OutputText.annotations": (
@@ -570,12 +577,6 @@ REFUSED |= {
         "responses", {"input": [{"type": "reasoning", "summary": [],
                                  "encrypted_content": "x"}, *SAY]},
         "input.0.encrypted_content"),
-    "MessagesRequest.thinking": ("messages", {"thinking": {"type": "adaptive"}}, None),
-    **{f"ThinkingEnabled.{name}": ("messages", {"thinking": {
-        "type": "enabled", "budget_tokens": 1024, "display": "omitted"}}, "thinking")
-       for name in ("type", "budget_tokens", "display")},
-    **{f"ThinkingAdaptive.{name}": ("messages", {"thinking": {
-        "type": "adaptive", "display": "omitted"}}, "thinking") for name in ("type", "display")},
     "OutputConfig.effort": ("messages", {"output_config": {"effort": "high"}},
                             "output_config.effort"),
     "TextBlock.citations": ("messages", {"messages": [{"role": "user", "content": [{

@@ -215,8 +215,11 @@ def test_output_config_format(claude):
      "invalid_request_error", "tools.0.input_schema"),
     ({"max_tokens": 4, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "f"}}, 400,
      "invalid_request_error", "tool_choice"),
+    # the default model has no thinking block to budget
     ({"max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400,
-     "invalid_request_error", "thinking"),
+     "invalid_request_error", "thinking.budget_tokens"),
+    ({"max_tokens": 4, "thinking": {"type": "adaptive", "display": "summarized"}}, 400,
+     "invalid_request_error", "thinking.display"),
     ({"max_tokens": 4, "container": "x"}, 400, "invalid_request_error", "container"),
     ({"max_tokens": 4, "model": "claude-nope"}, 404, "not_found_error", "model"),
 ])

@@ -84,9 +84,8 @@ def _renamed_text(message: str, param: str | None, client: str | None) -> str:
 def message_items(message: AssistantMessage) -> list[OutputItem]:
     """A whole answer's items: its reasoning, its text, then its calls."""
     items = []
-    reasoning = getattr(message, "reasoning_content", None)
-    if reasoning:
-        items.append(OutputItem("reasoning", reasoning))
+    if message.reasoning_content:
+        items.append(OutputItem("reasoning", message.reasoning_content))
     if message.content:
         items.append(OutputItem("text", message.content))
     items += [OutputItem("tool_call", c.function.arguments, c.id, c.function.name)
@@ -124,9 +123,8 @@ async def stream_items(chunks: AsyncIterator[ChatCompletionChunk]
 def _pieces(delta: Any) -> list[tuple[ItemKind, str, tuple[str, str] | None]]:
     """(kind, text, (call id, name) when a call starts) for each part of a chat delta."""
     pieces: list[tuple[ItemKind, str, tuple[str, str] | None]] = []
-    reasoning = getattr(delta, "reasoning_content", None)
-    if reasoning:
-        pieces.append(("reasoning", reasoning, None))
+    if delta.reasoning_content:
+        pieces.append(("reasoning", delta.reasoning_content, None))
     if delta.content:
         pieces.append(("text", delta.content, None))
     for call in delta.tool_calls or ():

@@ -4,7 +4,8 @@ its error shape.
 A request becomes a chat request: `system` a system message, text blocks the messages'
 text, tool_use blocks the assistant's tool calls, tool_result blocks tool messages,
 `stop_sequences` the stop strings, `tool_choice` any / tool the chat's required / named
-function, `output_config.format` a json_schema response_format. A last assistant message is
+function, `output_config.format` a json_schema response_format, `thinking` the template's
+enable_thinking and the thinking budget. A last assistant message is
 continued (Anthropic's prefill: continue_final_message). The answer's items become content
 blocks (thinking, text, tool_use) and its finish reason the stop_reason (end_turn,
 max_tokens, stop_sequence with the sequence, tool_use).
@@ -35,8 +36,8 @@ from pagedserve.entrypoints.server.chat_bridge import (Finish, ItemEvent, Output
                                                        stream_items)
 from pagedserve.entrypoints.server.errors import SERVER_ERROR, APIError
 from pagedserve.entrypoints.server.messages_protocol import (
-    MessagesRequest, TextBlock, ToolChoiceAny, ToolChoiceAuto, ToolChoiceNone, ToolChoiceTool,
-    ToolResultBlock, ToolUseBlock)
+    MessagesRequest, TextBlock, ThinkingDisabled, ThinkingEnabled, ToolChoiceAny, ToolChoiceAuto,
+    ToolChoiceNone, ToolChoiceTool, ToolResultBlock, ToolUseBlock)
 from pagedserve.entrypoints.server.protocol import ChatCompletionRequest, UsageInfo
 from pagedserve.entrypoints.server.serving import ChatRun, EventStreamResponse, OpenAIServing
 
@@ -163,6 +164,7 @@ def _chat_body(req: MessagesRequest) -> dict[str, Any]:
             "name": t.name, "description": t.description, "parameters": t.input_schema,
             "strict": t.strict}} for t in req.tools]
     body.update(_tool_choice(req))
+    body.update(_thinking(req))
     if req.output_config is not None and req.output_config.format is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": req.output_config.format.schema_}}
@@ -184,6 +186,21 @@ def _tool_choice(req: MessagesRequest) -> dict[str, Any]:
         fields["tool_choice"] = "none"
     if getattr(choice, "disable_parallel_tool_use", None) is not None:
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    return fields
+
+
+def _thinking(req: MessagesRequest) -> dict[str, Any]:
+    """Thinking as the chat path's reasoning fields: the template's enable_thinking (Qwen3's
+    switch), the thinking budget, and whether the thinking is returned."""
+    thinking = req.thinking
+    if thinking is None:
+        return {}
+    fields: dict[str, Any] = {
+        "chat_template_kwargs": {"enable_thinking": not isinstance(thinking, ThinkingDisabled)}}
+    if isinstance(thinking, ThinkingEnabled):
+        fields["thinking_token_budget"] = thinking.budget_tokens
+    if getattr(thinking, "display", None) == "omitted":
+        fields["include_reasoning"] = False
     return fields
 
 
@@ -235,6 +252,10 @@ def _client_field(param: str) -> str:
         return "output_config.format"
     if param.startswith("tool_choice"):
         return "tool_choice"
+    if param == "thinking_token_budget":
+        return "thinking.budget_tokens"
+    if param.startswith("chat_template_kwargs"):
+        return "thinking"
     tool = _TOOL_FIELD.fullmatch(param)
     if tool:
         return f"tools.{tool[1]}.{_CHAT_TOOL_FIELDS.get(tool[2], tool[2])}"

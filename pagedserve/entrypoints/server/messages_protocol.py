@@ -7,13 +7,16 @@ refused with a 400 naming it, and unknown fields are refused.
   temperature, top_p, top_k, tools, tool_choice (auto, any, tool, none;
   disable_parallel_tool_use), output_config.format (a JSON schema: structured outputs),
   a tool_result's is_error (the model reads the result as an error);
+- honored for reasoning models: thinking (the chat template's `enable_thinking`: false when
+  disabled, true when enabled or adaptive; budget_tokens the thinking budget; display
+  "omitted" leaves the thinking out of the answer);
 - accepted with no effect on the output: metadata.user_id and service_tier (Anthropic's
   routing and abuse monitoring), cache_control (prefix caching here is automatic), a
   tool's strict (a forced call always follows its schema), earlier thinking blocks (chat
   templates leave past turns' reasoning out of the prompt);
-- refused: citations, output_config.effort, thinking other than "disabled" until a
-  reasoning model can be given a budget, and every block but text, tool_use, tool_result
-  and thinking (images, documents, redacted thinking, server tools).
+- refused: citations, output_config.effort, thinking display "summarized" (the thinking is
+  returned whole, never summarized), and every block but text, tool_use, tool_result and
+  thinking (images, documents, redacted thinking, server tools).
 """
 
 from __future__ import annotations
@@ -165,9 +168,10 @@ class MessagesRequest(_Request):
     @field_validator("thinking")
     @classmethod
     def _check_thinking(cls, value: Any) -> Any:
-        if value is not None and value.type != "disabled":
-            raise request_error("thinking", f"thinking of type '{value.type}' is not "
-                                "supported: no thinking budget can be set here.")
+        if getattr(value, "display", None) == "summarized":
+            raise request_error("thinking.display", "thinking display 'summarized' is not "
+                                "supported: the thinking is returned whole ('omitted' leaves "
+                                "it out).")
         return value
 
     @model_validator(mode="after")

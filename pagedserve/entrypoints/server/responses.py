@@ -2,8 +2,9 @@
 
 A request becomes a chat request: `instructions` a system message, the input items chat
 messages (function_call items the assistant's tool calls, function_call_output items tool
-messages), `text.format` the response_format, `max_output_tokens` max_completion_tokens; the
-answer's items become output items (reasoning, message, function_call). With
+messages), `text.format` the response_format, `max_output_tokens` max_completion_tokens,
+`reasoning.effort` "none" the template's enable_thinking false; the answer's items become
+output items (reasoning, message, function_call). With
 `previous_response_id` the stored conversation of that response (its input, earlier turns
 and its output; not its instructions, which OpenAI does not carry over) comes before the new
 input. Responses are stored unless `store` is false (`ResponseStore`: in memory, bounded).
@@ -272,6 +273,8 @@ def _chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dic
         body["tool_choice"] = req.tool_choice
     if req.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.reasoning is not None and req.reasoning.effort == "none":
+        body["chat_template_kwargs"] = {"enable_thinking": False}
     fmt = req.text.format if req.text is not None else None
     if isinstance(fmt, TextFormatJSONObject):
         body["response_format"] = {"type": "json_object"}
@@ -294,6 +297,8 @@ def _client_field(param: str) -> str:
         return "text.format"
     if param.startswith("tool_choice"):
         return "tool_choice"
+    if param.startswith("chat_template_kwargs"):
+        return "reasoning.effort"
     tool = _TOOL_FIELD.fullmatch(param)
     if tool:
         return f"tools.{tool[1]}.{tool[2]}"

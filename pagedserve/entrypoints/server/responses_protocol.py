@@ -9,7 +9,8 @@ refused with a 400 naming it, and unknown fields are refused.
   structured outputs), previous_response_id, store (stored responses can be retrieved,
   continued and deleted), metadata (returned with the response), stream; extensions with
   vLLM's names: top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
-  seed, stop, cache_salt, priority, timeout;
+  seed, stop, cache_salt, priority, timeout; reasoning.effort "none" (a reasoning model's
+  thinking off: the chat template's enable_thinking false);
 - accepted with no effect on the output (they route, bill or monitor on OpenAI's side):
   user, safety_identifier, prompt_cache_key, prompt_cache_retention, service_tier,
   truncation "disabled" (a prompt too long is refused), reasoning without options; in
@@ -17,10 +18,9 @@ refused with a 400 naming it, and unknown fields are refused.
   logprobs);
 - refused: background, include, top_logprobs, max_tool_calls, conversation, prompt,
   context_management, moderation, image, access_programs, background_options,
-  prompt_cache_options, reasoning effort / summary / context / mode (no reasoning is
-  configurable per request here), text.verbosity, truncation "auto",
-  stream_options.include_obfuscation, a reasoning item's encrypted_content, item
-  references, and any content but text (images, files, audio).
+  prompt_cache_options, reasoning effort other than "none", summary, context and mode,
+  text.verbosity, truncation "auto", stream_options.include_obfuscation, a reasoning item's
+  encrypted_content, item references, and any content but text (images, files, audio).
 """
 
 from __future__ import annotations
@@ -159,8 +159,9 @@ class TextConfig(_Part):
 
 
 class ReasoningConfig(_Part):
-    """Accepted without options: the reasoning parser splits reasoning whatever the
-    request; effort and summaries are not configurable here."""
+    """The reasoning parser splits reasoning whatever the request; effort "none" turns a
+    reasoning model's thinking off (the chat template's enable_thinking, Qwen3's switch).
+    Other efforts and summaries are not configurable here."""
 
     effort: Any = None
     summary: Any = None
@@ -168,8 +169,16 @@ class ReasoningConfig(_Part):
     context: Any = None
     mode: Any = None
 
-    _refuse_options = field_validator("effort", "summary", "generate_summary", "context",
+    _refuse_options = field_validator("summary", "generate_summary", "context",
                                       "mode")(_unsupported)
+
+    @field_validator("effort")
+    @classmethod
+    def _check_effort(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise request_error("effort", "reasoning effort other than 'none' (thinking off) "
+                                "is not supported.")
+        return value
 
 
 class ResponsesStreamOptions(_Part):
