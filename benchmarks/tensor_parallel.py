@@ -19,12 +19,13 @@ Parts (all by default, in this order):
 
 logits, tpot and workload share one engine per TP size. Weights are random (load_format
 dummy: no checkpoint to write; the same weights at every TP size, see pagedserve/model/
-dummy.py); a folder holds only config.json and a byte-level tokenizer. Every engine runs in a
-fresh subprocess so that each sizes its KV cache on clean GPUs. (A TP=2 engine built after a
-TP=1 engine in one process once crashed with an illegal memory access: issue 27's
-out-of-bounds RoPE read in the memory-profiling prefill, fixed since; the same-process run is
-not yet re-checked on two GPUs.) A part that fails is recorded as an `error` row and the run
-goes on.
+dummy.py); a folder holds only config.json and a byte-level tokenizer. The TP=1 engine and
+then the TP=2 engine are built in one process, the engine core in that process (not in a
+process of its own as `LLM(...)` would put it), the first shut down before the second starts:
+a process that has run an engine must be able to run another (issue 27; this script once
+gave each engine a fresh process because that crashed). The process runs apart from this
+script's, in a session of its own, so a hung NCCL rank cannot outlive a timeout. A part that
+fails is recorded as an `error` row and the run goes on.
 
 Expected to take 6-7 minutes on the H200 pair. If one device call may not last that long, run
 `--only topo,allreduce,logits,tpot,workload`, then `--only allreduce,big` (the all-reduce part
@@ -119,35 +120,58 @@ def model_folder(root: Path, shape: str) -> Path:
     return folder
 
 
-def child_engine(spec: dict) -> dict:
-    """Build one engine (TP=spec["tp"]) and run the parts asked for; results as a dict."""
+def child_engines(spec: dict) -> dict:
+    """Each TP size of spec["tps"] in turn, in this process: {tp: results, or {"error"}}."""
+    results = {}
+    for tp in spec["tps"]:
+        try:
+            results[str(tp)] = one_engine(spec, tp)
+        except Exception:  # noqa: BLE001 - reported to the parent as a row
+            results[str(tp)] = {"error": traceback.format_exc()[-3000:]}
+    return results
+
+
+def one_engine(spec: dict, tp: int) -> dict:
+    """Build one engine (TP=tp) in this process, run the parts asked for, shut it down and
+    give its memory back; results as a dict."""
+    import gc
+
     import torch
 
     from pagedserve import SamplingParams
+    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
 
     scale = Scale(spec["tiny"])
     scale.eager_tp = spec["eager_tp"]
     t0 = time.perf_counter()
-    llm = LLM(spec["folder"], tensor_parallel_size=spec["tp"], load_format="dummy",
-              **scale.engine_options(spec["tp"]))
+    llm = LLM.from_engine(LLMEngine.from_options(
+        spec["folder"], tensor_parallel_size=tp, load_format="dummy",
+        **scale.engine_options(tp)))
     out = {"startup_s": round(time.perf_counter() - t0, 1),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "kv_blocks": llm.llm_engine.num_blocks}
-    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)  # warm-up
-    if "logits" in spec["parts"]:
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
-                                logprobs=TOP_LOGPROBS)
-        outputs = llm.generate(logit_prompts(scale), params, use_tqdm=False)
-        out["greedy"] = [o.outputs[0].token_ids for o in outputs]
-        out["first_logprobs"] = [{str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
-                                 for o in outputs]
-    if "tpot" in spec["parts"]:
-        out["tpot_ms"] = tpot_batch1(llm, scale.tpot_tokens)
-    if "workload" in spec["parts"]:
-        out.update(run_workload(llm, scale))
-    llm.llm_engine.shutdown()
+    try:
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
+        if "logits" in spec["parts"]:
+            params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                    logprobs=TOP_LOGPROBS)
+            outputs = llm.generate(logit_prompts(scale), params, use_tqdm=False)
+            out["greedy"] = [o.outputs[0].token_ids for o in outputs]
+            out["first_logprobs"] = [{str(t): lp.logprob
+                                      for t, lp in o.outputs[0].logprobs[0].items()}
+                                     for o in outputs]
+        if "tpot" in spec["parts"]:
+            out["tpot_ms"] = tpot_batch1(llm, scale.tpot_tokens)
+        if "workload" in spec["parts"]:
+            out.update(run_workload(llm, scale))
+    finally:
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return out
 
 
@@ -325,7 +349,7 @@ def run_child(kind: str, spec: dict, timeout: float = CHILD_TIMEOUT_S) -> dict:
 
 def child_main(kind: str, spec: str) -> None:
     try:
-        result = {"engine": child_engine, "allreduce": child_allreduce}[kind](json.loads(spec))
+        result = {"engines": child_engines, "allreduce": child_allreduce}[kind](json.loads(spec))
     except Exception:  # noqa: BLE001 - reported to the parent as a row
         result = {"error": traceback.format_exc()[-3000:]}
     print("RESULT " + json.dumps(result), flush=True)
@@ -374,17 +398,19 @@ def part_allreduce(res: Results, scale: Scale) -> None:
 
 def engine_runs(res: Results, scale: Scale, root: Path, parts: list[str]) -> dict[int, dict]:
     folder = model_folder(root, scale.shape)
+    spec = {"tps": [1, 2], "folder": str(folder), "parts": parts, "tiny": scale.tiny,
+            "eager_tp": scale.eager_tp}
+    both = run_child("engines", spec, timeout=2 * CHILD_TIMEOUT_S)
     results = {}
     for tp in (1, 2):
-        result = run_child("engine", {"tp": tp, "folder": str(folder), "parts": parts,
-                                      "tiny": scale.tiny, "eager_tp": scale.eager_tp})
-        results[tp] = result
+        result = results[tp] = both.get(str(tp), {"error": both.get("error", "not run")})
         if "error" in result:
             res.add(tp, scale.shape, "engine", None, error=result["error"])
             continue
         res.device = result["device"]
         res.add(tp, scale.shape, "startup_s", result["startup_s"], kv_blocks=result["kv_blocks"],
-                cuda_graphs=not (scale.eager_tp and tp > 1) and not scale.tiny)
+                cuda_graphs=not (scale.eager_tp and tp > 1) and not scale.tiny,
+                same_process_as="tp1" if tp == 2 else None)
     return results
 
 
@@ -428,8 +454,9 @@ def report_logits(res: Results, scale: Scale, one: dict, two: dict) -> None:
 
 def part_big(res: Results, scale: Scale, root: Path) -> None:
     folder = model_folder(root, scale.big_shape)
-    result = run_child("engine", {"tp": 2, "folder": str(folder), "parts": ["workload"],
-                                  "tiny": scale.tiny, "eager_tp": scale.eager_tp})
+    both = run_child("engines", {"tps": [2], "folder": str(folder), "parts": ["workload"],
+                                 "tiny": scale.tiny, "eager_tp": scale.eager_tp})
+    result = both.get("2", {"error": both.get("error", "not run")})
     if "error" in result:
         res.add(2, scale.big_shape, "workload_A_output_tok_per_s", None, error=result["error"])
         return
