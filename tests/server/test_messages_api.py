@@ -241,3 +241,26 @@ def test_the_client_raises_its_own_error_classes(claude):
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="claude-nope", max_tokens=1,
                                messages=[{"role": "user", "content": ASK}])
+
+
+@pytest.mark.parametrize("path, body, prompt_usage", [
+    ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": ASK}]},
+     lambda u: u["input_tokens"] + u["cache_read_input_tokens"]),
+    ("/v1/responses", {"max_output_tokens": 5, "input": ASK}, lambda u: u["input_tokens"]),
+])
+def test_the_agent_apis_count_in_the_metrics_and_free_their_blocks(server, path, body,
+                                                                    prompt_usage):
+    """One generation path: the same engine metrics as chat completions, no block held."""
+    label = 'pagedserve_request_finished_total{finish_reason=length}'
+    before = server.wait_idle()
+    for stream in (False, True):
+        response = httpx.post(server.url + path, json={"model": MODEL_NAME, "temperature": 0,
+                                                       "stream": stream, **body}, timeout=120)
+        assert response.status_code == 200, response.text
+    usage = httpx.post(server.url + path, json={"model": MODEL_NAME, "temperature": 0, **body},
+                       timeout=120).json()["usage"]
+    after = server.wait_idle()
+    assert after[label] - before.get(label, 0) == 3
+    assert after["pagedserve_prompt_tokens_total"] - before["pagedserve_prompt_tokens_total"] \
+        == 3 * prompt_usage(usage)
+    assert after["pagedserve_kv_cache_usage_perc"] == 0.0
