@@ -446,15 +446,16 @@ HONORED |= {
     "TextFormatJSONObject.type": RESPONSES + "test_text_format_json_schema_and_json_object",
     "TextFormatJSONSchema.type": RESPONSES + "test_text_format_json_schema_and_json_object",
     "TextFormatJSONSchema.schema_": RESPONSES + "test_text_format_json_schema_and_json_object",
-    **{f"MessagesRequest.{name}": MESSAGES + "test_create_answers_as_chat_completions_do"
-       for name in ("model", "messages", "max_tokens", "system")},
+    **{f"MessageTokensRequest.{name}": MESSAGES + "test_create_answers_as_chat_completions_do"
+       for name in ("model", "messages", "system")},
+    "MessagesRequest.max_tokens": MESSAGES + "test_create_answers_as_chat_completions_do",
     **{f"MessagesRequest.{name}": MESSAGES + "test_sampling_fields_reach_the_engine"
        for name in ("temperature", "top_p", "top_k")},
     "MessagesRequest.stop_sequences": MESSAGES + "test_stop_sequences",
     "MessagesRequest.stream": MESSAGES + "test_stream_sends_anthropics_event_sequence",
-    "MessagesRequest.tools": MESSAGES + "test_tool_round_trip",
-    "MessagesRequest.tool_choice": MESSAGES + "test_tool_round_trip",
-    "MessagesRequest.output_config": MESSAGES + "test_output_config_format",
+    "MessageTokensRequest.tools": MESSAGES + "test_tool_round_trip",
+    "MessageTokensRequest.tool_choice": MESSAGES + "test_tool_round_trip",
+    "MessageTokensRequest.output_config": MESSAGES + "test_output_config_format",
     "OutputConfig.format": MESSAGES + "test_output_config_format",
     "JSONOutputFormat.type": MESSAGES + "test_output_config_format",
     "JSONOutputFormat.schema_": MESSAGES + "test_output_config_format",
@@ -478,7 +479,7 @@ HONORED |= {
     "ToolChoiceAny.disable_parallel_tool_use": MESSAGES + "test_streamed_tool_use",
     "ToolChoiceAuto.disable_parallel_tool_use": MESSAGES + "test_streamed_tool_use",
     "ReasoningConfig.effort": REASONING + "test_thinking_switches_reach_the_template",
-    "MessagesRequest.thinking": REASONING + "test_thinking_switches_reach_the_template",
+    "MessageTokensRequest.thinking": REASONING + "test_thinking_switches_reach_the_template",
     "ThinkingDisabled.type": REASONING + "test_thinking_switches_reach_the_template",
     "ThinkingAdaptive.type": REASONING + "test_thinking_switches_reach_the_template",
     "ThinkingAdaptive.display": REASONING + "test_thinking_budget_and_display",
@@ -515,7 +516,8 @@ MESSAGES_ACCEPTED = {"metadata": {"user_id": "u1"}, "service_tier": "auto",
 ACCEPTED |= {
     **{f"ResponsesRequest.{name}": value for name, value in RESPONSES_ACCEPTED.items()},
     "ResponsesRequest.stream_options": {"include_obfuscation": False},
-    **{f"MessagesRequest.{name}": value for name, value in MESSAGES_ACCEPTED.items()},
+    **{f"{'MessageTokensRequest' if name == 'cache_control' else 'MessagesRequest'}.{name}":
+       value for name, value in MESSAGES_ACCEPTED.items()},
     **{f"InputMessage.{name}": None for name in ("id", "status", "phase")},
     "InputText.prompt_cache_breakpoint": None, "OutputText.logprobs": None,
     **{f"{model}.{name}": None for model in ("FunctionCallItem", "FunctionCallOutputItem")

@@ -167,6 +167,26 @@ def test_streamed_tool_use(claude):
     assert final.content[0].id == start.content_block.id
 
 
+def test_count_tokens_is_the_prompt_create_would_run(claude):
+    """The count of the prompt /v1/messages renders: system, tools, a tool round trip."""
+    first = claude.messages.create(model=MODEL_NAME, max_tokens=24, tools=[WEATHER],
+                                   tool_choice={"type": "tool", "name": "get_weather"},
+                                   messages=WEATHER_ASK, **GREEDY)
+    history = WEATHER_ASK + [
+        {"role": "assistant", "content": first.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": first.content[0].id,
+                                      "content": "18 degrees and sunny"}]}]
+    for body in ({"messages": [{"role": "user", "content": ASK}], "system": SYSTEM},
+                 {"messages": history, "tools": [WEATHER]}):
+        count = claude.messages.count_tokens(model=MODEL_NAME, **body)
+        made = claude.messages.create(model=MODEL_NAME, max_tokens=1, **body, **GREEDY)
+        assert count.input_tokens == made.usage.input_tokens + made.usage.cache_read_input_tokens
+    without_tools = claude.messages.count_tokens(model=MODEL_NAME, messages=history)
+    assert without_tools.input_tokens < count.input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="claude-nope", messages=history)
+
+
 def test_stop_sequences(claude):
     free = claude.messages.create(model=MODEL_NAME, max_tokens=16,
                                   messages=[{"role": "user", "content": ASK}], **GREEDY)

@@ -49,7 +49,7 @@ from pagedserve.entrypoints.engine_args import engine_options, parse_size
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, Limits
 from pagedserve.entrypoints.server.errors import APIError, install_error_handlers
 from pagedserve.entrypoints.server.messages import AnthropicErrors, MessagesServing
-from pagedserve.entrypoints.server.messages_protocol import MessagesRequest
+from pagedserve.entrypoints.server.messages_protocol import MessagesRequest, MessageTokensRequest
 from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.entrypoints.server.protocol import (
     RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -184,6 +184,10 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
     @app.post("/v1/messages", responses=generate)
     async def create_message(req: MessagesRequest, raw: Request) -> Response:
         return await messages_api.create(req, raw, lambda chat: _salt(chat, raw, access))
+
+    @app.post("/v1/messages/count_tokens", responses=_errors(*auth, 404, 413))
+    async def count_message_tokens(req: MessageTokensRequest) -> dict:
+        return await messages_api.count_tokens(req)
 
     @app.post("/tokenize", responses=_errors(*auth, 404, 413))
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:

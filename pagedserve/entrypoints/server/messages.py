@@ -10,6 +10,8 @@ continued (Anthropic's prefill: continue_final_message). The answer's items beco
 blocks (thinking, text, tool_use) and its finish reason the stop_reason (end_turn,
 max_tokens, stop_sequence with the sequence, tool_use).
 
+`/v1/messages/count_tokens` renders the same prompt and counts it.
+
 Streamed, the events are Anthropic's: message_start, ping, then per block
 content_block_start, content_block_delta (text_delta, input_json_delta, thinking_delta) and
 content_block_stop, then message_delta (stop reason and usage) and message_stop; each is
@@ -36,12 +38,12 @@ from pagedserve.entrypoints.server.chat_bridge import (Finish, ItemEvent, Output
                                                        stream_items)
 from pagedserve.entrypoints.server.errors import SERVER_ERROR, APIError
 from pagedserve.entrypoints.server.messages_protocol import (
-    MessagesRequest, TextBlock, ThinkingDisabled, ThinkingEnabled, ToolChoiceAny, ToolChoiceAuto,
+    MessagesRequest, MessageTokensRequest, TextBlock, ThinkingDisabled, ThinkingEnabled, ToolChoiceAny, ToolChoiceAuto,
     ToolChoiceNone, ToolChoiceTool, ToolResultBlock, ToolUseBlock)
 from pagedserve.entrypoints.server.protocol import ChatCompletionRequest, UsageInfo
 from pagedserve.entrypoints.server.serving import ChatRun, EventStreamResponse, OpenAIServing
 
-MESSAGES_PATHS = frozenset({"/v1/messages"})
+MESSAGES_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 
 class MessagesServing:
@@ -71,6 +73,14 @@ class MessagesServing:
             "content": [_block(item) for item in message_items(choice.message)],
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": _usage(answer.usage)})
+
+    async def count_tokens(self, req: MessageTokensRequest) -> dict[str, int]:
+        """The prompt's tokens as /v1/messages would render it (template, tools, thinking)."""
+        chat_req = chat_request(_prompt_body(req), _client_field)
+        try:
+            return {"input_tokens": await self.chat.count_prompt_tokens(chat_req)}
+        except APIError as exc:
+            raise renamed(exc, _client_field) from exc
 
     async def _events(self, req: MessagesRequest, run: ChatRun, message_id: str
                       ) -> AsyncIterator[str]:
@@ -144,18 +154,27 @@ def _usage(usage: UsageInfo | None) -> dict[str, int]:
 # ---- the request as a chat request ----------------------------------------------------------
 
 def _chat_body(req: MessagesRequest) -> dict[str, Any]:
+    body = _prompt_body(req)
+    body.update({"max_completion_tokens": req.max_tokens, "stop": req.stop_sequences,
+                 "stream": req.stream, "temperature": req.temperature, "top_p": req.top_p,
+                 "top_k": req.top_k})
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    if req.output_config is not None and req.output_config.format is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": req.output_config.format.schema_}}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _prompt_body(req: MessageTokensRequest) -> dict[str, Any]:
+    """What makes the prompt: messages, system, tools and their choice, thinking."""
     messages = []
     if req.system is not None:
         messages.append({"role": "system", "content": req.system if isinstance(req.system, str)
                          else "".join(block.text for block in req.system)})
     for message in req.messages:
         messages += _chat_messages(message.role, message.content)
-    body: dict[str, Any] = {
-        "model": req.model, "messages": messages, "max_completion_tokens": req.max_tokens,
-        "stop": req.stop_sequences, "stream": req.stream, "temperature": req.temperature,
-        "top_p": req.top_p, "top_k": req.top_k}
-    if req.stream:
-        body["stream_options"] = {"include_usage": True}
+    body: dict[str, Any] = {"model": req.model, "messages": messages}
     last = req.messages[-1]
     if last.role == "assistant" and not _has_tool_use(last.content):
         body.update(continue_final_message=True, add_generation_prompt=False)
@@ -165,13 +184,10 @@ def _chat_body(req: MessagesRequest) -> dict[str, Any]:
             "strict": t.strict}} for t in req.tools]
     body.update(_tool_choice(req))
     body.update(_thinking(req))
-    if req.output_config is not None and req.output_config.format is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": "output", "schema": req.output_config.format.schema_}}
-    return {k: v for k, v in body.items() if v is not None}
+    return body
 
 
-def _tool_choice(req: MessagesRequest) -> dict[str, Any]:
+def _tool_choice(req: MessageTokensRequest) -> dict[str, Any]:
     choice = req.tool_choice
     if choice is None:
         return {}
@@ -189,7 +205,7 @@ def _tool_choice(req: MessagesRequest) -> dict[str, Any]:
     return fields
 
 
-def _thinking(req: MessagesRequest) -> dict[str, Any]:
+def _thinking(req: MessageTokensRequest) -> dict[str, Any]:
     """Thinking as the chat path's reasoning fields: the template's enable_thinking (Qwen3's
     switch), the thinking budget, and whether the thinking is returned."""
     thinking = req.thinking

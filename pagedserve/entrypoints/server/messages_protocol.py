@@ -1,4 +1,5 @@
-"""Pydantic models of Anthropic's Messages API (`/v1/messages`): the request.
+"""Pydantic models of Anthropic's Messages API (`/v1/messages`): the request, and the
+count_tokens request (its prompt-making part).
 
 The request follows protocol.py's rule: every field is honored, accepted with no effect, or
 refused with a 400 naming it, and unknown fields are refused.
@@ -145,25 +146,19 @@ class OutputConfig(_Part):
     _refuse_effort = field_validator("effort")(_unsupported)
 
 
-class MessagesRequest(_Request):
+class MessageTokensRequest(_Request):
+    """/v1/messages/count_tokens: what makes the prompt (the output's fields are not here;
+    output_config.format holds the output only, so it leaves the count as it is)."""
+
     model: str
     messages: list[MessageParam] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
     system: text_or(list[by_type(TextBlock)]) | None = None
-    stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)  # 0: no top-k cut
     tools: list[ToolDefinition] | None = None
     tool_choice: by_type(ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone) | None \
         = None
     thinking: by_type(ThinkingDisabled, ThinkingEnabled, ThinkingAdaptive) | None = None
     output_config: OutputConfig | None = None
-    # accepted, no effect on the output (see the module docstring)
-    metadata: Metadata | None = None
-    service_tier: Literal["auto", "standard_only"] | None = None
-    cache_control: CacheControl | None = None
+    cache_control: CacheControl | None = None  # accepted (see the module docstring)
 
     @field_validator("thinking")
     @classmethod
@@ -173,6 +168,18 @@ class MessagesRequest(_Request):
                                 "supported: the thinking is returned whole ('omitted' leaves "
                                 "it out).")
         return value
+
+
+class MessagesRequest(MessageTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)  # 0: no top-k cut
+    # accepted, no effect on the output (see the module docstring)
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> MessagesRequest:

@@ -157,6 +157,13 @@ class OpenAIServing:
         return ChatRun(req, base_id, tools, thinking, streams[0],
                        lambda: self._abort(requests), len(token_ids))
 
+    async def count_prompt_tokens(self, req: ChatCompletionRequest) -> int:
+        """The tokens of the prompt `submit_chat` would submit (nothing is submitted)."""
+        self._check_model(req.model)
+        tools = _tools_for(req)
+        self._check_tool_parser(req, tools)
+        return len(await asyncio.to_thread(self._apply_chat_template, req, tools))
+
     async def chat_response(self, run: ChatRun, raw: Request) -> ChatCompletionResponse:
         """The whole answer (aborted if the client leaves first)."""
         req = run.req
