@@ -562,38 +562,41 @@ def part_8b_skip(res: Results, root: Path) -> None:
     each costs on the step's critical path. The skipped steps compute nonsense; only their
     time is kept. Graphs are captured after a short warm-up, so at a context of ~20 tokens."""
     from pagedserve.attention.triton_backend import TritonBackend
-    from pagedserve.model import ops
+    from pagedserve.model.decoder import RMSNorm
 
     model_dir = config_folder(HERE / "configs" / "llama3-8b.json", root / "llama3-8b")
-    kept = ops.fused_add_rms_norm, ops.rotate_qk_, TritonBackend.forward
+    kept_forward = TritonBackend.forward
     groups = ((), ("norms",), ("rope+kv store+attention",), ("silu",),
               ("norms", "rope+kv store+attention", "silu"))
     try:
         for quantization in (None, "fp8"):
             loaded = load_dummy(model_dir, quantization)
             mlps = [layer.mlp for layer in loaded.model.layers]
-            act = mlps[0].act_and_mul
+            norms = [m for m in loaded.model.modules() if isinstance(m, RMSNorm)]
+            attns = loaded.model.attention_layers()
+            act, norm, rotate = mlps[0].act_and_mul, norms[0].add_rms_norm, attns[0].rotate_qk_
             for skipped in groups:
-                if "norms" in skipped:
-                    ops.fused_add_rms_norm = lambda x, r, w, eps: (x, x if r is None else r)
-                if "rope+kv store+attention" in skipped:
-                    ops.rotate_qk_ = lambda *args, **kwargs: None
-                    TritonBackend.forward = lambda self, q, *args, **kwargs: q.contiguous()
+                for module in norms:
+                    module.add_rms_norm = ((lambda x, r, w, eps: (x, x if r is None else r))
+                                           if "norms" in skipped else norm)
+                for attn in attns:
+                    attn.rotate_qk_ = ((lambda *args, **kwargs: None)
+                                       if "rope+kv store+attention" in skipped else rotate)
+                TritonBackend.forward = ((lambda self, q, *args, **kwargs: q.contiguous())
+                                         if "rope+kv store+attention" in skipped
+                                         else kept_forward)
                 for mlp in mlps:  # "silu": the gate half as it is
                     mlp.act_and_mul = ((lambda gu: gu[:, :gu.shape[1] // 2])
                                        if "silu" in skipped else act)
                 engine = engine_for(loaded, str(model_dir), max_num_seqs=8)
                 res.add("8b-skip", variant=quantization or "bf16", skipped=list(skipped),
                         **step_parts(engine), model="llama-3-8b shape, load_format dummy")
-                ops.fused_add_rms_norm, ops.rotate_qk_, TritonBackend.forward = kept
                 del engine
                 throughput.release()
-            for mlp in mlps:
-                mlp.act_and_mul = act
-            del loaded, mlps
+            del loaded, mlps, norms, attns
             throughput.release()
     finally:
-        ops.fused_add_rms_norm, ops.rotate_qk_, TritonBackend.forward = kept
+        TritonBackend.forward = kept_forward
 
 
 def part_profile(res: Results, loaded: LoadedModel | None, model_dir: str | None,

@@ -707,7 +707,7 @@ def w_fp8(ctx: Ctx) -> None:
     from pagedserve.kernels.triton import model_ops
     from pagedserve.model import fp8
     from pagedserve.kernels.triton.fp8_linear import (WEIGHT_ONLY, WEIGHT_ONLY_ONE_ROW,
-                                             WeightOnlyConfig, quantize_tokens,
+                                             WeightOnlyConfig, linear, quantize_tokens,
                                              weight_only_linear)
 
     dev = ctx.device
@@ -770,7 +770,7 @@ def w_fp8(ctx: Ctx) -> None:
     if ctx.gpu:  # many tokens: the Triton quantization feeding torch._scaled_mm
         w_q, w_scale = fp8.quantize_rows(torch.randn(1024, 4096, generator=gen, device=dev) * .02)
         x = torch.randn(37, 4096, generator=gen, device=dev).to(dtype)
-        got = fp8.fp8_linear(x, w_q, w_scale)
+        got = linear(x, w_q, w_scale)
         ctx.rel_close(got, fp8.reference_linear(x.float(), w_q, w_scale), "fp8_linear 37 rows",
                       1e-2)
 

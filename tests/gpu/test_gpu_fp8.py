@@ -80,8 +80,8 @@ def test_fp8_kernels_match_float64_attention(num_heads, num_kv_heads):
 
 
 def test_activation_quantization_and_fp8_gemm():
+    from pagedserve.kernels.triton.fp8_linear import linear, quantize_tokens
     from pagedserve.model import fp8
-    from pagedserve.kernels.triton.fp8_linear import quantize_tokens
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(37, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -93,7 +93,7 @@ def test_activation_quantization_and_fp8_gemm():
     w = torch.randn(1024, 4096, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
     w_q, w_scale = fp8.quantize_rows(w)
     bias = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
-    got = fp8.fp8_linear(x, w_q, w_scale, bias)
+    got = linear(x, w_q, w_scale, bias)
     want = fp8.reference_linear(x.float(), w_q, w_scale, bias.float())
     assert got.dtype == torch.bfloat16 and got.shape == (37, 1024)
     assert float((got.float() - want).norm() / want.norm()) < 1e-2
@@ -102,15 +102,15 @@ def test_activation_quantization_and_fp8_gemm():
     # unquantized activations, the same inside a CUDA graph
     for rows in (1, 5, 16):
         x_small = x[:rows].clone()
-        got = fp8.fp8_linear(x_small, w_q, w_scale, bias)
+        got = linear(x_small, w_q, w_scale, bias)
         want = x_small.float() @ (w_q.float() * w_scale[:, None]).t() + bias.float()
         assert float((got.float() - want).norm() / want.norm()) < 5e-3, rows
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = fp8.fp8_linear(x_small, w_q, w_scale, bias)
+            captured = linear(x_small, w_q, w_scale, bias)
         x_small.copy_(x[rows:2 * rows])
         graph.replay()
-        assert torch.equal(captured, fp8.fp8_linear(x_small, w_q, w_scale, bias)), rows
+        assert torch.equal(captured, linear(x_small, w_q, w_scale, bias)), rows
 
 
 def test_weight_only_variants_and_e4m3_bits():

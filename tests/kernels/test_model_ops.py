@@ -1,5 +1,6 @@
-"""The decoder's Triton ops (model/model_ops.py) against the eager PyTorch ops (model/ops.py),
-under TRITON_INTERPRET=1 (conftest), then the whole decoder with one set and the other.
+"""The decoder's Triton ops (kernels/triton/model_ops.py) against the eager PyTorch ops
+(model/ops.py), under TRITON_INTERPRET=1 (conftest), then the whole decoder built with one set
+and the other (`ops.TORCH_OPS`, `ops.triton_ops()`).
 
 Fresh seeds each run (printed on failure), ragged token counts, head_dim 64 and 128, GQA ratios
 1-8, positions up to the last row of the RoPE table. bf16 runs too: the interpreter truncates
@@ -71,7 +72,7 @@ def test_fused_add_rms_norm(dtype, num_tokens, hidden, with_residual):
     residual = 3 * torch.randn(num_tokens, hidden).to(dtype) if with_residual else None
     weight = (1 + 0.3 * torch.randn(hidden)).to(dtype)
     ref_res = None if residual is None else residual.clone()
-    ref_out, ref_sum = ops.fused_add_rms_norm(x.clone(), ref_res, weight, 1e-6)
+    ref_out, ref_sum = ops.eager_fused_add_rms_norm(x.clone(), ref_res, weight, 1e-6)
     out, total = model_ops.rms_norm(x, weight, 1e-6, residual)
     if residual is None:
         assert total is x
@@ -109,7 +110,8 @@ def test_rotate_qk(dtype, head_dim, num_heads, num_kv_heads, qk_norm):
     weights = [(1 + 0.3 * torch.randn(head_dim)).to(dtype) for _ in range(2)] if qk_norm \
         else [None, None]
     expected = qkv.clone()
-    ops.rotate_qk_(expected, positions, cos, sin, num_heads, num_kv_heads, *weights, 1e-6)
+    ops.eager_rotate_qk_(expected, positions, cos, sin, num_heads, num_kv_heads, *weights,
+                         1e-6)
     before = buffer.clone()
     model_ops.rotate_qk_(qkv, positions, cos, sin, num_heads, num_kv_heads, *weights, 1e-6)
     msg = f"seed {seed}"
@@ -125,7 +127,7 @@ def test_rotate_qk(dtype, head_dim, num_heads, num_kv_heads, qk_norm):
 def test_silu_and_mul(dtype, num_tokens, inner):
     seed = fresh_seed()
     gate_up = 3 * torch.randn(num_tokens, 2 * inner).to(dtype)
-    expected = ops.silu_and_mul(gate_up)
+    expected = ops.eager_silu_and_mul(gate_up)
     actual = model_ops.silu_and_mul(gate_up)
     # exp differs from PyTorch's in the last float32 bit, which can tip a bf16 rounding
     assert_matches(actual, expected, f"seed {seed}")
@@ -139,8 +141,8 @@ MODELS = {
 }
 
 
-def random_decoder(family: str, dtype: torch.dtype, seed: int) -> Decoder:
-    model = Decoder(ModelConfig(**TINY, **MODELS[family]))
+def random_decoder(family: str, dtype: torch.dtype, seed: int, model_ops: ops.Ops) -> Decoder:
+    model = Decoder(ModelConfig(**TINY, **MODELS[family]), model_ops)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -163,13 +165,11 @@ def run_steps(model: Decoder, prompt: list[int], decodes: list[int]) -> torch.Te
 @pytest.mark.parametrize("family", list(MODELS))
 def test_decoder_with_triton_ops_matches_torch_ops(family, dtype):
     seed = fresh_seed()
-    model = random_decoder(family, dtype, seed)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, TINY["vocab_size"], (11,), generator=gen).tolist()
     decodes = torch.randint(0, TINY["vocab_size"], (2,), generator=gen).tolist()
-    expected = run_steps(model, prompt, decodes)
-    with ops.triton_on_cpu():
-        actual = run_steps(model, prompt, decodes)
+    expected = run_steps(random_decoder(family, dtype, seed, ops.TORCH_OPS), prompt, decodes)
+    actual = run_steps(random_decoder(family, dtype, seed, ops.triton_ops()), prompt, decodes)
     # bf16: a rounding tipped by a norm's summation order propagates; logits here are up to
     # ~8, where one bf16 step is 0.03, and differ by 2 steps at most over many seeds.
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.15, rtol=0.02)

@@ -60,7 +60,7 @@ def test_bfloat16_engine_follows_float32(checkpoint):
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
     outputs = [finished[str(i)] for i in range(len(prompts))]
     layers = [m for m in loaded.model.modules() if isinstance(m, Linear)]
-    packed = [m.packed._packed is not None for m in layers]
+    packed = [getattr(m.matmul, "_packed", None) is not None for m in layers]
     assert layers and all(packed) == any(packed) == native_linear.available(torch.bfloat16)
     exact = 0
     for prompt, out in zip(prompts, outputs):

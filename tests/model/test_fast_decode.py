@@ -1,4 +1,4 @@
-"""The fast mode's whole-step decode (`kernels/native/fast_decode.py`, `decode.c`) on the default
+"""The fast mode's whole-step decode (`model/fast_decode.py`, `decode.c`) on the default
 GGUF: the same kernels on the same values as the per-op fast mode, so every step it takes must
 give the per-op path's hidden states and KV cache writes bit for bit; the steps it does not
 take (prefills, other backends, other models) must fall through to the layers.
@@ -19,11 +19,11 @@ from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.kernels.native import fast_decode
-from pagedserve.kernels.native.fast_decode import FastDecode
+from pagedserve.kernels.native import decode
+from pagedserve.model.fast_decode import FastDecode
 from pagedserve.model.loader import load_model
 
-pytestmark = pytest.mark.skipif(fast_decode._kernel() is None,
+pytestmark = pytest.mark.skipif(not decode.available(),
                                 reason="native kernels unavailable")
 
 PROMPTS = ["Hi", "Write a haiku about the sea.", "List three uses of copper and say why each "
@@ -132,7 +132,7 @@ def test_the_rule_leaves_other_models_and_backends_to_the_layers(fast, default_l
     finally:
         model.fast_decode = saved
     assert checked.batches == [] and checked.declined > 0
-    monkeypatch.setattr(fast_decode, "_kernel", lambda: None)  # no library / no AVX2
+    monkeypatch.setattr(decode, "_kernel", lambda: None)  # no library / no AVX2
     assert FastDecode.for_model(model) is None
 
 

@@ -21,7 +21,9 @@ from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import encode_chat
 from pagedserve.kernels.native import quant
+from pagedserve.model.decoder import Linear
 from pagedserve.model.loader import load_model
+from pagedserve.model.packed import QuantizedMatmul
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="native kernels unavailable")
 
@@ -40,13 +42,14 @@ def fast(default_loaded_model):
 
 def test_every_linear_layer_runs_quantized(fast):
     model = fast.model
-    layers = [m for m in model.modules() if hasattr(m, "packed")]
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(layers) == 4 * model.config.num_layers
-    assert all(m.packed.quantized is not None for m in layers)
+    assert all(isinstance(m.matmul, QuantizedMatmul) for m in layers)
     # the default model ties its output projection to the Q8_0 embedding
-    head = model.lm_head_packed.quantized
-    assert head is not None and [p.kind for p in head.parts] == ["q8"]
-    assert [p.kind for p in layers[0].packed.quantized.parts] == ["q4"]
+    head = model.lm_head_matmul
+    assert isinstance(head, QuantizedMatmul)
+    assert [p.kind for p in head.quantized.parts] == ["q8"]
+    assert [p.kind for p in layers[0].matmul.quantized.parts] == ["q4"]
 
 
 def test_quality_against_float32_on_the_fixed_text(fast, default_loaded_model):

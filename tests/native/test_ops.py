@@ -1,5 +1,5 @@
 """The native float32 decoder ops (kernels/native/ops.c) against float64 references and the eager
-PyTorch ops they replace (model/ops.py), and the routing between the two.
+PyTorch ops they replace (model/ops.py), and the choice between the two (`select_ops`).
 
 Fresh seeds each run (printed on failure); token counts 1 to 300 (300 splits rows over
 threads); hidden sizes and head sizes that are no multiple of 8 (scalar tails); GQA ratios 1 to
@@ -250,37 +250,42 @@ def test_writes_bump_the_version_counter():
     assert residual._version > versions[0] and qkv._version > versions[1]
 
 
-def test_takes_float32_cpu_rows_outside_autograd():
+def test_refuses_what_the_kernels_cannot_take():
+    """Columns that are not contiguous, another dtype, or a tensor autograd records raise
+    instead of being misread (or losing their gradient); outside autograd they run."""
     x = torch.randn(4, 64)
     weight = torch.nn.Parameter(torch.ones(64))
-    assert native.takes(x, None, x[:, :32])
-    assert not native.takes(x.t())  # columns are not contiguous
-    assert not native.takes(x.to(torch.bfloat16))
-    assert not native.takes(x, weight)  # autograd records the weight
     with torch.no_grad():
-        assert native.takes(x, weight)
-    with torch.inference_mode():
-        assert native.takes(x, weight)
+        for bad in (x.t().contiguous().t(), x.to(torch.bfloat16)):
+            with pytest.raises(ValueError, match="float32 tensors with a contiguous last dim"):
+                native.silu_and_mul(bad)
+    with pytest.raises(ValueError, match="requiring grad"):
+        native.fused_add_rms_norm(x, None, weight, EPS)  # autograd records the weight
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            native.fused_add_rms_norm(x, None, weight, EPS)
+            native.fused_add_rms_norm(x, None, x[0], EPS)  # rows of any stride
 
 
-def test_model_ops_route_to_native_and_back():
-    """model/ops.py uses the kernels for float32 CPU inference, the eager path otherwise."""
+def test_select_ops_takes_the_kernels_for_float32_cpu():
+    """model/ops.py's choice: the kernels for float32 on the CPU, the eager references for
+    other dtypes; the references stay differentiable and take any strides."""
     gen, msg = fresh_generator()
     x = torch.randn(5, 64, generator=gen)
     weight = torch.nn.Parameter(1 + 0.3 * torch.randn(64, generator=gen))
+    chosen = ops.select_ops("cpu", torch.float32)
+    assert chosen.name == "native"
+    assert ops.select_ops("cpu", torch.bfloat16).name == "torch"
     with torch.inference_mode():
-        native_out, _ = ops.fused_add_rms_norm(x, None, weight, EPS)
+        native_out, _ = chosen.fused_add_rms_norm(x, None, weight, EPS)
         assert torch.equal(native_out, native.fused_add_rms_norm(x, None, weight, EPS)[0])
-    out, _ = ops.fused_add_rms_norm(x, None, weight, EPS)  # autograd on: eager, differentiable
+    out, _ = ops.TORCH_OPS.fused_add_rms_norm(x, None, weight, EPS)  # differentiable
     assert out.grad_fn is not None
     out.sum().backward()
     assert weight.grad is not None
     torch.testing.assert_close(out.detach(), native_out, **TOL, msg=msg)
 
-    strided = torch.randn(64, 5, generator=gen).t()  # [5, 64], columns not contiguous: eager
+    strided = torch.randn(64, 5, generator=gen).t()  # [5, 64], columns not contiguous
     with torch.no_grad():
-        torch.testing.assert_close(ops.silu_and_mul(strided), ops.eager_silu_and_mul(strided),
-                                   atol=0, rtol=0)
-        torch.testing.assert_close(ops.fused_add_rms_norm(strided, None, weight, EPS)[0],
-                                   ops.eager_fused_add_rms_norm(strided, None, weight, EPS)[0],
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(ops.TORCH_OPS.silu_and_mul(strided),
+                                   chosen.silu_and_mul(strided.contiguous()), **TOL, msg=msg)

@@ -1,9 +1,11 @@
 """The decoder's elementwise ops in float32 on the CPU, one native call each (`ops.c`).
 
-Contracts are those of `pagedserve.model.ops`, which calls these when `takes` accepts the
-tensors: row tensors (x, residual, qkv, gate_up) may then have any row stride and weights are
-contiguous; the RoPE tables and positions are made contiguous here. Shapes are checked here,
-as a mismatch would read or write outside the tensors rather than raise.
+Contracts are those of the eager references in `pagedserve.model.ops`, whose `select_ops`
+picks these for float32 inference on the CPU (no autograd: the kernels write behind its back).
+Row tensors (x, residual, qkv, gate_up) may have any row stride; their last dim, and the
+weights, must be contiguous. The RoPE tables and positions are made contiguous here. Dtypes,
+strides and shapes are checked here, as a mismatch would read or write outside the tensors
+rather than raise.
 """
 
 from __future__ import annotations
@@ -42,19 +44,19 @@ def available() -> bool:
     return _add_rms_norm() is not None
 
 
-def takes(*tensors: Tensor | None) -> bool:
-    """Whether the kernels can run on these tensors (None entries ignored): the library is
-    built, each is float32 on the CPU with a contiguous last dim, and autograd is not
-    recording them (the kernels write behind its back). Plain attribute checks in a loop: at
-    decode sizes every microsecond of Python here is a fair share of the kernel's time."""
-    if not available():
-        return False
+def _check(*tensors: Tensor | None) -> None:
+    """Raise unless each tensor (None entries ignored) is float32 with a contiguous last dim
+    (else the kernels would read the bytes wrongly) and autograd is not recording it (the
+    kernels write behind its back: its gradients would be wrong). Plain attribute checks in a
+    loop: at decode sizes every microsecond of Python here is a fair share of the kernel's
+    time."""
     recording = torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (t.dtype is not torch.float32 or not t.is_cpu or t.stride(-1) != 1
+        if t is not None and (t.dtype is not torch.float32 or t.stride(-1) != 1
                               or recording and t.requires_grad):
-            return False
-    return True
+            raise ValueError(f"the native ops take float32 tensors with a contiguous last dim, "
+                             f"outside autograd; not {t.dtype} with strides {t.stride()}"
+                             + (" requiring grad" if t.requires_grad else ""))
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -72,6 +74,7 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
                        eps: float) -> tuple[Tensor, Tensor]:
     """x, residual [T, H] -> (RMSNorm(residual + x) * weight, residual + x), the sum written
     into `residual` in place; without a residual, (RMSNorm(x) * weight, x)."""
+    _check(x, residual, weight)
     rows, n = x.shape
     if weight.shape != (n,):
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
@@ -95,6 +98,7 @@ def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_h
     """In place on qkv [T, Hq + 2 Hkv, D]: RMSNorm each q / k head by q_weight / k_weight when
     given, then RoPE by position from the cos / sin_signed tables [max_positions, D]. A position
     outside the tables raises IndexError before anything is written."""
+    _check(qkv, cos, sin, q_weight, k_weight)
     tokens, heads, d = qkv.shape
     if heads != num_q_heads + 2 * num_kv_heads or d % 2 or positions.shape != (tokens,):
         raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_q_heads} + 2 x "
@@ -122,6 +126,7 @@ def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_h
 
 def silu_and_mul(gate_up: Tensor) -> Tensor:
     """gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I]."""
+    _check(gate_up)
     rows, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up {tuple(gate_up.shape)} is not [T, 2I]")

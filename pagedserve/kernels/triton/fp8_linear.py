@@ -1,5 +1,9 @@
-"""Triton kernels of FP8 linear layers (`model.fp8`); imported on CUDA only (or under
-TRITON_INTERPRET=1 in tests).
+"""Triton kernels of FP8 linear layers (`model.fp8`) and `linear`, the FP8 matmul CUDA models
+take (`model.ops.select_ops`); imported on CUDA only (or under TRITON_INTERPRET=1 in tests).
+
+`linear`: y = (x_q * s_x) @ (W_q * s_w)^T through `torch._scaled_mm`, which applies both
+per-row scales in its epilogue (row-wise scaling: Ada or Hopper, bf16 output); decode steps
+of at most `MAX_WEIGHT_ONLY_ROWS` tokens take `weight_only_linear` instead.
 
 `quantize_tokens`: activations to e4m3, one scale per token, in one launch where eager
 PyTorch needs five (abs, amax, divide, clamp, cast), ahead of `torch._scaled_mm`.
@@ -256,7 +260,7 @@ WEIGHT_ONLY_ONE_ROW = WeightOnlyConfig(block_n=16, block_k=256, programs_per_sm=
                                        min_block_n=4)
 WEIGHT_ONLY = WeightOnlyConfig()
 
-# Token counts up to which `fp8.fp8_linear` takes `weight_only_linear` (tl.dot's 16 rows)
+# Token counts up to which `linear` takes `weight_only_linear` (tl.dot's 16 rows)
 MAX_WEIGHT_ONLY_ROWS = 16
 
 
@@ -300,6 +304,26 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
+           bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ the e4m3 weight [N, K] with scales [N]^T (+ bias) -> [..., N] in x's dtype:
+    what `model.fp8.reference_linear` computes, on CUDA."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] <= MAX_WEIGHT_ONLY_ROWS:
+        y = weight_only_linear(rows, weight, weight_scale, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    x_q, x_scale = quantize_tokens(rows)
+    # weight.t() is column-major, as the second operand must be; row-wise scales want a
+    # bf16 result
+    y = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                         out_dtype=torch.bfloat16).to(x.dtype)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,

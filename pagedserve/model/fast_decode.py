@@ -1,4 +1,5 @@
-"""Decode steps of a quantized GGUF model on the CPU in one native call (`decode.c`).
+"""Decode steps of a quantized GGUF model on the CPU in one native call (`kernels/native/
+decode.py`).
 
 Why: in the fast mode a decode step at batch 1 is memory-light (the model's 4-bit blocks),
 so what is left is overhead: per layer about ten Python-level ops, each with its module call,
@@ -6,85 +7,42 @@ checks, torch allocation and OpenMP fork/join. `FastDecode` runs the whole stack
 as one call instead, the same kernels on the same values: its hidden states are bit for bit
 those of the per-op fast mode (tests/model/test_fast_decode.py holds it to that).
 
-One rule decides (`FastDecode.for_model` once, `__call__` per step): a model in the fast mode
-(every dense projection on its quantized blocks) of the plain pre-norm Llama shape (SiLU MLP,
-no MoE, no Gemma norms, score cap or embedding scale, one RoPE table), without tensor
-parallelism, running on the CPU attention backend, in a step where every sequence decodes
-one token and there are at most `MAX_BATCH` of them. Anything else returns None and the
-decoder runs its layers as usual; `--dtype float32` (the exact path) has no quantized blocks
-and never gets here.
+One rule decides (`FastDecode.for_model` once, when the model loads; `__call__` per step, on
+the step's shape): a model in the fast mode (every dense projection on its quantized blocks)
+of the plain pre-norm Llama shape (SiLU MLP, no MoE, no Gemma norms, score cap or embedding
+scale, one RoPE table), without tensor parallelism, running on the CPU attention backend, in
+a step where every sequence decodes one token and there are at most `MAX_BATCH` of them.
+Anything else returns None and the decoder runs its layers as usual; `--dtype float32` (the
+exact path) has no quantized blocks and never gets here.
 """
 
 from __future__ import annotations
 
 import weakref
-from ctypes import POINTER, Structure, byref, c_float, c_int, c_int64, c_void_p
-from functools import cache
 
 import torch
 from torch import Tensor
 
 from pagedserve.attention.backend import get_forward_context
 from pagedserve.kernels.native import attention as native_attention
+from pagedserve.kernels.native import decode
 from pagedserve.kernels.native import ops as native_ops
-from pagedserve.kernels.native.build import function
-from pagedserve.kernels.native.quant import QuantizedLinear
+from pagedserve.kernels.native.decode import MAX_BATCH, MAX_PARTS, Layer, Model, QLinear, QPart
 from pagedserve.model import parallel
 from pagedserve.model.decoder import MLP, Decoder, DecoderLayer, Linear, RMSNorm, UnitOffsetRMSNorm
-
-# Most sequences a step may have here: the per-op path's quantized GEMM keeps 64 activation
-# rows in cache (quant.c's MCHUNK); beyond that the two would tile differently.
-MAX_BATCH = 64
-MAX_PARTS = 4  # quantized parts per layer (decode.c)
-
-
-class _QPart(Structure):
-    _fields_ = [("kind", c_int64), ("rows", c_int64), ("qs", c_void_p), ("scales", c_void_p),
-                ("mins", c_void_p)]
-
-
-class _QLinear(Structure):
-    _fields_ = [("num_parts", c_int64), ("parts", _QPart * MAX_PARTS), ("bias", c_void_p)]
-
-
-class _Layer(Structure):
-    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p),
-                ("k_norm", c_void_p), ("qkv", _QLinear), ("o", _QLinear),
-                ("gate_up", _QLinear), ("down", _QLinear), ("k_cache", c_void_p),
-                ("v_cache", c_void_p), ("window", c_int64)]
-
-
-class _Model(Structure):
-    _fields_ = [("num_layers", c_int64), ("hidden", c_int64), ("num_heads", c_int64),
-                ("num_kv_heads", c_int64), ("head_dim", c_int64), ("intermediate", c_int64),
-                ("num_blocks", c_int64), ("block_size", c_int64), ("max_positions", c_int64),
-                ("eps", c_float), ("scale", c_float), ("cos", c_void_p), ("sin", c_void_p),
-                ("final_norm", c_void_p), ("layers", POINTER(_Layer))]
-
-
-@cache
-def _kernel():
-    return function("pagedserve_decode_step", POINTER(_Model), c_void_p, c_void_p, c_int64,
-                    c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int,
-                    restype=c_int)
-
-
-@cache
-def _workspace_bytes():
-    return function("pagedserve_decode_workspace", POINTER(_Model), c_int64, c_int,
-                    restype=c_int64)
+from pagedserve.model.packed import QuantizedMatmul
 
 
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _qlinear(linear: Linear) -> _QLinear:
-    quantized: QuantizedLinear = linear.packed.quantized
-    parts = (_QPart * MAX_PARTS)(*(
-        _QPart(0 if p.kind == "q4" else 1, p.shape[0], p.qs.data_ptr(), p.scales.data_ptr(),
-               _ptr(p.mins)) for p in quantized.parts))
-    return _QLinear(len(quantized.parts), parts, _ptr(linear.bias))
+def _qlinear(linear: Linear) -> QLinear:
+    quantized = linear.matmul.quantized
+    parts = (QPart * MAX_PARTS)(*(
+        QPart(0 if p.kind == "q4" else 1, p.shape[0], p.qs.data_ptr(), p.scales.data_ptr(),
+              _ptr(p.mins)) for p in quantized.parts))
+    return QLinear(len(quantized.parts), parts, _ptr(linear.bias))
 
 
 def _eligible(model: Decoder) -> bool:
@@ -93,7 +51,7 @@ def _eligible(model: Decoder) -> bool:
     if (parallel.get_tp().size > 1 or config.num_experts or config.sandwich_norms
             or model.embed_scale is not None or config.attn_softcap is not None
             or config.hidden_act != "silu" or len(model.rotary) != 1
-            or _kernel() is None or not native_ops.available()):
+            or not decode.available() or not native_ops.available()):
         return False
     for layer in model.layers:
         attn = layer.self_attn
@@ -103,8 +61,9 @@ def _eligible(model: Decoder) -> bool:
                 or any(isinstance(n, UnitOffsetRMSNorm) for n in norms)
                 or not native_attention.supports(attn.num_heads, attn.num_kv_heads,
                                                  attn.head_dim)
-                or any(lin.packed.quantized is None or len(lin.packed.quantized.parts)
-                       > MAX_PARTS or lin.weight.device.type != "cpu" for lin in linears)):
+                or any(not isinstance(lin.matmul, QuantizedMatmul)
+                       or len(lin.matmul.quantized.parts) > MAX_PARTS
+                       or lin.weight.device.type != "cpu" for lin in linears)):
             return False
     return True
 
@@ -118,7 +77,7 @@ class FastDecode:
         self._cos, self._sin = next(iter(model.rotary.values())).tables(
             torch.device("cpu"), torch.float32)
         self._attns = model.attention_layers()
-        self._layers = (_Layer * len(model.layers))()
+        self._layers = (Layer * len(model.layers))()
         for spec, layer in zip(self._layers, model.layers):
             attn = layer.self_attn
             spec.input_norm = _ptr(layer.input_layernorm.weight)
@@ -130,7 +89,7 @@ class FastDecode:
             spec.down = _qlinear(layer.mlp.down_proj)
             spec.window = attn.window or 0
         final: RMSNorm = model.norm
-        self._spec = _Model(
+        self._spec = Model(
             len(model.layers), config.hidden_size, first.num_heads, first.num_kv_heads,
             first.head_dim, model.layers[0].mlp.down_proj.in_features, 0, 0, self._cos.shape[0],
             final.eps, first.scale, self._cos.data_ptr(), self._sin.data_ptr(),
@@ -167,7 +126,7 @@ class FastDecode:
     def _workspace(self, count: int, threads: int) -> int:
         """The address of a scratch buffer for a step of `count` rows: kept across steps
         (a fresh one each step would be page-faulted in each step), grown when too small."""
-        size = _workspace_bytes()(byref(self._spec), count, threads)
+        size = decode.workspace_bytes(self._spec, count, threads)
         if self._scratch.numel() < size:
             self._scratch = torch.empty(size, dtype=torch.uint8)
         return self._scratch.data_ptr()
@@ -190,10 +149,10 @@ class FastDecode:
         h = self.model.embed_tokens(input_ids)
         out = torch.empty_like(h)
         threads = torch.get_num_threads()
-        status = _kernel()(byref(self._spec), h.data_ptr(), out.data_ptr(), count,
-                           positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-                           tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
-                           self._workspace(count, threads), threads)
+        status = decode.decode_step(self._spec, h.data_ptr(), out.data_ptr(), count,
+                                    positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                                    tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
+                                    self._workspace(count, threads), threads)
         if status == -2:
             raise IndexError(f"a position of {positions.tolist()} is outside the RoPE tables "
                              f"({self._cos.shape[0]} positions)")
