@@ -29,14 +29,10 @@ engine, engine-eager, engine-fp8kv, and engine-nopdl (the engine workload with
 PAGEDSERVE_PDL=0). The engine workloads build their engine core in their own process (LLM(...)
 would spawn one), so `--target-processes application-only` sees every kernel they launch.
 
-How long (estimates, not measured: the script was written without a GPU; record the real
-figures): bare, a kernel workload takes seconds plus its Triton compiles (once per machine,
-~/.triton/cache). Under memcheck and initcheck expect ~1-3 minutes each; racecheck and
-synccheck slow shared-memory kernels far more, so they run the workloads at --quick sizes
-(every kernel variant, fewer shapes). An engine run is ~2-4 minutes under memcheck; the
-engine-eager one runs alone, after the others (it sizes its KV cache from free memory). With
-the default 6 jobs the whole default set (22 pairs) should take 10-15 minutes: on a device
-call limited to 10 minutes split it in two, each with `--budget 500`:
+How long: each pair's seconds are in its row of docs/results/sanitizer.json (on the H100,
+a kernel workload under memcheck or racecheck took 10-120 s, sampling under initcheck 214 s,
+an engine run 24-50 s). With the default 6 jobs the whole default set (22 pairs) does not fit
+one device call limited to 10 minutes: split it in two, each with `--budget 500`:
     --only attention,model_ops,fp8,moe,sampling,graphs      (18 pairs)
     --only engine,engine-eager,engine-fp8kv,engine-nopdl    (4 pairs)
 
