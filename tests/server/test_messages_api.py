@@ -284,3 +284,27 @@ def test_the_agent_apis_count_in_the_metrics_and_free_their_blocks(server, path,
     assert after["pagedserve_prompt_tokens_total"] - before["pagedserve_prompt_tokens_total"] \
         == 3 * prompt_usage(usage)
     assert after["pagedserve_kv_cache_usage_perc"] == 0.0
+
+
+COUNT = "Count from 1 to 500, separated by commas."  # greedy: over 100 tokens
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/messages", {"max_tokens": 2000, "messages": [{"role": "user", "content": COUNT}]}),
+    ("/v1/responses", {"max_output_tokens": 2000, "input": COUNT}),
+])
+def test_a_client_leaving_mid_stream_frees_its_blocks(server, path, body):
+    aborted = "pagedserve_request_finished_total{finish_reason=abort}"
+    before = server.wait_idle().get(aborted, 0)
+    body = {"model": MODEL_NAME, "stream": True, "temperature": 0, **body}
+    with httpx.stream("POST", server.url + path, json=body, timeout=120) as response:
+        assert response.status_code == 200
+        deltas = 0
+        for line in response.iter_lines():
+            deltas += "delta" in line
+            if deltas >= 3:
+                break
+    m = server.wait_idle()
+    assert m.get(aborted, 0) == before + 1  # it was still running: aborted, not finished
+    assert m["pagedserve_num_requests_running"] == 0
+    assert m["pagedserve_kv_cache_usage_perc"] == 0.0
