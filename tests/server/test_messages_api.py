@@ -308,3 +308,26 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(server, path, body):
     assert m.get(aborted, 0) == before + 1  # it was still running: aborted, not finished
     assert m["pagedserve_num_requests_running"] == 0
     assert m["pagedserve_kv_cache_usage_perc"] == 0.0
+
+
+def test_every_shape_validates_against_the_sdks_types(server):
+    """Strictly, as pydantic validates (the SDK itself builds its objects leniently)."""
+    from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    events = TypeAdapter(RawMessageStreamEvent)
+    for body in ({"messages": [{"role": "user", "content": ASK}]},
+                 {"messages": WEATHER_ASK, "tools": [WEATHER], "tool_choice": {"type": "any"}}):
+        body = {"model": MODEL_NAME, "max_tokens": 30, "temperature": 0, **body}
+        Message.model_validate(httpx.post(server.url + "/v1/messages", json=body,
+                                          timeout=120).json())
+        with httpx.stream("POST", server.url + "/v1/messages", json={**body, "stream": True},
+                          timeout=120) as response:
+            data = [json.loads(line[6:]) for line in response.iter_lines()
+                    if line.startswith("data: ")]
+        for event in data:
+            if event["type"] != "ping":
+                events.validate_python(event)
+    count = {k: v for k, v in body.items() if k not in ("max_tokens", "temperature")}
+    MessageTokensCount.model_validate(httpx.post(
+        server.url + "/v1/messages/count_tokens", json=count, timeout=120).json())

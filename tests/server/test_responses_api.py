@@ -297,3 +297,29 @@ def test_store_evicts_the_oldest_past_either_bound():
     assert by_size.delete("resp_2") and not by_size.delete("resp_2")
     by_size.put({"id": "big", "text": "x" * 400}, [])  # larger than the whole store
     assert by_size.get("big") is None and by_size.get("resp_1") is not None
+
+
+def raw_events(server, **body) -> list[dict]:
+    body = {"model": MODEL_NAME, "stream": True, **body}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as response:
+        lines = list(response.iter_lines())
+    names = [line[7:] for line in lines if line.startswith("event: ")]
+    data = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert names == [d["type"] for d in data]
+    return data
+
+
+def test_every_shape_validates_against_the_sdks_types(server):
+    """Strictly, as pydantic validates (the SDK itself builds its objects leniently)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    events = TypeAdapter(ResponseStreamEvent)
+    for body in ({"input": ASK, **GREEDY},
+                 {"input": WEATHER_ASK, "tools": [WEATHER], "tool_choice": "required",
+                  "temperature": 0, "max_output_tokens": 40}):
+        whole = httpx.post(server.url + "/v1/responses", json={"model": MODEL_NAME, **body},
+                           timeout=120).json()
+        Response.model_validate(whole, strict=False)
+        for event in raw_events(server, **body):
+            events.validate_python(event)

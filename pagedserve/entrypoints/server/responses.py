@@ -193,7 +193,7 @@ def _item_events(ev: ItemEvent, items: list[OutputItemModel]
                                                "item": model.model_dump()})
     if kind == "tool_call":
         return [("response.function_call_arguments.done",
-                 {**where, "name": ev.item.name, "arguments": ev.item.text}), item_done]
+                 {**where, "arguments": ev.item.text}), item_done]
     if kind == "text":
         done = ("response.output_text.done", {**part, "text": ev.item.text, "logprobs": []})
         part_model = OutputTextPart(text=ev.item.text)
