@@ -122,3 +122,27 @@ def test_thinking_budget_and_display(r1):
     assert messages(r1, messages=PREFILL, thinking=adaptive)["content"][0]["type"] == "thinking"
     hidden = messages(r1, messages=PREFILL, thinking={**adaptive, "display": "omitted"})
     assert hidden["content"] == []
+
+
+def test_reasoning_sent_back_reaches_the_template(qwen3):
+    """A reasoning item / thinking block sent back is its assistant turn's reasoning_content,
+    which this template renders: the prompt of chat completions with that field."""
+    history = [*ASK, {"role": "assistant", "content": "4"}, *ASK]
+    thought = [*ASK, {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}, *ASK]
+    plain = chat(qwen3, messages=history, max_tokens=1)["usage"]["prompt_tokens"]
+    expected = chat(qwen3, messages=thought, max_tokens=1)["usage"]["prompt_tokens"]
+    assert expected > plain
+    answer = {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "4"}]}
+    for reasoning in ({"content": [{"type": "reasoning_text", "text": "2 + 2"}]},
+                      {"summary": [{"type": "summary_text", "text": "2 + 2"}],
+                       "id": "rs_1", "status": "completed"}):  # an output's echo: no effect
+        item = {"type": "reasoning", "summary": [], **reasoning}
+        usage = responses(qwen3, input=[*ASK, item, answer, *ASK], max_output_tokens=1)["usage"]
+        assert usage["input_tokens"] == expected, reasoning
+    blocks = [{"type": "thinking", "thinking": "2 + 2", "signature": "unchecked"},
+              {"type": "text", "text": "4"}]
+    count = httpx.post(qwen3.url + "/v1/messages/count_tokens", json={
+        "model": "tiny", "messages": [*ASK, {"role": "assistant", "content": blocks}, *ASK]},
+        timeout=60).json()
+    assert count["input_tokens"] == expected

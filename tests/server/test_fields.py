@@ -479,6 +479,10 @@ HONORED |= {
     "ToolChoiceAny.disable_parallel_tool_use": MESSAGES + "test_streamed_tool_use",
     "ToolChoiceAuto.disable_parallel_tool_use": MESSAGES + "test_streamed_tool_use",
     "ReasoningConfig.effort": REASONING + "test_thinking_switches_reach_the_template",
+    **{f"{model}.{name}": REASONING + "test_reasoning_sent_back_reaches_the_template"
+       for model, names in (("ReasoningItem", ("type", "summary", "content")),
+                            ("SummaryText", ("type", "text")), ("ReasoningText", ("type", "text")),
+                            ("ThinkingBlock", ("type", "thinking"))) for name in names},
     "MessageTokensRequest.thinking": REASONING + "test_thinking_switches_reach_the_template",
     "ThinkingDisabled.type": REASONING + "test_thinking_switches_reach_the_template",
     "ThinkingAdaptive.type": REASONING + "test_thinking_switches_reach_the_template",
@@ -522,16 +526,14 @@ ACCEPTED |= {
     "InputText.prompt_cache_breakpoint": None, "OutputText.logprobs": None,
     **{f"{model}.{name}": None for model in ("FunctionCallItem", "FunctionCallOutputItem")
        for name in ("id", "status")},
-    **{f"ReasoningItem.{name}": None for name in ("type", "id", "summary", "content", "status")},
-    **{f"{model}.{name}": None for model in ("SummaryText", "ReasoningText")
-       for name in ("type", "text")},
+    **{f"ReasoningItem.{name}": None for name in ("id", "status")},
     "FunctionTool.strict": None, "TextFormatJSONSchema.name": None,
     "TextFormatJSONSchema.description": None, "TextFormatJSONSchema.strict": None,
     "Metadata.user_id": None, "CacheControl.type": None, "CacheControl.ttl": None,
     **{f"{model}.cache_control": None
        for model in ("TextBlock", "ToolUseBlock", "ToolResultBlock", "ToolDefinition")},
     "ToolDefinition.type": None, "ToolDefinition.strict": None,
-    **{f"ThinkingBlock.{name}": None for name in ("type", "thinking", "signature")},
+    "ThinkingBlock.signature": None,
 }
 
 # "Model.field" -> (route, body fields that ask for the missing feature, the param named)
@@ -713,8 +715,6 @@ def test_agent_apis_accepted_fields_change_nothing(server):
         {"type": "message", "role": "user", "content": [{
             "type": "input_text", "text": SAY[0]["content"],
             "prompt_cache_breakpoint": {"mode": "explicit"}}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "s"}],
-         "content": [{"type": "reasoning_text", "text": "t"}], "status": "completed"},
         {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
          "phase": "final_answer",
          "content": [{"type": "output_text", "text": "Blue.", "annotations": [],
@@ -736,8 +736,7 @@ def test_agent_apis_accepted_fields_change_nothing(server):
     answer = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}
     plain = [*SAY, {"role": "assistant", "content": [use]}, {"role": "user", "content": [answer]}]
     marked = [{"role": "user", "content": [{"type": "text", "text": SAY[0]["content"], **cache}]},
-              {"role": "assistant", "content": [
-                  {"type": "thinking", "thinking": "t", "signature": "sig"}, {**use, **cache}]},
+              {"role": "assistant", "content": [{**use, **cache}]},
               {"role": "user", "content": [{**answer, **cache}]}]
     tool = {"name": "get_weather", "input_schema": PERSON}
     assert output_text(server, "messages", messages=marked,

@@ -1,15 +1,14 @@
 """Anthropic's Messages API (`/v1/messages`) over the chat path (see chat_bridge.py), and
 its error shape.
 
-A request becomes a chat request: `system` a system message, text blocks the messages'
-text, tool_use blocks the assistant's tool calls, tool_result blocks tool messages,
-`stop_sequences` the stop strings, `tool_choice` any / tool the chat's required / named
-function, `output_config.format` a json_schema response_format, `thinking` the template's
-enable_thinking and the thinking budget. A last assistant message is
-continued (Anthropic's prefill: continue_final_message). The answer's items become content
-blocks (thinking, text, tool_use) and its finish reason the stop_reason (end_turn,
-max_tokens, stop_sequence with the sequence, tool_use).
-
+A request becomes a chat request: `system` a system message, text blocks the messages' text,
+thinking blocks the assistant's reasoning_content, tool_use blocks its tool calls,
+tool_result blocks tool messages, `stop_sequences` the stop strings, `tool_choice` any /
+tool the chat's required / named function, `output_config.format` a json_schema
+response_format, `thinking` the template's enable_thinking and the thinking budget. A last
+assistant message is continued (Anthropic's prefill: continue_final_message). The answer's
+items become content blocks (thinking, text, tool_use) and its finish reason the stop_reason
+(end_turn, max_tokens, stop_sequence with the sequence, tool_use).
 `/v1/messages/count_tokens` renders the same prompt and counts it.
 
 Streamed, the events are Anthropic's: message_start, ping, then per block
@@ -38,8 +37,9 @@ from pagedserve.entrypoints.server.chat_bridge import (Finish, ItemEvent, Output
                                                        stream_items)
 from pagedserve.entrypoints.server.errors import SERVER_ERROR, APIError
 from pagedserve.entrypoints.server.messages_protocol import (
-    MessagesRequest, MessageTokensRequest, TextBlock, ThinkingDisabled, ThinkingEnabled, ToolChoiceAny, ToolChoiceAuto,
-    ToolChoiceNone, ToolChoiceTool, ToolResultBlock, ToolUseBlock)
+    MessagesRequest, MessageTokensRequest, TextBlock, ThinkingBlock, ThinkingDisabled,
+    ThinkingEnabled, ToolChoiceAny, ToolChoiceAuto, ToolChoiceNone, ToolChoiceTool,
+    ToolResultBlock, ToolUseBlock)
 from pagedserve.entrypoints.server.protocol import ChatCompletionRequest, UsageInfo
 from pagedserve.entrypoints.server.serving import ChatRun, EventStreamResponse, OpenAIServing
 
@@ -226,7 +226,8 @@ def _has_tool_use(content: str | list[Any]) -> bool:
 
 def _chat_messages(role: str, content: str | list[Any]) -> list[dict[str, Any]]:
     """One message's blocks as chat messages: its text (one message per run of text
-    blocks), an assistant's calls, and each tool result as a tool message, in order."""
+    blocks), an assistant's thinking (reasoning_content) and calls, and each tool result as a
+    tool message, in order."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     messages: list[dict[str, Any]] = []
@@ -248,7 +249,9 @@ def _chat_messages(role: str, content: str | list[Any]) -> list[dict[str, Any]]:
             text = block.text()
             messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
                              "content": f"Error: {text}" if block.is_error else text})
-        # thinking blocks: not rendered (see messages_protocol.ThinkingBlock)
+        elif isinstance(block, ThinkingBlock):  # the turn's reasoning, for the template
+            turn = current()
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + block.thinking
     return messages
 
 

@@ -7,14 +7,14 @@ refused with a 400 naming it, and unknown fields are refused.
   is continued, Anthropic's prefill), system, max_tokens (required), stop_sequences, stream,
   temperature, top_p, top_k, tools, tool_choice (auto, any, tool, none;
   disable_parallel_tool_use), output_config.format (a JSON schema: structured outputs),
-  a tool_result's is_error (the model reads the result as an error);
+  a tool_result's is_error (the model reads the result as an error), an assistant's thinking
+  blocks (its reasoning_content, for the chat template);
 - honored for reasoning models: thinking (the chat template's `enable_thinking`: false when
   disabled, true when enabled or adaptive; budget_tokens the thinking budget; display
   "omitted" leaves the thinking out of the answer);
 - accepted with no effect on the output: metadata.user_id and service_tier (Anthropic's
   routing and abuse monitoring), cache_control (prefix caching here is automatic), a
-  tool's strict (a forced call always follows its schema), earlier thinking blocks (chat
-  templates leave past turns' reasoning out of the prompt);
+  tool's strict (a forced call always follows its schema), a thinking block's signature;
 - refused: citations, output_config.effort, thinking display "summarized" (the thinking is
   returned whole, never summarized), and every block but text, tool_use, tool_result and
   thinking (images, documents, redacted thinking, server tools).
@@ -71,7 +71,9 @@ class ToolResultBlock(_Part):
 
 
 class ThinkingBlock(_Part):
-    """Earlier reasoning: accepted, not rendered (see the module docstring)."""
+    """Earlier reasoning: the assistant turn's reasoning_content, which the chat template
+    renders or leaves out (Qwen3's keeps only the current turn's); the signature is not
+    checked (nothing here signs thinking)."""
 
     type: Literal["thinking"]
     thinking: str

@@ -1,13 +1,14 @@
 """OpenAI's Responses API (`/v1/responses`) over the chat path (see chat_bridge.py).
 
 A request becomes a chat request: `instructions` a system message, the input items chat
-messages (function_call items the assistant's tool calls, function_call_output items tool
-messages), `text.format` the response_format, `max_output_tokens` max_completion_tokens,
+messages (an assistant turn's reasoning, text and function_call items one assistant message
+with reasoning_content and tool calls, function_call_output items tool messages),
+`text.format` the response_format, `max_output_tokens` max_completion_tokens,
 `reasoning.effort` "none" the template's enable_thinking false; the answer's items become
-output items (reasoning, message, function_call). With
-`previous_response_id` the stored conversation of that response (its input, earlier turns
-and its output; not its instructions, which OpenAI does not carry over) comes before the new
-input. Responses are stored unless `store` is false (`ResponseStore`: in memory, bounded).
+output items (reasoning, message, function_call). With `previous_response_id` the stored
+conversation of that response (its input, earlier turns and its output; not its
+instructions, which OpenAI does not carry over) comes before the new input. Responses are
+stored unless `store` is false (`ResponseStore`: in memory, bounded).
 
 Streamed, the events are the Responses sequence: response.created, response.in_progress,
 then per output item output_item.added, content_part.added (messages and reasoning), the
@@ -218,38 +219,58 @@ def _item_model(item: OutputItem, status: str, item_id: str | None = None) -> Ou
 
 
 def _input_messages(input_: str | list[Any]) -> list[dict[str, Any]]:
-    """The input as chat messages: consecutive calls join the assistant message before them
-    (one assistant turn with several tool calls, as chat templates expect)."""
+    """The input as chat messages. An assistant turn's items (its reasoning, its text, its
+    calls) become one assistant message, as chat templates expect: the reasoning as its
+    reasoning_content (for the template to render or leave out), the calls as tool_calls."""
     if isinstance(input_, str):
         return [{"role": "user", "content": input_}]
     messages: list[dict[str, Any]] = []
     for item in input_:
-        if isinstance(item, InputMessage):
+        if isinstance(item, InputMessage) and item.role == "assistant":
+            _assistant_turn(messages, text=True)["content"] = item.text()
+        elif isinstance(item, InputMessage):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            if messages and messages[-1]["role"] == "assistant":
-                messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            _assistant_turn(messages).setdefault("tool_calls", []).append({
+                "id": item.call_id, "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments}})
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": item.text()})
-        # reasoning items: not rendered (see ReasoningItem)
+        else:  # reasoning: what the assistant thought before what follows
+            turn = _assistant_turn(messages, text=True, reasoning=True)
+            turn["reasoning_content"] = (turn.get("reasoning_content") or "") + item.text()
     return messages
+
+
+def _assistant_turn(messages: list[dict[str, Any]], text: bool = False,
+                    reasoning: bool = False) -> dict[str, Any]:
+    """The assistant message an item joins: the last message when it is the assistant's
+    and has not yet passed the item's place (reasoning, then text, then calls), else a new
+    one."""
+    last = messages[-1] if messages else None
+    fits = last is not None and last["role"] == "assistant" and not last.get("tool_calls") \
+        and not (text and last["content"] is not None) \
+        and not (reasoning and last.get("reasoning_content") is not None)
+    if not fits:
+        messages.append({"role": "assistant", "content": None})
+    return messages[-1]
 
 
 def _output_messages(items: list[OutputItemModel]) -> list[dict[str, Any]]:
     """The answer as the assistant's chat message, for a later previous_response_id."""
+    reasoning = "".join(part.text for item in items if isinstance(item, OutputReasoning)
+                        for part in item.content)
     text = "".join(part.text for item in items if isinstance(item, OutputMessage)
                    for part in item.content)
     calls = [{"id": item.call_id, "type": "function",
               "function": {"name": item.name, "arguments": item.arguments}}
              for item in items if isinstance(item, OutputFunctionCall)]
-    if not text and not calls:
+    if not (reasoning or text or calls):
         return []
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return [message]

@@ -105,8 +105,8 @@ class ReasoningText(_Part):
 
 
 class ReasoningItem(_Part):
-    """Earlier reasoning, sent back: chat templates leave past turns' reasoning out of the
-    prompt (as Qwen3's and DeepSeek-R1's do), so it is accepted and not rendered."""
+    """Earlier reasoning, sent back: the reasoning_content of the assistant turn it starts,
+    which the chat template renders or leaves out (Qwen3's keeps only the current turn's)."""
 
     type: Literal["reasoning"]
     id: str | None = None
@@ -116,6 +116,12 @@ class ReasoningItem(_Part):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     _refuse_encrypted = field_validator("encrypted_content")(_unsupported)
+
+    def text(self) -> str:
+        """Its reasoning text, else its summary."""
+        if self.content:
+            return "".join(part.text for part in self.content)
+        return "\n\n".join(part.text for part in self.summary)
 
 
 InputItem = by_type(InputMessage, FunctionCallItem, FunctionCallOutputItem, ReasoningItem,
