@@ -78,6 +78,11 @@ def test_reasoning_item_whole_and_streamed(r1):
     done = next(e for e in streamed if e["type"] == "response.reasoning_text.done")
     assert deltas == done["text"] == reference["reasoning_content"]
     assert split_of_responses(streamed[-1]["response"]["output"]) == expected
+    # the reasoning's tokens: the chat usage's count, whole and streamed
+    counted = chat(r1, **SAMPLED)["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < counted <= whole["usage"]["output_tokens"]
+    for usage in (whole["usage"], streamed[-1]["response"]["usage"]):
+        assert usage["output_tokens_details"]["reasoning_tokens"] == counted
 
 
 def test_thinking_block_whole_and_streamed(r1):
@@ -115,6 +120,9 @@ def test_thinking_budget_and_display(r1):
     budgeted = messages(r1, messages=PREFILL, thinking=budget)
     assert split_of_messages(budgeted["content"]) == \
         (reference["reasoning_content"], reference["content"])
+    # the block's tokens: two, then the end marker the budget forced (one token here)
+    tokens = chat(r1, thinking_token_budget=2, **CONTINUE)["usage"]["completion_tokens_details"]
+    assert tokens["reasoning_tokens"] == 3
     omitted = messages(r1, messages=PREFILL, thinking={**budget, "display": "omitted"})
     assert split_of_messages(omitted["content"]) == (None, reference["content"])
     # adaptive: no budget; the R1 block never closes here, so omitted leaves nothing

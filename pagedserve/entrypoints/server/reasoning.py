@@ -94,6 +94,23 @@ class PromptReasoning:
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.parser, self.starts_inside)
 
+    def count_tokens(self, text: str, token_ids: list[int], tokenizer: Any) -> int:
+        """How many of an output's tokens are its think block: through the end marker, or
+        all of them when the block never closes; none when there is no reasoning. The marker
+        is found as its tokens; a model that spelled it in other tokens is counted by
+        encoding the text up to the marker."""
+        if self.split(text).reasoning is None:
+            return 0
+        end_ids = self.parser.end_token_ids(tokenizer)
+        for i in range(len(token_ids) - len(end_ids) + 1):
+            if token_ids[i:i + len(end_ids)] == end_ids:
+                return i + len(end_ids)
+        cut = text.find(self.parser.end)
+        if cut < 0:
+            return len(token_ids)
+        head = text[:cut + len(self.parser.end)]
+        return min(len(tokenizer.encode(head, add_special_tokens=False)), len(token_ids))
+
 
 class ReasoningStream:
     """A streamed output split as it comes: `feed(delta)` and, at the end, `finish()` each

@@ -333,13 +333,15 @@ class ResponseUsage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, usage: UsageInfo, reasoning_tokens: int = 0) -> ResponseUsage:
+    def of(cls, usage: UsageInfo) -> ResponseUsage:
         cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details \
             else 0
+        details = usage.completion_tokens_details
         return cls(input_tokens=usage.prompt_tokens,
                    input_tokens_details=InputTokensDetails(cached_tokens=cached),
                    output_tokens=usage.completion_tokens,
-                   output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
+                   output_tokens_details=OutputTokensDetails(
+                       reasoning_tokens=details.reasoning_tokens if details else 0),
                    total_tokens=usage.total_tokens)
 
 

@@ -40,7 +40,7 @@ from pagedserve.entrypoints.server.errors import (SERVER_ERROR, APIError, bad_re
 from pagedserve.entrypoints.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
-    CompletionLogprobs, CompletionRequest, CompletionResponse, DeltaFunctionCall, DeltaMessage,
+    CompletionLogprobs, CompletionTokensDetails, CompletionRequest, CompletionResponse, DeltaFunctionCall, DeltaMessage,
     DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, NamedToolChoice,
     PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, TokenizeRequest,
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, random_id)
@@ -179,7 +179,8 @@ class OpenAIServing:
                 logprobs=self._chat_logprobs(c.logprobs, c.token_ids, top),
                 stop_reason=c.stop_reason))
         return ChatCompletionResponse(
-            id=run.base_id, model=self.model_name, choices=choices, usage=_usage([final]),
+            id=run.base_id, model=self.model_name, choices=choices,
+            usage=_usage([final], self._reasoning_tokens(run, final)),
             prompt_logprobs=_prompt_logprobs(final))
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
@@ -463,7 +464,14 @@ class OpenAIServing:
                         stop_reason=c.stop_reason if last else None)])
             final = out
         if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage=_usage([final]))
+            yield chunk([], usage=_usage([final], self._reasoning_tokens(run, final)))
+
+    def _reasoning_tokens(self, run: ChatRun, final: Any) -> int | None:
+        """The think blocks' tokens over the choices; None without a reasoning parser."""
+        if run.thinking is None:
+            return None
+        return sum(run.thinking.count_tokens(c.text, c.token_ids, self.tokenizer)
+                   for c in final.outputs)
 
     # ---- output conversion -----------------------------------------------------------------
 
@@ -693,13 +701,15 @@ def _prompt_logprobs(out: Any) -> PromptLogprobs | None:
             for entry in out.prompt_logprobs]
 
 
-def _usage(finals: list[Any]) -> UsageInfo:
+def _usage(finals: list[Any], reasoning_tokens: int | None = None) -> UsageInfo:
     prompt = sum(len(out.prompt_token_ids) for out in finals)
     completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
     cached = sum(out.num_cached_tokens or 0 for out in finals)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                     completion_tokens_details=None if reasoning_tokens is None
+                     else CompletionTokensDetails(reasoning_tokens=reasoning_tokens))
 
 
 def _sse(payload: BaseModel | dict) -> str:
