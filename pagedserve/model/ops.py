@@ -39,7 +39,6 @@ Matmul = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]  # (x, weight, bias
 class Ops:
     """The implementations a model's layers call, chosen once (`select_ops`)."""
 
-    name: str
     # x, residual [T, H], weight, eps -> (RMSNorm(residual + x), residual + x): see
     # `eager_fused_add_rms_norm`
     fused_add_rms_norm: Callable[[Tensor, Tensor | None, Tensor, float], tuple[Tensor, Tensor]]
@@ -71,7 +70,7 @@ def select_ops(device: torch.device | str, dtype: torch.dtype) -> Ops:
 
 def native_ops() -> Ops:
     """The native C kernels (float32 CPU tensors with a contiguous last dim, no autograd)."""
-    return Ops("native", native.fused_add_rms_norm, native.rotate_qk_, native.silu_and_mul)
+    return Ops(native.fused_add_rms_norm, native.rotate_qk_, native.silu_and_mul)
 
 
 def triton_ops() -> Ops:
@@ -82,7 +81,7 @@ def triton_ops() -> Ops:
                      eps: float) -> tuple[Tensor, Tensor]:
         return model_ops.rms_norm(x, weight, eps, residual)
 
-    return Ops("triton", add_rms_norm, model_ops.rotate_qk_, model_ops.silu_and_mul,
+    return Ops(add_rms_norm, model_ops.rotate_qk_, model_ops.silu_and_mul,
                fp8_linear=fp8_linear.linear, fused_moe=moe.fused_moe)
 
 
@@ -141,4 +140,4 @@ def eager_silu_and_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate).mul_(up)
 
 
-TORCH_OPS = Ops("torch", eager_fused_add_rms_norm, eager_rotate_qk_, eager_silu_and_mul)
+TORCH_OPS = Ops(eager_fused_add_rms_norm, eager_rotate_qk_, eager_silu_and_mul)

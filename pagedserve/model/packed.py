@@ -24,17 +24,15 @@ class Packing:
     """A kernel on prepacked weights: `pack(weight)` lays a weight out once, `linear(x,
     packed, weight, bias)` multiplies by it."""
 
-    name: str
     pack: Callable[[torch.Tensor], torch.Tensor]
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
                      torch.Tensor]
 
 
-NATIVE = Packing("native", native_linear.pack,
+NATIVE = Packing(native_linear.pack,
                  lambda x, packed, weight, bias: native_linear.linear(x, packed,
                                                                       weight.shape[0], bias))
-ONEDNN = Packing("onednn",
-                 lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT),
+ONEDNN = Packing(lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT),
                  lambda x, packed, weight, bias: torch.ops.mkldnn._linear_pointwise(
                      x, packed, bias, "none", [], ""))
 
