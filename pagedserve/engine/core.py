@@ -332,7 +332,8 @@ class EngineCore:
             logger.error("request %s: its grammar failed to compile: %s", request_id, error)
             self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
             outputs.append(EngineCoreOutput(
-                request_id, [], finish_reason=FINISH_REASON_VALUES[RequestStatus.FINISHED_ERROR]))
+                request_id, [], finish_reason=FINISH_REASON_VALUES[RequestStatus.FINISHED_ERROR],
+                error=error))
         return outputs
 
     def _complete(self, step: InFlightStep | None,

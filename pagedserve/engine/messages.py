@@ -94,6 +94,8 @@ class EngineCoreOutput(Message, array_like=True, omit_defaults=True, gc=False):
     # with the first token of a request that asked for them: one row per prompt position
     # after the first (the logprob of that position's token given the ones before it)
     prompt_logprobs: LogprobsLists | None = None
+    # why the core finished it on its own ("abort"): its grammar failed to compile
+    error: str | None = None
 
 
 class SchedulerStats(Message):

@@ -36,6 +36,7 @@ class _Sample:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # the core's reason for finishing it (EngineCoreOutput.error)
     num_reported_tokens: int = 0
 
     @property
@@ -143,6 +144,7 @@ class OutputProcessor:
             text_ids = new_ids
             if out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                sample.error = out.error
                 detokenizer = sample.detokenizer
                 if out.finish_reason == "stop" and not detokenizer.include_stop_str_in_output:
                     text_ids = new_ids[:-1]  # EOS or a stop token id: not part of the text
@@ -227,7 +229,7 @@ class OutputProcessor:
             logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
             finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
             text_delta=sample.detokenizer.take_delta(sample.finished),
-            token_ids_delta=delta_ids)
+            token_ids_delta=delta_ids, error=sample.error)
 
     def _drop(self, parent: _Parent) -> None:
         self._parents.pop(parent.request_id, None)

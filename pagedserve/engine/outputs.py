@@ -45,6 +45,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
+    error: str | None = None  # why the engine finished it ("abort"): a grammar that failed
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -13,7 +13,6 @@ shared by the in-process LLMEngine and the server's API process (which maps the 
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Callable
 
@@ -22,9 +21,6 @@ from pagedserve.engine.messages import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.params import StructuredOutputsParams
-
-# xgrammar's messages start with a time and the C++ source line that raised them
-_NATIVE_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] [^\s:]+\.(?:cc|cpp|h|hpp):\d+: ")
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -151,9 +147,8 @@ class Processor:
 
     def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
         """Compile `spec` (cached); RequestError naming structured_outputs if it is invalid,
-        in the grammar compiler's words without its source locations."""
+        in the grammar compiler's words (`GrammarCache.get`)."""
         try:
             self.grammars().get(spec)
         except ValueError as exc:
-            message = _NATIVE_PREFIX.sub("", str(exc)).strip()
-            raise RequestError(message, "structured_outputs") from None
+            raise RequestError(str(exc), "structured_outputs") from None

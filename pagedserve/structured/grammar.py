@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from typing import Any
 
@@ -22,6 +23,8 @@ import xgrammar as xgr
 from pagedserve.structured.params import StructuredOutputsParams
 
 _MAX_CACHED = 256  # distinct grammars kept; the oldest compiled is dropped first
+# xgrammar's messages start with a time and the C++ source line that raised them
+_NATIVE_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\] [^\s:]+\.(?:cc|cpp|h|hpp):\d+: ")
 
 
 def grammar_vocab_size(tokenizer: Any, vocab_size: int) -> int:
@@ -50,7 +53,8 @@ class GrammarCache:
         self._lock = threading.Lock()  # compiled from the API process and the core alike
 
     def get(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """The compiled grammar; ValueError naming the problem when the spec is invalid."""
+        """The compiled grammar; ValueError naming the problem when the spec is invalid, in
+        the compiler's words without its source locations (a client reads them)."""
         key = params.key()
         with self._lock:
             compiled = self._compiled.get(key)
@@ -81,4 +85,5 @@ class GrammarCache:
                 return self._compiler.compile_grammar("root ::= " + " | ".join(literals))
             return self._compiler.compile_grammar(spec)
         except (RuntimeError, ValueError) as exc:
-            raise ValueError(f"invalid {kind} for structured outputs: {exc}") from exc
+            reason = _NATIVE_PREFIX.sub("", str(exc)).strip()
+            raise ValueError(f"invalid {kind} for structured outputs: {reason}") from exc

@@ -108,11 +108,13 @@ def free_port() -> int:
 
 
 def start_server(*extra_args: str, stderr=None, headers: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None) -> Server:
-    """`headers` go with its /health and /metrics requests; `env` adds to its environment."""
+                 env: dict[str, str] | None = None, preamble: str = "") -> Server:
+    """`headers` go with its /health and /metrics requests; `env` adds to its environment;
+    `preamble`: Python statements the API process runs first (a fault to inject there; the
+    engine-core process, spawned afresh, does not run them)."""
     port = free_port()
-    # exactly what `pagedserve serve ...` runs
-    cmd = [sys.executable, "-c", "from pagedserve.entrypoints.cli import main; "
+    # exactly what `pagedserve serve ...` runs, after the preamble
+    cmd = [sys.executable, "-c", f"{preamble}\nfrom pagedserve.entrypoints.cli import main; "
            "raise SystemExit(main())", "serve", "--port", str(port),
            "--kv-cache-memory", str(KV_CACHE_BYTES), "--log-level", "warning", *extra_args]
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}

@@ -10,6 +10,7 @@ whose compile is held open (or slow: a 30,000-value enum) gets its first."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -53,9 +54,11 @@ def json_params(schema: dict) -> SamplingParams:
                           structured_outputs=StructuredOutputsParams(json=schema))
 
 
-def run(core: EngineCore, on_step=None) -> tuple[list[tuple[str, int]], dict, dict]:
+def run(core: EngineCore, on_step=None, errors: dict | None = None
+        ) -> tuple[list[tuple[str, int]], dict, dict]:
     """Step to the end: the (request id, token count) of every output in order, each
-    request's tokens and its finish reason. `on_step(core)` runs after each step."""
+    request's tokens and its finish reason. `on_step(core)` runs after each step; `errors`
+    gets the error of each request that finished with one."""
     events, tokens, reasons = [], {}, {}
     while core.has_unfinished_requests():
         for out in core.step().outputs:
@@ -63,6 +66,8 @@ def run(core: EngineCore, on_step=None) -> tuple[list[tuple[str, int]], dict, di
             events.append((out.request_id, len(out.new_token_ids)))
             if out.finish_reason is not None:
                 reasons[out.request_id] = out.finish_reason
+            if out.error is not None and errors is not None:
+                errors[out.request_id] = out.error
         if on_step is not None:
             on_step(core)
     return events, tokens, reasons
@@ -151,15 +156,20 @@ def test_a_slow_compile_does_not_delay_a_free_request(loaded, where,  # noqa: F8
 def test_a_failed_compile_finishes_its_request_with_an_error(loaded, where,  # noqa: F811
                                                              async_scheduling, caplog):
     """A spec the core cannot compile (no frontend checked it): its request finishes with
-    no token and the error logged; the others run on; every block is free."""
+    no token, the compiler's message (without its source paths) in its output and the log;
+    the others run on; every block is free."""
     core = make_core(loaded, async_scheduling=async_scheduling,
                      grammar_process=where == "process")
     bad = {"type": "object", "properties": {"a": {"type": 7}}}
     add(core, "bad", json_params(bad), 0)
     add(core, "good", json_params(PERSON), 1)
     add(core, "free", free_params(), 2)
-    events, tokens, reasons = run(core)
+    errors: dict[str, str] = {}
+    events, tokens, reasons = run(core, errors=errors)
     assert reasons == {"bad": "abort", "good": "stop", "free": "length"}
+    assert list(errors) == ["bad"]  # the compiler's words, for the frontend to answer with
+    assert errors["bad"].startswith("invalid json for structured outputs:")
+    assert not re.search(r"\.(cc|h|cpp):\d|\[\d\d:\d\d:\d\d\]", errors["bad"]), errors
     assert tokens["bad"] == [] and ("bad", 0) in events
     jsonschema.validate(json.loads(text(core, tokens["good"])), PERSON)
     assert "request bad: its grammar failed to compile" in caplog.text

@@ -25,6 +25,9 @@ Limits a server on a network needs (`Limits`), each answered before the request 
   `RequestTimeout` (408; in a stream that has started, an error event);
 - grammars: compiled on threads of their own, bounded in size and time
   (`structured/compiles.py`), never on the threads that tokenize and apply chat templates.
+  The core compiles an accepted spec again; should that fail (one process's fault: both use
+  one compiler), the request's stream raises the RequestError the server's own compile would
+  have, naming structured_outputs, and its other samples are aborted.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any, AsyncIterator
 from fastapi.responses import JSONResponse
 
 from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
+from pagedserve.engine.errors import RequestError
 from pagedserve.engine.messages import EngineCoreOutputs, SchedulerStats
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestOutput
@@ -207,7 +211,8 @@ class AsyncEngine:
         """Submit a request; return its stream of outputs, up to the finished one.
 
         Raises ValueError (bad input) here, before any output exists, so the handler can still
-        answer 400; QueueFull or RequestTimeout likewise. `timeout` (seconds, capped by
+        answer 400; QueueFull or RequestTimeout likewise. The stream itself raises
+        RequestError if the core cannot compile the grammar accepted here. `timeout` (seconds, capped by
         `limits.request_timeout`) bounds the request from now to its last token. If the
         consumer stops early the request is aborted; a caller that never iterates the stream
         must call `abort(request_id)` itself.
@@ -345,6 +350,11 @@ class AsyncEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
+                continue
+            error = next((c.error for c in output.outputs if c.error is not None), None)
+            if error is not None:  # the core's grammar compile failed: a refusal after all
+                self._finish(output.request_id, reason="error")  # its other samples too
+                stream.put(RequestError(error, "structured_outputs"))
                 continue
             num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
             if num_tokens and stream.first_token is None:

@@ -65,7 +65,10 @@ class MessagesServing:
         message_id = run.base_id.replace("chatcmpl-", "msg_")
         if req.stream:
             return EventStreamResponse(self._events(req, run, message_id), on_close=run.abort)
-        answer = await self.chat.chat_response(run, raw)
+        try:  # a grammar the engine core could not compile is refused here
+            answer = await self.chat.chat_response(run, raw)
+        except APIError as exc:
+            raise renamed(exc, _client_field) from exc
         choice = answer.choices[0]
         stop_reason, stop_sequence = _stop(req, choice.finish_reason, choice.stop_reason)
         return JSONResponse({
@@ -100,7 +103,8 @@ class MessagesServing:
                     return
                 yield _block_event(ev)
         except (EngineDeadError, APIError) as exc:
-            error = exc if isinstance(exc, APIError) else APIError(str(exc), 503, SERVER_ERROR)
+            error = renamed(exc, _client_field) if isinstance(exc, APIError) \
+                else APIError(str(exc), 503, SERVER_ERROR)
             yield _event("error", error=_error(error.status, error.message, error.param))
 
 

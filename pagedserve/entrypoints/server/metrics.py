@@ -95,7 +95,8 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                              "Time from arrival to the last token.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.finished = Counter(PREFIX + "request_finished", "Requests finished, by reason.",
+        self.finished = Counter(PREFIX + "request_finished", "Requests finished, by reason "
+                                "(error: the engine core could not compile its grammar).",
                                 ["finish_reason"], registry=self.registry)
         self.rejected = Counter(
             PREFIX + "request_rejected", "Requests refused by a server limit before they ran: "
@@ -117,7 +118,7 @@ class ServerMetrics:
 
     def observe_request(self, timing: RequestTiming, finish_reason: str) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()
-        if finish_reason in ("abort", "timeout"):
+        if finish_reason in ("abort", "timeout", "error"):
             return  # an aborted request's latency says nothing about serving speed
         if timing.ttft is not None:
             self.ttft.observe(timing.ttft)

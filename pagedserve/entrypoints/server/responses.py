@@ -71,7 +71,10 @@ class ResponsesServing:
         if req.stream:
             return EventStreamResponse(self._events(req, run, response_id, conversation),
                                        on_close=run.abort)
-        answer = await self.chat.chat_response(run, raw)
+        try:  # a grammar the engine core could not compile is refused here
+            answer = await self.chat.chat_response(run, raw)
+        except APIError as exc:
+            raise renamed(exc, _client_field) from exc
         choice = answer.choices[0]
         items = [_item_model(item, "completed") for item in message_items(choice.message)]
         response = self._response(req, response_id, items, choice.finish_reason, answer.usage)
@@ -155,7 +158,8 @@ class ResponsesServing:
                 for type_, fields in _item_events(ev, items):
                     yield event(type_, **fields)
         except (EngineDeadError, APIError) as exc:
-            error = exc if isinstance(exc, APIError) else APIError(str(exc), 503, SERVER_ERROR)
+            error = renamed(exc, _client_field) if isinstance(exc, APIError) \
+                else APIError(str(exc), 503, SERVER_ERROR)
             yield event("error", code=error.code or error.type, message=error.message,
                         param=error.param)
             failed = self._response(req, response_id, items, None, None)

@@ -386,7 +386,9 @@ class OpenAIServing:
 
     async def _submit(self, requests: list[_EngineRequest],
                       req: SamplingRequest) -> list[AsyncIterator[Any]]:
-        """Add every engine request; if one is refused, abort the ones already added."""
+        """Add every engine request; if one is refused, abort the ones already added. A
+        refusal that comes later, from a stream (the engine core could not compile the
+        grammar the server's own compile accepted), names the client's field too."""
         streams = []
         try:
             for r in requests:
@@ -401,7 +403,7 @@ class OpenAIServing:
             if isinstance(exc, EngineDeadError):
                 raise APIError(str(exc), 503, SERVER_ERROR) from exc
             raise
-        return streams
+        return [_refusing(stream, req) for stream in streams]
 
     def _abort(self, requests: list[_EngineRequest]) -> None:
         for r in requests:
@@ -551,6 +553,18 @@ def _refusal(exc: RequestError, req: SamplingRequest) -> APIError:
     """A 400 for what the engine refused, in the client's field names."""
     param = _client_param(exc.param, req)
     return bad_request(exc.message_for(param), param=param, code=exc.code)
+
+
+async def _refusing(stream: AsyncIterator[Any], req: SamplingRequest) -> AsyncIterator[Any]:
+    """`stream`, with a RequestError it raises turned into `_refusal`'s 400: a whole answer
+    is that 400, a stream that has started sends it as its error event."""
+    try:
+        async for out in stream:
+            yield out
+    except RequestError as exc:
+        raise _refusal(exc, req) from None
+    finally:
+        await stream.aclose()  # its end (an abort if unfinished) now, not when collected
 
 
 def _echo_text(req: ChatCompletionRequest) -> str:
