@@ -1,5 +1,6 @@
 """A server put on a network (issue 29): API keys, a bound on the waiting queue, priorities, a
-per-request deadline, a header-read timeout, and /health when the worker threads are stuck.
+per-request deadline, header- and body-read timeouts, and /health when the worker threads are
+stuck.
 
 One server for the module, with one running slot (`--max-num-seqs 1`), so that what waits and
 in which order is decided by the server alone, not by timing.
@@ -32,7 +33,8 @@ def exposed():
     srv = start_server("--api-key", ",".join(KEYS[:2]), "--api-key", KEYS[2],
                        "--cache-salt-from-api-key", "--max-num-seqs", "1",
                        "--max-queued-requests", str(MAX_QUEUED), "--scheduling-policy",
-                       "priority", "--header-timeout", "1", "--health-timeout", "0.5")
+                       "priority", "--header-timeout", "1", "--body-timeout", "1",
+                       "--health-timeout", "0.5")
     yield srv
     stop_server(srv)
 
@@ -298,6 +300,75 @@ def test_connections_that_never_finish_their_headers_are_closed(exposed):
         sock.settimeout(30)
         assert sock.recv(1024).startswith(b"HTTP/1.1 200")
         assert _closed_by_server(sock, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+
+
+def _answer_while_trickling(sock: socket.socket, trickle: bytes,
+                            timeout: float = 60.0) -> tuple[bytes, int]:
+    """Send `trickle` a byte at a time (0.2 s apart) and read until the server closes the
+    connection: what it answered, and how many bytes of `trickle` went out before."""
+    sock.settimeout(0.2)
+    deadline = time.monotonic() + timeout
+    answer, sent = b"", 0
+    while time.monotonic() < deadline:
+        try:
+            if sent < len(trickle):
+                sock.sendall(trickle[sent:sent + 1])
+                sent += 1
+            data = sock.recv(4096)
+        except socket.timeout:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            break
+        if not data:
+            break
+        answer += data
+    return answer, sent
+
+
+BODY = json.dumps({"prompt": "Once upon a time", "max_tokens": 1, "padding": "x" * 160})
+
+
+@pytest.mark.parametrize("encoding", ["sized", "chunked", "silent"])
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_is_closed(exposed, encoding):
+    """--body-timeout 1: headers sent at once, then the body a byte every 0.2 s (sized or
+    chunked: 40 s or more in all), or nothing: the server answers 408 in OpenAI's shape and
+    closes the connection while most of the body is still to come; others are served."""
+    host, port = exposed.url.removeprefix("http://").split(":")
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-one\r\n"
+            b"Content-Type: application/json\r\n")
+    body = BODY.encode()
+    if encoding == "chunked":
+        head += b"Transfer-Encoding: chunked\r\n\r\n"
+        trickle = b"".join(b"1\r\n" + body[i:i + 1] + b"\r\n" for i in range(len(body)))
+        trickle += b"0\r\n\r\n"
+    else:
+        head += b"Content-Length: %d\r\n\r\n" % len(body)
+        trickle = body if encoding == "sized" else b""
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head)
+        answer, sent = _answer_while_trickling(sock, trickle)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert sent < len(trickle) // 2 or not trickle
+    status_line, _, payload = answer.partition(b"\r\n\r\n")
+    assert b"connection: close" in status_line.lower()
+    error = json.loads(payload)["error"]
+    assert error["code"] == "body_timeout" and "--body-timeout" in error["message"]
+    assert complete(exposed, max_tokens=2).status_code == 200
+
+
+def test_a_body_in_pieces_within_the_timeout_is_served(exposed):
+    """The bound is on the whole body's time, not on its pieces: a chunked body sent at
+    once, in small chunks, is read and answered."""
+    host, port = exposed.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 1}).encode()
+    chunks = b"".join(b"%x\r\n" % len(body[i:i + 7]) + body[i:i + 7] + b"\r\n"
+                      for i in range(0, len(body), 7))
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                     b"key-one\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
+        answer, _ = _answer_while_trickling(sock, b"")
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
 
 
 # ---- health ------------------------------------------------------------------------------------

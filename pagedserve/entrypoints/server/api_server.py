@@ -16,6 +16,7 @@ On a network (issue 29):
   (`APIKeyAuth`); `--cache-salt-from-api-key` gives each key its own prefix cache;
 - `--header-timeout`: a connection must finish each request's headers within it, or is
   closed (slow-loris; uvicorn has no such timer of its own, `_HeaderTimeoutProtocol`);
+  `--body-timeout`: then its body within that, or gets 408 and is closed (`body.py`);
 - the queue bound, the request deadline and the grammar limits (async_engine.Limits);
 - /health answers 503 when the engine is gone or when the threads that tokenize and apply
   chat templates do not take a no-op within `--health-timeout` (a server whose requests
@@ -42,11 +43,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pagedserve.entrypoints.engine_args import engine_options, parse_size
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, Limits
+from pagedserve.entrypoints.server.body import BodyLimits
 from pagedserve.entrypoints.server.errors import APIError, install_error_handlers
 from pagedserve.entrypoints.server.messages import AnthropicErrors, MessagesServing
 from pagedserve.entrypoints.server.messages_protocol import MessagesRequest, MessageTokensRequest
@@ -66,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 2 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0  # 2 MiB in 30 s is about 0.6 Mbit/s: slower links need more
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
@@ -94,7 +97,8 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _ERROR_TEXT = {
     401: "No API key, or not one of the server's (--api-key)",
     404: "The model is not served here",
-    408: "The request's timeout (or --request-timeout) passed; it was aborted",
+    408: "The request's timeout (or --request-timeout) passed; it was aborted. Or its body "
+         "did not arrive within --body-timeout",
     413: "The body is larger than --max-body-size",
     429: "The waiting queue (--max-queued-requests) or the grammar compile threads are full; "
          "see Retry-After",
@@ -106,9 +110,11 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
               chat: ChatSettings = ChatSettings(),
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
               health_timeout: float = 5.0,
-              response_store: ResponseStore | None = None) -> FastAPI:
+              response_store: ResponseStore | None = None,
+              body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """An app serving `engine` under `model_name` (and `aliases`); `response_store`: where
-    /v1/responses keeps its responses (default: the store's default bounds)."""
+    /v1/responses keeps its responses (default: the store's default bounds); a body must
+    arrive within `body_timeout` seconds of its headers and be at most `max_body_bytes`."""
     ready = engine.ready
     card = {"max_model_len": ready.max_model_len, "kv_cache_dtype": ready.kv_cache_dtype,
             "quantization": ready.quantization}
@@ -124,7 +130,7 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.async_engine = engine
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout=body_timeout)
     open_paths = frozenset() if access.auth_health_and_metrics else OPEN_PATHS
     if access.api_keys:  # nothing else runs for a request without a key
         app.add_middleware(APIKeyAuth, keys=access.api_keys, open_paths=open_paths,
@@ -282,70 +288,6 @@ def api_keys(flags: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(key for key in keys if key))
 
 
-class BodySizeLimit:
-    """413 for a request body over `max_bytes`, decided before anything parses it.
-
-    A declared Content-Length over the limit is refused without reading a byte. A chunked
-    body (no length declared) is read here, up to the limit, and refused at the first chunk
-    past it; one within the limit is handed on to the app as received. Either way no JSON
-    parser or tokenizer ever sees an oversized body.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        declared = headers.get(b"content-length")
-        if declared is not None:
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                await self._refuse(scope, receive, send)
-                return
-        elif headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-            messages = await self._read_chunked(receive)
-            if messages is None:
-                await self._refuse(scope, receive, send)
-                return
-            receive = _replay(messages, receive)
-        await self.app(scope, receive, send)
-
-    async def _read_chunked(self, receive: Receive) -> list[Message] | None:
-        """The body's messages, or None once they pass the limit."""
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                return messages  # the client went away; the app will see it
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                return None
-            if not message.get("more_body", False):
-                return messages
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = APIError(f"The request body is larger than the server's limit of "
-                         f"{self.max_bytes} bytes (--max-body-size).", 413,
-                         code="request_too_large")
-        response = error.response()
-        response.headers["Connection"] = "close"  # the unread rest of the body stays unread
-        await response(scope, receive, send)
-
-
-def _replay(messages: list[Message], receive: Receive) -> Receive:
-    """A receive that gives `messages` first, then whatever the connection sends next (a
-    disconnect, which streaming responses listen for)."""
-    pending = list(messages)
-
-    async def replayed() -> Message:
-        return pending.pop(0) if pending else await receive()
-
-    return replayed
-
-
 class _HeaderTimeoutProtocol(HttpToolsProtocol):
     """uvicorn's HTTP protocol, plus a deadline on each request's headers: from the
     connection's start for the first request, from its first byte for the next ones (idle
@@ -459,6 +401,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     net.add_argument("--header-timeout", type=_positive(float), default=10.0,
                      metavar="SECONDS", help="a connection that has not sent a request's "
                      "headers within this is closed (default: %(default)s)")
+    net.add_argument("--body-timeout", type=_positive(float), default=DEFAULT_BODY_TIMEOUT_S,
+                     metavar="SECONDS", help="a request's body must arrive within this of its "
+                     "headers, or it gets 408 and the connection is closed (default: "
+                     "%(default)s)")
     net.add_argument("--health-timeout", type=_positive(float), default=5.0, metavar="SECONDS",
                      help="/health answers 503 when the tokenizer threads do not take a no-op "
                      "within this (default: %(default)s)")
@@ -530,7 +476,8 @@ def run_server(args: argparse.Namespace) -> None:
         aliases = (args.model,) if args.model else ()
         app = build_app(engine, name, aliases, chat, args.max_body_size, access,
                         args.health_timeout,
-                        ResponseStore(args.max_stored_responses, args.max_stored_bytes))
+                        ResponseStore(args.max_stored_responses, args.max_stored_bytes),
+                        args.body_timeout)
         # uvicorn cancels handlers still running after its own timeout; ours fires first and
         # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
