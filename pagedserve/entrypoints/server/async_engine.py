@@ -212,10 +212,10 @@ class AsyncEngine:
 
         Raises ValueError (bad input) here, before any output exists, so the handler can still
         answer 400; QueueFull or RequestTimeout likewise. The stream itself raises
-        RequestError if the core cannot compile the grammar accepted here. `timeout` (seconds, capped by
-        `limits.request_timeout`) bounds the request from now to its last token. If the
-        consumer stops early the request is aborted; a caller that never iterates the stream
-        must call `abort(request_id)` itself.
+        RequestError if the core cannot compile the grammar accepted here. `timeout`
+        (seconds, capped by `limits.request_timeout`) bounds the request from now to its last
+        token. If the consumer stops early the request is aborted; a caller that never
+        iterates the stream must call `abort(request_id)` itself.
         """
         self._check_running()
         if params.priority != 0 and not self.priorities:
