@@ -17,7 +17,8 @@ a half-restarted one.
 
 Limits a server on a network needs (`Limits`), each answered before the request costs more:
 - the waiting queue: past `max_queued_requests` engine requests waiting, a new one gets 429
-  with Retry-After (`QueueFull`; an empty queue takes any one request). Waiting = in flight
+  with Retry-After (`QueueFull`; an empty queue takes any one request), the time the queue
+  would take to make room at its recent drain rate (`drain.py`). Waiting = in flight
   here (samples not finished) minus running in the core, as of the core's last step: exact
   for what was added since, and never stricter than the core's own queue;
 - a deadline: `timeout` per request, capped by `request_timeout`, from submission; at the
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +51,7 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.outputs import EngineStats, RequestOutput
 from pagedserve.engine.processor import Processor
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.entrypoints.server.drain import DrainRate
 from pagedserve.entrypoints.server.errors import APIError, bad_request
 from pagedserve.entrypoints.server.metrics import RequestTiming, ServerMetrics
 from pagedserve.structured.compiles import GrammarBusy, GrammarCompiles
@@ -56,8 +59,6 @@ from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.params import StructuredOutputsParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "Limits", "QueueFull", "RequestTimeout"]
-
-RETRY_AFTER_S = 1  # what a 429 tells a client to wait: the queue moves once per step
 
 
 @dataclass(frozen=True)
@@ -82,14 +83,16 @@ class Limits:
 
 
 class QueueFull(APIError):
-    """429: the waiting queue (or every grammar compile thread) is full; retry later."""
+    """429: the waiting queue (or every grammar compile thread) is full; retry after
+    `retry_after` seconds."""
 
-    def __init__(self, message: str, code: str = "queue_full") -> None:
+    def __init__(self, message: str, retry_after: int, code: str = "queue_full") -> None:
         super().__init__(message, 429, "rate_limit_error", None, code)
+        self.retry_after = retry_after
 
     def response(self) -> JSONResponse:
         response = super().response()
-        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        response.headers["Retry-After"] = str(self.retry_after)
         return response
 
 
@@ -159,6 +162,7 @@ class AsyncEngine:
         self.metrics.watch_grammar_compiles(lambda: self.compiles.num_running,
                                             lambda: self.compiles.num_waiting)
         self._num_running = 0  # in the core, as of its last step's stats
+        self._drain = DrainRate(time.monotonic())  # engine requests leaving: Retry-After
         self.output_processor = OutputProcessor(tokenizer)
         self.on_dead: Callable[[], None] | None = None  # called once if the core dies
         self.error: EngineDeadError | None = None
@@ -255,9 +259,10 @@ class AsyncEngine:
                        timeout: float | None) -> None:
         try:
             await self.compiles.compile(spec, deadline)
-        except GrammarBusy as exc:
+        except GrammarBusy as exc:  # the compiles in the way get as long again at most
             self.metrics.rejected.labels(reason="grammar_busy").inc()
-            raise QueueFull(f"{exc}.", code="grammar_compiles_busy") from None
+            raise QueueFull(f"{exc}.", math.ceil(self.limits.grammar_compile_timeout),
+                            code="grammar_compiles_busy") from None
         except asyncio.TimeoutError:
             self.metrics.rejected.labels(reason="timeout").inc()
             raise RequestTimeout(timeout) from None
@@ -274,8 +279,10 @@ class AsyncEngine:
         waiting = sum(s.num_live for s in self._streams.values()) - self._num_running
         if waiting > 0 and waiting + num_new > bound:
             self.metrics.rejected.labels(reason="queue_full").inc()
-            raise QueueFull(f"The server's queue is full ({max(waiting, 0)} requests waiting, "
-                            f"at most {bound}: --max-queued-requests); retry later.")
+            retry_after = self._drain.retry_after(waiting + num_new - bound, time.monotonic())
+            raise QueueFull(f"The server's queue is full ({waiting} requests waiting, at most "
+                            f"{bound}: --max-queued-requests); retry in {retry_after} s (the "
+                            "queue's recent drain rate).", retry_after)
 
     def _expire(self, request_id: str, timeout: float) -> None:
         """The deadline: abort in the core, the consumer gets RequestTimeout."""
@@ -319,6 +326,7 @@ class AsyncEngine:
             return  # finished (or rejected) before the abort
         if stream.timer is not None:
             stream.timer.cancel()
+        self._drain.departed(stream.num_live, time.monotonic())
         output, core_ids = self.output_processor.abort_request(request_id, time.time())
         if core_ids and self.error is None and not self._stopping:
             try:
@@ -360,7 +368,9 @@ class AsyncEngine:
             if num_tokens and stream.first_token is None:
                 stream.first_token = now
             stream.num_output_tokens = num_tokens
-            stream.num_live = sum(c.finish_reason is None for c in output.outputs)
+            num_live = sum(c.finish_reason is None for c in output.outputs)
+            self._drain.departed(stream.num_live - num_live, now)
+            stream.num_live = num_live
             stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
