@@ -61,7 +61,8 @@ class AttentionBackend(ABC):
 
         The gather happens where the source lives and the scatter where the destination
         lives, so only the selected blocks cross the bus, through pinned memory: a copy from
-        pageable memory ran at 1 GB/s on the H100 machine. The ids are moved (and, for a swap
+        pageable memory is a fraction of pinned memory's rate (docs/benchmarks.md, "Block copy
+        and swap"). The ids are moved (and, for a swap
         out, split into runs) once for all layers.
         """
         if src_to_dst.numel() == 0:

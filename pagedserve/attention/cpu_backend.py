@@ -6,11 +6,10 @@ kernel (`pagedserve/kernels/native/attention.c`) reads K/V in place through the 
 same call that stores the step's new K/V rows. A short prefill chunk goes through the same
 call as one decode per new token (token i of a chunk of n ending at seq_len L attends to the
 first L - n + i + 1 tokens, which the store has just completed): each token then re-reads its
-context, cheap while contexts are short (chat prompts: 37 tokens, 0.3 ms per sequence and
-layer through the reference's SDPA, ~0.14 s of a 0.6 s prefill step) and still cheaper than
-torch's CPU SDPA at 900 and 2,000 tokens (a whole 893-token prefill 4.0 s against 6.1 s,
-~1,900 tokens 11-17 s against 20 s on the 2-core dev box; docs/benchmarks.md, issue 17):
-the kernel skips the masked half and its rows come from cache. Only a step with a prefill
+context, cheap while contexts are short (where the reference's SDPA is a large share of a chat
+prompt's prefill step) and still cheaper than torch's CPU SDPA at prompts of one and two
+thousand tokens (docs/benchmarks.md, "Issue 17: one person chatting at llama.cpp's speed",
+TTFT): the kernel skips the masked half and its rows come from cache. Only a step with a prefill
 longer than MAX_NATIVE_PREFILL_LEN (more than the CPU's default chunk) keeps the reference's
 `paged_prefills`, whose tiled SDPA reuses each K/V row across queries.
 

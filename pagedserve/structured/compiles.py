@@ -1,8 +1,9 @@
 """GrammarCompiles: the API server's grammar compiles, apart, bounded in size, time and count.
 
 Compiling a grammar costs milliseconds for an ordinary schema and minutes for a hostile one
-(a JSON schema with a 100,000-value enum: 50-127 s on the dev box). On the worker threads
-that tokenize and apply chat templates, six such compiles left a 4-token chat waiting 73 s.
+(a JSON schema with a 100,000-value enum). On the worker threads that tokenize and apply chat
+templates, a few such compiles left a short chat waiting for minutes (docs/benchmarks.md,
+"Structured outputs", hostile schemas).
 So the server compiles on threads of its own (a few: each compile also runs xgrammar's own
 threads), and each spec is bounded twice before it costs anything:
 - in size (`max_bytes`, of the spec as its cache key spells it): refused at once;

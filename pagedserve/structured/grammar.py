@@ -33,7 +33,8 @@ def grammar_vocab_size(tokenizer: Any, vocab_size: int) -> int:
     word, the tokenizer's ids and at least one padding id, rounded up to a word. xgrammar
     takes every id past the tokenizer for a special token and scans the list of them at
     each accepted token and each row it fills: SmolLM2's tokenizer under Qwen3's
-    151,936-row head has 102,784, which made both 7x slower. The last id of a narrower row
+    151,936-row head has 102,784, which made both several times slower (docs/benchmarks.md,
+    "The grammar's host work per step"). The last id of a narrower row
     is padding, never allowed by a grammar, so `apply_token_bitmask` extends it to the ids
     past the row: masked under a grammar, allowed in a free row (all ones)."""
     words = (len(tokenizer) + 1 + 31) // 32

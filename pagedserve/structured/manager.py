@@ -60,11 +60,12 @@ _MAX_DEFAULT_THREADS = 4
 def default_num_threads(device_type: str = "cuda") -> int:
     """Half the CPUs this process may run on, at most 4; none (the work done inline) when
     the model runs on the CPU, whose forward pass keeps every core busy through OpenMP: a
-    worker would only take cores from it, and on the 2-core dev box each hand-off to a
-    worker cost the engine thread 2-5 ms against 0.4 ms for the work itself.
+    worker would only take cores from it, and on a small loaded box each hand-off to a worker
+    cost the engine thread more than the work itself (docs/benchmarks.md, "The grammar's host
+    work per step").
 
-    On a GPU host, a step of 256 rows is about 2.5 ms of grammar work (H100 host, measured
-    standalone: fill 4.8 µs and accept 4.5 µs a row): 4 workers take it in well under the
+    On a GPU host, a step of 256 rows is a few milliseconds of grammar work (same section): 4
+    workers take it in well under the
     engine thread's own work of a step, which is what they overlap, and leave the other
     cores to the engine thread, the API process (tokenizing, detokenizing, HTTP) and the
     CUDA and OpenMP threads. More workers would shorten work already hidden, and each costs

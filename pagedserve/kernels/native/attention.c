@@ -26,8 +26,8 @@
  * cache of a `--dtype bfloat16` model) are widened exactly as they are loaded, and each
  * function below that touches them comes in two copies (`bf16` a constant from
  * `decode_task_f32` / `_bf16`, which the compiler propagates: inlined, or cloned per value),
- * so the float32 path runs as fast as before it (same minute, 16 x 900 tokens: 0.49 ms a
- * call either way; forcing everything inline cost 3%). Each kv head's result comes
+ * so the float32 path runs as fast as before it (forcing everything inline was slower;
+ * docs/benchmarks.md, "Native CPU kernels: tuning notes"). Each kv head's result comes
  * from one thread, in token order, whatever the split: it does not depend on the thread count.
  *
  * The same call first stores the step's new K/V rows into their slots (slot -1: skipped), a

@@ -10,7 +10,8 @@
  *
  * The micro-kernel keeps a 4 x 24 tile of y in 12 ymm registers (4 rows x 3 vectors), broadcasts
  * one x value per row and multiplies it into 24 weights: 12 FMAs per 3 weight loads and 4
- * broadcasts, which keeps both FMA pipes busy (a 6 x 16 tile ran ~20% slower here). Each output
+ * broadcasts, which keeps both FMA pipes busy (a 6 x 16 tile was slower: docs/benchmarks.md,
+ * "Native CPU kernels: 2x reached"). Each output
  * sums its K products in order (one float32 FMA chain per output, carried through y between
  * K-blocks), so results differ from other GEMMs only in summation order, and not with the
  * thread count.
@@ -65,8 +66,8 @@ static inline lanes first_lanes(int64_t n) {
 #define MR 4          /* rows of x per register tile */
 #if VW == 16
 /* K-block: 32 x 48 floats = 6 KB of panel. The prefetches then run 12 KB ahead; with 128 they
- * ran 48 KB ahead, a whole L1, and were evicted before use (decode step GEMMs at 16 rows,
- * 538 MB of weights: 37.8 ms with 128, 35.5 with 64, 32.5 with 32, 32.4 with 16). */
+ * ran 48 KB ahead, a whole L1, and were evicted before use (the sizes timed: docs/benchmarks.md,
+ * "Issue 17 on the Intel AVX-512 / AMX box", native/linear.c). */
 #define KB 32
 #else
 #define KB 128        /* K-block: 128 x 24 floats = 12 KB of panel */
@@ -181,13 +182,13 @@ void pagedserve_linear(const float *x, int64_t M, int64_t K, const float *w, int
  * only after `pagedserve_linear_bf16_init` got the kernel's permission for the tile state,
  * which it refuses on CPUs without AMX).
  *
- * Why: oneDNN's bfloat16 GEMMs behind `torch.mm` stream the weights at ~9 GB/s in a decode
- * step, our float32 kernel above at 14-16 GB/s (docs/benchmarks.md). That kernel's panels in
- * bfloat16 pairs with AVX512-BF16 `vdpbf16ps` were tried first and lost at 16 rows: here that
- * instruction retires once per ~2 cycles (32 products; 52 G products/s a core, against 85 G
- * for float32 FMAs), so the decode step's GEMMs were compute-bound at 29.7 ms against
- * F.linear's 24.9; widening the pairs to float32 for FMAs tied with F.linear (24.5 ms), and
- * both stayed behind oneDNN's prepacked AMX (16.9). One `tdpbf16ps` multiplies a 16-row tile
+ * Why: oneDNN's bfloat16 GEMMs behind `torch.mm` stream the weights slower in a decode step
+ * than our float32 kernel above streams twice the bytes. That kernel's panels in bfloat16 pairs
+ * with AVX512-BF16 `vdpbf16ps` were tried first and lost at 16 rows: that instruction retires
+ * at about half the rate of float32 FMAs, so the decode step's GEMMs were compute-bound and
+ * behind F.linear; widening the pairs to float32 for FMAs only tied with F.linear, and both
+ * stayed behind oneDNN's prepacked AMX (docs/benchmarks.md, "Issue 17 on the Intel AVX-512 /
+ * AMX box", the native bfloat16 GEMM). One `tdpbf16ps` multiplies a 16-row tile
  * of x by 32 x 16 of the weight (8192 products), so this kernel is bound by the weight stream
  * alone at 1 and at 16 rows. Software prefetches of the B tiles changed nothing measurable.
  *

@@ -28,10 +28,10 @@
 #include "simd.h"
 
 /* Elements a call must touch before it is split over threads: torch's own grain size for
- * elementwise ops (at::internal::GRAIN_SIZE). Below it a second thread saves little (on the
- * 2-core dev box at 16 tokens: 1 us of a norm's 3, 4 us of a SiLU * up's 18) and risks much: a
- * parallel region waits for its slowest thread, milliseconds when another process holds that
- * core (measured: median 7 ms under load). */
+ * elementwise ops (at::internal::GRAIN_SIZE). Below it a second thread saves little of an op
+ * that is already microseconds long and risks much: a parallel region waits for its slowest
+ * thread, milliseconds when another process holds that core (docs/benchmarks.md, "Native CPU
+ * kernels: tuning notes"). */
 #define PARALLEL_MIN_ELEMENTS 32768
 
 /* Rows [r0, r1) of one op; `args` is the op's argument struct. */
@@ -39,7 +39,7 @@ typedef void (*rows_fn)(const void *args, int64_t r0, int64_t r1);
 
 /* fn over rows [0, rows): on the calling thread, or in equal parts on num_threads threads when
  * the call touches enough elements. Serial calls skip the parallel region altogether: even one
- * disabled by an `if` clause costs ~1 us in libgomp. */
+ * disabled by an `if` clause costs libgomp a measurable entry (same section). */
 static void for_rows(rows_fn fn, const void *args, int64_t rows, int64_t elements,
                      int num_threads) {
     if (elements < PARALLEL_MIN_ELEMENTS || num_threads < 2 || rows < 2) {

@@ -226,11 +226,12 @@ def _one_row_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arriva
 class WeightOnlyConfig:
     """Tiles of `weight_only_linear`. BLOCK_N is small and BLOCK_K long so that each program
     keeps many weight bytes in flight (a decode step's linear layers are bound by reading
-    weights). 32 rather than 16 rows per program: the H100 sweep of `benchmarks/fp8.py
-    --parts gemv --sweep` (docs/benchmarks.md) had 16-row tiles no faster than bf16.
+    weights). 32 rather than 16 rows per program: in the sweep of `benchmarks/fp8.py --parts
+    gemv --sweep`, 16-row tiles were no faster than bf16 (docs/benchmarks.md, "FP8 KV cache and
+    FP8 weights").
 
     A projection of few rows (N / block_n programs) does not fill the GPU: a 4096-row one
-    gives 128 programs for 132 SMs, each streaming all of K. So K is split until there are
+    gives about one program per SM of a large GPU, each streaming all of K. So K is split until there are
     `programs_per_sm` programs per SM (`split_k`; 0: never split). `bits`: tl.dot's weight
     is converted by `e4m3.e4m3_bits` rather than Triton's cast. `fma`: a single row (batch
     1) is multiplied without tl.dot (`_row_times_w`, which always reads the weight as words
@@ -243,10 +244,10 @@ class WeightOnlyConfig:
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 4
-    bits: bool = True  # tl.dot's weight by bit moves: faster on the H100 (docs/benchmarks.md)
+    bits: bool = True  # tl.dot's weight by bit moves: faster (docs/benchmarks.md, FP8)
     fma: bool = False
     # one row: the weights loaded with eviction_policy="evict_first" (read once; a shorter
-    # 8B batch-1 step on the H100, docs/benchmarks.md, 2026-11-26)
+    # 8B batch-1 step: docs/benchmarks.md, "the batch-1 FP8 step")
     evict_first: bool = True
     # one row: tiles of fewer rows (down to this many, each as many bytes) while a
     # projection has too few rows for programs_per_sm programs per SM (0: block_n always)
@@ -254,8 +255,8 @@ class WeightOnlyConfig:
 
 
 # The launch settings `weight_only_linear` takes when given none (read at each call): for one
-# row (batch-1 decode) and for 2-16 rows; chosen by the H100 sweeps of `benchmarks/fp8.py
-# --parts gemv,8b-tpot --sweep` (docs/benchmarks.md, FP8).
+# row (batch-1 decode) and for 2-16 rows; chosen by the sweeps of `benchmarks/fp8.py
+# --parts gemv,8b-tpot --sweep` (docs/benchmarks.md, "FP8 KV cache and FP8 weights").
 WEIGHT_ONLY_ONE_ROW = WeightOnlyConfig(block_n=16, block_k=256, programs_per_sm=5, fma=True,
                                        min_block_n=4)
 WEIGHT_ONLY = WeightOnlyConfig()
@@ -268,9 +269,9 @@ def narrowed(n: int, num_sms: int, cfg: WeightOnlyConfig) -> WeightOnlyConfig:
     """cfg with tiles of fewer, longer rows (the same bytes) until n rows make
     cfg.programs_per_sm programs per SM, down to cfg.min_block_n rows; K is split only past
     that (`split_k`). A program that streams whole rows of K needs no partial sums, and its
-    loads run along each row for longer: in the H100 sweep of 2026-11-26 (docs/benchmarks.md)
-    Llama-3-8B's q/k/v with 8x512 tiles and its o with 4x1024, each over all of K, beat
-    16x256 tiles with K split."""
+    loads run along each row for longer: Llama-3-8B's q/k/v and o projections ran faster in
+    narrower tiles over all of K than in 16-row tiles with K split (docs/benchmarks.md, "the
+    batch-1 FP8 step")."""
     block_n = cfg.block_n
     while 0 < cfg.min_block_n < block_n and n < cfg.programs_per_sm * num_sms * block_n:
         block_n //= 2

@@ -1,7 +1,8 @@
 """Triton copy of whole KV blocks inside each layer's caches (copy-on-write).
 
-torch's index_select + index_copy_ moves every byte twice (through a temporary) and measured
-20% of the H100's copy bandwidth; this kernel reads each source block once and writes it once.
+torch's index_select + index_copy_ moves every byte twice (through a temporary) and reaches a
+small share of the GPU's copy bandwidth; this kernel reads each source block once and writes it
+once (docs/benchmarks.md, "Block copy and swap").
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ write a partial (max, sum-exp, unnormalized output) per query head; the partials
 rescaling with exp(max_p - max). It wins when (sequences x KV heads) is too small to fill the
 GPU's SMs: long contexts at small batch. The merge runs in the same launch: each program
 bumps an arrival counter for its (sequence, KV head) and the last to arrive merges, so no
-second launch waits for the whole grid to drain (H100, batch 1 x 32k: 58.5 -> 55.2 us). A
+second launch waits for the whole grid to drain (docs/benchmarks.md, "Paged attention
+kernels", (1, 32768)). A
 partition's program knows where its context starts without the sequence length, so it loads
 its first block ids together with that length rather than after it. A sequence shorter than
 the grid's partitions cover (under CUDA graphs the grid is sized for max_model_len) spreads
@@ -258,8 +259,8 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
     part = tl.program_id(2)
     bt_row_ptr = bt_ptr + seq * stride_bts
     # The sequence length, q and the first tile's block ids do not depend on one another:
-    # loaded together, the first K/V loads wait one round trip to memory, not two (H100,
-    # batch 1 x 32k: 55.1 -> 54.3 us; batch 1 x 1k 11.0 -> 9.6 us). A window's partitions
+    # loaded together, the first K/V loads wait one round trip to memory, not two (the gain:
+    # docs/benchmarks.md, "Paged attention kernels", (1, 32768)). A window's partitions
     # start from the window's first token, which needs the length first.
     seq_len = tl.load(seq_lens_ptr + seq)
     first = 0
@@ -314,8 +315,9 @@ def _decode_v2_kernel(q_ptr, k_ptr, v_ptr, out_ptr, max_ptr, sum_ptr, part_ptr, 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters; defaults are the H100 choice for a bf16 cache from
-    benchmarks/kernels.py (`FP8_DECODE` for an FP8 one)."""
+    """Launch parameters; defaults are the best for a bf16 cache in `benchmarks/kernels.py`'s
+    sweep on the GPU the project benchmarks on (`FP8_DECODE` for an FP8 one; docs/benchmarks.md,
+    "Paged attention kernels")."""
 
     block_n: int = 64  # context positions per inner tile
     partition: int = 512  # v2 called directly; `paged_decode` picks one per batch instead
@@ -339,12 +341,11 @@ class DecodeConfig:
 
 
 # An FP8 cache holds a token's K/V in half the bytes: with bf16's tiles each program would
-# keep half the bytes in flight per step and sit on memory latency (H100, bf16's launch on
-# an e4m3 cache: 46-64% of copy bandwidth where bf16 reaches 85-99%). So its tiles, v2
-# partitions and small-grid tiles hold twice the tokens: the same bytes as bf16's.
-# V read by bit moves and float16 dot products, 64-token double-buffered tiles: the fastest
-# at every shape of the H100 sweep `benchmarks/fp8.py --parts kernel --sweep` (88-91% of copy
-# bandwidth at batch 256 / 64 against 68-72% with Triton's casts; docs/benchmarks.md).
+# keep half the bytes in flight per step and sit on memory latency (a far smaller share of the
+# copy bandwidth than bf16 reaches). So its tiles, v2 partitions and small-grid tiles hold
+# twice the tokens: the same bytes as bf16's. V read by bit moves and float16 dot products,
+# 64-token double-buffered tiles: the fastest at every shape of `benchmarks/fp8.py --parts
+# kernel --sweep` (docs/benchmarks.md, "FP8 KV cache and FP8 weights", the decode sweep).
 FP8_DECODE = DecodeConfig(block_n=64, num_stages=5, partitions=(2048, 1024, 512),
                           small_grid_block_n=64, bits_v=True, fp16_dot=True)
 
@@ -470,8 +471,8 @@ def _v2_stages(num_stages: int) -> int:
 
 
 # Partial rows (query heads x partitions) one merge step loads: each step is a round trip to
-# L2 at the end of the grid (H100, batch 1 x 32k at 512-token partitions: 32 rows took
-# ~1 us more than 64); 64 adds no registers to the 4-warp kernel.
+# L2 at the end of the grid, so fewer, larger steps end the grid sooner (docs/benchmarks.md,
+# "Paged attention kernels: tuning notes"); 64 adds no registers to the 4-warp kernel.
 MERGE_ROWS = 64
 
 PARTITIONS = DecodeConfig().partitions
@@ -479,9 +480,9 @@ PARTITIONS = DecodeConfig().partitions
 
 def use_v2(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> bool:
     """Split over partitions when v1's (sequence, KV head) programs make less than two waves
-    on the SMs and there are at least two partitions to split into. Measured on the H100
-    (docs/benchmarks.md): v2 wins by up to 13x at batch 1, ties at ~2 waves, and loses
-    1-4% (the merge, the partials' traffic) beyond."""
+    on the SMs and there are at least two partitions to split into: v2 wins by far at batch 1,
+    ties at ~2 waves, and loses a little (the merge, the partials' traffic) beyond
+    (docs/benchmarks.md, "v1 vs v2 by context length")."""
     return num_seqs * num_kv_heads < 2 * num_sms and max_seq_len > 2 * PARTITIONS[-1]
 
 
@@ -501,9 +502,9 @@ def choose_partition(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 # splits the stages between the block-table load and the K/V loads whose addresses it gives,
 # so at 3 or 4 the next K/V is fetched only after the math (one buffer each, triton 3.6).
 # 32-row tiles keep it at 122 registers and 38 KB of shared memory, 4 programs per SM.
-# H100 (benchmarks/kernels.py --sweep v2): batch 1 x 1k 11.4 -> 10.6 us, x 8k 19.4 -> 18.2 us;
-# no gain on grids that fill the SMs (batch 1 x 32k at 1024: 55.0 vs 54.6 us). The tile's
-# length is the config's `small_grid_block_n`.
+# It gains at batch 1 up to 8k tokens and nothing on grids that fill the SMs (`benchmarks/
+# kernels.py --sweep v2`; docs/benchmarks.md, "Paged attention kernels", (1, 32768)). The
+# tile's length is the config's `small_grid_block_n`.
 SMALL_GRID_STAGES = 5
 
 

@@ -133,7 +133,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch parameters; defaults are the H100 choice from benchmarks/kernels.py."""
+    """Launch parameters; defaults are the best of `benchmarks/kernels.py`'s sweep on the GPU
+    the project benchmarks on (docs/benchmarks.md, "Paged attention kernels")."""
 
     block_m: int = 64
     block_n: int = 64
