@@ -10,6 +10,7 @@ and an in-place masked fill of the logits on the device (a Triton kernel on CUDA
 
     params.py   StructuredOutputsParams: the one SamplingParams field that asks for it
     grammar.py  GrammarCache: compiles each grammar once per (kind, spec) for the tokenizer
+    backend.py  GrammarBackend: the Protocol the engine core holds, implemented by the two below
     manager.py  StructuredOutputManager: grammars compiled in the background (the request
                 waits meanwhile), one matcher per constrained request in the engine core,
                 the bitmask of a step's constrained rows, advancing on sampled tokens

@@ -4,6 +4,7 @@ manager's; it leaves when its parent is gone; a child that died is an error at t
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from benchmarks.make_checkpoint import byte_level_tokenizer
+from pagedserve.structured.backend import GrammarBackend
 from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.structured.remote import GrammarProcess
@@ -126,3 +128,20 @@ def test_the_child_leaves_when_its_parent_is_gone(tokenizer_dir, tmp_path):
     finally:
         shm.close()
         shm.unlink()
+
+
+@pytest.mark.parametrize("backend", [StructuredOutputManager, GrammarProcess])
+def test_both_backends_offer_the_protocol(backend):
+    """The engine core holds either class as a `GrammarBackend`: each has every member, a
+    property where the protocol has one, and a method's parameters by the same names."""
+    members = {name: value for name, value in vars(GrammarBackend).items()
+               if not name.startswith("_")}
+    assert {"submit", "take_bitmask", "take_compiled", "grammars"} <= members.keys()
+    for name, expected in members.items():
+        actual = getattr(backend, name, None)
+        assert actual is not None, f"{backend.__name__} lacks {name}"
+        if isinstance(expected, property):
+            assert isinstance(actual, property), f"{backend.__name__}.{name} is no property"
+        else:
+            assert (list(inspect.signature(actual).parameters)
+                    == list(inspect.signature(expected).parameters)), name
