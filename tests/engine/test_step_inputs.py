@@ -256,3 +256,34 @@ def test_slot_mapping_and_block_table_of_two_requests(root):
     assert inputs.input_ids.tolist() == a.prompt[3:] + b.prompt
     runner.prepare_step(SchedulerOutput(finished_req_ids=["two-a", "two-b"]))
     assert runner.requests == {}
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_chunks_that_end_on_a_block_boundary(root, bs):
+    """A prompt of two whole blocks in two chunks, each exactly one block: the second chunk's
+    first token takes offset 0 of the new block (not the old block's offset bs), and the
+    first step's table row holds one block padded with the null block. A second request of
+    one token shows a ragged batch: its row is one block, the rest the null block."""
+    runner = make_runner(root, bs)
+    a = Seq(f"edge-a{bs}", list(range(30, 30 + 2 * bs)), 0, [11])
+    c = Seq(f"edge-c{bs}", [40], 0, [13])
+    first = runner.prepare_step(SchedulerOutput(
+        req_ids=[a.req_id, c.req_id], num_scheduled_tokens=[bs, 1], num_computed_tokens=[0, 0],
+        samples=[False, True], total_num_scheduled_tokens=bs + 1,
+        scheduled_new_reqs=[NewRequestData(s.req_id, s.prompt, SamplingParams(), s.blocks, 0)
+                            for s in (a, c)])).inputs
+    assert first.meta.slot_mapping.tolist() == [11 * bs + i for i in range(bs)] + [13 * bs]
+    assert first.meta.block_tables[:, :2].tolist() == [[11, 0], [13, 0]]
+    assert first.meta.seq_lens.tolist() == [bs, 1]
+    grown = CachedRequestData()
+    grown.append(a.req_id, False, [17])
+    second = runner.prepare_step(SchedulerOutput(
+        req_ids=[a.req_id], num_scheduled_tokens=[bs], num_computed_tokens=[bs],
+        samples=[True], total_num_scheduled_tokens=bs, scheduled_cached_reqs=grown,
+        finished_req_ids=[c.req_id])).inputs
+    assert second.meta.slot_mapping.tolist() == [17 * bs + i for i in range(bs)]
+    assert second.positions.tolist() == list(range(bs, 2 * bs))
+    assert second.meta.block_tables[0, :3].tolist() == [11, 17, 0]
+    assert second.input_ids.tolist() == a.prompt[bs:]
+    runner.prepare_step(SchedulerOutput(finished_req_ids=[a.req_id]))
+    assert runner.requests == {}
