@@ -145,12 +145,6 @@ class LLMEngine:
         return outputs + request_outputs
 
     def get_stats(self) -> EngineStats:
-        stats = self.engine_core.make_stats()
-        return EngineStats(
-            num_running=stats.num_running, num_waiting=stats.num_waiting,
-            kv_cache_usage=stats.kv_cache_usage, prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits, num_preemptions=stats.num_preemptions,
-            prompt_tokens_total=self.output_processor.prompt_tokens_total,
-            generation_tokens_total=self.output_processor.generation_tokens_total,
-            num_gpu_blocks=stats.num_gpu_blocks,
-            prefix_cache_evictions=stats.prefix_cache_evictions)
+        processed = self.output_processor
+        return EngineStats.of(self.engine_core.make_stats(), processed.prompt_tokens_total,
+                              processed.generation_tokens_total)

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
+from pagedserve.engine.messages import SchedulerStats
+
 
 @dataclass
 class RequestMetrics:
@@ -85,3 +89,11 @@ class EngineStats:
     generation_tokens_total: int
     num_gpu_blocks: int = 0
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
+
+    @classmethod
+    def of(cls, scheduler: SchedulerStats, prompt_tokens_total: int,
+           generation_tokens_total: int) -> EngineStats:
+        """The core's scheduler stats with the frontend's token counts, in one place for the
+        offline engine and the server (a field added to SchedulerStats arrives in both)."""
+        return cls(**msgspec.structs.asdict(scheduler), prompt_tokens_total=prompt_tokens_total,
+                   generation_tokens_total=generation_tokens_total)

@@ -383,14 +383,8 @@ class AsyncEngine:
 
     def _engine_stats(self, stats: SchedulerStats) -> EngineStats:
         processed = self.output_processor
-        return EngineStats(
-            num_running=stats.num_running, num_waiting=stats.num_waiting,
-            kv_cache_usage=stats.kv_cache_usage, prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits, num_preemptions=stats.num_preemptions,
-            prompt_tokens_total=processed.prompt_tokens_total,
-            generation_tokens_total=processed.generation_tokens_total,
-            num_gpu_blocks=stats.num_gpu_blocks,
-            prefix_cache_evictions=stats.prefix_cache_evictions)
+        return EngineStats.of(stats, processed.prompt_tokens_total,
+                              processed.generation_tokens_total)
 
     def _record_finish(self, stream: _Stream, reason: str) -> None:
         done = time.monotonic()
