@@ -40,7 +40,6 @@ class Req:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     cache_salt: str | None = None
-    lora_id: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,11 +1,11 @@
 """Per-request block tables on top of the block pool, with automatic prefix caching.
 
 The request is duck-typed: `.request_id`, `.all_token_ids` (prompt + output, growing),
-`.num_tokens`, `.num_computed_tokens`, and optionally `.cache_salt` and `.lora_id`.
+`.num_tokens`, `.num_computed_tokens`, and optionally `.cache_salt`.
 
-Extra hash keys: `lora_id` goes into every block (KV computed under another adapter differs
-everywhere); `cache_salt` only into block 0, because the chain carries it to every later
-block anyway. A request's block hashes are kept and extended incrementally, so a decode step
+Extra hash key: `cache_salt` goes only into block 0, because the chain carries it to every
+later block anyway. (KV computed under a LoRA adapter would differ everywhere: its id would go
+into every block's extra keys, here, when adapters exist.) A request's block hashes are kept and extended incrementally, so a decode step
 hashes at most the one block that just filled.
 
 Sliding windows: when every layer of the model attends only to its last `sliding_window`
@@ -95,12 +95,10 @@ class KVCacheManager:
         start = len(hashes)
         if start >= num_blocks:
             return hashes
-        lora_id = getattr(request, "lora_id", None)
         salt = getattr(request, "cache_salt", None)
-        rest = (lora_id,) if lora_id is not None else None
-        extras = [rest] * (num_blocks - start)
-        if start == 0 and (lora_id is not None or salt is not None):
-            extras[0] = (lora_id, salt)
+        extras: list[tuple | None] = [None] * (num_blocks - start)
+        if start == 0 and salt is not None:
+            extras[0] = (salt,)
         bs = self.block_size
         hashes.extend(self.block_pool.hash_fn.chain(
             hashes[-1] if hashes else None, request.all_token_ids[start * bs:num_blocks * bs],

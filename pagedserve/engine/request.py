@@ -6,8 +6,8 @@ token sampled after it, with the output tokens a view at the prompt's length rat
 second list.
 
 The scheduler owns `Request` objects. The KV cache manager reads them duck-typed
-(`request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`,
-`lora_id`), so the attribute names here are part of that contract.
+(`request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`), so the
+attribute names here are part of that contract.
 
 `num_computed_tokens` counts the tokens whose KV a scheduled step computes: the scheduler
 advances it when it schedules the step, not when the step returns. A step that samples adds
@@ -130,7 +130,6 @@ class Request(TokenSequence):
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.time)
     cache_salt: str | None = None
-    lora_id: int | None = None
 
     def __post_init__(self) -> None:
         self._init_tokens()

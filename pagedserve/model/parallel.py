@@ -75,13 +75,6 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
     return _STATE
 
 
-def destroy_tensor_parallel() -> None:
-    global _STATE
-    if _STATE.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-    _STATE = TensorParallel()
-
-
 # -- collectives ----------------------------------------------------------------------------
 
 

@@ -16,7 +16,6 @@ class FakeRequest:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     cache_salt: str | None = None
-    lora_id: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -33,7 +33,7 @@ class ManagerMachine(RuleBasedStateMachine):
     # --- helpers -------------------------------------------------------------------------
     @staticmethod
     def label(req: FakeRequest, pos: int) -> tuple:
-        return (req.cache_salt, req.lora_id, tuple(req.all_token_ids[:pos + 1]))
+        return (req.cache_salt, tuple(req.all_token_ids[:pos + 1]))
 
     def check_context(self, req: FakeRequest, upto: int) -> None:
         for pos, slot in enumerate(slot_mapping(self.mgr, req.request_id, 0, upto)):
@@ -76,11 +76,10 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # --- rules ---------------------------------------------------------------------------
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 2), max_size=8),
-          salt=st.sampled_from([None, None, "t1"]), lora=st.sampled_from([None, None, 7]),
-          chunk=st.integers(1, 12))
-    def add(self, prefix, tail, salt, lora, chunk) -> None:
+          salt=st.sampled_from([None, None, "t1"]), chunk=st.integers(1, 12))
+    def add(self, prefix, tail, salt, chunk) -> None:
         tokens = (prefix + tail) or [0]
-        req = FakeRequest(f"r{self.next_id}", tokens, cache_salt=salt, lora_id=lora)
+        req = FakeRequest(f"r{self.next_id}", tokens, cache_salt=salt)
         self.next_id += 1
         self.admit(req, chunk)
 

@@ -38,7 +38,8 @@ def _entry(rank: int, size: int, port: int, fn: Callable, args: tuple,
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        parallel.destroy_tensor_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def run_on_ranks(fn: Callable, *args, size: int = 2) -> list:
