@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.core.conftest import free_order
+
 _ENGINES: list = []  # engines built through `make_engine`, checked after every test
 
 
@@ -19,7 +21,7 @@ def assert_pool_clean(engine) -> None:
     assert not engine.has_unfinished_requests(), "a test left requests in the engine"
     assert not manager.req_to_blocks, f"blocks still held by {list(manager.req_to_blocks)}"
     assert all(b.ref_cnt == 0 for b in pool.blocks), "a block kept a reference"
-    free_ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    free_ids = [b.block_id for b in free_order(pool.free_block_queue)]
     assert sorted(free_ids) == list(range(1, pool.num_blocks)), "free queue lost or duplicated"
     assert pool.get_num_free_blocks() == pool.num_blocks - 1
     null = pool.null_block

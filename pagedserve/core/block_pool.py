@@ -105,15 +105,6 @@ class FreeKVCacheBlockQueue:
         anchor.next_free_block = stop
         stop.prev_free_block = anchor
 
-    def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Front to back; O(n), for tests and debugging."""
-        out = []
-        block = self._head.next_free_block
-        while block is not self._tail:
-            out.append(block)
-            block = block.next_free_block
-        return out
-
 
 class BlockStored(msgspec.Struct, frozen=True, tag=True):
     """A full block entered the prefix cache under `block_hash` (its parent's hash chains it

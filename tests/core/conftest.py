@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from pagedserve.core.kv_cache_manager import KVCacheManager
+
+
+def free_order(queue: FreeKVCacheBlockQueue) -> list[KVCacheBlock]:
+    """The free queue front to back, as the queue hands blocks out (`popleft_n`), then put
+    back in the same order (`append_n`): what the eviction order is, through the queue's own
+    methods."""
+    blocks = queue.popleft_n(queue.num_free_blocks)
+    queue.append_n(blocks)
+    return blocks
 
 
 @dataclass
@@ -36,7 +45,7 @@ def slot_mapping(mgr: KVCacheManager, request_id: str, start: int, end: int) -> 
 
 def check_pool_invariants(pool: BlockPool) -> None:
     """I1, I3's index side, and exact counts; raises AssertionError on any violation."""
-    free = pool.free_block_queue.get_all_free_blocks()
+    free = free_order(pool.free_block_queue)
     free_ids = [b.block_id for b in free]
     assert len(free_ids) == len(set(free_ids)), "a block is twice in the free queue"
     assert pool.free_block_queue.num_free_blocks == len(free)

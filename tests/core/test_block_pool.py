@@ -4,7 +4,7 @@ from pagedserve.core.block_pool import (AllBlocksCleared, BlockPool, BlockRemove
                                         BlockStored)
 from pagedserve.core.hashing import get_hash_fn
 
-from .conftest import check_pool_invariants
+from .conftest import check_pool_invariants, free_order
 
 H = get_hash_fn("sha256")
 
@@ -18,7 +18,7 @@ def chain(*blocks: list[int]) -> list[bytes]:
 
 
 def free_ids(pool: BlockPool) -> list[int]:
-    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return [b.block_id for b in free_order(pool.free_block_queue)]
 
 
 def test_null_block_is_reserved_and_not_counted():

@@ -2,9 +2,11 @@ import pytest
 
 from pagedserve.core.block_pool import FreeKVCacheBlockQueue, KVCacheBlock
 
+from .conftest import free_order
+
 
 def ids(queue: FreeKVCacheBlockQueue) -> list[int]:
-    return [b.block_id for b in queue.get_all_free_blocks()]
+    return [b.block_id for b in free_order(queue)]
 
 
 def make(n: int) -> tuple[list[KVCacheBlock], FreeKVCacheBlockQueue]:
@@ -32,7 +34,7 @@ def test_removed_block_pointers_are_cleared_and_sentinels_never_leak():
     got = q.popleft_n(2)
     assert [b.block_id for b in got] == [0, 2]
     assert all(b.prev_free_block is None and b.next_free_block is None for b in got)
-    assert q.get_all_free_blocks() == [] and q.num_free_blocks == 0
+    assert free_order(q) == [] and q.num_free_blocks == 0
     with pytest.raises(ValueError):
         q.popleft()
     with pytest.raises(ValueError):

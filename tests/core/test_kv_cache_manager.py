@@ -2,7 +2,7 @@ import pytest
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
 
-from .conftest import FakeRequest, check_manager_invariants
+from .conftest import FakeRequest, check_manager_invariants, free_order
 
 BS = 4
 
@@ -108,7 +108,7 @@ def test_free_is_tail_first_so_suffix_is_evicted_before_shared_prefix():
     ids = mgr.get_block_ids("a")
     hashes = [mgr.block_pool.blocks[i].block_hash for i in ids[:3]]
     mgr.free(req)
-    queue = [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
+    queue = [b.block_id for b in free_order(mgr.block_pool.free_block_queue)]
     # the partial (unhashed) tail block first, then never-used ones, then the cached chain
     # from its deepest block back to its first
     assert queue[0] == ids[3]
@@ -130,12 +130,12 @@ def test_allocate_returns_none_without_side_effects_when_short():
     req = FakeRequest("b", list(range(8)) + list(range(60, 69)))
     pool = mgr.block_pool
     before = ([b.ref_cnt for b in pool.blocks], [b.block_hash for b in pool.blocks],
-              [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+              [b.block_id for b in free_order(pool.free_block_queue)],
               dict(pool.cached_block_hash_to_block))
     hit, num_hit, new = admit(mgr, req)
     assert num_hit == 8 and new is None and req.num_computed_tokens == 0
     after = ([b.ref_cnt for b in pool.blocks], [b.block_hash for b in pool.blocks],
-             [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+             [b.block_id for b in free_order(pool.free_block_queue)],
              dict(pool.cached_block_hash_to_block))
     assert before == after and mgr.get_block_ids("b") == []
     # once the holder leaves, the 5 free blocks are enough

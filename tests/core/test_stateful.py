@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedserve.core.kv_cache_manager import KVCacheManager
 
-from .conftest import FakeRequest, check_manager_invariants, slot_mapping
+from .conftest import FakeRequest, check_manager_invariants, free_order, slot_mapping
 
 PREFIXES = [[], [1, 2, 3, 4, 5], [1, 2, 3, 4, 6, 7, 8], [2, 2, 2, 2, 2, 2, 2, 2, 2]]
 MAX_LEN = 28
@@ -42,7 +42,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def pool_snapshot(self) -> tuple:
         pool = self.mgr.block_pool
         return ([(b.ref_cnt, b.block_hash) for b in pool.blocks],
-                [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+                [b.block_id for b in free_order(pool.free_block_queue)],
                 dict(pool.cached_block_hash_to_block), dict(self.mgr.req_to_blocks))
 
     def schedule(self, req: FakeRequest, num_new: int, hit=None, num_hit: int = 0) -> bool:
