@@ -1,10 +1,12 @@
-"""The hypothesis HTTP fuzz of test_fuzz_api.py on the agents' APIs: /v1/responses (errors in
-OpenAI's shape, naming a field of the request) and /v1/messages (errors in Anthropic's
+"""The hypothesis HTTP fuzz of test_fuzz_api.py on the agents' APIs: /v1/responses and its
+stored responses (GET and DELETE /v1/responses/{id}; errors in OpenAI's shape, naming a
+field of the request) and /v1/messages and /v1/messages/count_tokens (errors in Anthropic's
 shape). Whatever comes, never a 5xx; the server keeps serving and holds no block."""
 
 from __future__ import annotations
 
 import json
+from urllib.parse import quote
 
 import httpx
 from hypothesis import given
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 from pagedserve.entrypoints.server.responses_protocol import ResponsesRequest
 from tests.server.test_fuzz_api import (CONTENT_TYPES, FUZZ, JSON, LEAKS, LENGTHS, NUMBERS, TEXT,
                                         WORDS, _fuzz, bodies)
+from tests.server.test_fuzz_endpoints import QUERY_TEXT
 
 MODEL = st.sampled_from(["SmolLM2-135M-Instruct", "gpt-9"]) | TEXT | JSON
 SAMPLING = {"temperature": NUMBERS | JSON, "top_p": NUMBERS | JSON, "top_k": NUMBERS | JSON,
@@ -44,13 +47,18 @@ BLOCK = st.fixed_dictionaries(
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant"]) | JSON},
     optional={"content": WORDS | st.lists(BLOCK, max_size=2) | JSON})
+PROMPT = {"model": MODEL, "messages": st.lists(MESSAGE, max_size=3) | JSON,
+          "system": WORDS | JSON, "tools": JSON, "tool_choice": st.fixed_dictionaries(
+              {"type": st.sampled_from(["auto", "any", "tool", "none"]) | JSON}) | JSON,
+          "thinking": JSON}
 MESSAGES = st.fixed_dictionaries(
     {"max_tokens": LENGTHS},
-    optional={"model": MODEL, "messages": st.lists(MESSAGE, max_size=3) | JSON,
-              "system": WORDS | JSON, "stop_sequences": st.lists(WORDS, max_size=2) | JSON,
-              "tools": JSON, "tool_choice": st.fixed_dictionaries(
-                  {"type": st.sampled_from(["auto", "any", "tool", "none"]) | JSON}) | JSON,
-              "thinking": JSON, "metadata": JSON, **SAMPLING})
+    optional={**PROMPT, "stop_sequences": st.lists(WORDS, max_size=2) | JSON,
+              "metadata": JSON, **SAMPLING})
+COUNT_TOKENS = st.fixed_dictionaries({}, optional={**PROMPT, "max_tokens": LENGTHS})
+# a stored response's id: any text, as a client would put it in the path (percent-encoded)
+RESPONSE_IDS = st.sampled_from(["resp_0", "resp_", ".", "..", "a/b", "%00"]) | TEXT.filter(bool)
+QUERIES = st.dictionaries(st.sampled_from(["include", "stream", "x"]), QUERY_TEXT, max_size=2)
 
 
 def _events(response: httpx.Response) -> list[dict]:
@@ -75,19 +83,48 @@ def test_fuzz_responses(server, body, content_type):
 
 
 @FUZZ
-@given(body=bodies(MESSAGES), content_type=CONTENT_TYPES)
-def test_fuzz_messages(server, body, content_type):
+@given(response_id=RESPONSE_IDS, method=st.sampled_from(["GET", "DELETE"]), params=QUERIES)
+def test_fuzz_stored_responses(server, response_id, method, params):
+    path = "/v1/responses/" + quote(response_id.encode("utf-8", "surrogatepass"), safe="")
+    response = httpx.request(method, server.url + path, params=params, timeout=60)
+    # nothing is stored under such ids; 405: a dot segment, which the client resolves
+    # ('/v1/responses/.' is '/v1/responses/', the POST route's)
+    assert response.status_code in (400, 404, 405), response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["message"].strip() and not LEAKS.search(error["message"]), error
+
+
+def _anthropic_post(server, path: str, body: bytes, content_type: str | None
+                    ) -> httpx.Response:
+    """The answer, after checking it is no 5xx and an error is Anthropic's, no internals."""
     headers = {"content-type": content_type} if content_type else {}
-    response = httpx.post(server.url + "/v1/messages", content=body, headers=headers,
-                          timeout=120)
+    response = httpx.post(server.url + path, content=body, headers=headers, timeout=120)
     assert response.status_code < 500, (body, response.text)
-    if response.status_code >= 400:  # Anthropic's shape, no internals
+    if response.status_code >= 400:
         answer = response.json()
         assert set(answer) == {"type", "error"} and answer["type"] == "error", answer
         assert set(answer["error"]) == {"type", "message"}, answer
         assert answer["error"]["message"].strip() and not LEAKS.search(
             answer["error"]["message"]), answer
-    elif response.headers["content-type"].startswith("text/event-stream"):
+    return response
+
+
+@FUZZ
+@given(body=bodies(COUNT_TOKENS), content_type=CONTENT_TYPES)
+def test_fuzz_count_tokens(server, body, content_type):
+    response = _anthropic_post(server, "/v1/messages/count_tokens", body, content_type)
+    if response.status_code < 400:
+        assert response.json()["input_tokens"] > 0
+
+
+@FUZZ
+@given(body=bodies(MESSAGES), content_type=CONTENT_TYPES)
+def test_fuzz_messages(server, body, content_type):
+    response = _anthropic_post(server, "/v1/messages", body, content_type)
+    if response.status_code >= 400:
+        return
+    if response.headers["content-type"].startswith("text/event-stream"):
         events = _events(response)
         assert events[-1]["type"] == "message_stop", events
         assert not any(e["type"] == "error" for e in events), events

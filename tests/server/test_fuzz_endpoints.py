@@ -15,9 +15,10 @@ from pagedserve.entrypoints.server.protocol import DetokenizeRequest, TokenizeRe
 from tests.server.test_fuzz_api import (BIG_INTS, CONTENT_TYPES, FUZZ, JSON, MESSAGE, TEXT,
                                         WORDS, _fuzz, bodies)
 
-PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models",
-         "/health", "/metrics", "/openapi.json"]
+POSTS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+         "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]
 GETS = ["/v1/models", "/health", "/metrics", "/openapi.json"]
+PATHS = POSTS + GETS
 
 TOKENIZE = st.fixed_dictionaries({}, optional={
     "model": st.sampled_from(["SmolLM2-135M-Instruct", "gpt-9"]) | TEXT | JSON,
@@ -72,10 +73,14 @@ def test_fuzz_get_routes(server, path, params, headers):
 def test_fuzz_methods(server, path, method, body):
     response = httpx.request(method, server.url + path, content=body, timeout=60)
     assert response.status_code < 500, response.text
-    allowed = "POST" if path in PATHS[:4] else "GET"
+    allowed = "POST" if path in POSTS else "GET"
     if method != allowed:
         assert response.status_code == 405
-        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        error = response.json()["error"]
+        if path.startswith("/v1/messages"):  # Anthropic's shape there
+            assert set(error) == {"type", "message"}, error
+        else:
+            assert set(error) == {"message", "type", "param", "code"}, error
 
 
 def test_still_serves_after_fuzzing_every_endpoint(server):
