@@ -62,3 +62,43 @@ def test_signal_aborts_in_flight_stream_cleanly(tmp_path, sig, returncode, to_co
     assert len(events) < 2000
     log.seek(0)
     assert "Traceback" not in log.read()
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits_0():
+    """A grace far longer than the request needs: after SIGTERM the stream in flight runs to
+    its max_tokens (finish_reason "length", all its tokens counted), then the server exits
+    0 and its core with it."""
+    server = start_server("--graceful-timeout", "300")
+    try:
+        children = descendants(server.proc.pid)
+        first_token = threading.Event()
+        events: list[str] = []
+
+        def consume() -> None:
+            body = {"prompt": "Once upon a time", "max_tokens": 600, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                              timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        first_token.set()
+
+        client = threading.Thread(target=consume)
+        client.start()
+        assert first_token.wait(120)
+        server.proc.send_signal(signal.SIGTERM)
+        at_signal = len(events)
+        client.join(300)
+        assert not client.is_alive()
+        server.proc.wait(120)
+    finally:
+        stop_server(server)
+
+    assert server.proc.returncode == 0
+    assert wait_gone(children) == []
+    assert events[-1] == "[DONE]"
+    finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"]]
+    assert [f for f in finishes if f is not None] == ["length"]
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 600
+    assert at_signal <= len(events) - 3  # its finish, usage and [DONE] came after the signal
