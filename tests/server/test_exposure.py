@@ -236,6 +236,20 @@ def test_fcfs_server_refuses_a_priority_it_would_ignore(server):
                       timeout=120).status_code == 200
 
 
+def test_responses_priority_and_timeout_reach_the_engine(exposed, server):
+    """/v1/responses passes both to the chat path: a priority the shared fcfs server would
+    ignore is refused there, naming it; a timeout that passes at once aborts with a 408."""
+    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 16}
+    response = httpx.post(server.url + "/v1/responses", json={**body, "priority": 3},
+                          timeout=120)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
+    assert post(exposed, "/v1/responses", {**body, "priority": 3}).status_code == 200
+    error = assert_openai_error(post(exposed, "/v1/responses", {**body, "timeout": 0.001}),
+                                408, "request_timeout")
+    assert error["param"] == "timeout"
+    idle(exposed)
+
+
 # ---- deadlines -------------------------------------------------------------------------------
 
 
