@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 2 << 20
-DEFAULT_BODY_TIMEOUT_S = 30.0  # 2 MiB in 30 s is about 0.6 Mbit/s: slower links need more
+DEFAULT_BODY_TIMEOUT_S = 30.0  # the default body limit over a slow link; slower ones need more
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
