@@ -220,15 +220,21 @@ class OutputProcessor:
 
     @staticmethod
     def _completion(sample: _Sample) -> CompletionOutput:
-        token_ids = list(sample.token_ids)
-        delta_ids = token_ids[sample.num_reported_tokens:]
+        """The sample's output so far. Its lists are handed over as they are once it has
+        finished (nothing appends to them after), copied before (the caller may keep an output
+        while the sample grows); the delta is a slice from the last report's offset."""
+        finished = sample.finished
+        token_ids = sample.token_ids if finished else list(sample.token_ids)
+        delta_ids = sample.token_ids[sample.num_reported_tokens:]
         sample.num_reported_tokens = len(token_ids)
+        logprobs = sample.logprobs
+        if logprobs is not None and not finished:
+            logprobs = list(logprobs)
         return CompletionOutput(
             index=sample.index, text=sample.detokenizer.output_text, token_ids=token_ids,
-            cumulative_logprob=sample.cumulative_logprob,
-            logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+            cumulative_logprob=sample.cumulative_logprob, logprobs=logprobs,
             finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
-            text_delta=sample.detokenizer.take_delta(sample.finished),
+            text_delta=sample.detokenizer.take_delta(finished),
             token_ids_delta=delta_ids, error=sample.error)
 
     def _drop(self, parent: _Parent) -> None:

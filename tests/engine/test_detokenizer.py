@@ -46,3 +46,31 @@ def test_streamed_text_equals_whole_decode(tokenizer, seed):
     whole = tokenizer.decode(context + output, skip_special_tokens=True)
     assert detokenizer.output_text == whole[len(tokenizer.decode(context,
                                                                  skip_special_tokens=True)):]
+
+
+def test_a_streamed_output_keeps_its_tokens_while_the_request_grows(tokenizer):
+    """OutputProcessor's outputs: each streamed output's cumulative token ids stay what they
+    were when it was made (the sample's list keeps growing after), deltas follow the reported
+    offset, and the finished output holds every token."""
+    from pagedserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+    from pagedserve.engine.output_processor import OutputProcessor
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    processor = OutputProcessor(tokenizer)
+    prompt = tokenizer.encode("Hello")
+    params = SamplingParams(max_tokens=8)
+    processor.add_request("r", "Hello", prompt, params,
+                          [EngineCoreRequest("r", prompt, params, 0.0)])
+    words = [tokenizer.encode(w) for w in (" one", " two", " three")]
+    seen = []
+    for i, ids in enumerate(words):
+        last = i == len(words) - 1
+        outputs, _ = processor.process_outputs(EngineCoreOutputs(
+            [EngineCoreOutput("r", ids, finish_reason="length" if last else None)]))
+        (output,) = outputs
+        seen.append(output.outputs[0])
+    flat = [t for ids in words for t in ids]
+    assert [c.token_ids for c in seen] == [flat[:len(words[0])],
+                                          flat[:len(words[0]) + len(words[1])], flat]
+    assert [c.token_ids_delta for c in seen] == words
+    assert seen[-1].text == " one two three" and not processor.has_unfinished_requests()
