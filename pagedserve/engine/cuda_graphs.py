@@ -1,8 +1,9 @@
 """CUDA graphs of the decode forward pass, one per batch size of a ladder.
 
-A decode step of a 28-layer model is ~400 kernel launches; from Python each costs 5-10 µs
-and a Triton launch ~40-130 µs, far more than the kernels themselves at small batch. A
-graph replays them all with one launch. A graph replays fixed addresses and fixed launch
+A decode step of a 28-layer model is hundreds of kernel launches, and from Python each costs
+more than the kernel itself at small batch (a Triton launch far more than a torch op's;
+docs/benchmarks.md, "Host-side costs behind the engine's choices"). A graph replays them all
+with one launch. A graph replays fixed addresses and fixed launch
 grids, so:
 
 - inputs are the runner's `StepBuffers` device tensors, written in place every step, and a

@@ -71,7 +71,8 @@ class IncrementalDetokenizer:
     def update_at_once(self, new_token_ids: list[int]) -> None:
         """The text `update` would build token by token, from two decode calls instead of two
         per token; for requests without stop strings whose caller only reads the final text
-        (offline generation: at batch 256, decoding every token was ~5 ms of every step).
+        (offline generation: at large batch, decoding every token was a large part of every
+        step; docs/benchmarks.md, "Host-side costs behind the engine's choices").
         A trailing unfinished UTF-8 sequence is left out, as `update` holds it back."""
         decode, skip = self._decode, self.skip_special_tokens
         context = self.token_ids[self.prefix_offset:self.read_offset]

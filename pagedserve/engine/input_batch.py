@@ -1,7 +1,8 @@
 """Per-step input buffers that live across steps: staging memory and the block-table rows.
 
-At batch 256 on a GPU a decode step takes ~10 ms, so the CPU side of a step must cost far
-less and must never block on the GPU. Two things make that so:
+At large batch on a GPU a decode step takes milliseconds, so the CPU side of a step must cost
+far less and must never block on the GPU (docs/benchmarks.md, "Host-side costs behind the
+engine's choices"). Two things make that so:
 
 - `StepBuffers`: every input tensor of a step has a fixed-size host buffer (pinned on CUDA)
   and a fixed-size device buffer. The runner writes a step's values into the host buffers
@@ -82,7 +83,8 @@ class StepBuffers:
         to `rows`, all of them zero past their blocks. Only the first `width` columns (the
         step's longest sequence's blocks) are copied, and only the columns an earlier step
         left nonzero are cleared: a row has max_model_len / block_size columns, and copying
-        them all cost ~1 ms a step at 256 sequences of a 40k-token model."""
+        them all was a visible part of a step at large batch and long max_model_len (same
+        section of docs/benchmarks.md)."""
         num_seqs = len(table_rows)
         host, widths = self.block_tables.np, self._table_widths
         np.take(table[:, :width], table_rows, axis=0, out=host[:num_seqs, :width])

@@ -265,7 +265,8 @@ class ModelRunner:
 
     def initialize_swap_space(self, num_cpu_blocks: int) -> None:
         """CPU copies of the per-layer caches for preemption by swapping; pinned on CUDA so
-        the copies are DMA transfers (pageable memory ran at 1 GB/s on the H100 machine)."""
+        the copies are DMA transfers (pageable memory is far slower: docs/benchmarks.md,
+        "Block copy and swap")."""
         mc = self.model_config
         shape = (num_cpu_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         pin = self.device.type == "cuda"

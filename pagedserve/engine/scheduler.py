@@ -133,7 +133,8 @@ class Scheduler:
     def _holds_its_slot(self, request: Request, num_new: int) -> bool:
         """A decode whose token lands inside its last block, neither starting a block (which
         needs a new one) nor completing one (which the manager must cache): allocate_slots
-        would do nothing, and skipping it saves ~1 ms per step at batch 256."""
+        would do nothing, and skipping it saves a visible part of a large batch's step
+        (docs/benchmarks.md, "Host-side costs behind the engine's choices")."""
         offset = request.num_computed_tokens % self.block_size
         return num_new == 1 and 0 < offset < self.block_size - 1
 
