@@ -279,6 +279,8 @@ def test_openapi_declares_the_400s_it_sends(server):
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(posts)
     for path, operation in posts.items():
         assert "422" not in operation["responses"], path
+        # every body is bounded in size and in time (BodyLimits), whatever the route
+        assert {"408", "413"} <= set(operation["responses"]), path
         error = operation["responses"]["400"]["content"]["application/json"]["schema"]
         assert error == {"$ref": "#/components/schemas/ErrorResponse"}
     schemas = document["components"]["schemas"]

@@ -97,8 +97,8 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _ERROR_TEXT = {
     401: "No API key, or not one of the server's (--api-key)",
     404: "The model is not served here",
-    408: "The request's timeout (or --request-timeout) passed; it was aborted. Or its body "
-         "did not arrive within --body-timeout",
+    408: "The body did not arrive within --body-timeout; or, for a generation, the "
+         "request's timeout (or --request-timeout) passed and it was aborted",
     413: "The body is larger than --max-body-size",
     429: "The waiting queue (--max-queued-requests) or the grammar compile threads are full; "
          "see Retry-After",
@@ -191,15 +191,15 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
     async def create_message(req: MessagesRequest, raw: Request) -> Response:
         return await messages_api.create(req, raw, lambda chat: _salt(chat, raw, access))
 
-    @app.post("/v1/messages/count_tokens", responses=_errors(*auth, 404, 413))
+    @app.post("/v1/messages/count_tokens", responses=_errors(*auth, 404, 408, 413))
     async def count_message_tokens(req: MessageTokensRequest) -> dict:
         return await messages_api.count_tokens(req)
 
-    @app.post("/tokenize", responses=_errors(*auth, 404, 413))
+    @app.post("/tokenize", responses=_errors(*auth, 404, 408, 413))
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         return await asyncio.to_thread(serving.tokenize, req)
 
-    @app.post("/detokenize", responses=_errors(*auth, 404, 413))
+    @app.post("/detokenize", responses=_errors(*auth, 404, 408, 413))
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         return await asyncio.to_thread(serving.detokenize, req)
 
