@@ -113,11 +113,19 @@ def test_a_started_stream_ends_with_the_error_event_then_done(unchecked, path):
 
 
 def test_the_agent_apis_name_their_own_field(unchecked):
-    response = httpx.post(unchecked.url + "/v1/responses", timeout=300, json={
-        "model": MODEL_NAME, "input": "Hi", "max_output_tokens": 4,
-        "text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}})
+    """/v1/responses: a 400 naming text.format, or streamed an error event naming it, then
+    response.failed; /v1/messages: Anthropic's 400 naming output_config.format."""
+    body = {"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 4,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}}
+    response = httpx.post(unchecked.url + "/v1/responses", timeout=300, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "text.format"
+    with httpx.stream("POST", unchecked.url + "/v1/responses", json={**body, "stream": True},
+                      timeout=300) as streamed:
+        sent = [json.loads(line[6:]) for line in streamed.iter_lines()
+                if line.startswith("data: ")]
+    assert [e["type"] for e in sent[-2:]] == ["error", "response.failed"], sent
+    assert sent[-2]["param"] == "text.format"
     response = httpx.post(unchecked.url + "/v1/messages", timeout=300, json={
         "model": MODEL_NAME, "max_tokens": 4, "messages": SAY,
         "output_config": {"format": {"type": "json_schema", "schema": BAD_SCHEMA}}})
