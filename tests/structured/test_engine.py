@@ -21,6 +21,7 @@ from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 from tests.conftest import assert_pool_clean
+from tests.structured.test_remote import grammar_child
 
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32,
@@ -215,9 +216,9 @@ def test_grammar_workers_give_the_reference_tokens(loaded, reference, where,
     assert run(engine, mixed_batch()) == reference
     assert not engine.structured.has_requests()
     if where == "process":
-        child = engine.structured._child.process
+        child = grammar_child()
         engine.shutdown()
-        assert child.poll() is not None
+        assert not child.is_running()
 
 
 @pytest.mark.parametrize("where", ["inline", "threads-2", "process"])
