@@ -290,7 +290,7 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if not scheduler_output.is_empty:  # finished ids alone still reach the runner
             step, _ = self.executor.execute_model(scheduler_output)
-            rows = self._grammar_rows(scheduler_output)
+            rows = self._grammar_rows(scheduler_output, 0)
             grammar = self.structured.grammar_bitmask(rows) if rows is not None else None
             tokens = self.executor.sample_tokens(step, grammar)
             outputs = self._update(scheduler_output, tokens.result())
@@ -311,7 +311,7 @@ class EngineCore:
             previous = self.executor.sample_awaiting(in_flight) if in_flight else None
             return self._step_outputs(failed + self._complete(previous)), None
         step, previous = self.executor.execute_model(scheduler_output, in_flight)
-        rows = self._grammar_rows(scheduler_output)
+        rows = self._grammar_rows(scheduler_output, 1)
         if rows is None:
             launched = InFlightStep(scheduler_output, step, self.executor.sample_tokens(step))
         else:  # sampled by the next call, under the bitmask `previous`'s tokens lead to
@@ -346,14 +346,17 @@ class EngineCore:
             return []
         return self._update(step.scheduler_output, step.tokens.result(), next_rows)
 
-    def _grammar_rows(self, scheduler_output: SchedulerOutput) -> list[str] | None:
-        """The step's sampling rows if one of them is under a grammar (the manager knows):
-        then the step is sampled under their bitmask."""
+    def _grammar_rows(self, scheduler_output: SchedulerOutput,
+                      num_unseen: int) -> list[str] | None:
+        """The step's sampling rows if one of them is under a grammar (the manager knows),
+        or may be once the `num_unseen` tokens in flight (async: 1) are known (a grammar
+        that starts after a think block's end): then the step is sampled under their
+        bitmask."""
         structured = self.structured
         if not structured.has_requests():
             return None
         rows = scheduler_output.sampling_req_ids
-        return rows if any(map(structured.is_constrained, rows)) else None
+        return rows if any(structured.is_constrained(r, num_unseen) for r in rows) else None
 
     def _step_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         if self.kv_event_publisher is not None:

@@ -119,6 +119,10 @@ class Processor:
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         self._check_vocabulary(params.allowed_token_ids or (), "allowed_token_ids",
                                "allowed_token_ids")
+        spec = params.structured_outputs
+        if spec is not None and spec.starts_after is not None:
+            self._check_vocabulary(spec.starts_after, "structured_outputs",
+                                   "structured_outputs.starts_after token ids")
         budget = params.thinking_budget
         if budget is not None:
             self._check_vocabulary(budget.start_token_ids + budget.end_token_ids,

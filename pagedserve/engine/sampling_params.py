@@ -113,9 +113,10 @@ class SamplingParams:
              "allowed_token_ids must not be empty: no token could be sampled"),
             ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words or ()),
              "bad_words must be non-empty strings"),
-            ("thinking_budget", self.thinking_budget is None or self.structured_outputs is None,
-             "{param} cannot be combined with structured outputs: the grammar holds from the "
-             "first token, so it would refuse the forced end of the thinking block"),
+            ("thinking_budget", self.thinking_budget is None or self.structured_outputs is None
+             or self.structured_outputs.starts_after is not None,
+             "{param} cannot be combined with structured outputs that hold from the first "
+             "token (no think block before the grammar: it would refuse the block's tokens)"),
             ("priority", _SEEDS[0] <= self.priority < 2**63,
              f"priority must be a 64-bit integer, got {self.priority}"),
         ]

@@ -7,6 +7,14 @@ samples in a step. The matcher's state is a function of the request's output tok
 which survive preemption (by recompute or swap), so a preempted request resumes with its
 matcher as it left it; each child of an n > 1 request is a request with its own matcher.
 
+A grammar that starts after a marker (`StructuredOutputsParams.starts_after`: a reasoning
+model's output that begins inside its think block) has its matcher made fresh and set aside
+while the output is free; the manager watches that request's tokens (`marker.py`, on the
+calling thread, as it handles stop tokens) and constrains it from the token after the
+marker, which the matcher never sees. With a token in flight (async scheduling) such a row
+may be constrained by the time it samples: `is_constrained(id, num_unseen=1)` says so, and
+its row is filled once that token is known, all ones if the block is still open.
+
 The grammar work is host work in the engine's step, so it runs on worker threads while the
 engine thread does its own: `submit` queues a job (advance these matchers by their requests'
 last tokens, then fill these rows) and returns at once; `take_bitmask` waits for it. Each
@@ -49,6 +57,7 @@ import numpy as np
 import xgrammar as xgr
 
 from pagedserve.structured.grammar import GrammarCache, grammar_vocab_size
+from pagedserve.structured.marker import MarkerWatch, split_at_marker
 from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -97,6 +106,14 @@ class _Waiting:
 
     spec: StructuredOutputsParams
     output_token_ids: list[int]
+
+
+@dataclass(eq=False)
+class _Watched:
+    """A request whose grammar starts after a marker its output has not written yet."""
+
+    matcher: xgr.GrammarMatcher  # fresh: it sees the tokens after the marker
+    watch: MarkerWatch
 
 
 @dataclass(eq=False)
@@ -243,6 +260,7 @@ class StructuredOutputManager:
             t for t in stop_token_ids if t < width) or None
         self._stop_set = frozenset(self._stop_token_ids or ())
         self._entries: dict[str, _Entry] = {}
+        self._watched: dict[str, _Watched] = {}  # free until their marker (starts_after)
         self._free_slots: list[int] = []  # a heap of released slots below _next_slot
         self._next_slot = 0
         self._on_release = on_release
@@ -294,7 +312,7 @@ class StructuredOutputManager:
         if key not in self._compiling and self._grammars is not None:
             compiled = self._grammars.peek(spec)
             if compiled is not None:
-                self._add_matcher(request_id, compiled, output_token_ids)
+                self._add_matcher(request_id, compiled, output_token_ids, spec.starts_after)
                 self._ready.append(request_id)
                 return
         self._waiting[request_id] = _Waiting(spec, list(output_token_ids))
@@ -332,20 +350,34 @@ class StructuredOutputManager:
                     self._failed.append((request_id, error))
                     continue
                 self._add_matcher(request_id, self.grammars.get(waiting.spec),
-                                  waiting.output_token_ids)
+                                  waiting.output_token_ids, waiting.spec.starts_after)
                 self._ready.append(request_id)
         ready, failed = self._ready, self._failed
         self._ready, self._failed = [], []
         return ready, failed
 
     def _add_matcher(self, request_id: str, compiled: xgr.CompiledGrammar,
-                     output_token_ids: Sequence[int]) -> None:
-        """A matcher over `compiled`, advanced by the tokens the request already has. A
-        request whose grammar has already ended, or refuses them, stays free (`on_release`)."""
+                     output_token_ids: Sequence[int],
+                     starts_after: list[int] | None = None) -> None:
+        """A matcher over `compiled`, advanced by the tokens the request already has (those
+        after `starts_after`'s marker; none yet: the request is watched for it). A request
+        whose grammar has already ended, or refuses them, stays free (`on_release`)."""
         if self._stop_token_ids is None:
             self._stop_token_ids = list(self.grammars.tokenizer_info.stop_token_ids)
             self._stop_set = frozenset(self._stop_token_ids)
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids)
+        if starts_after is not None:
+            watch = MarkerWatch(starts_after)
+            after = split_at_marker(watch, output_token_ids)
+            if after is None:
+                self._watched[request_id] = _Watched(matcher, watch)
+                return
+            output_token_ids = after
+        self._constrain(request_id, matcher, output_token_ids)
+
+    def _constrain(self, request_id: str, matcher: xgr.GrammarMatcher,
+                   output_token_ids: Sequence[int]) -> None:
+        """Hold the request to `matcher`, advanced by `output_token_ids` first."""
         for token_id in output_token_ids:  # a request that arrives with output
             if matcher.is_terminated():
                 break  # past the grammar's end: unconstrained
@@ -370,6 +402,7 @@ class StructuredOutputManager:
         if entry is not None:
             heapq.heappush(self._free_slots, entry.slot)
         self._waiting.pop(request_id, None)
+        self._watched.pop(request_id, None)
 
     def _release(self, request_id: str) -> None:
         """The manager's own decision to free a request (its grammar ended or refused a
@@ -379,12 +412,18 @@ class StructuredOutputManager:
             self._on_release(request_id)
 
     def has_requests(self) -> bool:
-        return bool(self._entries)
+        """Requests with a matcher, held or watched for their marker (their tokens must
+        still be submitted)."""
+        return bool(self._entries or self._watched)
 
-    def is_constrained(self, request_id: str) -> bool:
-        """The request's next tokens are masked by its grammar: it has a matcher, which has
-        not accepted a stop token."""
-        return request_id in self._entries
+    def is_constrained(self, request_id: str, num_unseen: int = 0) -> bool:
+        """The request's next token is masked by its grammar: it has a matcher, which has
+        not accepted a stop token; or, with `num_unseen` (1) of its tokens not submitted yet
+        (in flight), that token may end the marker its grammar starts after."""
+        if request_id in self._entries:
+            return True
+        watched = self._watched.get(request_id)
+        return watched is not None and watched.watch.may_end_with(num_unseen)
 
     @property
     def stop_token_ids(self) -> list[int] | None:
@@ -422,12 +461,14 @@ class StructuredOutputManager:
             self._finish([jobs.popleft()])
         workers = max(self.num_threads, 1)
         job = _Job([_Task() for _ in range(workers)])
-        tasks, entries = job.tasks, self._entries
-        if entries:
+        tasks, entries, watched = job.tasks, self._entries, self._watched
+        if entries or watched:
             stop_set = self._stop_set
             for request_id, token in tokens:
                 entry = entries.get(request_id)
                 if entry is None:
+                    if watched:
+                        self._watch(request_id, token)
                     continue
                 if token in stop_set:
                     self._accept_stop(entry, token)
@@ -462,6 +503,14 @@ class StructuredOutputManager:
         _Switch.enter()
         for index, task in handed:
             self._inboxes[index].put((index, task, job))
+
+    def _watch(self, request_id: str, token: int) -> None:
+        """A watched request's token: the one that ends its marker constrains it from the
+        next (the matcher never sees it)."""
+        item = self._watched.get(request_id)
+        if item is not None and item.watch.feed(token):
+            del self._watched[request_id]
+            self._constrain(request_id, item.matcher, ())
 
     def _accept_stop(self, entry: _Entry, token: int) -> None:
         """A stop token ends the grammar if accepted; either way the request goes free."""

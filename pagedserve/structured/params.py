@@ -3,6 +3,11 @@
 Exactly one constraint is set. The API server maps OpenAI's `response_format` and our
 `structured_outputs` request field onto it; the offline API takes it directly. It is plain
 data (strings, a list, a bool) so it travels with SamplingParams to the engine core.
+
+`starts_after` is where the constraint starts: a reasoning model whose output begins inside
+its think block must think freely first, so the grammar holds only from the token after the
+block's end marker (the first time the output writes it; the tokens before are not fed to
+the grammar), as vLLM applies a grammar after the reasoning ends.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None  # exactly one of these strings
     grammar: str | None = None  # EBNF in xgrammar's (llama.cpp GBNF) dialect, root rule `root`
+    # the output is free until it has written these token ids (a think block's end): the
+    # constraint holds from the token after them. Not part of the grammar (`key`).
+    starts_after: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -31,6 +39,11 @@ class StructuredOutputsParams:
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured outputs: choice must be a non-empty list of "
                              "non-empty strings")
+        if self.starts_after is not None and not (
+                self.starts_after and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in self.starts_after)):
+            raise ValueError("structured outputs: starts_after must be a non-empty list of "
+                             "token ids")
         if isinstance(self.json, str):
             try:
                 _json.loads(self.json)

@@ -14,7 +14,10 @@ must hold them, as it must for vLLM's shared-memory queues).
 `GrammarProcess` offers the engine core what `StructuredOutputManager` does (add and remove
 requests, `submit`, `take_bitmask`, `grammar_bitmask`); it mirrors which requests are
 constrained, so the engine sends nothing for free rows, and the child reports the requests
-it freed itself (a grammar that ended or refused a token). The child starts at the first
+it freed itself (a grammar that ended or refused a token). A grammar that starts after a
+marker (`starts_after`) is watched on both sides with the same rule (`marker.py`): the
+engine sends the watched requests' tokens too, and knows the row is constrained from the
+token after the marker without asking. The child starts at the first
 constrained request: until it is up, messages wait in the socket's queue, and the first
 `take_bitmask` waits for it (its tokenizer table is built there, as the in-process manager
 builds it at that request). It leaves when told (`shutdown`, or when the engine is collected
@@ -57,6 +60,7 @@ import zmq
 from pagedserve.structured.grammar import GrammarCache, grammar_vocab_size
 from pagedserve.structured.manager import (
     GrammarOutput, StructuredOutputManager, default_num_threads)
+from pagedserve.structured.marker import MarkerWatch, split_at_marker
 from pagedserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -119,6 +123,8 @@ class GrammarProcess:
         self._grammars: GrammarCache | None = None
         self._constrained: set[str] = set()
         self._compiling: set[str] = set()  # sent to the child, no _Ready for them yet
+        # free until their marker (starts_after): watched here as in the child
+        self._watched: dict[str, MarkerWatch] = {}
         self._taken: list[_Taken] = []  # a fill's answer read early, by take_compiled
         # the news of the _Ready messages read since the last take_compiled
         self._ready: list[str] = []
@@ -153,15 +159,20 @@ class GrammarProcess:
             self._start()
         self._send(_Add(request.request_id, spec, list(request.output_token_ids)))
         self._compiling.add(request.request_id)
+        if spec.starts_after is not None:
+            watch = MarkerWatch(spec.starts_after)
+            if split_at_marker(watch, request.output_token_ids) is None:
+                self._watched[request.request_id] = watch
 
     def remove_request(self, request_id: str) -> None:
-        if request_id in self._constrained or request_id in self._compiling:
+        watched = self._watched.pop(request_id, None)
+        if request_id in self._constrained or request_id in self._compiling or watched:
             self._constrained.discard(request_id)
             self._compiling.discard(request_id)
             self._removed.append(request_id)
 
     def has_requests(self) -> bool:
-        return bool(self._constrained)
+        return bool(self._constrained or self._watched)
 
     def has_compiles(self) -> bool:
         """Requests sent to the child that it has not reported ready or failed yet, or
@@ -194,12 +205,19 @@ class GrammarProcess:
         self._failed += (f for f in message.failed if f[0] in compiling)
         compiling.difference_update(message.ready)
         compiling.difference_update(i for i, _ in message.failed)
-        self._constrained.update(ready)
+        for request_id, _ in message.failed:
+            self._watched.pop(request_id, None)
+        self._constrained.update(i for i in ready if i not in self._watched)
         self._ready += ready
 
-    def is_constrained(self, request_id: str) -> bool:
-        """As the engine knows it: the child may have freed it since its last reply."""
-        return request_id in self._constrained
+    def is_constrained(self, request_id: str, num_unseen: int = 0) -> bool:
+        """As the engine knows it (the child may have freed it since its last reply); a
+        watched request as `StructuredOutputManager.is_constrained` says."""
+        if request_id in self._constrained:
+            return True
+        watch = self._watched.get(request_id)
+        return (watch is not None and request_id not in self._compiling
+                and watch.may_end_with(num_unseen))
 
     # -- the step's work ----------------------------------------------------------------------
 
@@ -213,9 +231,16 @@ class GrammarProcess:
         and nothing when there is nothing to do."""
         if sampling_ids is not None and self._filling is not None:
             raise RuntimeError("a bitmask is being filled: take it before the next one")
-        constrained = self._constrained
+        constrained, watched = self._constrained, self._watched
         tokens = [(r.request_id, r.output_token_ids[-1]) for r in requests
-                  if r.request_id in constrained] if constrained else []
+                  if r.request_id in constrained or r.request_id in watched
+                  ] if constrained or watched else []
+        if watched:
+            for request_id, token in tokens:
+                watch = watched.get(request_id)
+                if watch is not None and watch.feed(token):  # constrained from the next
+                    del watched[request_id]
+                    constrained.add(request_id)
         fill = None
         if sampling_ids is not None and any(i in constrained for i in sampling_ids):
             fill = self._filling = list(sampling_ids)
@@ -257,6 +282,7 @@ class GrammarProcess:
         self._child = self._finalizer = None
         self._constrained.clear()
         self._compiling.clear()
+        self._watched.clear()
         self._taken.clear()
         self._ready.clear()
         self._failed.clear()

@@ -151,6 +151,7 @@ class OpenAIServing:
         await self._check_tool_schemas(req)
         token_ids = await asyncio.to_thread(self._apply_chat_template, req, tools)
         thinking = self._prompt_reasoning(req, token_ids)
+        params = self._grammar_after_reasoning(params, thinking)
         params = self._with_thinking_budget(req, params, thinking)
         requests = [_EngineRequest(base_id, None, token_ids, params)]
         streams = await self._submit(requests, req)
@@ -241,15 +242,28 @@ class OpenAIServing:
     def _prompt_reasoning(self, req: ChatCompletionRequest, token_ids: list[int]
                           ) -> reasoning.PromptReasoning | None:
         """The reasoning parser bound to this prompt; None when reasoning is not split out.
-        A forced tool call is JSON from its first token; an output a grammar holds starts
-        outside the block whatever the prompt left open (only a block the output writes
-        itself is reasoning)."""
-        if self.reasoning is None or req.effective_tool_choice not in ("auto", "none"):
+        An output held by a grammar (structured outputs, a forced tool call) thinks first
+        only where the prompt opened the block: its grammar then starts after the block
+        (`_grammar_after_reasoning`). Otherwise the grammar holds from the first token, so
+        no block is ever opened (a forced call has no reasoning to split)."""
+        if self.reasoning is None:
             return None
         bound = self.reasoning.for_prompt(self.tokenizer, token_ids)
-        if req.output_constraint() is not None:
-            return reasoning.PromptReasoning(self.reasoning, False)
-        return bound
+        forced_call = req.effective_tool_choice not in ("auto", "none")
+        if bound.starts_inside or not (forced_call or req.output_constraint() is not None):
+            return bound
+        return None if forced_call else reasoning.PromptReasoning(self.reasoning, False)
+
+    def _grammar_after_reasoning(self, params: SamplingParams,
+                                 thinking: reasoning.PromptReasoning | None) -> SamplingParams:
+        """A grammar on an output that starts inside the think block holds only after the
+        block's end marker (as vLLM's), so the model thinks first."""
+        spec = params.structured_outputs
+        if spec is None or thinking is None or not thinking.starts_inside:
+            return params
+        after = thinking.parser.end_token_ids(self.tokenizer)
+        return dataclasses.replace(
+            params, structured_outputs=dataclasses.replace(spec, starts_after=after))
 
     def _with_thinking_budget(self, req: ChatCompletionRequest, params: SamplingParams,
                               thinking: reasoning.PromptReasoning | None) -> SamplingParams:
@@ -257,7 +271,8 @@ class OpenAIServing:
             return params
         if thinking is None:
             why = ("the server has no reasoning parser (--reasoning-parser)"
-                   if self.reasoning is None else "a forced tool call has no reasoning")
+                   if self.reasoning is None
+                   else "a forced tool call has no reasoning unless the prompt opens the block")
             raise bad_request(f"thinking_token_budget needs a thinking block: {why}.",
                               param="thinking_token_budget")
         parser = thinking.parser
@@ -334,14 +349,14 @@ class OpenAIServing:
         content = split.content
         choice = req.effective_tool_choice
         if tools and choice == "required":  # the complete calls, as streaming sends them
-            calls, content = tool_parsers.parse_forced_prefix(c.text), None
+            calls, content = tool_parsers.parse_forced_prefix(content or ""), None
         elif tools and c.finish_reason == "stop":
             if choice == "auto":
                 content, calls = tool_parsers.parse_tool_calls(
                     self.tool_call_parser, content or "", tools)
                 calls = calls if req.parallel_tool_calls else calls[:1]
-            else:  # held by the grammar, so it parses
-                calls = tool_parsers.parse_forced(c.text, _named(choice))
+            else:  # held by the grammar (after any reasoning), so it parses
+                calls = tool_parsers.parse_forced(content or "", _named(choice))
                 content = None
         thought = split.reasoning if req.include_reasoning else None
         message = AssistantMessage(content=content, reasoning_content=thought, reasoning=thought,
@@ -607,8 +622,6 @@ class _ChatStream:
                  parser: str | None, thinking: reasoning.PromptReasoning | None) -> None:
         self.include_reasoning = req.include_reasoning
         self.reasoning = thinking.stream() if thinking else None
-        # the forced calls read the whole text: a grammar writes JSON, never reasoning
-        self.forced = req.effective_tool_choice not in ("auto", "none")
         self.tools = _ToolStream(req.effective_tool_choice, parser, tools,
                                  req.parallel_tool_calls) if tools else None
         self.content = ""  # the content so far (the tool parser reads it whole)
@@ -616,7 +629,7 @@ class _ChatStream:
     def deltas(self, c: Any) -> tuple[list[DeltaMessage], str | None]:
         """The deltas for this output of the choice (at least one), and its finish reason."""
         thought, text = "", c.text_delta
-        if self.reasoning is not None and not self.forced:
+        if self.reasoning is not None:
             part = self.reasoning.feed(c.text_delta)
             thought, text = part.reasoning, part.content
             if c.finish_reason is not None:
@@ -628,8 +641,8 @@ class _ChatStream:
             out.append(DeltaMessage(reasoning_content=thought, reasoning=thought))
         finish_reason = c.finish_reason
         if self.tools is not None:
-            out += [d for d in self.tools.deltas(c.text if self.forced else self.content,
-                                                 c.finish_reason) if d != DeltaMessage()]
+            out += [d for d in self.tools.deltas(self.content, c.finish_reason)
+                    if d != DeltaMessage()]
             if self.tools.num_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
         elif text:

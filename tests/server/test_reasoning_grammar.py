@@ -1,0 +1,115 @@
+"""Structured outputs and forced tool calls on a reasoning model whose prompt opens the think
+block (the tiny Qwen3 of test_reasoning_api.py, the assistant's turn continued after
+`<think>`): the model thinks first and the grammar holds only after `</think>`, whole and
+streamed, on a synchronous server with the matchers on threads and on an async-scheduling
+one with the grammar process. A random model does not think on its own: a thinking budget
+closes the block after `a`s (logit_bias pushes `</think>` down and `a` up), or a bias makes
+`</think>` its first token, which a grammar from the first token would have refused."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server.conftest import start_server, stop_server
+from tests.server.test_reasoning_api import (  # noqa: F401 (fixture)
+    ASK, checkpoint, chat, detokenize, refusal, streamed, tokenize)
+
+OPENED = {"messages": [*ASK, {"role": "assistant", "content": "<think>\n"}],
+          "continue_final_message": True, "add_generation_prompt": False}
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "size": {"enum": ["small", "large"]}},
+          "required": ["ok", "size"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
+
+
+@pytest.fixture(scope="module", params=["sync", "async+grammar-process"])
+def server(request, checkpoint):
+    flags = ([] if request.param == "sync"
+             else ["--async-scheduling", "--grammar-process"])
+    srv = start_server("--model", str(checkpoint), "--load-format", "dummy",
+                       "--served-model-name", "tiny", *flags)
+    yield srv
+    stop_server(srv)
+
+
+def ids(server, text: str) -> int:
+    [token_id] = tokenize(server, messages=[{"role": "user", "content": text}],
+                          add_generation_prompt=False)[-2:-1]
+    return token_id
+
+
+def budgeted(server, budget: int = 3) -> dict:
+    """A think block of `budget` a's, closed by the thinking budget."""
+    a, end = ids(server, "a"), ids(server, "</think>")
+    return {**OPENED, "thinking_token_budget": budget,
+            "logit_bias": {str(a): 100, str(end): -100}}
+
+
+def test_json_schema_after_the_think_block(server):
+    body = {**budgeted(server), "response_format": FORMAT, "max_tokens": 80}
+    whole = chat(server, **body)
+    message = whole["choices"][0]["message"]
+    assert message["reasoning_content"] == "aaa"
+    jsonschema.validate(json.loads(message["content"]), SCHEMA)
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4  # + </think>
+    parts = streamed(server, **body)
+    assert parts["reasoning_content"] == "aaa" and parts["content"] == message["content"]
+
+
+def test_the_grammar_waits_for_the_models_own_end(server):
+    """No budget: the model closes the block itself, with its first token."""
+    end = ids(server, "</think>")
+    answer = chat(server, **OPENED, response_format=FORMAT, max_tokens=80, logprobs=True,
+                  logit_bias={str(end): 100})
+    choice = answer["choices"][0]
+    assert choice["logprobs"]["content"][0]["token"] == "</think>"
+    assert choice["message"]["reasoning_content"] is None
+    jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_after_the_think_block(server, tool_choice):
+    body = {**budgeted(server), "tools": TOOLS, "tool_choice": tool_choice,
+            "max_tokens": 600}
+    choice = chat(server, **body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["reasoning_content"] == "aaa" and message["content"] is None
+    calls = message["tool_calls"]
+    assert calls and all(c["function"]["name"] == "get_weather" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), CITY)
+    parts = streamed(server, **body)
+    assert parts["reasoning_content"] == "aaa" and parts["content"] == ""
+    assert [c["arguments"] for c in parts["tool_calls"].values()] == \
+        [c["function"]["arguments"] for c in calls]
+
+
+def test_openai_sdk_parses_the_answer_after_thinking(server):
+    """The SDK's structured-output helper reads the content; the reasoning is its extra."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
+                           timeout=300)
+    extra = budgeted(server)
+    messages = extra.pop("messages")
+    answer = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                            max_tokens=80, response_format=FORMAT,
+                                            extra_body=extra)
+    assert answer.choices[0].message.reasoning_content == "aaa"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)
+
+
+def test_a_grammar_from_the_first_token_still_refuses_a_budget(server):
+    """The prompt leaves no block open: the grammar holds from the first token, so a budget
+    would be ignored."""
+    error = refusal(server, thinking_token_budget=3, response_format=FORMAT)
+    assert error["param"] == "thinking_token_budget"
