@@ -69,11 +69,13 @@ def test_the_in_flight_token_decides_on_the_device():
     assert drawn(rows, last=[5, END, START, 5, 5]) == [END, 5, END, 5, 5]
 
 
-def test_a_budget_with_structured_outputs_is_refused():
+def test_a_budget_with_structured_outputs_from_the_first_token_is_refused():
     with pytest.raises(RequestError) as err:
         SamplingParams(thinking_budget=budget(2),
                        structured_outputs=StructuredOutputsParams(regex="a+"))
     assert err.value.param == "thinking_budget"
+    after = StructuredOutputsParams(regex="a+", starts_after=[END])  # after the block: fine
+    assert SamplingParams(thinking_budget=budget(2), structured_outputs=after).thinking_budget
     with pytest.raises(RequestError, match=">= 0"):
         budget(-1)
 
