@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.core import hashing
-from pagedserve.core.hashing import get_hash_fn, hash_block_tokens, set_hash_algo
+from pagedserve.core.hashing import get_hash_fn
 
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -45,23 +44,28 @@ def test_parent_from_another_algorithm_is_rejected():
 
 
 def test_seed_makes_hashes_reproducible_and_changes_the_root():
-    saved = (hashing._default_algo, hashing._root_seed)
-    try:
-        set_hash_algo("sha256", seed=7)
-        first = hash_block_tokens(None, [1, 2, 3])
-        set_hash_algo("sha256", seed=7)
-        assert hash_block_tokens(None, [1, 2, 3]) == first
-        set_hash_algo("sha256", seed=8)
-        assert hash_block_tokens(None, [1, 2, 3]) != first
-        set_hash_algo("sha256")
-        random_root = hash_block_tokens(None, [1, 2, 3])
-        set_hash_algo("sha256")
-        assert hash_block_tokens(None, [1, 2, 3]) != random_root
-        set_hash_algo("xxhash", seed=7)
-        fast = hash_block_tokens(None, [1, 2, 3])
-        assert isinstance(fast, bytes) and len(fast) == 16
-    finally:
-        hashing._default_algo, hashing._root_seed = saved
+    """`set_hash_algo` changes the whole process's default, so it runs in an interpreter of
+    its own: the engines of this test process keep their root."""
+    code = """
+from pagedserve.core.hashing import hash_block_tokens, set_hash_algo
+set_hash_algo("sha256", seed=7)
+first = hash_block_tokens(None, [1, 2, 3])
+set_hash_algo("sha256", seed=7)
+assert hash_block_tokens(None, [1, 2, 3]) == first
+set_hash_algo("sha256", seed=8)
+assert hash_block_tokens(None, [1, 2, 3]) != first
+set_hash_algo("sha256")
+random_root = hash_block_tokens(None, [1, 2, 3])
+set_hash_algo("sha256")
+assert hash_block_tokens(None, [1, 2, 3]) != random_root
+set_hash_algo("xxhash", seed=7)
+fast = hash_block_tokens(None, [1, 2, 3])
+assert isinstance(fast, bytes) and len(fast) == 16
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 @pytest.mark.parametrize("algo", ["sha256", "xxhash"])
