@@ -14,6 +14,7 @@ inspectable parts).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -21,8 +22,15 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 
-Message = dict[str, str]
+Message = dict[str, Any]
 PromptInput = str | Sequence[int]
+
+# apply_chat_template's own arguments: not variables a caller may set for the template
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "self", "conversation", "conversations", "messages", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class LLM:
@@ -59,17 +67,23 @@ class LLM:
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them.
+        `chat_template_kwargs`: variables the template reads, as the server's request field
+        (Qwen3's `{"enable_thinking": False}`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[Message],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Render with the tokenizer's template, then tokenize without adding special tokens
         again (the template already wrote them)."""
-        return encode_chat(self.llm_engine.tokenizer, conversation, add_generation_prompt)
+        return encode_chat(self.llm_engine.tokenizer, conversation, add_generation_prompt,
+                           template_kwargs=chat_template_kwargs)
 
     def _add(self, prompt: PromptInput, params: SamplingParams) -> str:
         request_id = f"llm-{self._counter}"
@@ -100,7 +114,11 @@ def encode_chat(tokenizer, conversation: list[Message], add_generation_prompt: b
     """`tools`: OpenAI-style tool definitions for templates that render them;
     `continue_final_message`: the last message is left open, for the model to continue;
     `chat_template`: used instead of the tokenizer's; `template_kwargs`: variables the
-    template reads (Qwen3's `enable_thinking`)."""
+    template reads (Qwen3's `enable_thinking`), never apply_chat_template's own arguments."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: those are "
+                         "apply_chat_template's own arguments")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use generate()")
     text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,

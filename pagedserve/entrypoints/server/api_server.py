@@ -47,6 +47,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pagedserve.entrypoints.engine_args import engine_options, parse_size
+from pagedserve.entrypoints.llm import RESERVED_TEMPLATE_KWARGS
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, Limits
 from pagedserve.entrypoints.server.body import BodyLimits
 from pagedserve.entrypoints.server.errors import APIError, install_error_handlers
@@ -54,7 +55,7 @@ from pagedserve.entrypoints.server.messages import AnthropicErrors, MessagesServ
 from pagedserve.entrypoints.server.messages_protocol import MessagesRequest, MessageTokensRequest
 from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.entrypoints.server.protocol import (
-    RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
     TokenizeResponse)
 from pagedserve.entrypoints.server.reasoning import REASONING_PARSERS

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
     field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagedserve.entrypoints.llm import RESERVED_TEMPLATE_KWARGS
 from pagedserve.structured.params import StructuredOutputsParams
 
 MAX_N = 16  # choices per prompt; each one occupies a running slot in the engine
@@ -439,14 +440,6 @@ class NamedFunction(_Part):
 class NamedToolChoice(_Part):
     type: Literal["function"]
     function: NamedFunction
-
-
-# apply_chat_template's own arguments: not variables a request may set for the template
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "self", "conversation", "conversations", "messages", "tools", "documents", "chat_template",
-    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
-    "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def _template_kwargs(value: dict[str, Any] | None, info: ValidationInfo
