@@ -36,7 +36,8 @@ class GrammarBackend(Protocol):
         """Forget the request (finished, aborted, or its compile no longer wanted)."""
 
     def has_requests(self) -> bool:
-        """Some request is constrained now."""
+        """Some request is constrained now, or watched for the marker its grammar starts
+        after (its tokens must still be submitted)."""
 
     def has_compiles(self) -> bool:
         """Some request waits for its grammar, or `take_compiled` has news."""
@@ -45,8 +46,9 @@ class GrammarBackend(Protocol):
         """The requests ready since the last call, and (request id, error) for those whose
         compile failed. Never waits."""
 
-    def is_constrained(self, request_id: str) -> bool:
-        """The request's next tokens are masked by its grammar."""
+    def is_constrained(self, request_id: str, num_unseen: int = 0) -> bool:
+        """The request's next token is masked by its grammar, or (a grammar that starts after
+        a marker) may be once its `num_unseen` tokens in flight are submitted."""
 
     def grammar_bitmask(self, req_ids: Sequence[str]) -> GrammarOutput | None:
         """The bitmask of a step's sampling rows, now (`submit` then `take_bitmask`)."""
