@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pagedserve.core.block_pool import BlockPool
-from pagedserve.core.hashing import get_hash_fn
-from pagedserve.core.kv_cache_manager import KVCacheManager
+from pagedserve.kv_cache.block_pool import BlockPool
+from pagedserve.kv_cache.hashing import get_hash_fn
+from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 4096

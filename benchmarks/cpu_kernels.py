@@ -133,7 +133,7 @@ def _torch_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bench_step(dtype: str, model: str | None) -> None:
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
     from pagedserve.entrypoints.cli import _build_engine, bench_prompts, build_parser
 
     args = build_parser(["bench"]).parse_args(["bench", "--kv-cache-memory", "256M",

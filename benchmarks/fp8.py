@@ -61,8 +61,8 @@ from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.attention.backend import set_forward_context  # noqa: E402
 from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 from pagedserve.entrypoints.llm import LLM  # noqa: E402
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 from pagedserve.kernels.triton.attention import DecodeConfig, paged_decode  # noqa: E402
 from pagedserve.kernels.triton.attention.decode import FP8_DECODE  # noqa: E402
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig  # noqa: E402

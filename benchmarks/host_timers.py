@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.model_runner import PendingRunnerOutput
+from pagedserve.device.model_runner import PendingRunnerOutput
+from pagedserve.frontend.llm_engine import LLMEngine
 
 
 class HostTimers:

@@ -24,7 +24,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from pagedserve.cache import cache_root
+from pagedserve.artifacts import cache_root
 
 
 class BuildUnavailable(RuntimeError):

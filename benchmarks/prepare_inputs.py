@@ -22,8 +22,8 @@ import torch  # noqa: E402
 
 from benchmarks.make_checkpoint import make_checkpoint  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
-from pagedserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
 
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32,

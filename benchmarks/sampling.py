@@ -29,11 +29,11 @@ import time
 import torch
 import triton
 
-from pagedserve.engine.input_batch import CachedRequestState
-from pagedserve.engine.penalties import PenaltyState
-from pagedserve.engine.sampler import Sampler, SamplingMetadata, apply_penalties
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.device.input_batch import CachedRequestState
+from pagedserve.device.penalties import PenaltyState
+from pagedserve.device.sampler import Sampler, SamplingMetadata, apply_penalties
 from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
+from pagedserve.sampling_params import SamplingParams
 
 PROMPT_LEN, OUTPUT_LEN = 512, 256
 WORKLOADS = {

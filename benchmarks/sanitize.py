@@ -844,12 +844,12 @@ def w_sampling(ctx: Ctx) -> None:
     import torch
 
     from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
-    from pagedserve.engine.input_batch import CachedRequestState
-    from pagedserve.engine.penalties import PenaltyState
-    from pagedserve.engine.sampler import (Sampler, SamplingMetadata, apply_min_p,
+    from pagedserve.device.input_batch import CachedRequestState
+    from pagedserve.device.penalties import PenaltyState
+    from pagedserve.device.sampler import (Sampler, SamplingMetadata, apply_min_p,
                                            apply_penalties, apply_top_k_top_p)
     from pagedserve.kernels.triton.sampling import SamplingKernelConfig, fused_sample
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     dev = torch.device(ctx.device)
     if ctx.gpu:
@@ -1089,8 +1089,8 @@ def w_engine(ctx: Ctx, variant: str) -> None:
     import torch
 
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.frontend.llm_engine import LLMEngine
+    from pagedserve.sampling_params import SamplingParams
     from pagedserve.entrypoints.llm import LLM
 
     with tempfile.TemporaryDirectory(prefix="pagedserve-sanitize-") as tmp:

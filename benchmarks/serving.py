@@ -313,7 +313,7 @@ def engine_flags(args: argparse.Namespace, tuned: bool) -> dict:
 def offline_rows(model: str | None, flags: dict, work: list[WorkItem], modes: list[str]
                  ) -> list[tuple[str, float, int]]:
     """(mode, seconds, output tokens) per mode, from one LLM; runs in a worker process."""
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
     from pagedserve.entrypoints.llm import LLM
 
     llm = LLM(model, **flags)  # the engine core in its own process, as `serve` runs it

@@ -21,7 +21,7 @@ import time
 
 import msgspec
 
-from pagedserve.engine.messages import CachedRequestData, SchedulerOutput, decode, encode
+from pagedserve.messages import CachedRequestData, SchedulerOutput, decode, encode
 
 
 def decode_step(batch: int = 256) -> SchedulerOutput:

@@ -45,10 +45,10 @@ import xgrammar as xgr  # noqa: E402
 
 from benchmarks.host_timers import HostTimers  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.entrypoints.llm import LLM  # noqa: E402
 from pagedserve.entrypoints.server.tool_parsers import forced_tool_schema  # noqa: E402
+from pagedserve.frontend.llm_engine import LLMEngine  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.structured.grammar import GrammarCache  # noqa: E402
 from pagedserve.structured.params import StructuredOutputsParams  # noqa: E402
 

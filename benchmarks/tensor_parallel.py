@@ -139,7 +139,7 @@ def one_engine(spec: dict, tp: int) -> dict:
     import torch
 
     from pagedserve import SamplingParams
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.frontend.llm_engine import LLMEngine
     from pagedserve.entrypoints.llm import LLM
 
     scale = Scale(spec["tiny"])
@@ -211,7 +211,7 @@ def child_allreduce(spec: dict) -> dict:
 
     import torch.multiprocessing as mp
 
-    from pagedserve.engine.executor import WORKER_ENV
+    from pagedserve.device.executor import WORKER_ENV
 
     os.environ.update(WORKER_ENV)
     ctx = mp.get_context("spawn")

@@ -47,8 +47,8 @@ import torch  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 from pagedserve.entrypoints.llm import LLM  # noqa: E402
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 
 NUM_REQUESTS = 256
 TEMPERATURE = 0.6

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel  # noqa: E402
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "mistral-7b.json"
 

@@ -1,6 +1,6 @@
 """pagedserve: an LLM serving engine built around a paged KV cache.
 
-The public names are imported lazily so that `import pagedserve.core` (pure Python) does not
+The public names are imported lazily so that `import pagedserve.kv_cache` (pure Python) does not
 pull in torch and the model code.
 """
 
@@ -20,10 +20,10 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 
 _EXPORTS = {
     "LLM": "pagedserve.entrypoints.llm",
-    "LLMEngine": "pagedserve.engine.llm_engine",
-    "SamplingParams": "pagedserve.engine.sampling_params",
-    "RequestOutput": "pagedserve.engine.outputs",
-    "CompletionOutput": "pagedserve.engine.outputs",
+    "LLMEngine": "pagedserve.frontend.llm_engine",
+    "SamplingParams": "pagedserve.sampling_params",
+    "RequestOutput": "pagedserve.frontend.outputs",
+    "CompletionOutput": "pagedserve.frontend.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

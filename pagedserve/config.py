@@ -57,7 +57,7 @@ class EngineConfig:
     # across tenants); replicas behind a prefix-aware router set the same seed
     prefix_caching_hash_seed: str | None = None
     # publish the prefix cache's block events (stored / removed / cleared) on a ZeroMQ PUB
-    # socket bound here, e.g. "tcp://*:5557" (see core/kv_events.py); None = not recorded
+    # socket bound here, e.g. "tcp://*:5557" (see kv_cache/kv_events.py); None = not recorded
     kv_events_endpoint: str | None = None
     # scheduling; None = chosen by the engine for the device and model (resolve_batch_limits)
     max_num_seqs: int | None = None
@@ -82,7 +82,7 @@ class EngineConfig:
     # threads of the engine's (structured/remote.py); None = on for CUDA, off on the CPU
     grammar_process: bool | None = None
     # tensor parallelism: ranks that each hold a shard of the weights and of the KV heads,
-    # one worker process each (engine/executor.py); on CUDA rank r uses GPU r
+    # one worker process each (device/executor.py); on CUDA rank r uses GPU r
     tensor_parallel_size: int = 1
     # None: the engine starts its workers on this host; an address ("tcp://*:5600"): it binds
     # there and waits for tensor_parallel_size workers started elsewhere (torchrun)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.core.conftest import free_order
+from tests.kv_cache.conftest import free_order
 
 _ENGINES: list = []  # engines built through `make_engine`, checked after every test
 
@@ -44,7 +44,7 @@ def default_loaded_model():
     """SmolLM2-135M-Instruct (the default GGUF) with its tokenizer, on the CPU's exact float32
     path (not the fast quantized mode), which the transformers-equality tests hold."""
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LoadedModel
+    from pagedserve.frontend.llm_engine import LoadedModel
 
     return LoadedModel.load(EngineConfig(device="cpu", dtype="float32"))
 
@@ -53,7 +53,7 @@ def default_loaded_model():
 def make_engine(default_loaded_model):
     """Build LLMEngines over the shared default weights: make_engine(**engine_options)."""
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.frontend.llm_engine import LLMEngine
 
     def make(**options):
         options.setdefault("kv_cache_memory", 128 << 20)

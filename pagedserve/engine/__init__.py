@@ -1,1 +1,2 @@
-"""The engine: scheduler, model runner, sampler, detokenizer and LLMEngine."""
+"""The engine core: the scheduler, its requests and the step loop (core), and the process that
+runs them behind ZeroMQ (core_proc). Token ids in and out, no text."""

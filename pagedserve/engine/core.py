@@ -49,20 +49,19 @@ from typing import Any
 import torch
 
 from pagedserve.config import EngineConfig, resolve_batch_limits
-from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.core.kv_events import KVEventPublisher
-from pagedserve.engine.executor import (
+from pagedserve.device.executor import (
     Executor, InFlightStep, MultiprocExecutor, UniprocExecutor)
-from pagedserve.engine.messages import (
-    EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVCacheSpec, LogprobsLists,
-    ModelRunnerOutput, SchedulerOutput, SchedulerStats, TokenLogprobs)
-from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.device.loading import LoadedModel
+from pagedserve.device.model_runner import ModelRunner
 from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
-from pagedserve.kernels.native.build import cpu_flags, has_bf16_compute
+from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.kv_cache.kv_events import KVEventPublisher
+from pagedserve.messages import (
+    EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVCacheSpec, LogprobsLists,
+    ModelRunnerOutput, SchedulerOutput, SchedulerStats, TokenLogprobs)
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.decoder import Decoder
-from pagedserve.model.loader import load_model, load_tokenizer, model_path, read_model_config
+from pagedserve.model.loader import load_tokenizer, model_path, read_model_config
 from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.structured.remote import GrammarProcess
@@ -87,68 +86,6 @@ def _structured_outputs(config: EngineConfig, executor: Executor, tokenizer: Any
     return StructuredOutputManager(tokenizer, model_config.vocab_size, eos_token_ids,
                                    config.max_num_seqs, pin_memory=pin,
                                    device_type=executor.device_type)
-
-
-def resolve_device(name: str) -> torch.device:
-    """"auto" picks CUDA when there is one; an unavailable device is a ValueError up front
-    (a clear message instead of torch's failure deep inside the model's loading)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} is not available: this torch "
-                             f"({torch.__version__}) has no CUDA or sees no GPU")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r} is not available: "
-                             f"{torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def _check_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
-    """bfloat16 weights on the CPU only where it computes in bfloat16 (AVX-512-BF16 or AMX;
-    torch's oneDNN kernels use them); elsewhere refuse, rather than run slower than float32."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and not has_bf16_compute(cpu_flags()):
-        raise ValueError("--dtype bfloat16 on the CPU needs AVX-512-BF16 or AMX, which this CPU "
-                         "does not report; use --dtype auto (a GGUF's fast mode) or float32")
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    """Weights, their config and tokenizer; shareable by several engines (read-only)."""
-
-    model: Decoder
-    model_config: ModelConfig
-    tokenizer: object
-    tokenizer_source: str | None = None  # what `tokenizer` was loaded from, for another process
-
-    @classmethod
-    def load(cls, config: EngineConfig) -> LoadedModel:
-        device = resolve_device(config.device)
-        model, model_config, tokenizer_source = load_on_device(config, device)
-        tokenizer_source = config.tokenizer or tokenizer_source
-        return cls(model, model_config, load_tokenizer(tokenizer_source), tokenizer_source)
-
-
-def load_on_device(config: EngineConfig,
-                   device: torch.device) -> tuple[Decoder, ModelConfig, str]:
-    """The model on `device` (this rank's shard under tensor parallelism), its config and
-    tokenizer source."""
-    _check_cpu_dtype(resolve_dtype(config.dtype, device), device)
-    # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
-    # "float32" keeps the exact path.
-    return load_model(config.model, resolve_dtype(config.dtype, device), device,
-                      quantized=config.dtype == "auto", quantization=config.quantization,
-                      load_format=config.load_format)
 
 
 class EngineCore:

@@ -40,7 +40,7 @@ import zmq
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
-from pagedserve.engine.messages import (EngineCoreFailed, EngineCoreOutputs, EngineCoreReady,
+from pagedserve.messages import (EngineCoreFailed, EngineCoreOutputs, EngineCoreReady,
                                         EngineCoreRequest, decode, encode)
 
 logger = logging.getLogger(__name__)

@@ -46,10 +46,10 @@ from collections import deque
 from collections.abc import Iterable
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedserve.device.swap import SwappedRequest, SwapSpace
 from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.swap import SwappedRequest, SwapSpace
+from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 class Scheduler:

@@ -55,7 +55,7 @@ def cli_engine_options(args: argparse.Namespace) -> dict:
 
 
 def sampling_params(args: argparse.Namespace):
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -63,7 +63,7 @@ def sampling_params(args: argparse.Namespace):
 
 
 def _build_engine(args: argparse.Namespace):
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.frontend.llm_engine import LLMEngine
 
     return LLMEngine.from_options(**cli_engine_options(args))
 
@@ -231,7 +231,7 @@ def _print_result(result: BenchResult) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -129,7 +129,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("tensor_parallel_size", "ranks that shard the model (one worker process each, "
               "GPU r for rank r; gloo on the CPU)", metavar="N"),
     EngineArg("tensor_parallel_address", "bind here (e.g. tcp://*:5600) and wait for the "
-              "workers started by torchrun (python -m pagedserve.engine.worker) instead of "
+              "workers started by torchrun (python -m pagedserve.device.worker) instead of "
               "starting them", metavar="ADDRESS", default_text="start them on this host"),
 )
 

@@ -18,9 +18,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.frontend.llm_engine import LLMEngine
+from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
 
 Message = dict[str, Any]
 PromptInput = str | Sequence[int]

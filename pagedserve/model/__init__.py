@@ -1,4 +1,5 @@
-"""One decoder for Llama / Qwen2 / Qwen3 and its loaders (HF safetensors folder or GGUF)."""
+"""One decoder for every family in config.SUPPORTED_ARCHITECTURES (Llama, Mistral, Qwen2/3, Phi-3,
+Gemma 2/3, Mixtral, Qwen3-MoE) and its loaders (HF safetensors folder or GGUF)."""
 
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder

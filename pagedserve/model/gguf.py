@@ -42,7 +42,7 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedserve.cache import cache_root
+from pagedserve.artifacts import cache_root
 from pagedserve.kernels.native.quant import QuantizedWeight
 from pagedserve.model.config import GEMMA_FAMILIES, ModelConfig, rope_context_len
 from pagedserve.model.gguf_blocks import GGUF_TYPES, from_gguf

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.engine.errors import RequestError
+from pagedserve.errors import RequestError
 from pagedserve.structured.params import StructuredOutputsParams
 
 _MAX_REMEMBERED = 1024  # specs remembered as too slow; the oldest is forgotten first

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.engine.executor import ExecutorError
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.device.executor import ExecutorError
 from pagedserve.entrypoints.llm import LLM
+from pagedserve.frontend.llm_engine import LLMEngine
 from pagedserve.model import parallel
 from pagedserve.model.loader import read_model_config
 from pagedserve.model.parallel import TensorParallel
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 
 CHOICES = ["alpha", "beta", "gamma"]
@@ -134,7 +134,7 @@ def worker_processes() -> dict[int, int]:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except FileNotFoundError:
                 continue  # exited meanwhile
-            if b"pagedserve.engine.worker" in argv:
+            if b"pagedserve.device.worker" in argv:
                 workers[int(argv[argv.index(b"--rank") + 1])] = int(pid)
     return workers
 

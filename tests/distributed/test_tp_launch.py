@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedserve.engine.executor import WORKER_ENV
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.device.executor import WORKER_ENV
 from pagedserve.entrypoints.llm import LLM
+from pagedserve.sampling_params import SamplingParams
 from tests.server.conftest import start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def test_torchrun_workers_serve_an_engine_that_waits_for_them(llama, reference):
     torchrun = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-addr", "127.0.0.1", "--master-port", str(master_port),
-         "-m", "pagedserve.engine.worker", "--engine", address],
+         "-m", "pagedserve.device.worker", "--engine", address],
         env={**os.environ, **WORKER_ENV, "PYTHONPATH": str(REPO)})
     try:
         llm = LLM(llama, tensor_parallel_size=2, tensor_parallel_address=address, **OPTIONS)
@@ -82,7 +82,7 @@ def worker_pids(ancestor: int) -> list[int]:
         except (OSError, ValueError):
             continue
         parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        if b"pagedserve.engine.worker" in cmdline:
+        if b"pagedserve.device.worker" in cmdline:
             workers.add(int(entry.name))
 
     def descends(pid: int) -> bool:

@@ -18,12 +18,12 @@ import torch
 
 from benchmarks.make_checkpoint import make_checkpoint
 from pagedserve.config import EngineConfig
-from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
-from pagedserve.engine.messages import ModelRunnerOutput, SchedulerOutput, decode, encode
 from pagedserve.engine.request import Request
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
+from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.messages import ModelRunnerOutput, SchedulerOutput, decode, encode
+from pagedserve.sampling_params import SamplingParams
 from tests.conftest import assert_pool_clean
 
 VOCAB = 259  # the byte-level tokenizer's: every sampled token decodes to text

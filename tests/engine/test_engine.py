@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import encode_chat
+from pagedserve.sampling_params import SamplingParams
 
 CHAT = [{"role": "user", "content": "Write a short poem about rivers and the sea."}]
 
@@ -178,7 +178,7 @@ def test_dropped_engine_frees_its_kv_cache_from_the_shared_model(default_loaded_
     import weakref
 
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.frontend.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory=16 << 20),
                        default_loaded_model)

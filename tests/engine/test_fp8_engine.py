@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.entrypoints.llm import LLM, encode_chat
 from pagedserve.engine.core_proc import ready_message
+from pagedserve.entrypoints.llm import LLM, encode_chat
+from pagedserve.sampling_params import SamplingParams
 
 QUESTIONS = ["Why is the sky blue?", "Name three rivers in Europe.",
              "What is a paged KV cache?", "Write a haiku about autumn."]
@@ -50,7 +50,7 @@ def test_fp8_weights_on_the_cpu_reference_path(reference):
     import torch
 
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
+    from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
 
     config = EngineConfig(device="cpu", dtype="float32", quantization="fp8",
                           kv_cache_memory=32 << 20)

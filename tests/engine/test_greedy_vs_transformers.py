@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import encode_chat
+from pagedserve.sampling_params import SamplingParams
 
 NEW_TOKENS = 48
 QUESTIONS = [

@@ -8,9 +8,9 @@ import time
 import pytest
 import zmq
 
-from pagedserve.core.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from pagedserve.core.kv_events import DEFAULT_TOPIC, decode_batch
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kv_cache.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedserve.kv_cache.kv_events import DEFAULT_TOPIC, decode_batch
+from pagedserve.sampling_params import SamplingParams
 
 BLOCK = 16
 

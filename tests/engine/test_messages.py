@@ -7,11 +7,11 @@ import msgspec
 import pytest
 
 from pagedserve.config import EngineConfig, resolve_batch_limits
-from pagedserve.engine.messages import (
+from pagedserve.messages import (
     CachedRequestData, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsLists,
     ModelRunnerOutput, NewRequestData, SchedulerOutput, SchedulerStats, TokenLogprobs, decode,
     encode)
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=-3, stop=["\n\n", "END"],
                         stop_token_ids=[7], logprobs=2, repetition_penalty=1.1, max_tokens=None)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import LLM
+from pagedserve.frontend.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams
 from tests.server.test_reasoning_api import ASK, checkpoint  # noqa: F401 (fixture)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.engine.core import EngineCore
-from pagedserve.engine.core_client import EngineDeadError, RemoteEngineCore
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import LLM
+from pagedserve.frontend.core_client import EngineDeadError, RemoteEngineCore
+from pagedserve.sampling_params import SamplingParams
 
 OPTIONS = dict(device="cpu", dtype="float32", kv_cache_memory=128 << 20)
 

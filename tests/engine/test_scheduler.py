@@ -6,12 +6,12 @@ the manager's blocks for every scheduled request at every step."""
 from __future__ import annotations
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.kv_cache_manager import KVCacheManager
-from pagedserve.engine.input_batch import BlockTableRows
-from pagedserve.engine.messages import ModelRunnerOutput, SchedulerOutput, decode, encode
+from pagedserve.device.input_batch import BlockTableRows
 from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.messages import ModelRunnerOutput, SchedulerOutput, decode, encode
+from pagedserve.sampling_params import SamplingParams
 
 BLOCK = 4
 _ROWS: dict[int, BlockTableRows] = {}  # id(scheduler) -> the simulated runner's rows

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from pagedserve.engine.errors import RequestError
-from pagedserve.engine.input_batch import CachedRequestState
-from pagedserve.engine.sampler import Sampler, SamplingMetadata
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.thinking_budget import ThinkingBudget
+from pagedserve.device.input_batch import CachedRequestState
+from pagedserve.device.sampler import Sampler, SamplingMetadata
+from pagedserve.errors import RequestError
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
+from pagedserve.thinking_budget import ThinkingBudget
 from tests.engine.test_async_scheduling import Arrival, greedy, loaded, make, run  # noqa: F401
 
 VOCAB = 40

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from pagedserve.engine.input_batch import CachedRequestState
-from pagedserve.engine.sampler import Sampler, SamplingMetadata
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.device.input_batch import CachedRequestState
+from pagedserve.device.sampler import Sampler, SamplingMetadata
+from pagedserve.sampling_params import SamplingParams
 from tests.engine.test_async_scheduling import Arrival, greedy, loaded, make, run  # noqa: F401
 
 VOCAB = 40

@@ -3,7 +3,7 @@ and freed first (then a second engine in the same process) runs, and gives trans
 float32 greedy tokens wherever the torch reference backend does.
 
 What broke: the engine's memory-profiling prefill ran positions past the model's RoPE table
-(`engine/profile_run.py`). In a fresh process the overrun read stayed inside mapped memory;
+(`device/profile_run.py`). In a fresh process the overrun read stayed inside mapped memory;
 after transformers had allocated and freed gigabytes, the table could end a mapped segment
 and the read faulted: "an illegal memory access", every later CUDA call failing. The model
 is the issue's: a random Qwen3 whose context (4096) is far shorter than an H100's
@@ -82,8 +82,8 @@ def _engine_tokens(checkpoint: str, prompts: list[list[int]], backend: str) -> l
     """The KV cache is sized by the memory profile (the path that faulted), over what the
     other tests' fixtures leave free: 6 GiB more than is in use now. The profile batch is an
     H100's default 16384 tokens, four times the model's context, whatever that leaves."""
-    from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.frontend.llm_engine import LLMEngine
+    from pagedserve.sampling_params import SamplingParams
     from pagedserve.entrypoints.llm import LLM
 
     free, total = torch.cuda.mem_get_info()

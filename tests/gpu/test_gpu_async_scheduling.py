@@ -41,7 +41,7 @@ def sync_and_async(loaded, prompt_list, params_list):  # noqa: F811
 
 @torch.inference_mode()
 def test_async_scheduling_gives_the_synchronous_tokens(loaded):  # noqa: F811
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     prompt_list = prompts(64, seed=5)
     params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 else
@@ -53,7 +53,7 @@ def test_async_scheduling_gives_the_synchronous_tokens(loaded):  # noqa: F811
 
 @torch.inference_mode()
 def test_async_scheduling_stops_mid_flight_like_the_synchronous_engine(loaded):  # noqa: F811
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     prompt_list = prompts(64, seed=6)
     free = run(make_engine(loaded, async_scheduling=False, **LOCKSTEP), prompt_list,

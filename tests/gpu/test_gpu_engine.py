@@ -46,7 +46,7 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def loaded(checkpoint):
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LoadedModel
+    from pagedserve.frontend.llm_engine import LoadedModel
 
     return LoadedModel.load(EngineConfig(model=checkpoint, device="cuda"))
 
@@ -61,7 +61,7 @@ def hf_model(checkpoint):
 
 def make_engine(loaded, **options):
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.frontend.llm_engine import LLMEngine
 
     options.setdefault("kv_cache_memory", 4 << 30)
     options.setdefault("max_model_len", 4096)
@@ -75,7 +75,7 @@ def prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def generate(engine, prompt_list, max_tokens) -> list[list[int]]:
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompt_list):
@@ -158,7 +158,7 @@ def test_swap_round_trip_is_bitwise_and_engines_finish(loaded):
     """The runner's swap moves exact bits GPU -> pinned CPU -> other GPU blocks. Token
     agreement of swap, recompute and no preemption is reported, not asserted: the batch
     shapes differ between them, and random weights make near-ties that bf16 rounding flips."""
-    from pagedserve.engine.messages import SchedulerOutput
+    from pagedserve.messages import SchedulerOutput
 
     engine = make_engine(loaded, kv_cache_memory=1 << 30, preemption_mode="swap",
                          swap_space=64 * (1 << 20))

@@ -47,7 +47,7 @@ def model_path(tmp_path_factory) -> str | None:
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.frontend.llm_engine import LLMEngine
 
     return LLMEngine.from_options(model=model_path, device="cuda", dtype="float32",
                                   attention_backend="triton", kv_cache_memory=2 << 30,
@@ -63,7 +63,7 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 @torch.inference_mode()
 def test_float32_triton_greedy_matches_transformers(engine, model_path):
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
     from pagedserve.entrypoints.cli import load_transformers
 
     prompts = _prompts(engine.tokenizer)

@@ -202,7 +202,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 def load(checkpoint: str, **options):
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LoadedModel
+    from pagedserve.frontend.llm_engine import LoadedModel
 
     return LoadedModel.load(EngineConfig(model=checkpoint, device="cuda", **options))
 
@@ -214,7 +214,7 @@ def loaded(checkpoint):
 
 def make_engine(loaded, **options):
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.frontend.llm_engine import LLMEngine
 
     options.setdefault("kv_cache_memory", 2 << 30)
     options.setdefault("max_model_len", 4096)
@@ -228,7 +228,7 @@ def random_prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def greedy(engine, prompt_list: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
     from pagedserve.entrypoints.llm import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.input_batch import CachedRequestState
-from pagedserve.engine.penalties import PenaltyState
-from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
-from pagedserve.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
+from pagedserve.device.input_batch import CachedRequestState
+from pagedserve.device.penalties import PenaltyState
+from pagedserve.device.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
                                        apply_top_k_top_p)
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
+from pagedserve.sampling_params import SamplingParams
 from tests.gpu.test_gpu_async_scheduling import sync_and_async
 from tests.gpu.test_gpu_engine import checkpoint, loaded, prompts  # noqa: F401
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def requests():
-    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.sampling_params import SamplingParams
     from pagedserve.structured.params import StructuredOutputsParams
 
     specs = [StructuredOutputsParams(json=PERSON), None,

@@ -2,7 +2,7 @@
 
 A TP=2 engine built after a TP=1 engine in one process once died with an illegal memory
 access, and the TP benchmark started every engine in a fresh process to dodge it. The cause
-was the memory-profiling prefill reading past the RoPE table (engine/profile_run.py); this
+was the memory-profiling prefill reading past the RoPE table (device/profile_run.py); this
 checks the sequence itself on the GPUs: the second engine starts, and in float32 its greedy
 tokens are the first one's (the two all-reduce halves are added in another order than one
 GEMM's sum, which may tip a rare near-tie late in a sequence, never a first token on this
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 
 @torch.inference_mode()
 def test_tp2_engine_after_a_tp1_engine_in_one_process(checkpoint):  # noqa: F811
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.frontend.llm_engine import LLMEngine
 
     prompt_list = prompts(16, seed=3)
     tokens = {}

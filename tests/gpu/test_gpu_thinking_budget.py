@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @torch.inference_mode()
 def test_budget_forces_the_end_and_async_matches_sync(loaded):  # noqa: F811
-    from pagedserve.engine.sampling_params import SamplingParams
-    from pagedserve.engine.thinking_budget import ThinkingBudget
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.thinking_budget import ThinkingBudget
 
     prompt_list = prompts(32, seed=11)
     free = run(make_engine(loaded, async_scheduling=False, max_num_batched_tokens=32768),

@@ -13,8 +13,8 @@ import torch
 
 from benchmarks.make_checkpoint import make_checkpoint
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.frontend.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams
 
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32,

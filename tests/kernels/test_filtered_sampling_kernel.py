@@ -8,21 +8,21 @@ torch reference (`apply_min_p`, `apply_top_k_top_p`, `apply_penalties`) drops se
 -inf. High temperatures make a wrongly kept token likely to win, and integer-valued
 logits put ties on the cut-offs. The interpreter is slow per row, so rows are few and
 small; the law of the draw over many seeds is measured on the reference (which the kernel
-equals draw for draw) and, for the torch sampler, in tests/engine/test_sampler.py.
+equals draw for draw) and, for the torch sampler, in tests/device/test_sampler.py.
 """
 
 import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.input_batch import CachedRequestState
-from pagedserve.engine.penalties import PenaltyState
+from pagedserve.device.input_batch import CachedRequestState
+from pagedserve.device.penalties import PenaltyState
+from pagedserve.device.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
+                                       apply_top_k_top_p)
 from pagedserve.kernels.triton import filtered_sampling
 from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
-from pagedserve.engine.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
-                                       apply_top_k_top_p)
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.kernels.triton.sampling import fused_sample
+from pagedserve.sampling_params import SamplingParams
 from tests.kernels.test_sampling_kernel import chi_square, fresh_seed, reference_draws
 
 CONFIG = FilteredKernelConfig(block=16, pivots=64)  # 40 tokens: three tiles, one partial

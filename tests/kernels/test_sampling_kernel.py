@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.engine.input_batch import CachedRequestState
-from pagedserve.engine.penalties import PenaltyState
-from pagedserve.engine.sampler import Sampler, SamplingMetadata, apply_penalties
+from pagedserve.device.input_batch import CachedRequestState
+from pagedserve.device.penalties import PenaltyState
+from pagedserve.device.sampler import Sampler, SamplingMetadata, apply_penalties
 from pagedserve.kernels.triton.sampling import (SamplingKernelConfig, choose_num_splits,
                                                fused_sample)
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams
 
 SMALL = SamplingKernelConfig(block=16)
 TILINGS = [(SMALL, None), (SMALL, 1), (SamplingKernelConfig(block=32), 3),

@@ -14,12 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
 from pagedserve.kernels.native import linear as native_linear
 from pagedserve.kernels.native.build import cpu_flags, has_bf16_compute
 from pagedserve.model.decoder import Linear
 from pagedserve.model.loader import default_model_path
+from pagedserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not has_bf16_compute(cpu_flags()),
                                 reason="CPU without AVX-512-BF16 / AMX")

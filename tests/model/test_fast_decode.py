@@ -17,11 +17,11 @@ from pagedserve.attention.backend import set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
 from pagedserve.kernels.native import decode
 from pagedserve.model.fast_decode import FastDecode
 from pagedserve.model.loader import load_model
+from pagedserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not decode.available(),
                                 reason="native kernels unavailable")

@@ -17,13 +17,13 @@ import torch
 
 from benchmarks.cpu_quality import compare, text_ids, text_logits
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import encode_chat
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
 from pagedserve.kernels.native import quant
 from pagedserve.model.decoder import Linear
 from pagedserve.model.loader import load_model
 from pagedserve.model.packed import QuantizedMatmul
+from pagedserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="native kernels unavailable")
 
@@ -84,7 +84,7 @@ def test_first_tokens_agree_with_float32(fast, default_loaded_model):
 
 def test_auto_dtype_is_the_fast_mode_and_float32_the_exact(monkeypatch):
     seen = []
-    monkeypatch.setattr("pagedserve.engine.core.load_model",
+    monkeypatch.setattr("pagedserve.device.loading.load_model",
                         lambda *a, **kw: seen.append(kw["quantized"]) or (_ for _ in ()).throw(
                             RuntimeError("stop")))
     for dtype in ("auto", "float32"):
@@ -95,12 +95,12 @@ def test_auto_dtype_is_the_fast_mode_and_float32_the_exact(monkeypatch):
 
 def test_bfloat16_on_a_cpu_without_bf16_compute_is_refused(monkeypatch):
     """This CPU (AVX2 only) and any without AVX-512-BF16 / AMX: a clear error before loading."""
-    import pagedserve.engine.core as core
+    import pagedserve.device.loading as loading
 
-    monkeypatch.setattr(core, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
-    monkeypatch.setattr(core, "load_model", lambda *a, **kw: pytest.fail("loaded"))
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **kw: pytest.fail("loaded"))
     with pytest.raises(ValueError, match="needs AVX-512-BF16 or AMX"):
         LoadedModel.load(EngineConfig(device="cpu", dtype="bfloat16"))
-    monkeypatch.setattr(core, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(loading, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     with pytest.raises(pytest.fail.Exception, match="loaded"):
         LoadedModel.load(EngineConfig(device="cpu", dtype="bfloat16"))

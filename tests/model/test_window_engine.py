@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.make_checkpoint import make_checkpoint
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
+from pagedserve.sampling_params import SamplingParams
 from tests.conftest import assert_pool_clean
 
 WINDOW, BLOCK, NEW = 6, 4, 10

@@ -21,7 +21,7 @@ import pytest
 from tests.server.conftest import MODEL_NAME, start_server, stop_server
 from tests.server.test_findings import INTERNALS, SAY
 
-NO_CHECK = ("from pagedserve.engine.processor import Processor\n"
+NO_CHECK = ("from pagedserve.frontend.processor import Processor\n"
             "Processor.check_structured_outputs = lambda self, spec: None")
 BAD_SCHEMA = {"type": "array", "minItems": 3, "maxItems": 1}
 BAD_TOOL = {"type": "function", "function": {"name": "pick",

@@ -8,8 +8,8 @@ import time
 import httpx
 import zmq
 
-from pagedserve.core.block_pool import BlockStored
-from pagedserve.core.kv_events import DEFAULT_TOPIC, decode_batch
+from pagedserve.kv_cache.block_pool import BlockStored
+from pagedserve.kv_cache.kv_events import DEFAULT_TOPIC, decode_batch
 
 PROMPT = "Paged attention keeps the KV cache in blocks of sixteen tokens each. " * 3
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.llm import LLM
+from pagedserve.sampling_params import SamplingParams
 from tests.server.conftest import MODEL_NAME
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]

@@ -4,8 +4,8 @@ lost or repeated, and an error ends the stream whatever is pending."""
 
 import asyncio
 
-from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.entrypoints.server.async_engine import _Stream
+from pagedserve.frontend.outputs import CompletionOutput, RequestOutput
 
 
 def step(all_ids: list[list[int]], new: int, finished: bool = False) -> RequestOutput:

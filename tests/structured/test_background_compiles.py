@@ -19,9 +19,9 @@ import pytest
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core import EngineCore
-from pagedserve.engine.messages import EngineCoreRequest
 from pagedserve.engine.request import RequestStatus
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.messages import EngineCoreRequest
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.structured.params import StructuredOutputsParams

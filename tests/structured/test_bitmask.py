@@ -10,9 +10,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from pagedserve.engine.input_batch import CachedRequestState
-from pagedserve.engine.sampler import Sampler, SamplingMetadata, to_device
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.device.input_batch import CachedRequestState
+from pagedserve.device.sampler import Sampler, SamplingMetadata, to_device
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.bitmask import apply_token_bitmask
 
 VOCAB = 100

@@ -17,8 +17,8 @@ import torch
 
 from benchmarks.make_checkpoint import make_checkpoint
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, LoadedModel
-from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 from tests.conftest import assert_pool_clean
 from tests.structured.test_remote import grammar_child

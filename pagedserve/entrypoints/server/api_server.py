@@ -59,11 +59,11 @@ from pagedserve.entrypoints.server.protocol import (
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
     TokenizeResponse)
 from pagedserve.entrypoints.server.reasoning import REASONING_PARSERS
-from pagedserve.entrypoints.server.tool_parsers import PARSERS
 from pagedserve.entrypoints.server.response_store import ResponseStore
 from pagedserve.entrypoints.server.responses import ResponsesServing
 from pagedserve.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedserve.entrypoints.server.serving import ChatSettings, OpenAIServing
+from pagedserve.entrypoints.server.tool_parsers import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -460,7 +460,7 @@ def run_server(args: argparse.Namespace) -> None:
     dies: then every in-flight request gets an error and the server exits non-zero (a
     RuntimeError, which the CLI reports and turns into exit code 1)."""
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.core_client import EngineCoreClient
+    from pagedserve.frontend.core_client import EngineCoreClient
     from pagedserve.model.loader import load_tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

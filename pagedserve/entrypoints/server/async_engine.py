@@ -44,16 +44,16 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from pagedserve.engine.core_client import EngineCoreClient, EngineDeadError
-from pagedserve.engine.errors import RequestError
-from pagedserve.engine.messages import EngineCoreOutputs, SchedulerStats
-from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.engine.outputs import EngineStats, RequestOutput
-from pagedserve.engine.processor import Processor
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.entrypoints.server.drain import DrainRate
 from pagedserve.entrypoints.server.errors import APIError, bad_request
 from pagedserve.entrypoints.server.metrics import RequestTiming, ServerMetrics
+from pagedserve.errors import RequestError
+from pagedserve.frontend.core_client import EngineCoreClient, EngineDeadError
+from pagedserve.frontend.output_processor import OutputProcessor
+from pagedserve.frontend.outputs import EngineStats, RequestOutput
+from pagedserve.frontend.processor import Processor
+from pagedserve.messages import EngineCoreOutputs, SchedulerStats
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.compiles import GrammarBusy, GrammarCompiles
 from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.params import StructuredOutputsParams

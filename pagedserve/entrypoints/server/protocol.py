@@ -245,7 +245,7 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False  # extension
     min_tokens: int = Field(0, ge=0)  # extension: EOS and stop_token_ids ignored before this
     skip_special_tokens: bool = True  # extension: special tokens left out of the text
-    spaces_between_special_tokens: bool = True  # extension: see engine/detokenizer.py
+    spaces_between_special_tokens: bool = True  # extension: see frontend/detokenizer.py
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # extension: keep the last k
     allowed_token_ids: list[int] | None = None  # extension: only these can be sampled
     bad_words: list[str] | None = None  # extension: never generated

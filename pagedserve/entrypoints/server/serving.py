@@ -29,9 +29,6 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedserve.engine.errors import RequestError
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.thinking_budget import ThinkingBudget
 from pagedserve.entrypoints.llm import encode_chat
 from pagedserve.entrypoints.server import reasoning, tool_parsers
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, EngineDeadError
@@ -44,7 +41,10 @@ from pagedserve.entrypoints.server.protocol import (
     DeltaToolCall, DetokenizeRequest, DetokenizeResponse, FunctionCall, NamedToolChoice,
     PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, TokenizeRequest,
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, random_id)
+from pagedserve.errors import RequestError
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
+from pagedserve.thinking_budget import ThinkingBudget
 
 _DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks that its client is there
 

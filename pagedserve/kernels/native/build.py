@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from pagedserve.cache import cache_root
+from pagedserve.artifacts import cache_root
 from pagedserve.progress import notice
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,593 @@
+"""ModelRunner: owns the device tensors (weights, KV cache) and turns a SchedulerOutput into
+sampled tokens.
+
+It is driven by plain data only (`messages.SchedulerOutput`): it keeps its own state per
+request (`input_batch.CachedRequestState`: prompt, the tokens it sampled, sampling
+parameters, generator) and its own block-table rows, introduced by `NewRequestData` and
+updated with the block ids each step allocated, so it reads no scheduler object and could
+run in another process. Its result is plain data too (`messages.ModelRunnerOutput`).
+
+Per step it builds every input in one go with numpy (no per-token Python loop) into
+persistent host buffers, uploaded without blocking (`input_batch.py`): input preparation
+must stay far below a step's GPU time. Only the last token of each request whose chunk
+reaches the end of its scheduled tokens goes through the LM head and the sampler. On CUDA,
+decode-only steps replay a captured graph (`cuda_graphs.py`).
+
+A step is three calls, each taking the value the one before returned, so nothing about a
+step waits in the runner between them: `prepare_step` (the runner's request states, swaps,
+the input buffers and their uploads: host work) -> `launch` (the forward pass and the LM
+head, queued) -> `sample_tokens` (under a grammar bitmask if the step has constrained rows).
+The executor (`executor.py`) composes them into its two verbs.
+
+Nothing in a step waits for the GPU: the sampled tokens come back through a non-blocking
+copy to pinned memory and an event (`PendingRunnerOutput`), so the engine can schedule and
+launch the next step before it waits for them (async scheduling). A token scheduled before
+it was known (a placeholder, see `request.py`) is the one the previous step sampled for the
+same request: `launch` is given that step's pending output and copies the token from its
+sampled tensor into the step's input ids on the device.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pagedserve.attention import kv_quant
+from pagedserve.attention.backend import set_forward_context
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.selector import get_attention_backend
+from pagedserve.config import EngineConfig
+from pagedserve.device.cuda_graphs import DecodeGraphs
+from pagedserve.device.input_batch import BlockTableRows, CachedRequestState, StepBuffers
+from pagedserve.device.penalties import PenaltyState, to_device
+from pagedserve.device.profile_run import profile_batch
+from pagedserve.device.sampler import (
+    LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, warm_up_sampler)
+from pagedserve.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedserve.model import parallel
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.decoder import Decoder
+from pagedserve.structured.manager import GrammarOutput
+
+
+class PendingRunnerOutput:
+    """A step's sampled tokens (and logprobs) on their way to the host.
+
+    On CUDA they are copied without blocking into pinned memory, followed by an event:
+    `result()` waits for that event only, not for whatever steps were queued after this one.
+    On the CPU the step has already run and the tensors are the results. `result()` also
+    appends each token to its request's state (by object, not id: a finished request's id
+    may already name a new request when a step in flight completes). The sampled tensor
+    stays on the device for the next step's placeholder rows (`ModelRunner.launch`).
+    """
+
+    def __init__(self, states: list[CachedRequestState], sampled: SamplerOutput | None,
+                 prompt_logprobs: dict[str, LogprobsLists] | None = None) -> None:
+        self.states = states
+        self.req_ids = [state.req_id for state in states]
+        self.sampled_token_ids = sampled.sampled_token_ids if sampled is not None else None
+        self._prompt_logprobs = prompt_logprobs  # already on the host
+        self._tokens = _to_host(sampled.sampled_token_ids) if sampled is not None else None
+        self._logprobs = None
+        if sampled is not None and sampled.logprobs is not None:
+            lp = sampled.logprobs
+            self._logprobs = LogprobsTensors(
+                _to_host(lp.top_token_ids), _to_host(lp.top_logprobs),
+                _to_host(lp.sampled_logprobs), _to_host(lp.sampled_ranks))
+        self._ready = None
+        if sampled is not None and sampled.sampled_token_ids.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the copies (the engine's only wait on the GPU) and return the tokens."""
+        if self._tokens is None:
+            return ModelRunnerOutput([], [], prompt_logprobs=self._prompt_logprobs)
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens = self._tokens.tolist()
+        for state, token in zip(self.states, tokens):
+            state.append_output_token(token)
+        logprobs = None
+        if self._logprobs is not None:
+            lp = self._logprobs
+            logprobs = LogprobsLists(lp.top_token_ids.tolist(), lp.top_logprobs.tolist(),
+                                     lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist())
+        return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs)
+
+
+def _to_host(tensor: Tensor) -> Tensor:
+    """Queue the copy to the host: from CUDA with non_blocking, torch allocates the
+    destination in pinned memory (its caching host allocator), so the copy is a DMA."""
+    return tensor.to("cpu", non_blocking=True)
+
+
+@dataclass
+class StepInputs:
+    input_ids: Tensor
+    positions: Tensor
+    meta: AttentionMetadata
+    logits_indices: Tensor  # rows of the hidden states that get sampled
+    sampling_states: list[CachedRequestState]
+    graph_size: int | None  # the captured decode graph that runs this step, if any
+    # the placeholder rows of input_ids, which the launch fills on the device from the
+    # previous step's sampled tokens (of these requests)
+    placeholder_ids: list[str]
+    placeholder_rows: np.ndarray
+
+
+class PreparedStep(NamedTuple):
+    """A step whose host work is done (`prepare_step`), ready to `launch`."""
+
+    output: SchedulerOutput
+    inputs: StepInputs | None  # None: no request is scheduled (finished ids only)
+
+
+@dataclass(eq=False)
+class StepHandle:
+    """A launched step: its forward pass and LM head are queued, its sampling is not. What
+    `sample_tokens` needs, handed back by the caller."""
+
+    states: list[CachedRequestState]  # the sampling rows, in batch order
+    logits: Tensor | None  # [rows, vocab]; None when the step samples nothing
+    sampling: SamplingMetadata | None
+    prompt_logprobs: dict[str, LogprobsLists] | None  # on the host already
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: Decoder, model_config: ModelConfig,
+                 device: torch.device) -> None:
+        self.config = config
+        self.model = model
+        self.model_config = model_config
+        self.device = device
+        self.dtype = model.embed_tokens.weight.dtype  # the activations' (FP8 weights aside)
+        self.kv_cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.block_size = config.block_size
+        # this rank's KV heads (tensor parallelism shards the cache by KV head)
+        self.num_kv_heads = len(parallel.local_kv_heads(model_config))
+        self.backend = get_attention_backend(config.attention_backend, device)
+        self.sampler = Sampler()
+        self.penalties = PenaltyState(model_config.vocab_size, device)
+        self.kv_caches: list[tuple[Tensor, Tensor]] = []
+        # an FP8 cache's (K, V) scales per layer (`attention.kv_quant`); None otherwise
+        self.kv_scales: list[tuple[Tensor, Tensor] | None] = []
+        self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
+        self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
+        self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
+        self.requests: dict[str, CachedRequestState] = {}  # every unfinished request seen
+
+    # -- KV cache sizing and allocation ---------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V (one byte an element in FP8), on
+        this rank."""
+        mc = self.model_config
+        element = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * element
+
+    def determine_num_blocks(self) -> int:
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            budget = self._cuda_budget() if self.device.type == "cuda" else self._cpu_budget()
+        num_blocks = budget // self.block_bytes
+        if num_blocks < 2:
+            raise ValueError(f"a KV cache budget of {budget} bytes holds {num_blocks} blocks of "
+                             f"{self.block_bytes} bytes; at least 2 (one is the null block) "
+                             "are needed: raise kv_cache_memory")
+        return int(num_blocks)
+
+    def _cpu_budget(self) -> int:
+        """A fraction of the RAM available now, capped: the OS and other processes keep theirs."""
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(min(self.config.cpu_kv_cache_cap, available * self.config.cpu_kv_cache_fraction))
+
+    def _cuda_budget(self) -> int:
+        """What is left of gpu_memory_utilization of the GPU after the weights and the peak
+        activations of a forward pass at max_num_batched_tokens (measured, not estimated)."""
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - allocated
+        torch.cuda.empty_cache()
+        return int(total * self.config.gpu_memory_utilization - (total - free)
+                   - peak_activations)
+
+    def _profile_run(self) -> None:
+        """One prefill step of max_num_batched_tokens tokens (`profile_run.profile_batch`)
+        against a throwaway 2-block cache."""
+        self.initialize_kv_cache(2)
+        ids, positions, meta = profile_batch(self.config.max_num_batched_tokens,
+                                             self.model_config.max_model_len, self.block_size,
+                                             self.device)
+        with torch.inference_mode(), set_forward_context(meta, self.backend):
+            hidden = self.model(ids, positions)
+            logits = self.model.compute_logits(hidden[-self.config.max_num_seqs:])
+            self.sampler(logits, _random_sampling_meta(logits))  # its temporaries count too
+        self.kv_caches = []
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate per-layer K and V per the layout contract and bind them to the layers.
+
+        Left uninitialised (zero-filling gigabytes costs seconds at start-up): every backend
+        masks slots past a sequence's length, so stale bytes are never read. Only the null
+        block is zeroed, so that a write into it (a bug) is detectable. An FP8 cache gets its
+        scales per layer: the checkpoint's `k_scale`/`v_scale`, else 1.0 (`kv_quant`).
+        """
+        mc = self.model_config
+        shape = (num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
+        dtype = self.kv_cache_dtype
+        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=self.device),
+                           torch.empty(shape, dtype=dtype, device=self.device))
+                          for _ in range(mc.num_layers)]
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[0].zero_()
+            v_cache[0].zero_()
+        self.kv_scales = [self._layer_kv_scales(layer)
+                          for layer in self.model.attention_layers()]
+        self._bind_kv_cache()
+
+    def _layer_kv_scales(self, layer) -> tuple[Tensor, Tensor] | None:
+        if self.kv_cache_dtype != kv_quant.FP8_DTYPE:
+            return None
+        stored = layer.checkpoint_kv_scales
+        checkpoint = (stored["k_scale"], stored["v_scale"]) if len(stored) == 2 else None
+        return kv_quant.kv_scales(layer.num_kv_heads, checkpoint,
+                                  parallel.local_kv_heads(self.model_config), self.device)
+
+    def _bind_kv_cache(self) -> None:
+        """Point the attention layers at our caches (a model may be shared by engines).
+
+        The model outlives the engines that share it, so when this runner is collected our
+        caches come off its layers: otherwise the last engine to bind them keeps its whole
+        KV cache alive and the next engine sizes its own from what is left.
+        """
+        layers = self.model.attention_layers()
+        if layers[0].k_cache is self.kv_caches[0][0]:
+            return
+        for attention, (k_cache, v_cache), scales in zip(layers, self.kv_caches,
+                                                         self.kv_scales):
+            attention.k_cache, attention.v_cache = k_cache, v_cache
+            attention.kv_scales = scales
+        if self._unbind is not None:
+            self._unbind.detach()
+        self._unbind = weakref.finalize(self, _unbind_kv_cache, layers, self.kv_caches[0][0])
+
+    def initialize_swap_space(self, num_cpu_blocks: int) -> None:
+        """CPU copies of the per-layer caches for preemption by swapping; pinned on CUDA so
+        the copies are DMA transfers (pageable memory is far slower: docs/benchmarks.md,
+        "Block copy and swap")."""
+        mc = self.model_config
+        shape = (num_cpu_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
+        pin = self.device.type == "cuda"
+        dtype = self.kv_cache_dtype
+        self.cpu_kv_caches = [(torch.empty(shape, dtype=dtype, pin_memory=pin),
+                               torch.empty(shape, dtype=dtype, pin_memory=pin))
+                              for _ in range(mc.num_layers)]
+
+    def setup(self, max_model_len: int) -> None:
+        """Allocate the step buffers, compile the sampling kernels and, on CUDA unless
+        enforce_eager or the backend cannot be captured, capture the decode graphs. Called
+        once the KV cache is allocated and max_model_len is known."""
+        config = self.config
+        max_blocks = -(-max_model_len // self.block_size)
+        self.buffers = StepBuffers(max(config.max_num_batched_tokens, config.max_num_seqs),
+                                   config.max_num_seqs, max_blocks, self.device)
+        self.block_rows = BlockTableRows(max_blocks, capacity=2 * config.max_num_seqs)
+        self.graphs = None
+        warm_up_sampler(self.sampler, self.model_config.vocab_size, self.dtype, self.device,
+                        config.max_num_seqs)
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.capturable:
+            self._bind_kv_cache()
+            self.graphs = DecodeGraphs(self.model, self.backend, self.buffers,
+                                       config.max_num_seqs, max_model_len)
+            self.graphs.capture()
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def update_states(self, output: SchedulerOutput) -> None:
+        """Apply the step's news: forget finished requests, drop the rows of preempted ones
+        (their blocks are gone), take in new ones, add the blocks allocated this step."""
+        self.block_rows.release(output.finished_req_ids)
+        for req_id in output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.penalties.remove(req_id)
+        self.block_rows.release(output.preempted_req_ids)
+        for new in output.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, new.prompt_token_ids, new.sampling_params)
+            self.block_rows.add(new.req_id, new.block_ids)
+        cached = output.scheduled_cached_reqs
+        for req_id, resumed, block_ids, num_nulled in zip(
+                cached.req_ids, cached.resumed, cached.new_block_ids, cached.num_nulled_blocks):
+            if resumed:
+                self.block_rows.add(req_id, block_ids)
+            else:
+                self.block_rows.append(req_id, block_ids, num_nulled)
+
+    def prepare_inputs(self, output: SchedulerOutput) -> StepInputs:
+        """Fill the host buffers with numpy, queue their uploads; no host-device sync."""
+        requests = [self.requests[r] for r in output.req_ids]
+        num_seqs = len(requests)
+        num_new = np.array(output.num_scheduled_tokens, dtype=np.int64)
+        num_computed = np.array(output.num_computed_tokens, dtype=np.int64)
+        seq_lens = num_computed + num_new
+        num_tokens = int(num_new.sum())
+        graph_size = None
+        if self.graphs is not None and output.num_decodes == num_seqs:
+            graph_size = self.graphs.padded_size(num_seqs)
+        rows = num_seqs if graph_size is None else graph_size  # padded rows for a graph
+        token_rows = num_tokens if graph_size is None else rows  # a graph's rows: 1 token each
+
+        b = self.buffers
+        b.wait_for_uploads()
+        query_start_loc = b.query_start_loc.np[:rows + 1]
+        query_start_loc[0] = 0
+        np.cumsum(num_new, out=query_start_loc[1:num_seqs + 1])
+        query_start_loc[num_seqs + 1:] = num_tokens + np.arange(1, rows - num_seqs + 1)
+        req_index = np.repeat(np.arange(num_seqs), num_new)
+        positions = b.positions.np[:token_rows]
+        positions[:num_tokens] = (np.arange(num_tokens) - query_start_loc[req_index]
+                                  + num_computed[req_index])
+        positions[num_tokens:] = 0
+        num_known = np.fromiter((len(r.all_token_ids) for r in requests), dtype=np.int64,
+                                count=num_seqs)
+        # a chunk that ends past the known tokens ends on a placeholder (only ever one)
+        placeholders = np.flatnonzero(seq_lens > num_known)
+        placeholder_rows = query_start_loc[placeholders + 1] - 1
+        self._fill_known_input_ids(requests, num_computed, np.minimum(seq_lens, num_known),
+                                   placeholder_rows, num_tokens)
+        b.input_ids.np[num_tokens:token_rows] = 0
+
+        bs = self.block_size
+        b.fill_block_tables(self.block_rows.table, self.block_rows.rows(output.req_ids), rows,
+                            -(-int(seq_lens.max()) // bs))
+        block_tables = b.block_tables.np
+        token_pos = positions[:num_tokens]
+        slot_mapping = b.slot_mapping.np
+        slot_mapping[:num_tokens] = (block_tables[req_index, token_pos // bs].astype(np.int64)
+                                     * bs + token_pos % bs)
+        slot_mapping[num_tokens:token_rows] = -1
+        b.seq_lens.np[:num_seqs] = seq_lens
+        b.seq_lens.np[num_seqs:rows] = 1
+
+        samples = np.array(output.samples, dtype=bool)
+        sample_rows = query_start_loc[1:num_seqs + 1][samples] - 1
+        b.logits_indices.np[:len(sample_rows)] = sample_rows
+        meta = AttentionMetadata(  # what an eager forward reads; a graph reads the buffers
+            num_decodes=output.num_decodes, num_decode_tokens=output.num_decodes,
+            slot_mapping=b.slot_mapping.upload(token_rows),
+            block_tables=b.block_tables.upload(rows),
+            seq_lens=b.seq_lens.upload(rows),
+            query_start_loc=b.query_start_loc.upload(rows + 1),
+            max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
+        inputs = StepInputs(
+            input_ids=b.input_ids.upload(token_rows),
+            positions=b.positions.upload(token_rows),
+            meta=meta,
+            logits_indices=b.logits_indices.upload(len(sample_rows)),
+            sampling_states=self._sampling_states(requests, output.samples, seq_lens),
+            graph_size=graph_size,
+            placeholder_ids=[output.req_ids[i] for i in placeholders.tolist()],
+            placeholder_rows=placeholder_rows)
+        return inputs
+
+    @staticmethod
+    def _sampling_states(requests: list[CachedRequestState], samples: list[bool],
+                         seq_lens: np.ndarray) -> list[CachedRequestState]:
+        """The requests this step samples for, each told how many of its tokens are not
+        known yet, the one drawn now included (the sampler's seeded streams count them)."""
+        states = [state for state, sample in zip(requests, samples) if sample]
+        for state, seq_len in zip(states, seq_lens[np.array(samples, dtype=bool)].tolist()):
+            state.num_output_placeholders = seq_len + 1 - len(state.all_token_ids)
+        return states
+
+    def _fill_known_input_ids(self, requests: list[CachedRequestState], starts: np.ndarray,
+                              ends: np.ndarray, placeholder_rows: np.ndarray,
+                              num_tokens: int) -> None:
+        """Write tokens [start, end) of each request into the host input ids around the
+        placeholder rows, which the device copy fills. An async decode step at steady state
+        is all placeholders and reads no token here."""
+        input_ids = self.buffers.input_ids.np[:num_tokens]
+        if len(placeholder_rows) == num_tokens:
+            return
+        starts, ends = starts.tolist(), ends.tolist()
+        if num_tokens == len(requests):  # one token each
+            known = [r.all_token_ids[c] for r, c, e in zip(requests, starts, ends) if c < e]
+        else:
+            known = list(chain.from_iterable(
+                r.all_token_ids[c:e] for r, c, e in zip(requests, starts, ends)))
+        if len(placeholder_rows):
+            mask = np.ones(num_tokens, dtype=bool)
+            mask[placeholder_rows] = False
+            input_ids[mask] = known
+        else:
+            input_ids[:] = known
+
+    def _copy_last_sampled(self, inputs: StepInputs,
+                           previous: PendingRunnerOutput | None) -> None:
+        """Queue the copy of the previous step's sampled tokens into the placeholder rows of
+        the device input ids: no host sync, the previous step may still be running."""
+        if previous is None or previous.sampled_token_ids is None:
+            raise RuntimeError("a step with placeholder tokens was launched without the step "
+                               "that samples them")
+        b = self.buffers
+        count = len(inputs.placeholder_ids)
+        rows = {req_id: row for row, req_id in enumerate(previous.req_ids)}
+        b.placeholder_rows.np[:count] = inputs.placeholder_rows
+        b.placeholder_sources.np[:count] = [rows[r] for r in inputs.placeholder_ids]
+        sources = b.placeholder_sources.upload(count)
+        tokens = previous.sampled_token_ids.index_select(0, sources).to(inputs.input_ids.dtype)
+        inputs.input_ids.index_copy_(0, b.placeholder_rows.upload(count), tokens)
+
+    def swap(self, output: SchedulerOutput) -> None:
+        """Block copies the scheduler asked for, before this step's forward pass."""
+        if output.blocks_to_swap_out:
+            self.backend.swap_blocks(self.kv_caches, self.cpu_kv_caches,
+                                     torch.tensor(output.blocks_to_swap_out))
+            if self.device.type == "cuda":  # the copies land asynchronously
+                self._swapped_out = torch.cuda.Event()
+                self._swapped_out.record()
+        if output.blocks_to_swap_in:
+            if self._swapped_out is not None:  # swap-in reads the CPU cache on the host
+                self._swapped_out.synchronize()
+                self._swapped_out = None
+            self.backend.swap_blocks(self.cpu_kv_caches, self.kv_caches,
+                                     torch.tensor(output.blocks_to_swap_in))
+
+    @torch.inference_mode()
+    def prepare_step(self, output: SchedulerOutput) -> PreparedStep:
+        """A step's host work: the runner's request states, swaps, the input buffers and
+        their uploads. Kept apart from `launch` so that the executor can sample a step that
+        awaited its grammar bitmask in between (the bitmask's work overlaps this; the step
+        before has built its sampling inputs at its launch, so nothing done here changes
+        them)."""
+        self.update_states(output)
+        self.swap(output)
+        return PreparedStep(output, self.prepare_inputs(output) if output.req_ids else None)
+
+    @torch.inference_mode()
+    def launch(self, prepared: PreparedStep,
+               previous: PendingRunnerOutput | None = None) -> StepHandle:
+        """Queue the forward pass and the LM head of a prepared step. `previous`: the step
+        before, sampled already (its tokens may still be on their way): its sampled tokens
+        fill this step's placeholder rows on the device."""
+        output, inputs = prepared
+        if inputs is None:
+            return StepHandle([], None, None, None)
+        if inputs.placeholder_ids:
+            self._copy_last_sampled(inputs, previous)
+        self.buffers.mark_uploaded()
+        hidden = self._forward(inputs)
+        prompt_logprobs = self._compute_prompt_logprobs(output, hidden)
+        states = inputs.sampling_states
+        if not states:
+            return StepHandle([], None, None, prompt_logprobs)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        last = inputs.input_ids[inputs.logits_indices] if any(  # in-flight tokens' conditions
+            state.sampling_params.bad_words_token_ids or state.sampling_params.thinking_budget
+            for state in states) else None
+        return StepHandle(states, logits, self.sampling_metadata(states, logits, last),
+                          prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample_tokens(self, step: StepHandle,
+                      grammar: GrammarOutput | None = None) -> PendingRunnerOutput:
+        """Sample a launched step, under `grammar`'s bitmask rows if given."""
+        sampled = None
+        if step.logits is not None:
+            if grammar is not None:
+                self._attach_bitmask(step.sampling, step.states, grammar)
+            sampled = self._sample(step.logits, step.sampling)
+        return PendingRunnerOutput(step.states, sampled, step.prompt_logprobs)
+
+    def _compute_prompt_logprobs(self, output: SchedulerOutput, hidden: Tensor
+                                 ) -> dict[str, LogprobsLists] | None:
+        """vLLM's prompt_logprobs for the requests that ask: each prompt position this step
+        computed gets the logprob of the prompt's next token and the top ones, from its hidden
+        state (the rows the sampler never sees). A position is reported once: a preempted
+        request recomputes its prompt, and its state remembers how far it got. Waits for
+        the step (a host copy), so only steps holding such requests lose their overlap."""
+        result = None
+        row = 0
+        for req_id, num_new, num_computed in zip(output.req_ids, output.num_scheduled_tokens,
+                                                 output.num_computed_tokens):
+            state = self.requests[req_id]
+            first_row, row = row, row + num_new
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            # positions [first, last) predict the prompt tokens first + 1 .. last
+            first = max(num_computed, state.num_prompt_logprobs)
+            last = min(num_computed + num_new, len(state.prompt_token_ids) - 1)
+            if first >= last:
+                continue
+            rows = hidden[first_row + first - num_computed:first_row + last - num_computed]
+            targets = torch.tensor(state.prompt_token_ids[first + 1:last + 1],
+                                   device=hidden.device)
+            result = result or {}
+            result[req_id] = self._logprobs_of(rows, targets, k)
+            state.num_prompt_logprobs = last
+        return result
+
+    def _logprobs_of(self, hidden: Tensor, targets: Tensor, k: int,
+                     rows_per_pass: int = 512) -> LogprobsLists:
+        """The logprobs of `targets` under the LM head on `hidden`, in slices of rows (a
+        float32 [rows, vocab] is what each slice costs)."""
+        lists = LogprobsLists([], [], [], [])
+        for start in range(0, hidden.shape[0], rows_per_pass):
+            logits = self.model.compute_logits(hidden[start:start + rows_per_pass]).float()
+            lp = gather_logprobs(logits.log_softmax(-1), targets[start:start + rows_per_pass], k)
+            lists.top_token_ids += lp.top_token_ids.tolist()
+            lists.top_logprobs += lp.top_logprobs.tolist()
+            lists.sampled_logprobs += lp.sampled_logprobs.tolist()
+            lists.sampled_ranks += lp.sampled_ranks.tolist()
+        return lists
+
+    def sampling_metadata(self, states: list[CachedRequestState], logits: Tensor,
+                          last_token_ids: Tensor | None = None) -> SamplingMetadata:
+        """The one place a step's sampling inputs are built from the runner's state. A
+        request with penalties gets its slot in `penalties` when it first samples (its
+        outputs so far are all known then) and keeps it across preemption until it finishes.
+        `last_token_ids`: the step's input tokens at the sampled positions (for bad words and
+        thinking budgets)."""
+        penalties = self.penalties
+        for state in states:
+            if state.sampling_params.needs_penalties and state.req_id not in penalties:
+                penalties.add(state.req_id, state.prompt_token_ids, state.output_token_ids)
+        return SamplingMetadata.from_requests(
+            states, logits.shape[1], self.device, penalty_state=penalties,
+            penalty_slots=penalties.slots([state.req_id for state in states]),
+            last_token_ids=last_token_ids)
+
+    def _attach_bitmask(self, meta: SamplingMetadata, states: list[CachedRequestState],
+                        grammar: GrammarOutput) -> None:
+        if grammar.req_ids != [state.req_id for state in states]:
+            raise RuntimeError("the grammar bitmask's rows are not the step's sampling rows")
+        meta.allowed_token_bitmask = to_device(torch.from_numpy(grammar.bitmask), self.device)
+
+    def _sample(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample, and count the tokens of requests with penalties on the device. Under
+        tensor parallelism every rank samples the same gathered logits with the same
+        generators, and then takes rank 0's tokens: each rank feeds them to its next step, so
+        they must agree to the bit even if a sampling kernel were not deterministic."""
+        sampled = self.sampler(logits, meta)
+        parallel.broadcast_(sampled.sampled_token_ids)
+        if meta.penalties is not None:
+            self.penalties.update(meta.penalties.rows, sampled.sampled_token_ids)
+        return sampled
+
+    def _forward(self, inputs: StepInputs) -> Tensor:
+        self._bind_kv_cache()
+        if inputs.graph_size is not None:
+            return self.graphs.replay(inputs.graph_size)
+        with set_forward_context(inputs.meta, self.backend):
+            return self.model(inputs.input_ids, inputs.positions)
+
+
+def _unbind_kv_cache(layers: list, first_k_cache: Tensor) -> None:
+    """Empty the layers' cache attributes if they still hold the caches bound with
+    `first_k_cache` (another engine may have bound its own since)."""
+    if layers[0].k_cache is first_k_cache:
+        for attention in layers:
+            attention.k_cache = attention.v_cache = torch.empty(0)
+            attention.kv_scales = None
+
+
+def _random_sampling_meta(logits: Tensor) -> SamplingMetadata:
+    """Every row sampled at temperature 1: the sampler's most memory-hungry common path."""
+    rows = logits.shape[0]
+    ones = torch.ones(rows, dtype=torch.float32, device=logits.device)
+    return SamplingMetadata(
+        all_greedy=False, greedy_mask=torch.zeros(rows, dtype=torch.bool, device=logits.device),
+        temperature=ones)

@@ -1,0 +1,204 @@
+"""A tensor-parallel worker: one rank's ModelRunner, driven by the engine core's calls.
+
+The engine starts one per rank on its own host (`executor.MultiprocExecutor`). Across hosts,
+torchrun starts them and they join the group by env:// rendezvous, while the engine, started
+on its own with `--tensor-parallel-address`, waits for them to connect:
+
+    # the engine (its host needs the tokenizer and config.json, not a GPU)
+    pagedserve serve --model /models/m --tensor-parallel-size 16 \\
+        --tensor-parallel-address tcp://*:5600
+    # on each of the two GPU hosts, node rank 0 and 1
+    torchrun --nnodes 2 --node-rank $NODE --nproc-per-node 8 \\
+        --master-addr $HOST0 --master-port 29500 \\
+        -m pagedserve.device.worker --engine tcp://$ENGINE_HOST:5600
+
+Each rank loads its own shard of `--model` (the path must exist on every host), on GPU
+LOCAL_RANK. Set NCCL_NVLS_ENABLE=0 (and the others in `executor.WORKER_ENV`) in torchrun's
+environment; the engine sets them for the workers it starts.
+
+The worker answers the set-up calls (load, profile, initialize) and makes the runner's
+calls of every step in the order they come (see executor.py for why `collect` is a call).
+Its first failure is reported to the engine as a traceback, then it exits. A watchdog
+thread ends the process when the engine is gone (its connection drops, or, for a worker the
+engine started, the engine's process is no longer its parent), so no worker outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import socket
+import threading
+import traceback
+
+import numpy as np
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pagedserve.config import EngineConfig
+from pagedserve.device.executor import (
+    rank_identity, set_heartbeat, dtype_name, initialize_runner, total_memory, weight_bytes)
+from pagedserve.device.loading import load_on_device, resolve_device
+from pagedserve.device.model_runner import ModelRunner, PendingRunnerOutput, StepHandle
+from pagedserve.messages import (
+    GrammarBitmask, KVCacheSpec, SchedulerOutput, WorkerBlocks, WorkerFailure, WorkerHello,
+    WorkerLoaded, decode, encode)
+from pagedserve.model import parallel
+from pagedserve.structured.manager import GrammarOutput
+
+
+class Worker:
+    def __init__(self, rank: int, size: int, local_rank: int, init_method: str,
+                 sock: zmq.Socket, stopping: threading.Event) -> None:
+        self.rank, self.size, self.local_rank = rank, size, local_rank
+        self.init_method = init_method
+        self.socket = sock
+        self.stopping = stopping  # set once told to stop
+        self.runner: ModelRunner | None = None
+        # the engine's calls in its order: launched steps until sampled, sampled steps until
+        # collected
+        self.launched: collections.deque[StepHandle] = collections.deque()
+        self.pending: collections.deque[PendingRunnerOutput] = collections.deque()
+        self.handlers = {b"load": self.load, b"profile": self.profile,
+                         b"initialize": self.initialize, b"execute_model": self.execute_model,
+                         b"sample_tokens": self.sample_tokens, b"collect": self.collect}
+
+    def serve(self) -> None:
+        """Handle calls until told to stop."""
+        while True:
+            method, payload = self.socket.recv_multipart()
+            if method == b"shutdown":
+                self.stopping.set()
+                self.reply(b"bye")
+                return
+            self.handlers[method](payload)
+
+    def reply(self, kind: bytes, payload: bytes = b"") -> None:
+        self.socket.send_multipart([kind, payload])
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def load(self, payload: bytes) -> None:
+        config = decode(payload, EngineConfig)
+        self.device = device = self.rank_device(config)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # the ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
+        parallel.init_tensor_parallel(self.rank, self.size, device, self.init_method)
+        torch.manual_seed(config.seed)  # unseeded sampling draws alike on every rank
+        self.model, self.model_config, _ = load_on_device(config, device)
+        self.reply(b"ok", encode(WorkerLoaded(
+            device.type, total_memory(device), weight_bytes(self.model),
+            dtype_name(self.model.embed_tokens.weight.dtype), self.model.quantization)))
+
+    def rank_device(self, config: EngineConfig) -> torch.device:
+        """GPU local_rank when the engine's device is CUDA (whatever index it names), else
+        the CPU."""
+        device = resolve_device(config.device.split(":")[0])
+        if device.type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    def profile(self, payload: bytes) -> None:
+        config = decode(payload, EngineConfig)
+        self.runner = ModelRunner(config, self.model, self.model_config, self.device)
+        num_blocks = self.runner.determine_num_blocks()
+        self.reply(b"ok", encode(WorkerBlocks(num_blocks, self.runner.block_bytes,
+                                              dtype_name(self.runner.kv_cache_dtype))))
+
+    def initialize(self, payload: bytes) -> None:
+        initialize_runner(self.runner, decode(payload, KVCacheSpec))
+        self.reply(b"ok")
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def execute_model(self, payload: bytes) -> None:
+        """Launch a step; the placeholders' tokens are the latest sampled step's (a step
+        in flight is sampled before the next one is launched, as in the engine's process)."""
+        prepared = self.runner.prepare_step(decode(payload, SchedulerOutput))
+        latest = self.pending[-1] if self.pending else None
+        self.launched.append(self.runner.launch(prepared, latest))
+
+    def sample_tokens(self, payload: bytes) -> None:
+        message = decode(payload, GrammarBitmask | None)
+        grammar = None
+        if message is not None:
+            bitmask = np.frombuffer(message.bitmask, dtype=np.int32)
+            grammar = GrammarOutput(message.req_ids,
+                                    bitmask.reshape(-1, message.num_words).copy())
+        self.pending.append(self.runner.sample_tokens(self.launched.popleft(), grammar))
+
+    def collect(self, payload: bytes) -> None:
+        output = self.pending.popleft().result()
+        if self.rank == 0:
+            self.reply(b"output", encode(output))
+
+
+def _watch(monitor: zmq.Socket, parent_pid: int | None, stopping: threading.Event) -> None:
+    """End this process when the engine is gone (unless it told us to stop: then it goes
+    away as we do); runs in a daemon thread."""
+    while True:
+        if monitor.poll(1000):
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED and not stopping.is_set():
+                os._exit(1)
+        if parent_pid is not None and os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    env = os.environ
+    parser = argparse.ArgumentParser(description="A pagedserve tensor-parallel worker (one "
+                                     "rank). Under torchrun the rank and size come from its "
+                                     "environment and the group joins by env://.")
+    parser.add_argument("--engine", required=True, help="the engine's address, tcp://HOST:PORT")
+    parser.add_argument("--rank", type=int, default=int(env.get("RANK", -1)))
+    parser.add_argument("--size", type=int, default=int(env.get("WORLD_SIZE", -1)))
+    parser.add_argument("--local-rank", type=int, default=int(env.get("LOCAL_RANK", -1)))
+    parser.add_argument("--init-method", default="env://",
+                        help="torch.distributed rendezvous (default: env://, as torchrun sets)")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process is no longer the parent")
+    args = parser.parse_args(argv)
+    if args.rank < 0 or args.size < 1:
+        parser.error("--rank and --size (or torchrun's RANK and WORLD_SIZE) are required")
+    if args.local_rank < 0:
+        args.local_rank = args.rank
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _arguments(argv)
+    if args.parent_pid is not None:  # Ctrl-C is the engine's to handle: it stops us
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, rank_identity(args.rank))
+    set_heartbeat(sock)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    stopping = threading.Event()
+    threading.Thread(target=_watch, args=(monitor, args.parent_pid, stopping),
+                     daemon=True).start()
+    sock.connect(args.engine)
+    sock.send_multipart([b"hello", encode(WorkerHello(args.rank, args.size, os.getpid(),
+                                                      socket.gethostname()))])
+    worker = Worker(args.rank, args.size, args.local_rank, args.init_method, sock, stopping)
+    try:
+        worker.serve()
+    except BaseException:  # noqa: BLE001 - whatever it was, the engine must hear of it
+        sock.send_multipart([b"error", encode(WorkerFailure(args.rank,
+                                                            traceback.format_exc()))])
+        sock.close(linger=2000)  # let the report leave
+        os._exit(1)  # a collective may be stuck: no teardown
+    sock.close()
+    # no destroy_process_group: after CUDA graphs captured NCCL calls it can hang; the
+    # process's exit releases the communicator
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""The plain-data messages between the engine's parts, as msgspec Structs.
+
+Two boundaries cross them, so neither side needs the other's objects:
+
+- frontend <-> engine core: `EngineCoreRequest` in (one per sample: the frontend has already
+  fanned out n), `EngineCoreOutputs` back, one per model step for the whole batch;
+- scheduler -> model runner (in process, or every tensor-parallel worker: `executor.py`):
+  `SchedulerOutput`, answered by `ModelRunnerOutput`.
+
+Every field is plain data (str, int, float, lists, SamplingParams, which is a dataclass), never
+a torch tensor or a scheduler `Request`, so a message can go through msgpack to another process
+and mean the same there. `encode` / `decode` are the one way they are serialized. The structs
+made per request per step hold no cycles and skip the garbage collector (`gc=False`).
+
+The scheduler -> runner message carries only what changed: a request's prompt and sampling
+parameters once, when it is first scheduled (`NewRequestData`); after that only the block ids
+allocated since its previous step (`CachedRequestData`). The runner keeps the rest itself
+(`input_batch.CachedRequestState`).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TypeVar
+
+import msgspec
+
+from pagedserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """Base of every message: a field the receiver does not know is an error, so a message
+    decoded as the wrong type (or from a mismatched version) fails loudly."""
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | memoryview, message_type: type[T]) -> T:
+    return _decoder(message_type).decode(data)
+
+
+@cache
+def _decoder(message_type: type[T]) -> msgspec.msgpack.Decoder:
+    """One decoder per type: building one compiles the type's schema."""
+    return msgspec.msgpack.Decoder(message_type)
+
+
+# -- frontend <-> engine core ----------------------------------------------------------------
+
+class EngineCoreRequest(Message):
+    """One sample to generate; the prompt is already tokenized and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # n == 1: children carry their own derived seed
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class LogprobsLists(Message, array_like=True):
+    """Logprobs of rows: a step's sampling rows (top lists as wide as the batch's largest
+    ask), or a request's prompt positions (`sampled_*`: the prompt's own next token)."""
+
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+    sampled_logprobs: list[float]
+    sampled_ranks: list[int]
+
+
+class TokenLogprobs(Message, array_like=True, gc=False):
+    """The raw model distribution at one generated token (the OpenAI API's logprobs)."""
+
+    top_token_ids: list[int]  # the request's `logprobs` most likely tokens, best first
+    top_logprobs: list[float]
+    sampled_logprob: float
+    sampled_rank: int  # 1 = the most likely token
+
+
+class EngineCoreOutput(Message, array_like=True, omit_defaults=True, gc=False):
+    """What one core request got in one step: token ids only (the frontend makes the text)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, if asked for
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | None = None  # the stop token id that matched
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
+    # with the first token of a request that asked for them: one row per prompt position
+    # after the first (the logprob of that position's token given the ones before it)
+    prompt_logprobs: LogprobsLists | None = None
+    # why the core finished it on its own ("abort"): its grammar failed to compile
+    error: str | None = None
+
+
+class SchedulerStats(Message):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of non-null blocks in use
+    prefix_cache_queries: int  # tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    num_gpu_blocks: int
+    prefix_cache_evictions: int = 0  # cached blocks reused for other content
+
+
+class EngineCoreOutputs(Message):
+    """One step's outputs for every request that received a token."""
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0  # time.time() when the step's tokens were processed
+
+
+# -- scheduler -> model runner ---------------------------------------------------------------
+
+class NewRequestData(Message, array_like=True):
+    """A request scheduled for the first time: everything the runner keeps about it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # all of its blocks, prefix-cache hits included
+    num_computed_tokens: int  # tokens whose KV is already there (prefix-cache hit)
+
+
+class CachedRequestData(Message, array_like=True):
+    """Requests the runner already knows whose blocks changed this step, one column per field.
+
+    Running requests whose blocks did not change appear only in `SchedulerOutput.req_ids`. A
+    request resumed after preemption lists all of its blocks and replaces its block-table row
+    (its KV was recomputed or swapped back into new blocks); its tokens, including those it
+    sampled before preemption, are still the runner's own. With a sliding window, blocks
+    wholly before the window go back to the pool: `num_nulled_blocks` leading entries of the
+    row are then the null block.
+    """
+
+    req_ids: list[str] = []
+    resumed: list[bool] = []
+    new_block_ids: list[list[int]] = []
+    num_nulled_blocks: list[int] = []
+
+    def append(self, req_id: str, resumed: bool, block_ids: list[int],
+               num_nulled: int = 0) -> None:
+        self.req_ids.append(req_id)
+        self.resumed.append(resumed)
+        self.new_block_ids.append(block_ids)
+        self.num_nulled_blocks.append(num_nulled)
+
+
+class SchedulerOutput(Message):
+    """One step's work. The batch is `req_ids` in order, decodes (one new token) first;
+    the per-request lists follow that order.
+
+    A request's chunk covers tokens [num_computed_tokens[i], num_computed_tokens[i] +
+    num_scheduled_tokens[i]); `samples[i]` says whether the chunk reaches the end of its
+    scheduled tokens, so that the step samples its next token (runner output rows follow the
+    sampling requests in batch order). A token the runner has not received yet (async
+    scheduling) is the one it sampled for that request in its previous step.
+    The runner performs the block copies before the forward pass: swap-outs read GPU blocks
+    that this step may hand to other requests, swap-ins fill blocks this step attends to.
+    """
+
+    req_ids: list[str] = []
+    num_scheduled_tokens: list[int] = []
+    num_computed_tokens: list[int] = []
+    samples: list[bool] = []
+    num_decodes: int = 0
+    total_num_scheduled_tokens: int = 0
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    finished_req_ids: list[str] = []  # finished or aborted since the previous step
+    preempted_req_ids: list[str] = []  # preempted this step (their blocks are freed)
+    blocks_to_swap_out: list[tuple[int, int]] = []  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
+
+    @property
+    def sampling_req_ids(self) -> list[str]:
+        """The requests this step samples for, in batch order: the rows of its sampled tokens
+        (and of its grammar bitmask)."""
+        return [req_id for req_id, sample in zip(self.req_ids, self.samples) if sample]
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the runner to do at all, not even to forget a finished request."""
+        return not (self.req_ids or self.finished_req_ids or self.preempted_req_ids
+                    or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+class ModelRunnerOutput(Message, array_like=True):
+    req_ids: list[str]  # the requests that sampled this step, in batch order
+    sampled_token_ids: list[int]
+    logprobs: LogprobsLists | None = None
+    # requests with prompt_logprobs whose prompt positions this step computed
+    prompt_logprobs: dict[str, LogprobsLists] | None = None
+
+
+# -- engine-core process start-up (core_proc.py -> core_client.py) ----------------------------
+
+class EngineCoreReady(Message):
+    """The core's answer once its model is loaded and its KV cache sized: what the frontend
+    process needs and cannot know before (the limits resolved from the device and the model)."""
+
+    tokenizer: str  # the folder or .gguf file the frontend loads its tokenizer from
+    vocab_size: int
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_dtype: str  # as /v1/models reports it: "bfloat16", "fp8_e4m3", ...
+    quantization: str | None
+    device: str
+
+
+class EngineCoreFailed(Message):
+    """Why the core could not start, or why it stopped: sent before the process exits."""
+
+    error: str
+
+
+# -- engine core <-> tensor-parallel workers (executor.py, worker.py) -------------------------
+
+class WorkerHello(Message):
+    """A worker's first word once connected: which rank it is."""
+
+    rank: int
+    size: int
+    pid: int
+    host: str
+
+
+class WorkerLoaded(Message):
+    """A rank's weights are in: what the engine needs to choose its batch limits."""
+
+    device_type: str  # "cuda" | "cpu"
+    total_memory: int | None  # the GPU's, None on the CPU
+    weight_bytes: int  # this rank's shard
+    dtype: str  # the activations', e.g. "bfloat16"
+    quantization: str | None
+
+
+class WorkerBlocks(Message):
+    """The KV blocks that fit a rank's free memory, and the bytes of one on that rank."""
+
+    num_blocks: int
+    block_bytes: int
+    kv_cache_dtype: str  # e.g. "bfloat16", "float8_e4m3fn"
+
+
+class KVCacheSpec(Message):
+    """The one KV cache shape every rank allocates (block tables are the same on every rank)."""
+
+    num_blocks: int
+    num_cpu_blocks: int
+    max_model_len: int
+
+
+class GrammarBitmask(Message, array_like=True):
+    """`structured.manager.GrammarOutput` as bytes: int32 rows of `num_words` words."""
+
+    req_ids: list[str]
+    bitmask: bytes
+    num_words: int
+
+
+class WorkerFailure(Message):
+    """A rank's exception, as text: the engine raises it."""
+
+    rank: int
+    error: str
