@@ -490,7 +490,7 @@ def main() -> None:
                                   preemption_mode=mode, swap_space=16 << 30,
                                   enable_prefix_caching=False)
             result = run_pagedserve(engine, prompts, out_lens, breakdown_batch=None)
-            result["blocks_swapped_out"] = engine.scheduler.num_blocks_swapped_out
+            result["blocks_swapped_out"] = engine.get_stats().num_blocks_swapped_out
             bench.record("A-preempt", "pagedserve", result, preemption_mode=mode,
                          kv_cache_gib=args.preempt_kv_gib)
             del engine

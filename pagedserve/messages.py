@@ -107,6 +107,8 @@ class SchedulerStats(Message):
     num_preemptions: int
     num_gpu_blocks: int
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
+    num_blocks_swapped_out: int = 0  # KV blocks copied to CPU memory by preemption, since start
+    num_blocks_swapped_in: int = 0  # and copied back for resumption
 
 
 class EngineCoreOutputs(Message):

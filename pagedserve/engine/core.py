@@ -360,7 +360,9 @@ class EngineCore:
             kv_cache_usage=manager.usage, prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits, num_preemptions=scheduler.num_preemptions,
             num_gpu_blocks=self.num_blocks,
-            prefix_cache_evictions=manager.block_pool.num_evictions)
+            prefix_cache_evictions=manager.block_pool.num_evictions,
+            num_blocks_swapped_out=scheduler.num_blocks_swapped_out,
+            num_blocks_swapped_in=scheduler.num_blocks_swapped_in)
 
 
 def _token_logprobs(runner_output: ModelRunnerOutput, row: int, k: int) -> TokenLogprobs:

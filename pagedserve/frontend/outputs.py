@@ -89,6 +89,8 @@ class EngineStats:
     generation_tokens_total: int
     num_gpu_blocks: int = 0
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
+    num_blocks_swapped_out: int = 0  # KV blocks swapped to CPU memory (preemption_mode swap)
+    num_blocks_swapped_in: int = 0
 
     @classmethod
     def of(cls, scheduler: SchedulerStats, prompt_tokens_total: int,

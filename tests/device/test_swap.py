@@ -37,11 +37,11 @@ def test_swap_preemption_keeps_tokens_exact(make_engine, engine, references, cac
     small = make_engine(kv_cache_memory=14 * block_bytes, preemption_mode="swap",
                         swap_space=64 * block_bytes, enable_prefix_caching=caching)
     assert run_all_at_once(small, PROMPTS) == references
-    scheduler = small.scheduler
-    assert scheduler.num_preemptions > 0
-    assert scheduler.num_blocks_swapped_out > 0
+    scheduler, stats = small.scheduler, small.get_stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_blocks_swapped_out > 0
     if not caching:  # without prefix hits every swapped-out block comes back by copy
-        assert scheduler.num_blocks_swapped_in == scheduler.num_blocks_swapped_out
+        assert stats.num_blocks_swapped_in == stats.num_blocks_swapped_out
     assert not scheduler.swapped
     assert scheduler.swap_space.num_free_blocks == scheduler.swap_space.num_blocks
 
@@ -52,7 +52,7 @@ def test_too_small_swap_space_falls_back_to_recompute(make_engine, engine, refer
                         swap_space=1 * block_bytes, enable_prefix_caching=False)
     assert run_all_at_once(small, PROMPTS) == references
     assert small.scheduler.num_preemptions > 0
-    assert small.scheduler.num_blocks_swapped_out == 0
+    assert small.get_stats().num_blocks_swapped_out == 0
 
 
 def test_swap_space_allocates_all_or_nothing():

@@ -225,7 +225,7 @@ def test_preemption_matches_the_synchronous_engine(loaded, mode, caching):
     assert summary(run(small, arrivals)) == reference
     assert small.scheduler.num_preemptions > 0
     if mode == "swap":
-        assert small.scheduler.num_blocks_swapped_out > 0
+        assert small.get_stats().num_blocks_swapped_out > 0
         assert small.scheduler.swap_space.num_free_blocks == small.scheduler.swap_space.num_blocks
 
 

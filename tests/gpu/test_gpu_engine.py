@@ -185,7 +185,7 @@ def test_swap_round_trip_is_bitwise_and_engines_finish(loaded):
         REPORT[f"{mode}_preemptions"] = engine.scheduler.num_preemptions
         assert engine.scheduler.num_preemptions > 0
         if mode == "swap":
-            assert engine.scheduler.num_blocks_swapped_in > 0
+            assert engine.get_stats().num_blocks_swapped_in > 0
     for mode in ("recompute", "swap"):
         same = sum(a == b for a, b in zip(results[mode], results["none"]))
         REPORT[f"{mode}_vs_no_preemption_identical_requests_of_64"] = same

@@ -55,6 +55,10 @@ class _EngineStatsCollector:
         ("prefix_cache_evictions", "prefix_cache_evictions", "Cached KV blocks evicted "
          "(reused for other content) since start."),
         ("num_preemptions", "num_preemptions", "Requests preempted to free KV blocks."),
+        ("swapped_out_blocks", "num_blocks_swapped_out", "KV blocks copied to CPU memory by "
+         "preemption (--preemption-mode swap)."),
+        ("swapped_in_blocks", "num_blocks_swapped_in", "KV blocks copied back from CPU memory "
+         "for resumption."),
         ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
         ("generation_tokens", "generation_tokens_total", "Tokens generated."),
     )
