@@ -71,6 +71,10 @@ class EngineConfig:
     # KV cache preempts first (the lowest priority's)
     scheduling_policy: str = "fcfs"
     swap_space: int = 4 << 30  # bytes of CPU memory for swapped-out blocks ("swap" mode)
+    # bytes of host memory (pinned on CUDA) for the prefix cache's second tier: cached blocks
+    # evicted from the device pool are kept there and recalled on a later hit
+    # (kv_cache/host_tier.py); 0 = off
+    kv_offload_memory: int = 0
     # execution
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
     enforce_eager: bool = False  # CUDA: True skips CUDA graphs for decode; CPU is always eager
@@ -117,6 +121,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_address needs tensor_parallel_size > 1")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        if self.kv_offload_memory < 0:
+            raise ValueError(f"kv_offload_memory must be >= 0 bytes, got {self.kv_offload_memory}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -109,6 +109,11 @@ class SchedulerStats(Message):
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
     num_blocks_swapped_out: int = 0  # KV blocks copied to CPU memory by preemption, since start
     num_blocks_swapped_in: int = 0  # and copied back for resumption
+    # the host tier (kv_cache/host_tier.py), in blocks since start: found by lookups (recalled),
+    # copied in (offloaded), dropped from it
+    host_tier_hits: int = 0
+    host_tier_stores: int = 0
+    host_tier_evictions: int = 0
 
 
 class EngineCoreOutputs(Message):
@@ -164,8 +169,10 @@ class SchedulerOutput(Message):
     scheduled tokens, so that the step samples its next token (runner output rows follow the
     sampling requests in batch order). A token the runner has not received yet (async
     scheduling) is the one it sampled for that request in its previous step.
-    The runner performs the block copies before the forward pass: swap-outs read GPU blocks
-    that this step may hand to other requests, swap-ins fill blocks this step attends to.
+    The runner performs the block copies before the forward pass: swap-outs and offloads
+    read GPU blocks that this step may hand to other requests, swap-ins and recalls fill
+    blocks this step attends to. Offloads go before recalls: a recall may fill a block
+    that an offload of the same step reads (`kv_cache.host_tier`, H2).
     """
 
     req_ids: list[str] = []
@@ -180,6 +187,8 @@ class SchedulerOutput(Message):
     preempted_req_ids: list[str] = []  # preempted this step (their blocks are freed)
     blocks_to_swap_out: list[tuple[int, int]] = []  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
+    blocks_to_offload: list[tuple[int, int]] = []  # (gpu, host tier slot)
+    blocks_to_recall: list[tuple[int, int]] = []  # (host tier slot, gpu)
 
     @property
     def sampling_req_ids(self) -> list[str]:
@@ -191,7 +200,8 @@ class SchedulerOutput(Message):
     def is_empty(self) -> bool:
         """Nothing for the runner to do at all, not even to forget a finished request."""
         return not (self.req_ids or self.finished_req_ids or self.preempted_req_ids
-                    or self.blocks_to_swap_out or self.blocks_to_swap_in)
+                    or self.blocks_to_swap_out or self.blocks_to_swap_in
+                    or self.blocks_to_offload or self.blocks_to_recall)
 
 
 class ModelRunnerOutput(Message, array_like=True):
@@ -261,6 +271,7 @@ class KVCacheSpec(Message):
     num_blocks: int
     num_cpu_blocks: int
     max_model_len: int
+    num_host_tier_blocks: int = 0  # the prefix cache's host tier (kv_cache/host_tier.py)
 
 
 class GrammarBitmask(Message, array_like=True):

@@ -175,6 +175,8 @@ def initialize_runner(runner: ModelRunner, spec: KVCacheSpec) -> None:
     runner.initialize_kv_cache(spec.num_blocks)
     if runner.config.preemption_mode == "swap":
         runner.initialize_swap_space(spec.num_cpu_blocks)
+    if spec.num_host_tier_blocks:
+        runner.initialize_host_tier(spec.num_host_tier_blocks)
     runner.setup(spec.max_model_len)
 
 

@@ -160,6 +160,7 @@ class ModelRunner:
         # an FP8 cache's (K, V) scales per layer (`attention.kv_quant`); None otherwise
         self.kv_scales: list[tuple[Tensor, Tensor] | None] = []
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
+        self.host_tier_caches: list[tuple[Tensor, Tensor]] = []  # kv_cache/host_tier.py's slots
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request seen
@@ -264,16 +265,25 @@ class ModelRunner:
         self._unbind = weakref.finalize(self, _unbind_kv_cache, layers, self.kv_caches[0][0])
 
     def initialize_swap_space(self, num_cpu_blocks: int) -> None:
-        """CPU copies of the per-layer caches for preemption by swapping; pinned on CUDA so
-        the copies are DMA transfers (pageable memory is far slower: docs/benchmarks.md,
+        """CPU copies of the per-layer caches for preemption by swapping."""
+        self.cpu_kv_caches = self._host_caches(num_cpu_blocks)
+
+    def initialize_host_tier(self, num_slots: int) -> None:
+        """The prefix cache's host tier: slots for evicted cached blocks (this rank's shard
+        of their KV heads)."""
+        self.host_tier_caches = self._host_caches(num_slots)
+
+    def _host_caches(self, num_blocks: int) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer caches of `num_blocks` blocks in CPU memory; pinned on CUDA so the
+        copies are DMA transfers (pageable memory is far slower: docs/benchmarks.md,
         "Block copy and swap")."""
         mc = self.model_config
-        shape = (num_cpu_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         pin = self.device.type == "cuda"
         dtype = self.kv_cache_dtype
-        self.cpu_kv_caches = [(torch.empty(shape, dtype=dtype, pin_memory=pin),
-                               torch.empty(shape, dtype=dtype, pin_memory=pin))
-                              for _ in range(mc.num_layers)]
+        return [(torch.empty(shape, dtype=dtype, pin_memory=pin),
+                 torch.empty(shape, dtype=dtype, pin_memory=pin))
+                for _ in range(mc.num_layers)]
 
     def setup(self, max_model_len: int) -> None:
         """Allocate the step buffers, compile the sampling kernels and, on CUDA unless
@@ -431,19 +441,28 @@ class ModelRunner:
         inputs.input_ids.index_copy_(0, b.placeholder_rows.upload(count), tokens)
 
     def swap(self, output: SchedulerOutput) -> None:
-        """Block copies the scheduler asked for, before this step's forward pass."""
-        if output.blocks_to_swap_out:
-            self.backend.swap_blocks(self.kv_caches, self.cpu_kv_caches,
-                                     torch.tensor(output.blocks_to_swap_out))
+        """Block copies the scheduler asked for, before this step's forward pass: copies out
+        to host memory (swap space, host tier) first, then copies in."""
+        self._copy_out(self.cpu_kv_caches, output.blocks_to_swap_out)
+        self._copy_out(self.host_tier_caches, output.blocks_to_offload)
+        self._copy_in(self.cpu_kv_caches, output.blocks_to_swap_in)
+        self._copy_in(self.host_tier_caches, output.blocks_to_recall)
+
+    def _copy_out(self, host_caches: list[tuple[Tensor, Tensor]],
+                  pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            self.backend.swap_blocks(self.kv_caches, host_caches, torch.tensor(pairs))
             if self.device.type == "cuda":  # the copies land asynchronously
                 self._swapped_out = torch.cuda.Event()
                 self._swapped_out.record()
-        if output.blocks_to_swap_in:
-            if self._swapped_out is not None:  # swap-in reads the CPU cache on the host
+
+    def _copy_in(self, host_caches: list[tuple[Tensor, Tensor]],
+                 pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            if self._swapped_out is not None:  # a copy in reads host memory on the host
                 self._swapped_out.synchronize()
                 self._swapped_out = None
-            self.backend.swap_blocks(self.cpu_kv_caches, self.kv_caches,
-                                     torch.tensor(output.blocks_to_swap_in))
+            self.backend.swap_blocks(host_caches, self.kv_caches, torch.tensor(pairs))
 
     @torch.inference_mode()
     def prepare_step(self, output: SchedulerOutput) -> PreparedStep:

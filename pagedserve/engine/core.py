@@ -55,6 +55,7 @@ from pagedserve.device.loading import LoadedModel
 from pagedserve.device.model_runner import ModelRunner
 from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.kv_cache.host_tier import HostTier
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.kv_cache.kv_events import KVEventPublisher
 from pagedserve.messages import (
@@ -118,16 +119,19 @@ class EngineCore:
             num_blocks, config.block_size, config.enable_prefix_caching,
             config.prefix_caching_hash_algo, hash_seed=config.prefix_caching_hash_seed,
             sliding_window=self.model_config.kv_window,
-            enable_events=config.kv_events_endpoint is not None)
+            enable_events=config.kv_events_endpoint is not None,
+            record_evictions=config.kv_offload_memory > 0)
         self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
                                    if config.kv_events_endpoint is not None else None)
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         num_cpu_blocks = 0
         if config.preemption_mode == "swap":
             num_cpu_blocks = config.swap_space // executor.block_bytes
-        executor.initialize(KVCacheSpec(num_blocks, num_cpu_blocks, self.max_model_len))
+        host_tier = _host_tier(config, executor.block_bytes)
+        executor.initialize(KVCacheSpec(num_blocks, num_cpu_blocks, self.max_model_len,
+                                        host_tier.num_slots if host_tier is not None else 0))
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len,
-                                   num_cpu_blocks)
+                                   num_cpu_blocks, host_tier)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -362,7 +366,31 @@ class EngineCore:
             num_gpu_blocks=self.num_blocks,
             prefix_cache_evictions=manager.block_pool.num_evictions,
             num_blocks_swapped_out=scheduler.num_blocks_swapped_out,
-            num_blocks_swapped_in=scheduler.num_blocks_swapped_in)
+            num_blocks_swapped_in=scheduler.num_blocks_swapped_in,
+
+            **_host_tier_stats(scheduler))
+
+
+def _host_tier(config: EngineConfig, block_bytes: int) -> HostTier | None:
+    """The prefix cache's host tier of `kv_offload_memory` bytes (None when 0)."""
+    if not config.kv_offload_memory:
+        return None
+    if not config.enable_prefix_caching:
+        raise ValueError("kv_offload_memory keeps the prefix cache's evicted blocks: it "
+                         "needs enable_prefix_caching")
+    num_slots = config.kv_offload_memory // block_bytes
+    if num_slots < 1:
+        raise ValueError(f"kv_offload_memory of {config.kv_offload_memory} bytes holds no KV "
+                         f"block of {block_bytes} bytes")
+    return HostTier(num_slots)
+
+
+def _host_tier_stats(scheduler: Scheduler) -> dict[str, int]:
+    tier = scheduler.host_tier
+    if tier is None:
+        return {}
+    return {"host_tier_hits": scheduler.num_blocks_recalled,
+            "host_tier_stores": tier.stats.stores, "host_tier_evictions": tier.stats.evictions}
 
 
 def _token_logprobs(runner_output: ModelRunnerOutput, row: int, k: int) -> TokenLogprobs:

@@ -24,6 +24,15 @@ computed blocks are first copied to CPU swap space (`swap.py`), and on readmissi
 blocks the prefix cache no longer holds are copied back instead of recomputed; a request
 that does not fit in the swap space falls back to recompute.
 
+With a host tier (`kv_cache.host_tier`, --kv-offload-memory) the prefix cache reaches past the
+device pool: the cached blocks this step's allocations evicted are copied to host slots
+(`blocks_to_offload`), and a waiting request whose prefix misses on the device continues its
+hash chain in the host tier; the blocks found there count as computed, and they are copied
+back into the request's fresh device blocks (`blocks_to_recall`) before the step that
+attends to them, which the runner's copies precede on the device's stream, so no other
+request waits for a recall. The decision is the scheduler's alone, so every tensor-parallel
+rank copies the same blocks of its own shard.
+
 Scheduling a step advances `num_computed_tokens` at once and gives every request whose chunk
 reaches its end an output placeholder (see `request.py`), so the next step can be scheduled
 before this one's tokens are back (async scheduling): a placeholder is scheduled as if the
@@ -48,14 +57,18 @@ from collections.abc import Iterable
 from pagedserve.config import EngineConfig
 from pagedserve.device.swap import SwappedRequest, SwapSpace
 from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.kv_cache.host_tier import HostTier
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
-                 max_model_len: int, num_cpu_blocks: int = 0) -> None:
-        """`num_cpu_blocks`: the swap space, used when config.preemption_mode is "swap"."""
+                 max_model_len: int, num_cpu_blocks: int = 0,
+                 host_tier: HostTier | None = None) -> None:
+        """`num_cpu_blocks`: the swap space, used when config.preemption_mode is "swap".
+        `host_tier`: the prefix cache's host tier, whose slots the runner holds; the
+        manager must record its evictions (`record_evictions`)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -70,6 +83,8 @@ class Scheduler:
         self.swapped: dict[str, SwappedRequest] = {}
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
+        self.host_tier = host_tier
+        self.num_blocks_recalled = 0
         self._finished_ids: list[str] = []
         self._steps_in_flight: deque[list[Request]] = deque()  # sampling requests per step
 
@@ -105,7 +120,18 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled, out)
         scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
         self._advance(scheduled, out)
+        if self.host_tier is not None:
+            self._offload_evicted(out)
         return out
+
+    def _offload_evicted(self, out: SchedulerOutput) -> None:
+        """Copy the cached blocks this step's allocations evicted into the host tier (the
+        runner does so before the step overwrites them); the step's recall pins end here."""
+        for block_hash, block_id in self.kv_cache_manager.take_evicted():
+            slot = self.host_tier.store(block_hash)
+            if slot is not None:
+                out.blocks_to_offload.append((block_id, slot))
+        self.host_tier.end_step()
 
     def _ends_in_flight(self, request: Request, num_tokens: int, num_pending: int) -> bool:
         """Its tokens in flight take it to max_tokens or max_model_len: no step can use it."""
@@ -222,8 +248,11 @@ class Scheduler:
             if request.sampling_params.prompt_logprobs is None:  # else: every position's logits
                 blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             swapped = self.swapped.get(request.request_id)
-            # tokens whose KV is present before this step: prefix hits, then swapped-in blocks
-            num_ready = max(num_hit, swapped.num_computed_tokens) if swapped else num_hit
+            slots = self._host_hits(request, num_hit) if swapped is None else []
+            # tokens whose KV is present before this step: prefix hits, then swapped-in or
+            # recalled blocks
+            num_ready = (max(num_hit, swapped.num_computed_tokens) if swapped
+                         else num_hit + len(slots) * self.block_size)
             num_new = min(request.num_tokens - num_ready, budget)
             if self.kv_cache_manager.allocate_slots(
                     request, num_ready - num_hit + num_new, blocks, num_hit) is None:
@@ -231,6 +260,8 @@ class Scheduler:
             del self.waiting[skipped]
             if swapped is not None:
                 self._swap_in(request, swapped, num_hit, out)
+            if slots:
+                self._recall(request, slots, num_hit, out)
             self._add_to_batch_data(request, num_hit, num_ready, out)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
@@ -265,6 +296,27 @@ class Scheduler:
             (swapped.cpu_block_ids[i], gpu_ids[i]) for i in range(first, last))
         self.num_blocks_swapped_in += max(0, last - first)
         self._release_swap(request)
+
+    def _host_hits(self, request: Request, num_hit: int) -> list[int]:
+        """Host slots of the request's prefix blocks past its device hit, while the chain
+        holds (none without a host tier, or for prompt logprobs, which need every
+        position's logits)."""
+        if self.host_tier is None or request.sampling_params.prompt_logprobs is not None:
+            return []
+        return self.host_tier.lookup(
+            self.kv_cache_manager.prefix_hashes(request, num_hit // self.block_size))
+
+    def _recall(self, request: Request, slots: list[int], num_hit: int,
+                out: SchedulerOutput) -> None:
+        """Queue the copy of the host-tier blocks into the request's blocks after its device
+        hit (a null entry, out of a sliding window, needs no copy)."""
+        blocks = self.kv_cache_manager.req_to_blocks[request.request_id]
+        first = num_hit // self.block_size
+        pairs = [(slot, block.block_id)
+                 for slot, block in zip(slots, blocks[first:first + len(slots)])
+                 if not block.is_null]
+        out.blocks_to_recall.extend(pairs)
+        self.num_blocks_recalled += len(pairs)
 
     def _release_swap(self, request: Request) -> None:
         swapped = self.swapped.pop(request.request_id, None)

@@ -117,6 +117,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "lowest priority first)", choices=SCHEDULING_POLICIES),
     EngineArg("swap_space", "CPU bytes for swapped-out blocks (--preemption-mode swap)",
               parse=parse_size, metavar="SIZE"),
+    EngineArg("kv_offload_memory", "host memory for the prefix cache's second tier: cached "
+              "blocks evicted from the device are kept there and recalled on a later hit; "
+              "0 = off", parse=parse_size, metavar="SIZE"),
     EngineArg("attention_backend", "auto = triton on CUDA; on the CPU the native kernels "
               "(cpu) when they build, else the PyTorch reference (torch)",
               choices=ATTENTION_BACKENDS),

@@ -91,6 +91,9 @@ class EngineStats:
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
     num_blocks_swapped_out: int = 0  # KV blocks swapped to CPU memory (preemption_mode swap)
     num_blocks_swapped_in: int = 0
+    host_tier_hits: int = 0  # blocks recalled from the host tier (kv_cache/host_tier.py)
+    host_tier_stores: int = 0  # evicted blocks copied into it
+    host_tier_evictions: int = 0  # blocks dropped from it
 
     @classmethod
     def of(cls, scheduler: SchedulerStats, prompt_tokens_total: int,

@@ -138,11 +138,13 @@ class BlockPool:
     freed, cached or counted in usage. Freed blocks without a hash go to the front of the
     free queue (they hold nothing worth keeping); cached ones go to the back, so among them
     the least recently freed is evicted first. Events are recorded only when
-    `enable_events` is set, so an undrained list cannot grow without bound.
+    `enable_events` is set, and evicted blocks only when `record_evictions` is (a host tier
+    copies them out, `kv_cache.host_tier`), so an undrained list cannot grow without bound.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 hash_fn: BlockHasher | None = None, enable_events: bool = False) -> None:
+                 hash_fn: BlockHasher | None = None, enable_events: bool = False,
+                 record_evictions: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -156,6 +158,8 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0  # cached blocks reused for other content, since start
         self._events: list[KVCacheEvent] = []
+        self.record_evictions = record_evictions
+        self._evicted: list[tuple[BlockHash, int]] = []
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -182,6 +186,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         del self.cached_block_hash_to_block[block.block_hash]
         self.num_evictions += 1
+        if self.record_evictions:
+            self._evicted.append((block.block_hash, block.block_id))
         if self.enable_events:
             self._events.append(BlockRemoved(block.block_hash, block.block_id))
         block.block_hash = None
@@ -247,6 +253,13 @@ class BlockPool:
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True
+
+    def take_evicted(self) -> list[tuple[BlockHash, int]]:
+        """Return and clear the (hash, block id) of the cached blocks evicted since the last
+        call (empty unless `record_evictions`): their KV stays intact until the step that
+        reuses them runs."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def take_events(self) -> list[KVCacheEvent]:
         """Return and clear the recorded events (empty unless `enable_events`)."""

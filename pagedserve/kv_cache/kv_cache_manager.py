@@ -60,10 +60,12 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  hash_algo: str = "sha256", log_stats: bool = True,
                  hash_seed: int | str | None = None,
-                 sliding_window: int | None = None, enable_events: bool = False) -> None:
+                 sliding_window: int | None = None, enable_events: bool = False,
+                 record_evictions: bool = False) -> None:
         """sliding_window: set when every layer attends to at most that many last positions
         (the largest window of the model's layers); None keeps every block. enable_events:
-        the block pool records its events (see `core.kv_events`)."""
+        the block pool records its events (see `core.kv_events`). record_evictions: it
+        records the cached blocks it evicts, for a host tier (`kv_cache.host_tier`)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -73,7 +75,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.block_pool = BlockPool(num_blocks, enable_caching,
-                                    get_hash_fn(hash_algo, hash_seed), enable_events)
+                                    get_hash_fn(hash_algo, hash_seed), enable_events,
+                                    record_evictions)
         self.prefix_cache_stats = PrefixCacheStats()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
@@ -128,6 +131,16 @@ class KVCacheManager:
             self.prefix_cache_stats.queries += num_tokens
             self.prefix_cache_stats.hits += num_hit_tokens
         return computed, num_hit_tokens
+
+    def prefix_hashes(self, request: Any, start: int) -> list[BlockHash]:
+        """Hashes of the request's blocks from `start` that a prefix hit may cover (not the
+        one holding its last token); after `get_computed_blocks`, for a lower tier's lookup."""
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        return self._block_hashes(request, num_blocks)[start:num_blocks]
+
+    def take_evicted(self) -> list[tuple[BlockHash, int]]:
+        """The cached blocks evicted since the last call (`record_evictions`)."""
+        return self.block_pool.take_evicted()
 
     def allocate_slots(self, request: Any, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,

@@ -62,6 +62,7 @@ NON_DEFAULT = [
     ("--max-model-len", "1024", "max_model_len", 1024),
     ("--preemption-mode", "swap", "preemption_mode", "swap"),
     ("--swap-space", "512M", "swap_space", 512 << 20),
+    ("--kv-offload-memory", "2G", "kv_offload_memory", 2 << 30),
     ("--attention-backend", "torch", "attention_backend", "torch"),
     ("--enforce-eager", None, "enforce_eager", True),
     ("--no-async-scheduling", None, "async_scheduling", False),

@@ -1,0 +1,82 @@
+"""The prefix cache's host tier on the CPU engine: a conversation whose blocks the device
+pool evicted is recalled from the host tier and answers with the same greedy tokens as an
+engine that never evicted it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.sampling_params import SamplingParams
+
+NEW_TOKENS = 12
+SYSTEM = list(range(100, 160))  # four blocks of 16 shared by every turn of the conversation
+OTHERS = [list(range(1000 + 97 * i, 1000 + 97 * i + 70)) for i in range(4)]
+
+
+def generate(engine, request_id, prompt):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.add_request(request_id, None, params, prompt_token_ids=prompt)
+    tokens = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens = output.outputs[0].token_ids
+    return list(tokens)
+
+
+def conversation(engine):
+    """Turn 1, other users' prompts that push it out of a small pool, turn 2 (turn 1, its
+    answer and a follow-up): every answer, in order."""
+    first = SYSTEM + [7, 8, 9]
+    answers = [generate(engine, "turn1", first)]
+    answers += [generate(engine, f"other{i}", ids) for i, ids in enumerate(OTHERS)]
+    second = first + answers[0] + [11, 12, 13]
+    answers.append(generate(engine, "turn2", second))
+    return answers
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine):
+    return conversation(make_engine())
+
+
+def test_recalled_conversation_gives_the_same_tokens(make_engine, engine, reference):
+    block_bytes = engine.model_runner.block_bytes
+    small = make_engine(kv_cache_memory=8 * block_bytes, kv_offload_memory=64 * block_bytes)
+    before = small.get_stats()
+    assert conversation(small) == reference
+    stats = small.get_stats()
+    assert stats.prefix_cache_evictions > before.prefix_cache_evictions
+    assert stats.host_tier_stores > 0
+    assert stats.host_tier_hits >= len(SYSTEM) // 16  # turn 2 found the system prompt
+
+
+def test_without_the_tier_the_evicted_conversation_is_recomputed(make_engine, engine, reference):
+    block_bytes = engine.model_runner.block_bytes
+    small = make_engine(kv_cache_memory=8 * block_bytes)
+    assert conversation(small) == reference
+    assert small.get_stats().host_tier_hits == 0
+
+
+def test_a_tiny_tier_drops_its_oldest_blocks_and_stays_exact(make_engine, engine, reference):
+    block_bytes = engine.model_runner.block_bytes
+    small = make_engine(kv_cache_memory=8 * block_bytes, kv_offload_memory=3 * block_bytes)
+    assert conversation(small) == reference
+    assert small.get_stats().host_tier_evictions > 0
+
+
+def test_a_negative_offload_size_is_refused():
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_offload_memory"):
+        EngineConfig(kv_offload_memory=-1)
+
+
+@pytest.mark.parametrize("options", [{"enable_prefix_caching": False, "kv_offload_memory": 1},
+                                     {"kv_offload_memory": 1}])
+def test_an_engine_refuses_a_tier_it_cannot_use(make_engine, engine, options):
+    """Without prefix caching nothing is evicted by hash; a size under one block holds none."""
+    if options["kv_offload_memory"] == 1 and "enable_prefix_caching" in options:
+        options["kv_offload_memory"] = 64 * engine.model_runner.block_bytes
+    with pytest.raises(ValueError, match="kv_offload_memory"):
+        make_engine(**options)

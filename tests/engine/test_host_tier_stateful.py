@@ -1,0 +1,136 @@
+"""The scheduler with a host tier, against a simulated runner whose KV slots record what
+produced them (the token prefix and the salt): random arrivals, follow-up turns of finished
+conversations, aborts and steps on a small device pool (so evictions, preemptions and
+recalls happen). After every step each scheduled request's context, read back through its
+block table, must be its own (a recall that copied the wrong slot, or an offload that
+overwrote a slot being recalled, shows up as a mismatch), and the pool's invariants hold."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedserve.config import EngineConfig
+from pagedserve.kv_cache.host_tier import HostTier
+from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.messages import ModelRunnerOutput, SchedulerOutput, decode, encode
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from tests.kv_cache.conftest import check_manager_invariants
+
+SYSTEMS = [[], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 9, 9, 9, 9]]
+MAX_LEN = 64
+
+
+class TierMachine(RuleBasedStateMachine):
+    @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(6, 16),
+                num_slots=st.integers(1, 24), budget=st.sampled_from([8, 64]))
+    def setup(self, block_size: int, num_blocks: int, num_slots: int, budget: int) -> None:
+        config = EngineConfig(block_size=block_size, max_num_seqs=4,
+                              max_num_batched_tokens=budget)
+        self.manager = KVCacheManager(num_blocks, block_size, record_evictions=True)
+        self.tier = HostTier(num_slots)
+        self.scheduler = Scheduler(config, self.manager, MAX_LEN, host_tier=self.tier)
+        self.block_size = block_size
+        self.device: dict[int, tuple] = {}  # slot (block id * block size + offset) -> label
+        self.host: dict[int, tuple] = {}  # host slot * block size + offset -> label
+        self.finished: list[Request] = []
+        self.next_id = 0
+
+    def label(self, request: Request, pos: int) -> tuple:
+        return (request.cache_salt, tuple(request.all_token_ids[:pos + 1]))
+
+    def add(self, prompt: list[int], salt: str | None, max_tokens: int) -> None:
+        max_tokens = max(1, min(max_tokens, MAX_LEN - len(prompt)))
+        request = Request(f"r{self.next_id}", prompt, SamplingParams(max_tokens=max_tokens),
+                          max_tokens, cache_salt=salt)
+        self.next_id += 1
+        self.scheduler.add_request(request)
+
+    @rule(system=st.sampled_from(SYSTEMS), tail=st.lists(st.integers(0, 3), max_size=12),
+          salt=st.sampled_from([None, "a"]), max_tokens=st.integers(1, 6))
+    def arrive(self, system, tail, salt, max_tokens) -> None:
+        prompt = system + tail
+        if prompt and len(prompt) < MAX_LEN:
+            self.add(prompt, salt, max_tokens)
+
+    @precondition(lambda self: self.finished)
+    @rule(data=st.data(), more=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+          max_tokens=st.integers(1, 6))
+    def follow_up(self, data, more, max_tokens) -> None:
+        """The next turn of a finished conversation: its whole text, then more."""
+        earlier = data.draw(st.sampled_from(self.finished))
+        prompt = earlier.all_token_ids + more
+        if len(prompt) < MAX_LEN:
+            self.add(prompt, earlier.cache_salt, max_tokens)
+
+    @precondition(lambda self: self.scheduler.requests)
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.scheduler.requests)))
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+    @precondition(lambda self: self.scheduler.has_unfinished_requests())
+    @rule()
+    def step(self) -> None:
+        out = decode(encode(self.scheduler.schedule()), SchedulerOutput)
+        self.copy(out)
+        chunks = [(self.scheduler.requests[req_id], computed, computed + num_new)
+                  for req_id, computed, num_new in zip(out.req_ids, out.num_computed_tokens,
+                                                       out.num_scheduled_tokens)]
+        for request, start, end in chunks:  # the forward pass writes every chunk ...
+            slots = self.slots(request.request_id, start, end)
+            for pos, slot in zip(range(start, end), slots):
+                self.device[slot] = self.label(request, pos)
+        for request, _, end in chunks:  # ... then attends to each context
+            for pos, slot in enumerate(self.slots(request.request_id, 0, end)):
+                assert self.device.get(slot) == self.label(request, pos), \
+                    f"wrong KV for {request.request_id} at {pos}"
+        sampled = [r for r, s in zip(out.req_ids, out.samples) if s]
+        requests = [self.scheduler.requests[r] for r in sampled]
+        tokens = [len(r.all_token_ids) % 4 for r in requests]
+        self.scheduler.update_from_output(out, ModelRunnerOutput(sampled, tokens))
+        self.finished += [r for r in requests if r.is_finished and r.num_output_tokens]
+
+    def copy(self, out: SchedulerOutput) -> None:
+        """The runner's block copies, in its order: offloads, then recalls."""
+        bs = self.block_size
+        for block_id, slot in out.blocks_to_offload:
+            for o in range(bs):
+                self.host[slot * bs + o] = self.device.get(block_id * bs + o)
+        for slot, block_id in out.blocks_to_recall:
+            for o in range(bs):
+                self.device[block_id * bs + o] = self.host.get(slot * bs + o)
+
+    def slots(self, req_id: str, start: int, end: int) -> list[int]:
+        block_ids = self.manager.get_block_ids(req_id)
+        bs = self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @invariant()
+    def pool_and_tier_hold(self) -> None:
+        if not hasattr(self, "manager"):
+            return
+        check_manager_invariants(self.manager)
+        assert len(self.tier) <= self.tier.num_slots
+        for block_hash, block in self.manager.block_pool.cached_block_hash_to_block.items():
+            assert block.block_hash == block_hash
+
+
+TierMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestTierStateMachine = TierMachine.TestCase
+
+
+def test_a_full_tier_of_pinned_slots_stores_nothing_and_recall_pins_last_one_step():
+    tier = HostTier(2)
+    assert tier.store(b"a") is not None and tier.store(b"b") is not None
+    assert tier.lookup([b"a", b"b", b"c"]) == tier.lookup([b"a", b"b"])
+    assert tier.store(b"c") is None  # both slots are being recalled this step
+    tier.end_step()
+    slot_c = tier.store(b"c")
+    assert slot_c is not None and b"a" not in tier and b"b" in tier
+    assert tier.stats.evictions == 1 and tier.stats.stores == 3
