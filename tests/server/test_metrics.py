@@ -40,6 +40,9 @@ def test_hit_rate_and_evictions_are_reported(server):
     assert m["pagedserve_prefix_cache_evictions_total"] >= 0
     # nothing preempted by swapping here (tests/engine/test_swap.py counts real swaps)
     assert m["pagedserve_swapped_out_blocks_total"] == m["pagedserve_swapped_in_blocks_total"] == 0
+    # no host tier here (tests/engine/test_host_tier.py counts real recalls)
+    assert m["pagedserve_host_tier_hit_blocks_total"] == 0
+    assert m["pagedserve_host_tier_stored_blocks_total"] == 0
 
 
 def test_kv_events_reach_a_subscriber(server):

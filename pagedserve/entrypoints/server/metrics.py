@@ -59,6 +59,12 @@ class _EngineStatsCollector:
          "preemption (--preemption-mode swap)."),
         ("swapped_in_blocks", "num_blocks_swapped_in", "KV blocks copied back from CPU memory "
          "for resumption."),
+        ("host_tier_hit_blocks", "host_tier_hits", "KV blocks the prefix cache recalled from "
+         "its host tier (--kv-offload-memory)."),
+        ("host_tier_stored_blocks", "host_tier_stores", "Evicted KV blocks copied into the "
+         "host tier."),
+        ("host_tier_evicted_blocks", "host_tier_evictions", "KV blocks dropped from the host "
+         "tier to make room."),
         ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
         ("generation_tokens", "generation_tokens_total", "Tokens generated."),
     )
