@@ -55,6 +55,7 @@ from pagedserve.device.loading import LoadedModel
 from pagedserve.device.model_runner import ModelRunner
 from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.startup import StartupPhases
 from pagedserve.kv_cache.host_tier import HostTier
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.kv_cache.kv_events import KVEventPublisher
@@ -95,26 +96,33 @@ class EngineCore:
         scheduling options over one copy of the weights instead of reloading them (one
         process only: tensor-parallel workers load their own shards)."""
         torch.manual_seed(config.seed)
-        self.loaded = loaded
-        self.executor = executor = _make_executor(config, loaded)
+        phases = StartupPhases()
+        with phases.timed("weights"):
+            if loaded is None and config.tensor_parallel_size == 1:
+                loaded = LoadedModel.load(config)  # its tokenizer serves this core too
+            self.loaded = loaded
+            self.executor = executor = _make_executor(config, loaded)
         try:
-            self._setup(config, executor)
+            self._setup(config, executor, phases)
         except BaseException:
             executor.shutdown()
             raise
+        logger.info("engine core started in %s", phases)
         # async scheduling: the step launched by the last `step()`, handed to the next one
         self.in_flight: InFlightStep | None = None
 
-    def _setup(self, config: EngineConfig, executor: Executor) -> None:
+    def _setup(self, config: EngineConfig, executor: Executor, phases: StartupPhases) -> None:
         self.model_config = executor.model_config
         if self.loaded is not None:
             self.tokenizer = self.loaded.tokenizer
             self.tokenizer_source = self.loaded.tokenizer_source
         else:  # the workers load the weights
-            self.tokenizer_source = config.tokenizer or str(model_path(config.model))
-            self.tokenizer = load_tokenizer(self.tokenizer_source)
+            with phases.timed("tokenizer"):
+                self.tokenizer_source = config.tokenizer or str(model_path(config.model))
+                self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.config = config = _resolve_limits(config, executor)
-        self.num_blocks = num_blocks = executor.determine_num_blocks(config)
+        with phases.timed("memory profile"):
+            self.num_blocks = num_blocks = executor.determine_num_blocks(config)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             config.prefix_caching_hash_algo, hash_seed=config.prefix_caching_hash_seed,
@@ -128,17 +136,19 @@ class EngineCore:
         if config.preemption_mode == "swap":
             num_cpu_blocks = config.swap_space // executor.block_bytes
         host_tier = _host_tier(config, executor.block_bytes)
-        executor.initialize(KVCacheSpec(num_blocks, num_cpu_blocks, self.max_model_len,
-                                        host_tier.num_slots if host_tier is not None else 0))
+        with phases.timed("kv cache, sampler warm-up, cuda graphs"):
+            executor.initialize(KVCacheSpec(num_blocks, num_cpu_blocks, self.max_model_len,
+                                            host_tier.num_slots if host_tier is not None else 0))
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len,
                                    num_cpu_blocks, host_tier)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.structured = _structured_outputs(config, executor, self.tokenizer,
-                                              self.tokenizer_source, self.model_config,
-                                              self.eos_token_ids)
+        with phases.timed("grammar backend"):
+            self.structured = _structured_outputs(config, executor, self.tokenizer,
+                                                  self.tokenizer_source, self.model_config,
+                                                  self.eos_token_ids)
         self.async_scheduling = (executor.device_type == "cuda"
                                  if config.async_scheduling is None
                                  else config.async_scheduling)
@@ -400,8 +410,8 @@ def _token_logprobs(runner_output: ModelRunnerOutput, row: int, k: int) -> Token
 
 
 def _make_executor(config: EngineConfig, loaded: LoadedModel | None) -> Executor:
+    """One process over `loaded` (which tensor_parallel_size 1 always has), or the ranks."""
     if config.tensor_parallel_size == 1:
-        loaded = loaded or LoadedModel.load(config)
         return UniprocExecutor(loaded.model, loaded.model_config)
     if loaded is not None:
         raise ValueError("tensor_parallel_size > 1 loads the weights in each worker: "

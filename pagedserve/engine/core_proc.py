@@ -35,13 +35,16 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineCore
 from pagedserve.messages import (EngineCoreFailed, EngineCoreOutputs, EngineCoreReady,
-                                        EngineCoreRequest, decode, encode)
+                                 EngineCoreRequest, decode, encode)
+
+if TYPE_CHECKING:
+    from pagedserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
     try:
+        # imported here, in the child: the API process, which imports this module for its
+        # wire names, then never loads the model code, torch's kernels or the sampler
+        from pagedserve.engine.core import EngineCore
+
         core = EngineCore(config)
     except Exception as exc:  # noqa: BLE001 - every start-up failure reaches the parent
         _fail(outputs, exc, "the engine core failed to start")
