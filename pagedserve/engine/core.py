@@ -136,7 +136,7 @@ class EngineCore:
         if config.preemption_mode == "swap":
             num_cpu_blocks = config.swap_space // executor.block_bytes
         host_tier = _host_tier(config, executor.block_bytes)
-        with phases.timed("kv cache, sampler warm-up, cuda graphs"):
+        with phases.timed("kv cache + sampler warm-up + cuda graphs"):
             executor.initialize(KVCacheSpec(num_blocks, num_cpu_blocks, self.max_model_len,
                                             host_tier.num_slots if host_tier is not None else 0))
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len,
