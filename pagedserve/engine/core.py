@@ -135,7 +135,8 @@ class EngineCore:
         num_cpu_blocks = 0
         if config.preemption_mode == "swap":
             num_cpu_blocks = config.swap_space // executor.block_bytes
-        host_tier = _host_tier(config, executor.block_bytes)
+        host_tier = _host_tier(config, executor.block_bytes,
+                               config.kv_events_endpoint is not None)
         with phases.timed("kv cache + sampler warm-up + cuda graphs"):
             executor.initialize(KVCacheSpec(num_blocks, num_cpu_blocks, self.max_model_len,
                                             host_tier.num_slots if host_tier is not None else 0))
@@ -311,7 +312,10 @@ class EngineCore:
 
     def _step_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         if self.kv_event_publisher is not None:
-            self.kv_event_publisher.publish(self.kv_cache_manager.block_pool.take_events())
+            events = self.kv_cache_manager.block_pool.take_events()
+            if self.scheduler.host_tier is not None:
+                events += self.scheduler.host_tier.take_events()
+            self.kv_event_publisher.publish(events)
         return EngineCoreOutputs(outputs, self.make_stats(), time.time())
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
@@ -381,7 +385,7 @@ class EngineCore:
             **_host_tier_stats(scheduler))
 
 
-def _host_tier(config: EngineConfig, block_bytes: int) -> HostTier | None:
+def _host_tier(config: EngineConfig, block_bytes: int, enable_events: bool) -> HostTier | None:
     """The prefix cache's host tier of `kv_offload_memory` bytes (None when 0)."""
     if not config.kv_offload_memory:
         return None
@@ -392,7 +396,7 @@ def _host_tier(config: EngineConfig, block_bytes: int) -> HostTier | None:
     if num_slots < 1:
         raise ValueError(f"kv_offload_memory of {config.kv_offload_memory} bytes holds no KV "
                          f"block of {block_bytes} bytes")
-    return HostTier(num_slots)
+    return HostTier(num_slots, enable_events)
 
 
 def _host_tier_stats(scheduler: Scheduler) -> dict[str, int]:

@@ -108,18 +108,22 @@ class FreeKVCacheBlockQueue:
 
 class BlockStored(msgspec.Struct, frozen=True, tag=True):
     """A full block entered the prefix cache under `block_hash` (its parent's hash chains it
-    to the blocks before; None for a prompt's first block)."""
+    to the blocks before; None for a prompt's first block, and in the host tier, which
+    indexes blocks by hash alone). `medium`: "device" (the KV pool; `block_id` is the
+    block's) or "host" (`kv_cache.host_tier`; `block_id` is its host slot)."""
 
     block_hash: BlockHash
     block_id: int
     parent_block_hash: BlockHash | None = None
+    medium: str = "device"
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
-    """A cached block was evicted: its hash no longer finds it."""
+    """A cached block was evicted from `medium`: its hash no longer finds it there."""
 
     block_hash: BlockHash
     block_id: int
+    medium: str = "device"
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):

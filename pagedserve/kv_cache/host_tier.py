@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedserve.kv_cache.block_pool import BlockRemoved, BlockStored, KVCacheEvent
 from pagedserve.kv_cache.hashing import BlockHash
 
 
@@ -37,9 +38,10 @@ class TierStats:
 
 
 class HostTier:
-    """An LRU index of block hash -> host slot over `num_slots` slots."""
+    """An LRU index of block hash -> host slot over `num_slots` slots. With `enable_events`
+    it records what it stores and drops, as the block pool does (medium "host")."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, enable_events: bool = False) -> None:
         if num_slots < 1:
             raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -47,6 +49,8 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
         self.stats = TierStats()
+        self.enable_events = enable_events
+        self._events: list[KVCacheEvent] = []
 
     def __len__(self) -> int:
         return len(self._index)
@@ -78,6 +82,8 @@ class HostTier:
             return None
         self._index[block_hash] = slot
         self.stats.stores += 1
+        if self.enable_events:
+            self._events.append(BlockStored(block_hash, slot, medium="host"))
         return slot
 
     def _evict_lru(self) -> int | None:
@@ -85,6 +91,8 @@ class HostTier:
             if slot not in self._pinned:
                 del self._index[block_hash]
                 self.stats.evictions += 1
+                if self.enable_events:
+                    self._events.append(BlockRemoved(block_hash, slot, medium="host"))
                 return slot
         return None
 
@@ -92,7 +100,7 @@ class HostTier:
         """The step's copies are queued: pinned slots may be reused from the next step on."""
         self._pinned.clear()
 
-    def clear(self) -> None:
-        """Forget every block (the prefix cache was reset)."""
-        self._free.extend(self._index.values())
-        self._index.clear()
+    def take_events(self) -> list[KVCacheEvent]:
+        """Return and clear the recorded events (empty unless `enable_events`)."""
+        events, self._events = self._events, []
+        return events

@@ -3,7 +3,8 @@
 A router that sends each prompt to the replica already caching its prefix needs to know what
 every replica caches. With an endpoint set (`EngineConfig.kv_events_endpoint`), the block
 pool records its events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) and the engine
-publishes them after each step that produced any, as one batch on a ZeroMQ PUB socket.
+publishes them after each step that produced any, as one batch on a ZeroMQ PUB socket;
+with a host tier its own stored / removed events follow (`medium` "host", see `host_tier`).
 This lives with the block pool, so it runs in whichever process runs the engine core.
 
 Wire format: each batch is a multipart message of three frames: the topic (bytes), a

@@ -89,3 +89,27 @@ def test_an_endpoint_in_use_is_a_clear_error(make_engine):
     engine = make_engine(kv_events_endpoint="tcp://127.0.0.1:*")
     with pytest.raises(ValueError, match="cannot publish KV events"):
         make_engine(kv_events_endpoint=engine.engine_core.kv_event_publisher.endpoint)
+
+
+def test_host_tier_events_carry_their_medium(make_engine, engine, subscribe):
+    """Blocks the device pool evicts are stored in the host tier (medium "host", under the
+    same hashes); a tier of two slots drops its oldest, also as a "host" event."""
+    block_bytes = engine.model_runner.block_bytes
+    engine = make_engine(kv_events_endpoint="tcp://127.0.0.1:*", block_size=BLOCK,
+                         kv_cache_memory=7 * block_bytes, kv_offload_memory=2 * block_bytes)
+    sub = subscribe(engine.engine_core.kv_event_publisher.endpoint)
+    for i in range(3):
+        run(engine, f"c{i}", list(range(3000 + 1000 * i, 3000 + 1000 * i + 3 * BLOCK + 5)))
+    events = [e for _, batch in receive(sub) for e in batch]
+    device_removed = {e.block_hash for e in events
+                      if isinstance(e, BlockRemoved) and e.medium == "device"}
+    host_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "host"]
+    host_removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "host"]
+    assert host_stored and {e.block_hash for e in host_stored} <= device_removed
+    assert all(e.medium == "device" for e in events if isinstance(e, BlockStored)
+               and e not in host_stored)
+    assert all(0 <= e.block_id < 2 for e in host_stored + host_removed)
+    assert len(host_stored) - len(host_removed) <= 2 and host_removed
+    stats = engine.get_stats()
+    assert (stats.host_tier_stores, stats.host_tier_evictions) == (len(host_stored),
+                                                                   len(host_removed))
