@@ -7,7 +7,7 @@
 One step's sampling at Qwen3's vocabulary from bf16 logits, for three workloads: greedy;
 top_p 0.95 with top_k 40 at temperature 0.8; and the issue's mix (every row top_p 0.95 /
 top_k 40, a quarter with repetition penalty 1.1, half seeded). Each is timed on the torch
-path (`Sampler(use_triton=False)`, which sorts the vocabulary) and on the fused kernels,
+path (`Sampler()`, which sorts the vocabulary) and on the fused kernels,
 with the metadata built outside the timed call, as the runner overlaps it. The penalized
 rows carry 512 prompt and 256 output tokens in a `PenaltyState`, and the fused rows'
 penalty update (the scatter of the sampled tokens) is timed with them. --pivots / --blocks /
@@ -31,7 +31,8 @@ import triton
 
 from pagedserve.device.input_batch import CachedRequestState
 from pagedserve.device.penalties import PenaltyState
-from pagedserve.device.sampler import Sampler, SamplingMetadata, apply_penalties
+from pagedserve.device.sampler import (Sampler, SamplingMetadata, apply_penalties,
+                                       triton_sampling_kernels)
 from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
 from pagedserve.sampling_params import SamplingParams
 
@@ -82,15 +83,16 @@ def check(logits: torch.Tensor, requests: list[CachedRequestState], vocab: int) 
                                                 frequency_penalty=0.2)) for r in requests]
     meta_all = SamplingMetadata.from_requests(
         [CachedRequestState("g", [1], SamplingParams(temperature=0.0))] * len(requests), vocab,
-        device)
-    assert torch.equal(Sampler()(logits, meta_all).sampled_token_ids, logits.argmax(-1))
+        device, fused=True)
+    fused = Sampler(triton_sampling_kernels())
+    assert torch.equal(fused(logits, meta_all).sampled_token_ids, logits.argmax(-1))
     for r, source in zip(greedy, requests):
         for token in source.output_token_ids:
             r.append_output_token(token)
     state, slots = penalty_state(greedy, vocab, device)
-    meta = SamplingMetadata.from_requests(greedy, vocab, device, penalty_state=state,
-                                          penalty_slots=slots)
-    tokens = Sampler()(logits, meta).sampled_token_ids
+    meta = SamplingMetadata.from_requests(greedy, vocab, device, fused=True,
+                                          penalty_state=state, penalty_slots=slots)
+    tokens = fused(logits, meta).sampled_token_ids
     expected = apply_penalties(logits.float(), meta.penalties).argmax(-1)
     mismatches = int((tokens != expected).sum())
     print(f"check: fused greedy = argmax; penalized greedy rows differing from the "
@@ -106,11 +108,11 @@ def time_workload(workload: str, logits: torch.Tensor, vocab: int, configs: list
     rows = []
     torch_meta = SamplingMetadata.from_requests(requests, vocab, device, fused=False,
                                                 penalty_state=state, penalty_slots=slots)
-    torch_sampler = Sampler(use_triton=False)
+    torch_sampler = Sampler()
     rows.append(("torch", bench_us(lambda: torch_sampler(logits, torch_meta))))
     fused_meta = SamplingMetadata.from_requests(requests, vocab, device, fused=True,
                                                 penalty_state=state, penalty_slots=slots)
-    fused_sampler = Sampler(use_triton=True)
+    fused_sampler = Sampler(triton_sampling_kernels())
 
     def fused_step():
         tokens = fused_sampler(logits, fused_meta).sampled_token_ids

@@ -847,7 +847,8 @@ def w_sampling(ctx: Ctx) -> None:
     from pagedserve.device.input_batch import CachedRequestState
     from pagedserve.device.penalties import PenaltyState
     from pagedserve.device.sampler import (Sampler, SamplingMetadata, apply_min_p,
-                                           apply_penalties, apply_top_k_top_p)
+                                           apply_penalties, apply_top_k_top_p,
+                                           triton_sampling_kernels)
     from pagedserve.kernels.triton.sampling import SamplingKernelConfig, fused_sample
     from pagedserve.sampling_params import SamplingParams
 
@@ -935,7 +936,8 @@ def w_sampling(ctx: Ctx) -> None:
                                                                          for q in requests]))
 
     meta = metadata()
-    tokens = Sampler(use_triton=True)(sampler_logits, meta).sampled_token_ids
+    fused = Sampler(triton_sampling_kernels())
+    tokens = fused(sampler_logits, meta).sampled_token_ids
     penalized = apply_penalties(sampler_logits.float(), meta.penalties)
     greedy_rows = meta.greedy_mask
     ctx.check(torch.equal(tokens[greedy_rows], penalized.argmax(-1)[greedy_rows]),
@@ -945,7 +947,7 @@ def w_sampling(ctx: Ctx) -> None:
         z = apply_min_p(z, meta.min_p)
     kept = ~torch.isinf(apply_top_k_top_p(z, meta.top_k, meta.top_p))
     ctx.check(kept.gather(1, tokens[:, None]).all(), "a filtered row drew a dropped token")
-    again = Sampler(use_triton=True)(sampler_logits, metadata()).sampled_token_ids
+    again = fused(sampler_logits, metadata()).sampled_token_ids
     ctx.check(torch.equal(again, tokens), "seeded rows did not repeat")
     args = (sampler_logits, meta.temperature, meta.greedy_mask, meta.philox, meta.min_p,
             meta.top_k, meta.top_p, meta.penalties)

@@ -49,7 +49,8 @@ from pagedserve.device.input_batch import BlockTableRows, CachedRequestState, St
 from pagedserve.device.penalties import PenaltyState, to_device
 from pagedserve.device.profile_run import profile_batch
 from pagedserve.device.sampler import (
-    LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs, warm_up_sampler)
+    LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs,
+    select_sampling_kernels, warm_up_sampler)
 from pagedserve.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
@@ -154,7 +155,7 @@ class ModelRunner:
         # this rank's KV heads (tensor parallelism shards the cache by KV head)
         self.num_kv_heads = len(parallel.local_kv_heads(model_config))
         self.backend = get_attention_backend(config.attention_backend, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(select_sampling_kernels(device))
         self.penalties = PenaltyState(model_config.vocab_size, device)
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         # an FP8 cache's (K, V) scales per layer (`attention.kv_quant`); None otherwise
@@ -565,7 +566,8 @@ class ModelRunner:
             if state.sampling_params.needs_penalties and state.req_id not in penalties:
                 penalties.add(state.req_id, state.prompt_token_ids, state.output_token_ids)
         return SamplingMetadata.from_requests(
-            states, logits.shape[1], self.device, penalty_state=penalties,
+            states, logits.shape[1], self.device, fused=self.sampler.fused,
+            penalty_state=penalties,
             penalty_slots=penalties.slots([state.req_id for state in states]),
             last_token_ids=last_token_ids)
 

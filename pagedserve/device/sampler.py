@@ -23,14 +23,15 @@ On CUDA every row goes through fused Triton kernels that read the logits once pe
 the model's dtype: greedy and plain temperature rows through `kernels/triton/sampling.py`, and a
 batch with any filtered or penalized row through `kernels/triton/filtered_sampling.py`, which
 draws with the same noise (a row's token does not depend on which kernel served it). The
-CPU takes the torch path. Seeded draws repeat per device type and path, not across them.
+CPU takes the torch path. The choice is made once, when the runner builds its `Sampler`
+(`select_sampling_kernels`); tests pass the kernels explicitly (`triton_sampling_kernels()`
+under TRITON_INTERPRET=1). Seeded draws repeat per device type and path, not across them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 
 import torch
 from torch import Tensor
@@ -46,26 +47,31 @@ _UNSEEDED_STREAM = 2**32  # unseeded rows' streams: a Philox counter word seeded
 
 
 @dataclass(frozen=True)
-class _Kernels:
+class SamplingKernels:
+    """The fused sampling kernels a `Sampler` draws with."""
+
     plain: Callable[..., Tensor]  # kernels.triton.sampling.fused_sample
     filtered: Callable[..., Tensor]  # kernels.triton.filtered_sampling.filtered_sample
 
 
-@cache
-def _fused_kernels() -> _Kernels | None:
-    """The kernel entries, imported on first need: a CPU run never pays for Triton, and the
-    interpreter tests can set TRITON_INTERPRET before the kernels are jitted. None without
-    Triton: the torch path then serves every row."""
+def triton_sampling_kernels() -> SamplingKernels:
+    """The Triton kernels (CUDA; the CPU under TRITON_INTERPRET=1, set before this first
+    runs: importing them jits them)."""
+    from pagedserve.kernels.triton.filtered_sampling import filtered_sample
+    from pagedserve.kernels.triton.sampling import fused_sample
+
+    return SamplingKernels(fused_sample, filtered_sample)
+
+
+def select_sampling_kernels(device: torch.device) -> SamplingKernels | None:
+    """The kernels for a runner on `device`: Triton's on CUDA where Triton imports, else None
+    (the torch path serves every row)."""
+    if device.type != "cuda":
+        return None
     try:
-        from pagedserve.kernels.triton.filtered_sampling import filtered_sample
-        from pagedserve.kernels.triton.sampling import fused_sample
+        return triton_sampling_kernels()
     except ImportError:
         return None
-    return _Kernels(fused_sample, filtered_sample)
-
-
-def fused_sampling_available(device: torch.device) -> bool:
-    return device.type == "cuda" and _fused_kernels() is not None
 
 
 @dataclass
@@ -102,11 +108,11 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(cls, requests: Sequence[CachedRequestState], vocab_size: int,
-                      device: torch.device, fused: bool | None = None,
+                      device: torch.device, fused: bool = False,
                       penalty_state: PenaltyState | None = None,
                       penalty_slots: Sequence[int] | None = None,
                       last_token_ids: Tensor | None = None) -> SamplingMetadata:
-        """`fused` builds the fused kernels' inputs; None: when the device can run them.
+        """`fused` builds the fused kernels' inputs (for a `Sampler` with kernels).
         Rows with penalties read their slots (`PenaltyState.slots` of the rows' request
         ids) in `penalty_state`; without one, a state is built from the rows' token lists,
         which is right only when those are complete (no token in flight).
@@ -117,8 +123,7 @@ class SamplingMetadata:
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         meta = cls(all_greedy=all(greedy), max_num_logprobs=max(logprobs) if logprobs else None)
         if not meta.all_greedy:
-            meta._set_random(requests, greedy, device,
-                             fused_sampling_available(device) if fused is None else fused)
+            meta._set_random(requests, greedy, device, fused)
         if any(p.needs_penalties for p in params):
             if penalty_state is None:
                 penalty_state = PenaltyState(vocab_size, device, initial_slots=len(requests))
@@ -307,12 +312,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, use_triton: bool | None = None) -> None:
-        """use_triton: None picks the fused kernels for CUDA logits when Triton imports;
-        True forces them (CPU logits need TRITON_INTERPRET=1); False keeps to torch."""
-        if use_triton and _fused_kernels() is None:
-            raise ValueError("use_triton=True needs Triton, which did not import")
-        self.use_triton = use_triton
+    def __init__(self, kernels: SamplingKernels | None = None) -> None:
+        """kernels: the fused kernels its rows take (`select_sampling_kernels`); None: the
+        torch path for every row."""
+        self.kernels = kernels
+
+    @property
+    def fused(self) -> bool:
+        """Whether it has the fused kernels: its metadata is built with their inputs."""
+        return self.kernels is not None
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if meta.allowed_token_bitmask is not None:
@@ -334,7 +342,7 @@ class Sampler:
             logits = logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
         if meta.forced is not None:
             logits = _force(logits, meta)
-        fused = self._takes_fused_path(logits, meta)
+        fused = self._takes_fused_path(meta)
         if fused:  # the kernels read the model's dtype; only logprobs need float32
             tokens = self._sample_fused(logits, meta)
             if meta.max_num_logprobs is not None:
@@ -350,19 +358,16 @@ class Sampler:
             logprobs = gather_logprobs(logits.log_softmax(-1), tokens, meta.max_num_logprobs)
         return SamplerOutput(tokens, logprobs)
 
-    def _takes_fused_path(self, logits: Tensor, meta: SamplingMetadata) -> bool:
+    def _takes_fused_path(self, meta: SamplingMetadata) -> bool:
         """Metadata built without the kernels' inputs (no philox) keeps to torch; metadata
         built with them holds no generators, so it needs the kernels."""
-        enabled = self.use_triton
-        if enabled is None:
-            enabled = fused_sampling_available(logits.device)
-        if meta.philox is not None and not enabled:
+        if meta.philox is not None and self.kernels is None:
             raise ValueError("sampling metadata built for the fused kernels "
                              "(from_requests(fused=True)) reached a sampler without them")
-        return enabled and (meta.all_greedy or meta.philox is not None)
+        return self.kernels is not None and (meta.all_greedy or meta.philox is not None)
 
     def _sample_fused(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        kernels = _fused_kernels()
+        kernels = self.kernels
         if meta.penalties is None and not meta.filtered:
             return kernels.plain(logits, meta.temperature, meta.greedy_mask, meta.philox)
         temperature, greedy_mask, philox = meta.temperature, meta.greedy_mask, meta.philox
@@ -412,15 +417,15 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype,
     """Run every sampling path once on random logits, at one row and at `max_rows`, so
     Triton compiles its kernels (and xgrammar its bitmask kernel) at start-up. Otherwise the
     first request with top-k or penalties pays seconds of compiling inside a step, and every
-    request in that batch waits. Nothing to compile off CUDA. The rows' token lists are
-    complete, so `from_requests` builds their penalty state itself."""
-    if not fused_sampling_available(device):
+    request in that batch waits. Nothing to compile for a sampler without kernels. The rows'
+    token lists are complete, so `from_requests` builds their penalty state itself."""
+    if not sampler.fused:
         return
     for i, mix in enumerate(_WARM_UP_MIXES):
         for rows in sorted({len(mix), max(max_rows, len(mix))}):
             states = [CachedRequestState(f"warm-up-{j}", [0, 1], mix[j % len(mix)])
                       for j in range(rows)]
-            meta = SamplingMetadata.from_requests(states, vocab_size, device)
+            meta = SamplingMetadata.from_requests(states, vocab_size, device, fused=True)
             if i == 0:
                 meta.allowed_token_bitmask = torch.full(
                     (rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)

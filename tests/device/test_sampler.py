@@ -10,7 +10,8 @@ import torch
 from pagedserve.device.input_batch import CachedRequestState
 from pagedserve.device.penalties import PenaltyState
 from pagedserve.device.sampler import (
-    Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p, philox_rows)
+    Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p, philox_rows,
+    select_sampling_kernels)
 from pagedserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -185,6 +186,21 @@ def test_cpu_metadata_has_no_fused_inputs():
     assert set(meta.generators) == {0}  # every seeded random row draws from its generator
 
 
+def test_the_cpu_takes_the_torch_path():
+    """Off CUDA the runner's sampler gets no fused kernels: its metadata keeps each seeded
+    row's own generator and the torch path draws, the same tokens for the same seed."""
+    assert select_sampling_kernels(CPU) is None
+    sampler = Sampler(select_sampling_kernels(CPU))
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    draws = []
+    for _ in range(2):
+        requests = [make_request(i, temperature=1.0, seed=7 + i) for i in range(2)]
+        meta = SamplingMetadata.from_requests(requests, VOCAB, CPU, fused=sampler.fused)
+        assert meta.philox is None and set(meta.generators) == {0, 1}
+        draws.append(sampler(logits, meta).sampled_token_ids)
+    assert torch.equal(*draws)
+
+
 def test_fused_metadata_draws_every_row_from_philox():
     requests = [make_request(0, temperature=0.0),
                 make_request(1, temperature=1.0, seed=3),
@@ -197,7 +213,7 @@ def test_fused_metadata_draws_every_row_from_philox():
     plain = [make_request(i, temperature=1.0, seed=i) for i in range(2)]
     assert not SamplingMetadata.from_requests(plain, VOCAB, CPU, fused=True).filtered
     with pytest.raises(ValueError, match="fused kernels"):
-        Sampler(use_triton=False)(torch.zeros(5, VOCAB), meta)
+        Sampler()(torch.zeros(5, VOCAB), meta)
 
 
 def test_penalized_requests_need_a_slot():

@@ -16,7 +16,7 @@ import torch
 from pagedserve.device.input_batch import CachedRequestState
 from pagedserve.device.penalties import PenaltyState
 from pagedserve.device.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
-                                       apply_top_k_top_p)
+                                       apply_top_k_top_p, triton_sampling_kernels)
 from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
 from pagedserve.sampling_params import SamplingParams
 from tests.gpu.test_gpu_async_scheduling import sync_and_async
@@ -40,6 +40,11 @@ def requests_for(params: list[SamplingParams], vocab: int, seed: int = 0
     return requests
 
 
+def fused_sampler() -> Sampler:
+    """The sampler a CUDA runner builds: with the Triton kernels."""
+    return Sampler(triton_sampling_kernels())
+
+
 def metadata(requests: list[CachedRequestState], vocab: int, fused: bool) -> SamplingMetadata:
     state = PenaltyState(vocab, CUDA)
     for r in requests:
@@ -61,12 +66,12 @@ def test_greedy_rows_penalized_or_not_equal_the_reference():
     for r in requests[:8]:  # make the penalties decide: the argmax is among the seen tokens
         r.append_output_token(int(logits[int(r.req_id[1:])].argmax()))
     meta = metadata(requests, VOCAB, fused=True)
-    tokens = Sampler()(logits, meta).sampled_token_ids
+    tokens = fused_sampler()(logits, meta).sampled_token_ids
     expected = apply_penalties(logits.float(), meta.penalties).argmax(-1)
     assert torch.equal(tokens, expected)
     plain = SamplingMetadata.from_requests(requests_for([SamplingParams(temperature=0.0)] * 64,
-                                                        VOCAB), VOCAB, CUDA)
-    assert torch.equal(Sampler()(logits, plain).sampled_token_ids, logits.argmax(-1))
+                                                        VOCAB), VOCAB, CUDA, fused=True)
+    assert torch.equal(fused_sampler()(logits, plain).sampled_token_ids, logits.argmax(-1))
 
 
 @torch.inference_mode()
@@ -82,13 +87,13 @@ def test_filtered_draws_stay_in_the_reference_support_at_full_vocabulary():
             p.top_k = 100
     requests = requests_for(params, VOCAB)
     meta = metadata(requests, VOCAB, fused=True)
-    tokens = Sampler()(logits, meta).sampled_token_ids
+    tokens = fused_sampler()(logits, meta).sampled_token_ids
     z = apply_penalties(logits.float(), meta.penalties) / meta.temperature[:, None]
     kept = ~torch.isinf(apply_top_k_top_p(apply_min_p(z, meta.min_p), meta.top_k, meta.top_p))
     assert kept.gather(1, tokens[:, None]).all()
-    again = Sampler()(logits, metadata(requests, VOCAB, fused=True)).sampled_token_ids
+    again = fused_sampler()(logits, metadata(requests, VOCAB, fused=True)).sampled_token_ids
     assert torch.equal(again, tokens)  # seeded rows repeat
-    alone = Sampler()(logits[5:6], metadata(requests[5:6], VOCAB, fused=True))
+    alone = fused_sampler()(logits[5:6], metadata(requests[5:6], VOCAB, fused=True))
     assert int(alone.sampled_token_ids[0]) == int(tokens[5])  # ... in any batch
 
 
@@ -127,7 +132,7 @@ def test_fused_draws_follow_the_reference_distribution(options):
         r.append_output_token(0)
         r.append_output_token(0)
     meta = metadata(requests, vocab, fused=True)
-    tokens = Sampler()(row.expand(n, -1).contiguous(), meta).sampled_token_ids
+    tokens = fused_sampler()(row.expand(n, -1).contiguous(), meta).sampled_token_ids
     reference = metadata(requests[:1], vocab, fused=False)
     z = row[None]
     if reference.penalties is not None:

@@ -17,8 +17,9 @@ import torch
 
 from pagedserve.device.input_batch import CachedRequestState
 from pagedserve.device.penalties import PenaltyState
-from pagedserve.device.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
-                                       apply_top_k_top_p)
+from pagedserve.device.sampler import (Sampler, SamplingKernels, SamplingMetadata, apply_min_p,
+                                       apply_penalties, apply_top_k_top_p,
+                                       triton_sampling_kernels)
 from pagedserve.kernels.triton import filtered_sampling
 from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
 from pagedserve.kernels.triton.sampling import fused_sample
@@ -157,7 +158,7 @@ def test_penalized_rows_equal_the_reference_on_penalized_logits():
                                           penalty_state=state,
                                           penalty_slots=state.slots([r.req_id
                                                                      for r in requests]))
-    got = Sampler(use_triton=True)(logits, meta).sampled_token_ids
+    got = Sampler(triton_sampling_kernels())(logits, meta).sampled_token_ids
     penalized = apply_penalties(logits.float(), meta.penalties)
     assert int(got[0]) == int(penalized[0].argmax()) != top[0]
     assert int(got[2]) == top[2]
@@ -290,12 +291,9 @@ def test_start_up_warm_up_launches_every_kernel_variant_a_step_can(monkeypatch):
         return apply_bitmask(logits, bitmask)
 
     monkeypatch.setattr(filtered_sampling, "_sample_rows", spy_rows)
-    monkeypatch.setattr(sampler_module, "_fused_kernels",
-                        lambda: sampler_module._Kernels(spy_plain, filtered_sample))
-    monkeypatch.setattr(sampler_module, "fused_sampling_available", lambda device: True)
     monkeypatch.setattr(sampler_module, "apply_token_bitmask", spy_bitmask)
-    sampler_module.warm_up_sampler(Sampler(use_triton=True), 300, torch.bfloat16,
-                                   torch.device("cpu"), max_rows=3)
+    sampler_module.warm_up_sampler(Sampler(SamplingKernels(spy_plain, filtered_sample)), 300,
+                                   torch.bfloat16, torch.device("cpu"), max_rows=3)
     assert launched == {("plain", True), ("plain", False), ("bitmask",)} | {
         ("filtered", penalized, gathered, skip) for penalized in (False, True)
         for gathered, skip in ((True, False), (False, True), (False, False))}

@@ -14,7 +14,8 @@ import torch
 
 from pagedserve.device.input_batch import CachedRequestState
 from pagedserve.device.penalties import PenaltyState
-from pagedserve.device.sampler import Sampler, SamplingMetadata, apply_penalties
+from pagedserve.device.sampler import (Sampler, SamplingKernels, SamplingMetadata,
+                                       apply_penalties, triton_sampling_kernels)
 from pagedserve.kernels.triton.sampling import (SamplingKernelConfig, choose_num_splits,
                                                fused_sample)
 from pagedserve.sampling_params import SamplingParams
@@ -255,7 +256,8 @@ def make_request(i: int, output=(), **params) -> CachedRequestState:
     return request
 
 
-def fused_step(requests: list[CachedRequestState], logits: torch.Tensor):
+def fused_step(requests: list[CachedRequestState], logits: torch.Tensor,
+               kernels: SamplingKernels | None = None):
     state = PenaltyState(VOCAB, torch.device("cpu"))
     for r in requests:
         if r.sampling_params.needs_penalties:
@@ -265,7 +267,7 @@ def fused_step(requests: list[CachedRequestState], logits: torch.Tensor):
                                           penalty_slots=state.slots([r.req_id
                                                                      for r in requests]))
     assert meta.all_greedy or meta.philox is not None
-    return Sampler(use_triton=True)(logits, meta), meta
+    return Sampler(kernels or triton_sampling_kernels())(logits, meta), meta
 
 
 def test_fused_sampler_mixed_batch():
@@ -324,9 +326,7 @@ def test_fused_sampler_unseeded_rows_follow_torch_manual_seed():
 def test_fused_sampler_hands_the_kernels_model_dtype_logits(monkeypatch):
     """The point of the kernels is one read of the bf16 logits per pass: no float32 copy
     first, not even for logprobs (computed apart) or penalties (fused into the loads)."""
-    from pagedserve.engine import sampler as sampler_module
-
-    kernels, seen = sampler_module._fused_kernels(), []
+    kernels, seen = triton_sampling_kernels(), []
 
     def recording(kernel):
         def run(logits, *args):
@@ -334,14 +334,14 @@ def test_fused_sampler_hands_the_kernels_model_dtype_logits(monkeypatch):
             return kernel(logits, *args)
         return run
 
-    monkeypatch.setattr(sampler_module, "_fused_kernels", lambda: sampler_module._Kernels(
-        recording(kernels.plain), recording(kernels.filtered)))
+    recorded = SamplingKernels(recording(kernels.plain), recording(kernels.filtered))
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(6)).bfloat16()
-    fused_step([make_request(0, temperature=0.8), make_request(1, temperature=0.0)], logits)
-    fused_step([make_request(0, temperature=0.8, logprobs=1)], logits[:1])
+    fused_step([make_request(0, temperature=0.8), make_request(1, temperature=0.0)], logits,
+               recorded)
+    fused_step([make_request(0, temperature=0.8, logprobs=1)], logits[:1], recorded)
     fused_step([make_request(0, temperature=0.8, presence_penalty=0.5, output=(3,))],
-               logits[:1])
+               logits[:1], recorded)
     fused_step([make_request(0, temperature=0.0, presence_penalty=0.5, output=(3,))],
-               logits[:1])
+               logits[:1], recorded)
     assert seen == [("fused_sample", torch.bfloat16), ("fused_sample", torch.bfloat16),
                     ("filtered_sample", torch.bfloat16), ("filtered_sample", torch.bfloat16)]

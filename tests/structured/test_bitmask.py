@@ -11,7 +11,8 @@ import torch
 import xgrammar as xgr
 
 from pagedserve.device.input_batch import CachedRequestState
-from pagedserve.device.sampler import Sampler, SamplingMetadata, to_device
+from pagedserve.device.sampler import (Sampler, SamplingMetadata, select_sampling_kernels,
+                                       to_device)
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.bitmask import apply_token_bitmask
 
@@ -46,17 +47,18 @@ def test_masked_rows_sample_allowed_tokens_and_free_rows_are_unchanged(device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     allowed = {0: [97], 1: [5, 37, 70], 3: [0, 31, 32, 99], 4: [64, 65]}
     batch = requests()
+    sampler = Sampler(select_sampling_kernels(device))  # the runner's for the device
     for trial in range(5):
         torch.manual_seed(trial)
         logits = torch.randn(len(batch), VOCAB, device=device).to(dtype)
-        meta = SamplingMetadata.from_requests(batch, VOCAB, device)
+        meta = SamplingMetadata.from_requests(batch, VOCAB, device, fused=sampler.fused)
         torch.manual_seed(trial)
-        free = Sampler()(logits.clone(), meta).sampled_token_ids.tolist()
-        meta = SamplingMetadata.from_requests(batch, VOCAB, device)
+        free = sampler(logits.clone(), meta).sampled_token_ids.tolist()
+        meta = SamplingMetadata.from_requests(batch, VOCAB, device, fused=sampler.fused)
         meta.allowed_token_bitmask = to_device(torch.from_numpy(bitmask(allowed, len(batch))),
                                                device)
         torch.manual_seed(trial)
-        out = Sampler()(logits.clone(), meta)
+        out = sampler(logits.clone(), meta)
         tokens = out.sampled_token_ids.tolist()
         for row, allowed_tokens in allowed.items():
             assert tokens[row] in allowed_tokens
