@@ -269,7 +269,7 @@ def test_start_up_warm_up_launches_every_kernel_variant_a_step_can(monkeypatch):
     plain kernel's greedy and random rows, the filtered kernel with and without penalties,
     over candidates, as the full pass with skipped rows and as the plain full pass, and the
     grammar bitmask; otherwise the first request needing one compiles it inside a step."""
-    from pagedserve.engine import sampler as sampler_module
+    from pagedserve.device import sampler as sampler_module
 
     launched = set()
     sample_rows = filtered_sampling._sample_rows
