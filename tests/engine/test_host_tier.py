@@ -40,9 +40,13 @@ def reference(make_engine):
     return conversation(make_engine())
 
 
-def test_recalled_conversation_gives_the_same_tokens(make_engine, engine, reference):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_recalled_conversation_gives_the_same_tokens(make_engine, engine, reference,
+                                                     async_scheduling):
+    """With async scheduling a step's copies are queued while the step before is in flight."""
     block_bytes = engine.model_runner.block_bytes
-    small = make_engine(kv_cache_memory=8 * block_bytes, kv_offload_memory=64 * block_bytes)
+    small = make_engine(kv_cache_memory=8 * block_bytes, kv_offload_memory=64 * block_bytes,
+                        async_scheduling=async_scheduling)
     before = small.get_stats()
     assert conversation(small) == reference
     stats = small.get_stats()
