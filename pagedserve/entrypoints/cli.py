@@ -76,7 +76,7 @@ def _write(text: str) -> None:
 # -- generate -----------------------------------------------------------------------------------
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagedserve.entrypoints.llm import encode_chat
+    from pagedserve.entrypoints.chat_template import encode_chat
 
     engine = _build_engine(args)
     tokenizer = engine.tokenizer
@@ -99,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # -- chat ---------------------------------------------------------------------------------------
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from pagedserve.entrypoints.llm import encode_chat
+    from pagedserve.entrypoints.chat_template import encode_chat
 
     engine = _build_engine(args)
     return run_chat(engine, sampling_params(args), args.system, _write,
@@ -132,7 +132,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def bench_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
     """Chat prompts (distinct questions through the chat template) or random token ids."""
-    from pagedserve.entrypoints.llm import encode_chat
+    from pagedserve.entrypoints.chat_template import encode_chat
 
     rng = random.Random(args.seed if args.seed is not None else 0)
     if args.dataset == "random":

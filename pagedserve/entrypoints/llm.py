@@ -18,19 +18,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedserve.entrypoints.chat_template import Message, encode_chat
 from pagedserve.frontend.llm_engine import LLMEngine
 from pagedserve.frontend.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
-Message = dict[str, Any]
 PromptInput = str | Sequence[int]
-
-# apply_chat_template's own arguments: not variables a caller may set for the template
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "self", "conversation", "conversations", "messages", "tools", "documents", "chat_template",
-    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
-    "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class LLM:
@@ -105,27 +98,6 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
-
-
-def encode_chat(tokenizer, conversation: list[Message], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None, continue_final_message: bool = False,
-                chat_template: str | None = None, template_kwargs: dict | None = None
-                ) -> list[int]:
-    """`tools`: OpenAI-style tool definitions for templates that render them;
-    `continue_final_message`: the last message is left open, for the model to continue;
-    `chat_template`: used instead of the tokenizer's; `template_kwargs`: variables the
-    template reads (Qwen3's `enable_thinking`), never apply_chat_template's own arguments."""
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: those are "
-                         "apply_chat_template's own arguments")
-    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("this model's tokenizer has no chat template; use generate()")
-    text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message,
-                                         chat_template=chat_template, **(template_kwargs or {}))
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _as_prompt_list(prompts) -> list[PromptInput]:

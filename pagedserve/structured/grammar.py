@@ -16,11 +16,12 @@ import json
 import os
 import re
 import threading
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 _MAX_CACHED = 256  # distinct grammars kept; the oldest compiled is dropped first
 # xgrammar's messages start with a time and the C++ source line that raised them
@@ -46,6 +47,10 @@ class GrammarCache:
         """`vocab_size`: the model's logits width, which may exceed the tokenizer's (padding
         rows); the extra ids are never allowed. The token table covers
         `grammar_vocab_size` ids (`self.vocab_size`)."""
+        # imported with the first cache, not with this module: the API process imports this
+        # module at start-up, and xgrammar brings transformers' generation code with it
+        import xgrammar as xgr
+
         self.vocab_size = vocab_size = grammar_vocab_size(tokenizer, vocab_size)
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, cache_enabled=False,

@@ -47,7 +47,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pagedserve.entrypoints.engine_args import engine_options, parse_size
-from pagedserve.entrypoints.llm import RESERVED_TEMPLATE_KWARGS
+from pagedserve.entrypoints.chat_template import RESERVED_TEMPLATE_KWARGS
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, Limits
 from pagedserve.entrypoints.server.body import BodyLimits
 from pagedserve.entrypoints.server.errors import APIError, install_error_handlers

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
     field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagedserve.entrypoints.llm import RESERVED_TEMPLATE_KWARGS
+from pagedserve.entrypoints.chat_template import RESERVED_TEMPLATE_KWARGS
 from pagedserve.structured.params import StructuredOutputsParams
 
 MAX_N = 16  # choices per prompt; each one occupies a running slot in the engine

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedserve.entrypoints.llm import encode_chat
+from pagedserve.entrypoints.chat_template import encode_chat
 from pagedserve.entrypoints.server import reasoning, tool_parsers
 from pagedserve.entrypoints.server.async_engine import AsyncEngine, EngineDeadError
 from pagedserve.entrypoints.server.errors import (SERVER_ERROR, APIError, bad_request,
