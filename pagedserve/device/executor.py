@@ -48,13 +48,11 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -62,7 +60,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-import pagedserve
+from pagedserve import ipc
 from pagedserve.config import EngineConfig
 from pagedserve.device.model_runner import ModelRunner, StepHandle
 from pagedserve.messages import (
@@ -291,9 +289,10 @@ class MultiprocExecutor(Executor):
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         env = worker_env()
         for rank in range(self.size):
-            cmd = [sys.executable, "-m", "pagedserve.device.worker", "--engine", address,
-                   "--rank", str(rank), "--size", str(self.size), "--local-rank", str(rank),
-                   "--init-method", init_method, "--parent-pid", str(os.getpid())]
+            cmd = ipc.module_command(
+                "pagedserve.device.worker", "--engine", address, "--rank", str(rank),
+                "--size", str(self.size), "--local-rank", str(rank),
+                "--init-method", init_method, "--parent-pid", str(os.getpid()))
             self._procs.append(subprocess.Popen(cmd, env=env))
 
     def _await_hellos(self) -> None:
@@ -399,9 +398,8 @@ class MultiprocExecutor(Executor):
         """The workers we started that have exited, and how."""
         exited = {}
         for rank, proc in enumerate(self._procs):
-            code = proc.poll()
-            if code is not None:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            how = ipc.exit_description(proc)
+            if how is not None:
                 exited[rank] = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}"
         return exited
 
@@ -452,10 +450,7 @@ class MultiprocExecutor(Executor):
 
 def worker_env() -> dict[str, str]:
     """This environment, NVLink multicast off, and this pagedserve first on the path."""
-    env = dict(os.environ, **WORKER_ENV)
-    root = str(Path(pagedserve.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
+    return ipc.child_env(WORKER_ENV)
 
 
 def rank_identity(rank: int) -> bytes:
@@ -496,10 +491,6 @@ def _stop_workers(context: zmq.Context, sock: zmq.Socket, procs: list[subprocess
         if sock.poll(POLL_MS):
             byes += sock.recv_multipart()[1] == b"bye"
     for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        ipc.stop_process(proc, None, max(0.0, deadline - time.monotonic()))
     sock.disable_monitor()
     context.destroy(linger=1000)  # the stop calls reach workers started elsewhere

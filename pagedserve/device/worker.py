@@ -38,6 +38,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from pagedserve import ipc
 from pagedserve.config import EngineConfig
 from pagedserve.device.executor import (
     rank_identity, set_heartbeat, dtype_name, initialize_runner, total_memory, weight_bytes)
@@ -146,7 +147,7 @@ def _watch(monitor: zmq.Socket, parent_pid: int | None, stopping: threading.Even
             event = recv_monitor_message(monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED and not stopping.is_set():
                 os._exit(1)
-        if parent_pid is not None and os.getppid() != parent_pid:
+        if ipc.parent_gone(parent_pid):
             os._exit(1)
 
 

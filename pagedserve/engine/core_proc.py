@@ -29,16 +29,14 @@ the parent's death, still ends it at once.)
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import signal
 import sys
 import time
 from typing import TYPE_CHECKING
 
 import zmq
 
+from pagedserve import ipc
 from pagedserve.config import EngineConfig
 from pagedserve.messages import (EngineCoreFailed, EngineCoreOutputs, EngineCoreReady,
                                  EngineCoreRequest, decode, encode)
@@ -54,7 +52,6 @@ READY, OUTPUTS, FAILED = b"r", b"o", b"f"
 
 _IDLE_POLL_MS = 1000  # an idle core wakes this often to check that its parent is alive
 _GRAMMAR_POLL_MS = 5  # a core whose requests all wait for a grammar looks this often
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # start-up errors whose message is the whole story (bad options, a missing file)
 _USER_ERRORS = (ValueError, FileNotFoundError)
@@ -64,9 +61,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                     parent_pid: int, log_level: int) -> None:
     """The process's entry point (a `multiprocessing` spawn target): build the core, report
     READY or FAILED to the parent, then serve until shutdown. Exits 1 after a failure."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent()
+    ipc.ignore_stop_signals()
+    ipc.die_with_parent()  # started from the client's main thread
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
@@ -119,7 +115,7 @@ class EngineCoreProc:
                 self._send_idle_stats()
                 poller.poll(_IDLE_POLL_MS)
                 core.check_health()  # a dead tensor-parallel worker fails the core now
-            if not self._drain_inputs() or os.getppid() != self.parent_pid:
+            if not self._drain_inputs() or ipc.parent_gone(self.parent_pid):
                 return
             if core.waits_for_grammars_only():  # until an input comes or a compile ends
                 poller.poll(_GRAMMAR_POLL_MS)
@@ -162,10 +158,3 @@ def _fail(outputs: zmq.Socket, exc: Exception, what: str) -> None:
     outputs.close(linger=5000)  # the message must leave before the process does
     sys.exit(1)
 
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this process when its parent dies, even by SIGKILL."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -37,6 +37,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pagedserve import ipc
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_proc import (ABORT, ADD, FAILED, OUTPUTS, READY, SHUTDOWN,
                                          run_engine_core)
@@ -210,16 +211,8 @@ def _send(inputs: zmq.Socket, kind: bytes, payload: bytes) -> None:
 
 def _stop_core(process: multiprocessing.Process, context: zmq.Context, inputs: zmq.Socket,
                folder: str) -> None:
-    if process.is_alive():
-        try:
-            _send(inputs, SHUTDOWN, b"")
-        except EngineDeadError:
-            pass
-        process.join(_SHUTDOWN_TIMEOUT_S)
-    if process.is_alive():
-        logger.warning("the engine core did not stop in %.0f s; killing it", _SHUTDOWN_TIMEOUT_S)
-        process.kill()
-        process.join()
+    if not ipc.stop_process(process, lambda: _send(inputs, SHUTDOWN, b""), _SHUTDOWN_TIMEOUT_S):
+        logger.warning("the engine core did not stop in %.0f s; killed it", _SHUTDOWN_TIMEOUT_S)
     if not context.closed:
         context.destroy(linger=0)
     shutil.rmtree(folder, ignore_errors=True)

@@ -43,12 +43,9 @@ import argparse
 import logging
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import weakref
-from pathlib import Path
 from collections.abc import Iterable, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -57,6 +54,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from pagedserve import ipc
 from pagedserve.structured.grammar import GrammarCache, grammar_vocab_size
 from pagedserve.structured.manager import (
     GrammarOutput, StructuredOutputManager, default_num_threads)
@@ -183,7 +181,7 @@ class GrammarProcess:
         """`StructuredOutputManager.take_compiled`, from the child's `_Ready`s received so
         far (never waits)."""
         child = self._child
-        while self._compiling and child.socket.poll(0):
+        while self._compiling and child.channel.poll(0):
             message = child.receive()
             if isinstance(message, _Taken):
                 self._taken.append(message)  # take_bitmask's, read on the way
@@ -319,43 +317,34 @@ class _Child:
         if pin and not self.registered:
             logger.warning("could not page-lock the grammar bitmask buffers: each upload "
                            "copies them first")
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(_Taken | _Ready)
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.PAIR)
+        socket = self.context.socket(zmq.PAIR)
         # connecting (not binding) queues messages until the child has bound the address
         address = f"ipc://{os.path.join(self.folder, 'grammar')}"
-        self.socket.connect(address)
-        cmd = [sys.executable, "-m", "pagedserve.structured.remote", "--address", address,
-               "--parent-pid", str(os.getpid()), "--shm", self.shm.name,
-               "--tokenizer", tokenizer_source, "--vocab-size", str(vocab_size),
-               "--rows", str(rows), "--threads", str(num_threads),
-               "--stop-token-ids", ",".join(map(str, stop_token_ids))]
-        env = dict(os.environ)  # this pagedserve first on the child's path
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self.process = subprocess.Popen(cmd, env=env)
+        socket.connect(address)
+        self.channel = ipc.Channel(socket, _Taken | _Ready)
+        cmd = ipc.module_command(
+            "pagedserve.structured.remote", "--address", address,
+            "--parent-pid", str(os.getpid()), "--shm", self.shm.name,
+            "--tokenizer", tokenizer_source, "--vocab-size", str(vocab_size),
+            "--rows", str(rows), "--threads", str(num_threads),
+            "--stop-token-ids", ",".join(map(str, stop_token_ids)))
+        self.process = subprocess.Popen(cmd, env=ipc.child_env())
 
     def send(self, message: msgspec.Struct) -> None:
-        self.socket.send(self.encoder.encode(message), copy=False)
+        self.channel.send(message)
 
     def receive(self) -> _Taken | _Ready:
-        while not self.socket.poll(_POLL_MS):
+        while not self.channel.poll(_POLL_MS):
             if self.process.poll() is not None:
                 raise RuntimeError(f"the grammar process exited with code "
                                    f"{self.process.returncode}")
-        return self.decoder.decode(self.socket.recv(copy=False).buffer)
+        return self.channel.receive()
 
     def stop(self) -> None:
         """Tell the child to leave, wait for it (kill it if it does not), free the rest."""
         try:
-            if self.process.poll() is None:
-                self.send(_Stop())
-                try:
-                    self.process.wait(_STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait()
+            ipc.stop_process(self.process, lambda: self.send(_Stop()), _STOP_TIMEOUT_S)
         finally:
             self.context.destroy(linger=0)
             if self.registered:
@@ -394,33 +383,29 @@ def _unregister_host_memory(address: int) -> None:
 
 # -- the child process --------------------------------------------------------------------------
 
-def serve(socket: zmq.Socket, manager: StructuredOutputManager, buffers: list[np.ndarray],
+def serve(channel: ipc.Channel, manager: StructuredOutputManager, buffers: list[np.ndarray],
           released: list[str], parent_pid: int) -> None:
     """Apply the engine's messages in order until told to stop or the parent is gone; report
     finished compiles between them (looking every few ms while one runs)."""
-    decoder = msgspec.msgpack.Decoder(_Message)
-    encoder = msgspec.msgpack.Encoder()
     while True:
-        if socket.poll(_COMPILE_POLL_MS if manager.has_compiles() else _POLL_MS):
-            message = decoder.decode(socket.recv(copy=False).buffer)
-            if not _apply(message, socket, manager, buffers, released, encoder):
+        if channel.poll(_COMPILE_POLL_MS if manager.has_compiles() else _POLL_MS):
+            if not _apply(channel.receive(), channel, manager, buffers, released):
                 return
-        elif os.getppid() != parent_pid:
+        elif ipc.parent_gone(parent_pid):
             return
         if manager.has_compiles():
             ready, failed = manager.take_compiled()
             if ready or failed:
-                socket.send(encoder.encode(_Ready(ready, failed)))
+                channel.send(_Ready(ready, failed))
 
 
-def _apply(message: _Message, socket: zmq.Socket, manager: StructuredOutputManager,
-           buffers: list[np.ndarray], released: list[str], encoder: msgspec.msgpack.Encoder
-           ) -> bool:
+def _apply(message: _Message, channel: ipc.Channel, manager: StructuredOutputManager,
+           buffers: list[np.ndarray], released: list[str]) -> bool:
     """One message of the engine's; False once told to stop."""
     if isinstance(message, _Submit):
         manager.submit_tokens(message.tokens, message.sampling_ids)
         if message.sampling_ids is not None:
-            socket.send(encoder.encode(_take(manager, buffers, released)))
+            channel.send(_take(manager, buffers, released))
     elif isinstance(message, _Remove):
         for request_id in message.request_ids:
             manager.remove_request(request_id)
@@ -462,8 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # as the engine-core process does (core_proc.py): a Ctrl-C reaches the whole process
     # group, and the engine decides when this process stops (or it leaves with its parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ipc.ignore_stop_signals()  # no die_with_parent: the engine may start it on any thread
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
     socket = context.socket(zmq.PAIR)
@@ -483,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
                                       on_release=released.append)
     manager.grammars  # noqa: B018 - the token table now, before the first request needs it
     try:
-        serve(socket, manager, buffers, released, args.parent_pid)
+        serve(ipc.Channel(socket, _Message), manager, buffers, released, args.parent_pid)
     finally:
         context.destroy(linger=0)
 
