@@ -38,7 +38,7 @@ def test_hit_rate_and_evictions_are_reported(server):
         m["pagedserve_prefix_cache_hits_total"]
     assert 0 < m["pagedserve_prefix_cache_hit_rate"] == hits / queries <= 1
     assert m["pagedserve_prefix_cache_evictions_total"] >= 0
-    # nothing preempted by swapping here (tests/engine/test_swap.py counts real swaps)
+    # nothing preempted by swapping here (tests/device/test_swap.py counts real swaps)
     assert m["pagedserve_swapped_out_blocks_total"] == m["pagedserve_swapped_in_blocks_total"] == 0
     # no host tier here (tests/engine/test_host_tier.py counts real recalls)
     assert m["pagedserve_host_tier_hit_blocks_total"] == 0
