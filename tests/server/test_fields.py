@@ -711,7 +711,8 @@ def test_agent_apis_accepted_fields_change_nothing(server):
     deltas = [[json.loads(line[6:]).get("delta") for line in text.splitlines()
                if line.startswith("data: ") and "output_text.delta" in line]
               for text in streamed]
-    assert deltas[0] and deltas[0] == deltas[1]
+    # how the text splits into deltas follows the steps' timing; the text itself may not move
+    assert deltas[0] and "".join(deltas[0]) == "".join(deltas[1])
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
             "arguments": '{"city": "Paris"}'}
     result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
