@@ -127,7 +127,7 @@ ENGINE_SCRIPT = """
 import json, logging, sys, time
 logging.basicConfig(level="INFO", format="%(message)s")
 start = time.perf_counter()
-from pagedserve.frontend.llm_engine import LLMEngine
+from pagedserve import LLMEngine
 imported = time.perf_counter()
 LLMEngine.from_options(**json.loads(sys.argv[1]))
 print(json.dumps({"import_s": round(imported - start, 2),
