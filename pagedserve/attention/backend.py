@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagedserve.attention.kv_quant import FP8_DTYPE
+from pagedserve.kernels.fp8_format import FP8_DTYPE
 from pagedserve.attention.metadata import AttentionMetadata
 
 

@@ -23,10 +23,8 @@ import torch
 from torch import Tensor
 
 from pagedserve.config import KV_CACHE_DTYPES
+from pagedserve.kernels.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX, is_fp8  # noqa: F401
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-MIN_AMAX = 1e-12  # the floor of an absolute maximum that sets a scale: zeros get a finite one
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -36,10 +34,6 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "fp8":
         return FP8_DTYPE
     raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-
-
-def is_fp8(cache: Tensor) -> bool:
-    return cache.dtype == FP8_DTYPE
 
 
 def quantize(x: Tensor, scale: Tensor) -> Tensor:

@@ -46,7 +46,8 @@ from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.device.cuda_graphs import DecodeGraphs
 from pagedserve.device.input_batch import BlockTableRows, CachedRequestState, StepBuffers
-from pagedserve.device.penalties import PenaltyState, to_device
+from pagedserve.device.penalties import PenaltyState
+from pagedserve.kernels.penalties import to_device
 from pagedserve.device.profile_run import profile_batch
 from pagedserve.device.sampler import (
     LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs,

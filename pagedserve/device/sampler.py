@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from pagedserve.device.input_batch import CachedRequestState
-from pagedserve.device.penalties import PenaltyState, PenaltyTensors, apply_penalties, to_device
+from pagedserve.device.penalties import PenaltyState
+from pagedserve.kernels.penalties import PenaltyTensors, apply_penalties, to_device
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.bitmask import apply_token_bitmask
 from pagedserve.thinking_budget import ALWAYS, IF_LAST, UNLESS_LAST, forced_token

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from pagedserve.kernels.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from pagedserve.config import QUANTIZATIONS
 # An all-zero row gets this amax: its scale stays finite and its values quantize to zero.
 

@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from pagedserve.device.penalties import PenaltyTensors, apply_penalties, to_device
+from pagedserve.kernels.penalties import PenaltyTensors, apply_penalties, to_device
 from pagedserve.kernels.triton.gumbel import (FLOAT32_MAX, LOG2E, best_of, gumbel2,
                                               interpreting, token_gumbel2)
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kv_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from pagedserve.kernels.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from pagedserve.kernels.triton import pdl
 from pagedserve.kernels.triton.arrivals import arrival_counters
 from pagedserve.kernels.triton.e4m3 import (E4M3_WORD_F32_UNSCALE, e4m3_to, e4m3_word_f32,

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kv_quant import is_fp8
+from pagedserve.kernels.fp8_format import is_fp8
 from pagedserve.kernels.triton import pdl
 from pagedserve.kernels.triton.arrivals import arrival_counters
 from pagedserve.kernels.triton.e4m3 import e4m3_to

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.attention.kv_quant import FP8_MAX, is_fp8
+from pagedserve.kernels.fp8_format import FP8_MAX, is_fp8
 from pagedserve.kernels.triton import pdl
 from pagedserve.kernels.triton.e4m3 import round_to_e4m3
 
