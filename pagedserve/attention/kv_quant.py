@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.config import KV_CACHE_DTYPES
-from pagedserve.kernels.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX, is_fp8  # noqa: F401
+from pagedserve.kernels.fp8_format import FP8_DTYPE, FP8_MAX
 
 
 

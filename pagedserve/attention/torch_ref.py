@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedserve.attention import kv_quant
+from pagedserve.kernels import fp8_format
 from pagedserve.attention.backend import AttentionBackend
 from pagedserve.attention.metadata import AttentionMetadata
 
@@ -99,7 +100,7 @@ def write_rows(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Ten
     if rows is not None:
         k, v = k.index_select(0, rows), v.index_select(0, rows)
     for x, cache, scale in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
-        if kv_quant.is_fp8(cache):  # index_copy_ has no float8 kernel: copy the bytes
+        if fp8_format.is_fp8(cache):  # index_copy_ has no float8 kernel: copy the bytes
             x, cache = kv_quant.quantize(x, scale).view(torch.uint8), cache.view(torch.uint8)
         cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x.to(cache.dtype))
 
@@ -112,7 +113,7 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 def read_rows(rows: Tensor, scale: Tensor | None) -> Tensor:
     """Gathered cache rows [..., Hkv, D] in float32, dequantized from an FP8 cache."""
-    if kv_quant.is_fp8(rows):
+    if fp8_format.is_fp8(rows):
         return kv_quant.dequantize(rows, scale)
     return rows.float()
 
@@ -165,7 +166,7 @@ def paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mas
 
 def _indexable(cache: Tensor) -> Tensor:
     """An FP8 cache as uint8 for index_select (no float8 kernel); view back after."""
-    return cache.view(torch.uint8) if kv_quant.is_fp8(cache) else cache
+    return cache.view(torch.uint8) if fp8_format.is_fp8(cache) else cache
 
 
 def paged_prefill_one(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,

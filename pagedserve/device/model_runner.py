@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.attention import kv_quant
+from pagedserve.kernels import fp8_format
 from pagedserve.attention.backend import set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.selector import get_attention_backend
@@ -241,7 +242,7 @@ class ModelRunner:
         self._bind_kv_cache()
 
     def _layer_kv_scales(self, layer) -> tuple[Tensor, Tensor] | None:
-        if self.kv_cache_dtype != kv_quant.FP8_DTYPE:
+        if self.kv_cache_dtype != fp8_format.FP8_DTYPE:
             return None
         stored = layer.checkpoint_kv_scales
         checkpoint = (stored["k_scale"], stored["v_scale"]) if len(stored) == 2 else None

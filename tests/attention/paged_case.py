@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from pagedserve.attention import kv_quant
+from pagedserve.kernels import fp8_format
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -52,7 +53,7 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     num_blocks = 1 + sum(blocks_per_seq) + 3
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
-                         dtype=dtype if kv_scales is None else kv_quant.FP8_DTYPE)
+                         dtype=dtype if kv_scales is None else fp8_format.FP8_DTYPE)
     v_cache = torch.full_like(k_cache, float("nan"))
     max_blocks = max(blocks_per_seq) + 1  # always at least one null-block pad column
     block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)

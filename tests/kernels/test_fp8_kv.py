@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedserve.attention import kv_quant, torch_ref
+from pagedserve.kernels import fp8_format
 from pagedserve.kernels.triton.attention import decode
 from pagedserve.kernels.triton.attention import (PrefillConfig, copy_blocks, paged_decode_v1,
                                           paged_decode_v2, paged_prefill, store_kv)
@@ -37,16 +38,16 @@ def scales(num_kv_heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_store_rounds_every_e4m3_value_and_tie_as_torch():
     """The store kernel's rounding against torch's cast: every e4m3 value, every midpoint
     between two (ties go to the even one) and its neighbours, random values, both signs."""
-    values = torch.arange(256, dtype=torch.uint8).view(kv_quant.FP8_DTYPE).float()
+    values = torch.arange(256, dtype=torch.uint8).view(fp8_format.FP8_DTYPE).float()
     values = values[values.isfinite()].unique()
     mids = (values[1:] + values[:-1]) / 2
     x = torch.cat([values, mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1),
                    torch.randn(512) * 50, torch.randn(512) * 0.01])
     x = torch.cat([x, -x])[None, None]  # one token, one head: [T=1, Hkv=1, D]
-    k_cache = torch.full((1, 1, 1, x.shape[2]), float("nan"), dtype=kv_quant.FP8_DTYPE)
+    k_cache = torch.full((1, 1, 1, x.shape[2]), float("nan"), dtype=fp8_format.FP8_DTYPE)
     ones = torch.ones(1)
     store_kv(x, x, k_cache, k_cache.clone(), torch.zeros(1, dtype=torch.int64), (ones, ones))
-    expected = x.clamp(-448, 448).to(kv_quant.FP8_DTYPE).view(torch.uint8)
+    expected = x.clamp(-448, 448).to(fp8_format.FP8_DTYPE).view(torch.uint8)
     assert torch.equal(k_cache.view(-1).view(torch.uint8), expected.view(-1))
 
 
@@ -154,7 +155,7 @@ def test_decode_with_the_fp8_launch_settings(num_sms):
 def test_fp8_launch_settings_hold_bf16s_bytes_per_step():
     """An FP8 cache's v2 partitions are twice bf16's in tokens (the same bytes), its tiles
     as bf16's in tokens (half the bytes, double-buffered); bf16's stay as they were."""
-    fp8_cache = torch.empty(2, 16, 8, 128, dtype=kv_quant.FP8_DTYPE)
+    fp8_cache = torch.empty(2, 16, 8, 128, dtype=fp8_format.FP8_DTYPE)
     bf16 = decode.default_config(fp8_cache.to(torch.bfloat16))
     fp8 = decode.default_config(fp8_cache)
     assert bf16 == decode.DecodeConfig() and fp8 == decode.FP8_DECODE
@@ -206,7 +207,7 @@ def test_copy_and_swap_blocks_move_fp8_bytes(backend):
     gen = torch.Generator().manual_seed(seed)
 
     def cache():
-        return (torch.randn(9, 16, 2, 8, generator=gen) * 50).to(kv_quant.FP8_DTYPE)
+        return (torch.randn(9, 16, 2, 8, generator=gen) * 50).to(fp8_format.FP8_DTYPE)
 
     caches = [(cache(), cache()) for _ in range(2)]
     expected = [(k.view(torch.uint8).clone(), v.view(torch.uint8).clone()) for k, v in caches]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.kv_quant import FP8_DTYPE
+from pagedserve.kernels.fp8_format import FP8_DTYPE
 from pagedserve.kernels.triton.arrivals import arrival_counters
 from pagedserve.kernels.triton.e4m3 import E4M3_WORD_F32_UNSCALE, e4m3_bits, e4m3_word_f32
 from pagedserve.model import fp8

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from pagedserve.attention.kv_quant import FP8_DTYPE
+from pagedserve.kernels.fp8_format import FP8_DTYPE
 from pagedserve.model import fp8, load_model
 from tests.model.paged import PagedDriver
 from tests.model.test_decoder import TINY, make_checkpoint

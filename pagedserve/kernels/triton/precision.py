@@ -26,7 +26,7 @@ def round_to(x, dtype: tl.constexpr):
     rounds at the same points as transformers.
 
     bf16 is rounded on the bits: the compiler folds `x.to(bf16).to(float32)` into `x` (the
-    compiled rotary kernel had no conversion left in it, and a quarter of its outputs were
+    compiled rotary kernel had no conversion left in it, and many of its outputs were
     one step off eager PyTorch's), while integer ops on the bits are left alone. The
     interpreter also truncates where the GPU rounds; the bits round the same on both. Other
     dtypes keep the casts (float16 may then skip the rounding); float32 is a no-op."""
