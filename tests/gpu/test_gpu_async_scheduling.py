@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.test_gpu_engine import checkpoint, loaded, make_engine, prompts  # noqa: F401
+from tests.gpu.test_gpu_engine import make_engine, prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -32,7 +32,7 @@ def run(engine, prompt_list, params_list) -> list[list[int]]:
     return [done[f"a{i}"] for i in range(len(prompt_list))]
 
 
-def sync_and_async(loaded, prompt_list, params_list):  # noqa: F811
+def sync_and_async(loaded, prompt_list, params_list):
     sync = run(make_engine(loaded, async_scheduling=False, **LOCKSTEP), prompt_list, params_list)
     engine = make_engine(loaded, **LOCKSTEP)
     assert engine.async_scheduling and engine.model_runner.graphs is not None
@@ -40,7 +40,7 @@ def sync_and_async(loaded, prompt_list, params_list):  # noqa: F811
 
 
 @torch.inference_mode()
-def test_async_scheduling_gives_the_synchronous_tokens(loaded):  # noqa: F811
+def test_async_scheduling_gives_the_synchronous_tokens(loaded):
     from pagedserve.sampling_params import SamplingParams
 
     prompt_list = prompts(64, seed=5)
@@ -52,7 +52,7 @@ def test_async_scheduling_gives_the_synchronous_tokens(loaded):  # noqa: F811
 
 
 @torch.inference_mode()
-def test_async_scheduling_stops_mid_flight_like_the_synchronous_engine(loaded):  # noqa: F811
+def test_async_scheduling_stops_mid_flight_like_the_synchronous_engine(loaded):
     from pagedserve.sampling_params import SamplingParams
 
     prompt_list = prompts(64, seed=6)

@@ -1,8 +1,7 @@
 """The CUDA path against transformers on the same random Qwen3-0.6B-shaped bf16 checkpoint.
 
-Runs only where CUDA is available (the lent H100; CI skips it). The checkpoint comes from
-$PAGEDSERVE_GPU_CHECKPOINT, or is made with benchmarks/make_checkpoint.py into a temporary
-folder. With $PAGEDSERVE_GPU_REPORT set, the measured agreement is written there as JSON.
+Runs only where CUDA is available (the lent H100; CI skips it). The checkpoint and its loaded
+weights are the session's (tests/gpu/conftest.py). With $PAGEDSERVE_GPU_REPORT set, the measured agreement is written there as JSON.
 
 Random weights give nearly flat next-token distributions, where bf16 rounding can swap two
 almost equal logits: the checkpoint's LM head is untied and scaled x25 so that greedy
@@ -17,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,27 +25,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT: dict = {}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    path = os.environ.get("PAGEDSERVE_GPU_CHECKPOINT")
-    if path:
-        return path
-    out = tmp_path_factory.mktemp("qwen3-random")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/make_checkpoint.py"),
-                    str(ROOT / "benchmarks/configs/qwen3-0.6b.json"), str(out),
-                    "--dtype", "bfloat16", "--tokenizer", "bytes", "--lm-head-scale", "25"],
-                   check=True)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    from pagedserve.config import EngineConfig
-    from pagedserve.frontend.llm_engine import LoadedModel
-
-    return LoadedModel.load(EngineConfig(model=checkpoint, device="cuda"))
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +69,9 @@ class LogitsRecorder:
 
     def __init__(self, sampler):
         self.sampler, self.logits = sampler, []
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
 
     def __call__(self, logits, meta):
         self.logits.append(logits[0].float().cpu())

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -190,26 +188,11 @@ def test_pdl_chain_waits_for_its_input(fma):
         assert torch.equal(y, chain(True))
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("qwen3-random-fp8")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/make_checkpoint.py"),
-                    str(ROOT / "benchmarks/configs/qwen3-0.6b.json"), str(out),
-                    "--dtype", "bfloat16", "--tokenizer", "bytes", "--lm-head-scale", "25"],
-                   check=True)
-    return str(out)
-
-
 def load(checkpoint: str, **options):
     from pagedserve.config import EngineConfig
     from pagedserve.frontend.llm_engine import LoadedModel
 
     return LoadedModel.load(EngineConfig(model=checkpoint, device="cuda", **options))
-
-
-@pytest.fixture(scope="module")
-def loaded(checkpoint):
-    return load(checkpoint)
 
 
 def make_engine(loaded, **options):

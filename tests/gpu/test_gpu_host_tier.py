@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.gpu.test_gpu_engine import checkpoint, loaded, make_engine  # noqa: F401
+from tests.gpu.test_gpu_engine import make_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,8 +38,10 @@ def conversations(engine, count: int = 6) -> list[list[int]]:
                       for i, (prompt, answer) in enumerate(zip(firsts, answers))]
 
 
-def test_recalled_conversations_give_the_same_tokens(loaded):  # noqa: F811
-    large = make_engine(loaded)
+def test_recalled_conversations_give_the_same_tokens(loaded):
+    # the same max_model_len in both engines: under CUDA graphs the decode grid is sized for it,
+    # and another split of the sums would be bf16 noise, not a recall error
+    large = make_engine(loaded, max_model_len=512)
     reference = conversations(large)
     block_bytes = large.model_runner.block_bytes
     del large

@@ -20,7 +20,7 @@ from pagedserve.device.sampler import (Sampler, SamplingMetadata, apply_min_p, a
 from pagedserve.kernels.triton.filtered_sampling import FilteredKernelConfig, filtered_sample
 from pagedserve.sampling_params import SamplingParams
 from tests.gpu.test_gpu_async_scheduling import sync_and_async
-from tests.gpu.test_gpu_engine import checkpoint, loaded, prompts  # noqa: F401
+from tests.gpu.test_gpu_engine import prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = torch.device("cuda")
@@ -151,7 +151,7 @@ def test_fused_draws_follow_the_reference_distribution(options):
 
 
 @torch.inference_mode()
-def test_async_scheduling_with_penalties_gives_the_synchronous_tokens(loaded):  # noqa: F811
+def test_async_scheduling_with_penalties_gives_the_synchronous_tokens(loaded):
     prompt_list = prompts(64, seed=7)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=32,
                              ignore_eos=True, repetition_penalty=1.3,

@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 import torch
 
-from tests.gpu.test_gpu_engine import checkpoint, loaded, make_engine, prompts  # noqa: F401
+from tests.gpu.test_gpu_engine import make_engine, prompts
 from tests.structured.test_engine import PERSON
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -49,7 +49,7 @@ def run(engine, batch):
 
 
 @torch.inference_mode()
-def test_grammar_process_gives_the_in_process_tokens(loaded):  # noqa: F811
+def test_grammar_process_gives_the_in_process_tokens(loaded):
     from pagedserve.structured.remote import GrammarProcess
 
     batch = requests()

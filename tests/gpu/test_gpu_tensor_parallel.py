@@ -15,13 +15,13 @@ import gc
 import pytest
 import torch
 
-from tests.gpu.test_gpu_engine import checkpoint, generate, prompts  # noqa: F401
+from tests.gpu.test_gpu_engine import generate, prompts
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
 @torch.inference_mode()
-def test_tp2_engine_after_a_tp1_engine_in_one_process(checkpoint):  # noqa: F811
+def test_tp2_engine_after_a_tp1_engine_in_one_process(checkpoint):
     from pagedserve.frontend.llm_engine import LLMEngine
 
     prompt_list = prompts(16, seed=3)

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from tests.gpu.test_gpu_async_scheduling import run, sync_and_async
-from tests.gpu.test_gpu_engine import checkpoint, loaded, make_engine, prompts  # noqa: F401
+from tests.gpu.test_gpu_engine import make_engine, prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @torch.inference_mode()
-def test_budget_forces_the_end_and_async_matches_sync(loaded):  # noqa: F811
+def test_budget_forces_the_end_and_async_matches_sync(loaded):
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.thinking_budget import ThinkingBudget
 
