@@ -63,13 +63,10 @@ def default_model_tokenizer():
 
 
 def make_checkpoint(config_path: Path, out: Path, dtype: torch.dtype | None, seed: int,
-                    tokenizer: str, lm_head_scale: float | None = None,
-                    device: str = "cpu") -> None:
+                    tokenizer: str, lm_head_scale: float | None = None) -> None:
     """`lm_head_scale`: untie the LM head and multiply it, so that random weights give sharp
     next-token distributions and greedy agreement with a reference means something (flat
-    logits let bf16 rounding swap near-ties). `device`: where the weights are drawn; a GPU
-    draws a large model's in a fraction of the CPU's time (other random values, same
-    distribution)."""
+    logits let bf16 rounding swap near-ties)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = json.loads(config_path.read_text())
@@ -79,8 +76,7 @@ def make_checkpoint(config_path: Path, out: Path, dtype: torch.dtype | None, see
     config = AutoConfig.for_model(model_type, **raw)
     dtype = dtype or getattr(torch, raw.get("torch_dtype") or "float32")
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if lm_head_scale is not None:
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(lm_head_scale)
@@ -109,12 +105,9 @@ def main() -> None:
                         "installed, else byte-level; bytes: byte-level; or a tokenizer folder")
     parser.add_argument("--lm-head-scale", type=float,
                         help="untie the LM head and scale it (e.g. 25: sharp distributions)")
-    parser.add_argument("--device", default="cpu", help="where to draw the weights (cuda: "
-                        "faster for large shapes)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    make_checkpoint(args.config, args.out, dtype, args.seed, args.tokenizer, args.lm_head_scale,
-                    args.device)
+    make_checkpoint(args.config, args.out, dtype, args.seed, args.tokenizer, args.lm_head_scale)
 
 
 if __name__ == "__main__":
