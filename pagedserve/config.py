@@ -59,6 +59,9 @@ class EngineConfig:
     # publish the prefix cache's block events (stored / removed / cleared) on a ZeroMQ PUB
     # socket bound here, e.g. "tcp://*:5557" (see kv_cache/kv_events.py); None = not recorded
     kv_events_endpoint: str | None = None
+    # answer replay requests for missed event batches on a ZeroMQ ROUTER socket bound here,
+    # e.g. "tcp://*:5558" (needs kv_events_endpoint); None = no replay
+    kv_events_replay_endpoint: str | None = None
     # scheduling; None = chosen by the engine for the device and model (resolve_batch_limits)
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -119,6 +122,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_address is not None and self.tensor_parallel_size == 1:
             raise ValueError("tensor_parallel_address needs tensor_parallel_size > 1")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.kv_offload_memory < 0:

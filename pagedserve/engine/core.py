@@ -129,8 +129,9 @@ class EngineCore:
             sliding_window=self.model_config.kv_window,
             enable_events=config.kv_events_endpoint is not None,
             record_evictions=config.kv_offload_memory > 0)
-        self.kv_event_publisher = (KVEventPublisher(config.kv_events_endpoint)
-                                   if config.kv_events_endpoint is not None else None)
+        self.kv_event_publisher = (
+            KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint)
+            if config.kv_events_endpoint is not None else None)
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         num_cpu_blocks = 0
         if config.preemption_mode == "swap":
@@ -396,7 +397,7 @@ def _host_tier(config: EngineConfig, block_bytes: int, enable_events: bool) -> H
     if num_slots < 1:
         raise ValueError(f"kv_offload_memory of {config.kv_offload_memory} bytes holds no KV "
                          f"block of {block_bytes} bytes")
-    return HostTier(num_slots, enable_events)
+    return HostTier(num_slots, enable_events, config.block_size)
 
 
 def _host_tier_stats(scheduler: Scheduler) -> dict[str, int]:

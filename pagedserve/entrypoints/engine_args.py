@@ -102,6 +102,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("kv_events_endpoint", "publish the prefix cache's block events (stored, removed, "
               "cleared) on a ZeroMQ PUB socket bound here, e.g. tcp://*:5557", metavar="ADDRESS",
               default_text="off"),
+    EngineArg("kv_events_replay_endpoint", "answer requests for missed KV event batches on a "
+              "ZeroMQ ROUTER socket bound here, e.g. tcp://*:5558", metavar="ADDRESS",
+              default_text="off"),
     EngineArg("max_num_seqs", "max requests running at once", metavar="N",
               default_text="64 on the CPU; on CUDA sized by the GPU's memory, e.g. 256"),
     EngineArg("max_num_batched_tokens", "token budget of one step; longer prompts are "

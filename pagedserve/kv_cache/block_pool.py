@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
-
+from pagedserve.kv_cache.events import (MEDIUM_POOL, AllBlocksCleared, BlockRemoved, BlockStored,
+                                        KVCacheEvent, external_hash)
 from pagedserve.kv_cache.hashing import BlockHash, BlockHasher, get_hash_fn
 
 
@@ -106,35 +106,6 @@ class FreeKVCacheBlockQueue:
         stop.prev_free_block = anchor
 
 
-class BlockStored(msgspec.Struct, frozen=True, tag=True):
-    """A full block entered the prefix cache under `block_hash` (its parent's hash chains it
-    to the blocks before; None for a prompt's first block, and in the host tier, which
-    indexes blocks by hash alone). `medium`: "device" (the KV pool; `block_id` is the
-    block's) or "host" (`kv_cache.host_tier`; `block_id` is its host slot)."""
-
-    block_hash: BlockHash
-    block_id: int
-    parent_block_hash: BlockHash | None = None
-    medium: str = "device"
-
-
-class BlockRemoved(msgspec.Struct, frozen=True, tag=True):
-    """A cached block was evicted from `medium`: its hash no longer finds it there."""
-
-    block_hash: BlockHash
-    block_id: int
-    medium: str = "device"
-
-
-class AllBlocksCleared(msgspec.Struct, frozen=True, tag=True):
-    """Every cached hash was forgotten (`reset_prefix_cache`)."""
-
-
-# msgspec structs (tagged by class name), so a batch of them goes on the wire as it is
-# (pagedserve.kv_cache.kv_events)
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
 class BlockPool:
     """Owns every block's metadata, the free queue and the prefix-cache index.
 
@@ -148,13 +119,14 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  hash_fn: BlockHasher | None = None, enable_events: bool = False,
-                 record_evictions: bool = False) -> None:
+                 record_evictions: bool = False, block_size: int = 16) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn or get_hash_fn("sha256")
         self.enable_events = enable_events
+        self.block_size = block_size  # tokens per block, as the events report it
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
@@ -181,20 +153,22 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks: only "
                              f"{self.get_num_free_blocks()} free")
         blocks = self.free_block_queue.popleft_n(n)
+        evicted = [self._evict(block) for block in blocks if block.block_hash is not None]
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
             block.ref_cnt = 1
+        if evicted and self.enable_events:
+            self._events.append(BlockRemoved([external_hash(h) for h in evicted], MEDIUM_POOL))
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        del self.cached_block_hash_to_block[block.block_hash]
+    def _evict(self, block: KVCacheBlock) -> BlockHash:
+        """Drop the block's hash from the index; returns it."""
+        block_hash = block.block_hash
+        del self.cached_block_hash_to_block[block_hash]
         self.num_evictions += 1
         if self.record_evictions:
-            self._evicted.append((block.block_hash, block.block_id))
-        if self.enable_events:
-            self._events.append(BlockRemoved(block.block_hash, block.block_id))
+            self._evicted.append((block_hash, block.block_id))
         block.block_hash = None
+        return block_hash
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cached blocks (a prefix hit), reviving free ones from the queue."""
@@ -224,28 +198,46 @@ class BlockPool:
         self.free_block_queue.append_n(b for b in released if b.block_hash is not None)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+                          num_cached_blocks: int, num_full_blocks: int,
+                          token_ids: Sequence[int] = ()) -> None:
         """Index blocks[num_cached_blocks:num_full_blocks] under their content hashes.
 
         Only full blocks may be passed (I3). A block already cached (a prefix hit) is left
         alone; a block whose hash is already indexed by another block (two requests computed
         the same content at once) stays unhashed, so the index maps each hash to one block
-        and the duplicate is reused first once freed.
+        and the duplicate is reused first once freed. `token_ids` (the request's, from its
+        first block) go into the stored events, one event per run of newly indexed blocks.
         """
         if not self.enable_caching:
             return
+        run: list[int] = []  # indices of consecutive blocks indexed by this call
         for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.block_hash is not None or block.is_null:
+            if self._index(blocks[i], block_hashes[i]):
+                run.append(i)
                 continue
-            block_hash = block_hashes[i]
-            if block_hash in self.cached_block_hash_to_block:
-                continue
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = block
-            if self.enable_events:
-                parent = block_hashes[i - 1] if i > 0 else None
-                self._events.append(BlockStored(block_hash, block.block_id, parent))
+            self._record_stored(run, block_hashes, token_ids)
+            run = []
+        self._record_stored(run, block_hashes, token_ids)
+
+    def _index(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Index the block under `block_hash` unless it is cached, null, or the hash is
+        taken; True if it was indexed."""
+        if block.block_hash is not None or block.is_null \
+                or block_hash in self.cached_block_hash_to_block:
+            return False
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+        return True
+
+    def _record_stored(self, run: list[int], block_hashes: Sequence[BlockHash],
+                       token_ids: Sequence[int]) -> None:
+        if not run or not self.enable_events:
+            return
+        first, size = run[0], self.block_size
+        parent = external_hash(block_hashes[first - 1]) if first > 0 else None
+        self._events.append(BlockStored(
+            [external_hash(block_hashes[i]) for i in run], parent,
+            list(token_ids[first * size:(run[-1] + 1) * size]), size, None, MEDIUM_POOL))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

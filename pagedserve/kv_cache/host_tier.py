@@ -23,7 +23,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagedserve.kv_cache.block_pool import BlockRemoved, BlockStored, KVCacheEvent
+from pagedserve.kv_cache.events import (MEDIUM_HOST, BlockRemoved, BlockStored, KVCacheEvent,
+                                        external_hash)
 from pagedserve.kv_cache.hashing import BlockHash
 
 
@@ -39,9 +40,11 @@ class TierStats:
 
 class HostTier:
     """An LRU index of block hash -> host slot over `num_slots` slots. With `enable_events`
-    it records what it stores and drops, as the block pool does (medium "host")."""
+    it records what it stores and drops, as the block pool does (medium "CPU"; a stored
+    event carries no tokens: the tier is given hashes only)."""
 
-    def __init__(self, num_slots: int, enable_events: bool = False) -> None:
+    def __init__(self, num_slots: int, enable_events: bool = False,
+                 block_size: int = 16) -> None:
         if num_slots < 1:
             raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -50,6 +53,7 @@ class HostTier:
         self._pinned: set[int] = set()
         self.stats = TierStats()
         self.enable_events = enable_events
+        self.block_size = block_size  # tokens per block, as the events report it
         self._events: list[KVCacheEvent] = []
 
     def __len__(self) -> int:
@@ -83,7 +87,8 @@ class HostTier:
         self._index[block_hash] = slot
         self.stats.stores += 1
         if self.enable_events:
-            self._events.append(BlockStored(block_hash, slot, medium="host"))
+            self._events.append(BlockStored([external_hash(block_hash)], None, [],
+                                            self.block_size, None, MEDIUM_HOST))
         return slot
 
     def _evict_lru(self) -> int | None:
@@ -92,7 +97,7 @@ class HostTier:
                 del self._index[block_hash]
                 self.stats.evictions += 1
                 if self.enable_events:
-                    self._events.append(BlockRemoved(block_hash, slot, medium="host"))
+                    self._events.append(BlockRemoved([external_hash(block_hash)], MEDIUM_HOST))
                 return slot
         return None
 

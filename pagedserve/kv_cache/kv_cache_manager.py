@@ -76,7 +76,7 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.block_pool = BlockPool(num_blocks, enable_caching,
                                     get_hash_fn(hash_algo, hash_seed), enable_events,
-                                    record_evictions)
+                                    record_evictions, block_size)
         self.prefix_cache_stats = PrefixCacheStats()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
@@ -222,7 +222,7 @@ class KVCacheManager:
         if num_full > num_cached:
             hashes = self._block_hashes(request, num_full)
             self.block_pool.cache_full_blocks(self.req_to_blocks[req_id], hashes, num_cached,
-                                              num_full)
+                                              num_full, request.all_token_ids)
             self.num_cached_block[req_id] = num_full
 
     def _check_computed_blocks(self, request: Any, req_blocks: list[KVCacheBlock],

@@ -1,7 +1,8 @@
 import pytest
 
-from pagedserve.kv_cache.block_pool import (AllBlocksCleared, BlockPool, BlockRemoved,
-                                        BlockStored)
+from pagedserve.kv_cache.block_pool import BlockPool
+from pagedserve.kv_cache.events import (AllBlocksCleared, BlockRemoved, BlockStored,
+                                        external_hash)
 from pagedserve.kv_cache.hashing import get_hash_fn
 
 from .conftest import check_pool_invariants, free_order
@@ -117,10 +118,10 @@ def test_i4_eviction_drops_index_entry_and_uncached_blocks_go_first():
 
 
 def test_reset_prefix_cache_refused_while_in_use_then_clears_everything():
-    pool = BlockPool(4, enable_events=True)
+    pool = BlockPool(4, enable_events=True, block_size=1)
     blocks = pool.get_new_blocks(2)
     hashes = chain([1], [2])
-    pool.cache_full_blocks(blocks, hashes, 0, 2)
+    pool.cache_full_blocks(blocks, hashes, 0, 2, [1, 2])
     assert not pool.reset_prefix_cache()
     assert len(pool.cached_block_hash_to_block) == 2
     pool.free_blocks(blocks)
@@ -129,8 +130,8 @@ def test_reset_prefix_cache_refused_while_in_use_then_clears_everything():
     assert all(b.block_hash is None for b in pool.blocks)
     check_pool_invariants(pool)
     pool.get_new_blocks(3)
-    assert pool.take_events() == [BlockStored(hashes[0], blocks[0].block_id),
-                                  BlockStored(hashes[1], blocks[1].block_id, hashes[0]),
+    ext = [external_hash(h) for h in hashes]
+    assert pool.take_events() == [BlockStored(ext, None, [1, 2], 1, None, "GPU"),
                                   AllBlocksCleared()]
     assert pool.take_events() == []
 
@@ -142,11 +143,27 @@ def test_events_record_eviction_and_are_off_by_default():
     pool.free_blocks(block)
     assert pool.num_evictions == 0
     pool.get_new_blocks(1)
-    assert pool.take_events()[-1] == BlockRemoved(chain([9])[0], block[0].block_id)
+    assert pool.take_events()[-1] == BlockRemoved([external_hash(chain([9])[0])], "GPU")
     assert pool.num_evictions == 1
     quiet = BlockPool(2)
     quiet.cache_full_blocks(quiet.get_new_blocks(1), chain([9]), 0, 1)
     assert quiet.take_events() == []
+
+
+def test_stored_events_split_where_a_block_was_cached_already():
+    """One event per run of newly cached blocks, each run chained to the block before it;
+    a block whose hash another block holds is skipped (it breaks the run)."""
+    pool = BlockPool(8, enable_events=True, block_size=2)
+    hashes = chain([1, 1], [2, 2], [3, 3], [4, 4])
+    other = pool.get_new_blocks(1)
+    pool.cache_full_blocks(other, hashes[1:2], 0, 1)  # another block holds hash 1
+    pool.take_events()
+    blocks = pool.get_new_blocks(4)
+    pool.cache_full_blocks(blocks, hashes, 0, 4, [1, 1, 2, 2, 3, 3, 4, 4])
+    ext = [external_hash(h) for h in hashes]
+    assert pool.take_events() == [BlockStored(ext[:1], None, [1, 1], 2, None, "GPU"),
+                                  BlockStored(ext[2:], ext[1], [3, 3, 4, 4], 2, None, "GPU")]
+    assert blocks[1].block_hash is None
 
 
 def test_caching_disabled_never_indexes():

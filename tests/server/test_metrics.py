@@ -8,8 +8,8 @@ import time
 import httpx
 import zmq
 
-from pagedserve.kv_cache.block_pool import BlockStored
-from pagedserve.kv_cache.kv_events import DEFAULT_TOPIC, decode_batch
+from pagedserve.kv_cache.kv_events import DEFAULT_TOPIC
+from tests.vllm_kv_events import BlockStored, receive
 
 PROMPT = "Paged attention keeps the KV cache in blocks of sixteen tokens each. " * 3
 
@@ -54,11 +54,10 @@ def test_kv_events_reach_a_subscriber(server):
         time.sleep(0.5)  # a PUB socket drops what it sends before the subscription arrives
         unique = f"A prompt no other test sends, at {time.time()}: " + PROMPT
         _complete(server, prompt=unique)
-        stored = []
-        while sub.poll(2000):
-            _, _, payload = sub.recv_multipart()
-            stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+        stored = [e for _, batch in receive(sub, 2000) for e in batch.events
+                  if isinstance(e, BlockStored)]
         assert stored, "no BlockStored event for a prompt of several full blocks"
-        assert all(isinstance(e.block_hash, bytes) and e.block_id > 0 for e in stored)
+        assert all(len(e.token_ids) == e.block_size * len(e.block_hashes) > 0 and
+                   all(isinstance(h, int) for h in e.block_hashes) for e in stored)
     finally:
         sub.close()
