@@ -24,6 +24,7 @@ _EXPORTS = {
     "SamplingParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.frontend.outputs",
     "CompletionOutput": "pagedserve.frontend.outputs",
+    "LoRARequest": "pagedserve.messages",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -94,6 +94,13 @@ class EngineConfig:
     # None: the engine starts its workers on this host; an address ("tcp://*:5600"): it binds
     # there and waits for tensor_parallel_size workers started elsewhere (torchrun)
     tensor_parallel_address: str | None = None
+    # LoRA adapters (model/lora.py): requests may name one; at most max_loras distinct ones
+    # run in a step (device slots of rank up to max_lora_rank), max_cpu_loras stay loaded in
+    # host memory behind them (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -133,6 +140,12 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1, got "
+                             f"{self.max_loras} and {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
             raise ValueError("cpu_kv_cache_fraction must be in (0, 1], "
                              f"got {self.cpu_kv_cache_fraction}")

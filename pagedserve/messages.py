@@ -53,6 +53,16 @@ def _decoder(message_type: type[T]) -> msgspec.msgpack.Decoder:
 
 # -- frontend <-> engine core ----------------------------------------------------------------
 
+class LoRARequest(Message, array_like=True, frozen=True):
+    """A LoRA adapter a request runs under (PEFT's format in folder `path`). `lora_int_id`
+    names its KV in the prefix cache and its weights in the runner's caches: positive, and
+    never reused for other weights (the server gives each load a new one)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 class EngineCoreRequest(Message):
     """One sample to generate; the prompt is already tokenized and validated."""
 
@@ -61,6 +71,7 @@ class EngineCoreRequest(Message):
     sampling_params: SamplingParams  # n == 1: children carry their own derived seed
     arrival_time: float
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class LogprobsLists(Message, array_like=True):
@@ -134,6 +145,7 @@ class NewRequestData(Message, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]  # all of its blocks, prefix-cache hits included
     num_computed_tokens: int  # tokens whose KV is already there (prefix-cache hit)
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(Message, array_like=True):

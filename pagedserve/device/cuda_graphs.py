@@ -14,6 +14,9 @@ grids, so:
   length exit at once while the reduce only reads the partitions that the sequence has
   (see kernels/triton/attention/decode.py), so one graph serves every context length.
 
+With LoRA on, the graphs run the adapters' kernels over every row, each row's slot read
+from its buffer (-1, the base model, for padding), so one graph serves any mix of adapters.
+
 Only decode-only steps replay a graph; steps with a prefill chunk run eagerly.
 """
 
@@ -27,7 +30,9 @@ from torch import Tensor
 from pagedserve.attention.backend import AttentionBackend, set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.device.input_batch import StepBuffers
+from pagedserve.device.lora_slots import decode_graph_batch
 from pagedserve.model.decoder import Decoder
+from pagedserve.model.lora import lora_context
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:
@@ -40,12 +45,13 @@ def batch_size_ladder(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: Decoder, backend: AttentionBackend, buffers: StepBuffers,
-                 max_batch: int, max_model_len: int) -> None:
+                 max_batch: int, max_model_len: int, lora: bool = False) -> None:
         self.model = model
         self.backend = backend
         self.buffers = buffers
         self.max_model_len = max_model_len
         self.sizes = batch_size_ladder(max_batch)
+        self.lora = lora
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._hidden: dict[int, Tensor] = {}
 
@@ -64,7 +70,8 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> Tensor:
         b = self.buffers
-        with set_forward_context(self._meta(size), self.backend):
+        lora = decode_graph_batch(b, size) if self.lora else None
+        with set_forward_context(self._meta(size), self.backend), lora_context(lora):
             return self.model(b.input_ids.device[:size], b.positions.device[:size])
 
     @torch.inference_mode()
@@ -77,6 +84,8 @@ class DecodeGraphs:
         b.slot_mapping.device.fill_(-1)
         b.seq_lens.device.fill_(1)
         b.block_tables.device.zero_()
+        b.lora_slots.device.fill_(-1)
+        b.lora_seg_slots.device.fill_(-1)
         b.query_start_loc.device.copy_(torch.arange(b.query_start_loc.device.numel(),
                                                     dtype=torch.int32))
         pool = torch.cuda.graph_pool_handle()

@@ -47,6 +47,7 @@ from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.device.cuda_graphs import DecodeGraphs
 from pagedserve.device.input_batch import BlockTableRows, CachedRequestState, StepBuffers
+from pagedserve.device.lora_slots import LoRASlots
 from pagedserve.device.penalties import PenaltyState
 from pagedserve.kernels.penalties import to_device
 from pagedserve.device.profile_run import profile_batch
@@ -57,6 +58,7 @@ from pagedserve.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutpu
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
+from pagedserve.model.lora import LoRABatch, lora_context
 from pagedserve.structured.manager import GrammarOutput
 
 
@@ -124,6 +126,7 @@ class StepInputs:
     # previous step's sampled tokens (of these requests)
     placeholder_ids: list[str]
     placeholder_rows: np.ndarray
+    lora: LoRABatch | None = None  # the adapters' rows; None: all the base model's
 
 
 class PreparedStep(NamedTuple):
@@ -167,6 +170,9 @@ class ModelRunner:
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request seen
+        self.loras = None if not config.enable_lora else LoRASlots(
+            model, model_config, config.max_loras, config.max_lora_rank,
+            config.max_cpu_loras or config.max_loras, device)
 
     # -- KV cache sizing and allocation ---------------------------------------------------
 
@@ -303,7 +309,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.capturable:
             self._bind_kv_cache()
             self.graphs = DecodeGraphs(self.model, self.backend, self.buffers,
-                                       config.max_num_seqs, max_model_len)
+                                       config.max_num_seqs, max_model_len,
+                                       lora=self.loras is not None)
             self.graphs.capture()
 
     # -- one step ---------------------------------------------------------------------------
@@ -318,7 +325,8 @@ class ModelRunner:
         self.block_rows.release(output.preempted_req_ids)
         for new in output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, new.prompt_token_ids, new.sampling_params)
+                new.req_id, new.prompt_token_ids, new.sampling_params,
+                lora_request=new.lora_request)
             self.block_rows.add(new.req_id, new.block_ids)
         cached = output.scheduled_cached_reqs
         for req_id, resumed, block_ids, num_nulled in zip(
@@ -384,6 +392,11 @@ class ModelRunner:
             seq_lens=b.seq_lens.upload(rows),
             query_start_loc=b.query_start_loc.upload(rows + 1),
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
+        lora = None
+        if self.loras is not None:
+            lora = self.loras.batch(
+                b, self.loras.slots([r.lora_request for r in requests]), num_new,
+                meta.query_start_loc, rows, token_rows, graph_size is not None)
         inputs = StepInputs(
             input_ids=b.input_ids.upload(token_rows),
             positions=b.positions.upload(token_rows),
@@ -392,7 +405,7 @@ class ModelRunner:
             sampling_states=self._sampling_states(requests, output.samples, seq_lens),
             graph_size=graph_size,
             placeholder_ids=[output.req_ids[i] for i in placeholders.tolist()],
-            placeholder_rows=placeholder_rows)
+            placeholder_rows=placeholder_rows, lora=lora)
         return inputs
 
     @staticmethod
@@ -594,7 +607,7 @@ class ModelRunner:
         self._bind_kv_cache()
         if inputs.graph_size is not None:
             return self.graphs.replay(inputs.graph_size)
-        with set_forward_context(inputs.meta, self.backend):
+        with set_forward_context(inputs.meta, self.backend), lora_context(inputs.lora):
             return self.model(inputs.input_ids, inputs.positions)
 
 

@@ -201,7 +201,8 @@ class EngineCore:
             max_tokens = self.max_model_len - num_prompt
         core_request = Request(
             request.request_id, request.prompt_token_ids, params, max_tokens,
-            self.eos_token_ids, request.arrival_time, cache_salt=request.cache_salt)
+            self.eos_token_ids, request.arrival_time, cache_salt=request.cache_salt,
+            lora_request=request.lora_request)
         self.scheduler.add_request(core_request)  # first: it refuses an id in use
         if params.structured_outputs is not None:  # compiled in the background: see step
             core_request.status = RequestStatus.WAITING_FOR_GRAMMAR

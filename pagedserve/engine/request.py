@@ -22,6 +22,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedserve.messages import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.token_sequence import TokenSequence
 
@@ -67,6 +68,7 @@ class Request(TokenSequence):
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.time)
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # None: the base model
 
     def __post_init__(self) -> None:
         self._init_tokens()

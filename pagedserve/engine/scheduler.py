@@ -70,6 +70,8 @@ class Scheduler:
         `host_tier`: the prefix cache's host tier, whose slots the runner holds; the
         manager must record its evictions (`record_evictions`)."""
         self.max_num_seqs = config.max_num_seqs
+        # distinct LoRA adapters among the running requests: the runner's device slots
+        self.max_loras = config.max_loras if config.enable_lora else 0
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
@@ -237,11 +239,16 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]],
                        out: SchedulerOutput) -> int:
         """Admit from the front of the queue while the budget, the batch and the pool allow,
-        passing over requests whose grammar is still compiling (they keep their place)."""
+        passing over requests whose grammar is still compiling, and those whose LoRA adapter
+        would be one more than the runner's slots hold (they keep their place)."""
         skipped = 0
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[skipped]
-            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            lora = request.lora_request
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR or (
+                    lora is not None and lora.lora_int_id not in adapters
+                    and len(adapters) >= self.max_loras):
                 skipped += 1
                 continue
             blocks, num_hit = [], 0
@@ -265,6 +272,8 @@ class Scheduler:
             self._add_to_batch_data(request, num_hit, num_ready, out)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_ready
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             if self.by_priority:
                 bisect.insort_right(self.running, request, key=_priority_order)
             else:
@@ -282,7 +291,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params,
-                block_ids, num_ready))
+                block_ids, num_ready, request.lora_request))
         else:
             out.scheduled_cached_reqs.append(request.request_id, True, block_ids)
 

@@ -137,6 +137,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("tensor_parallel_address", "bind here (e.g. tcp://*:5600) and wait for the "
               "workers started by torchrun (python -m pagedserve.device.worker) instead of "
               "starting them", metavar="ADDRESS", default_text="start them on this host"),
+    EngineArg("enable_lora", "serve LoRA adapters (PEFT format) on top of the base model"),
+    EngineArg("max_loras", "LoRA: distinct adapters in one step (device slots)", metavar="N"),
+    EngineArg("max_lora_rank", "LoRA: the largest adapter rank the slots hold", metavar="R"),
+    EngineArg("max_cpu_loras", "LoRA: adapters kept loaded in host memory behind the slots",
+              metavar="N", default_text="max_loras"),
 )
 
 NOT_FLAGS = {

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from pagedserve.entrypoints.chat_template import Message, encode_chat
 from pagedserve.frontend.llm_engine import LLMEngine
 from pagedserve.frontend.outputs import RequestOutput
+from pagedserve.messages import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 
 PromptInput = str | Sequence[int]
@@ -44,14 +45,19 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, or a list of token-id lists."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists.
+        `lora_request`: the LoRA adapter every prompt runs under, or one per prompt (None:
+        the base model); the engine needs enable_lora."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
         request_ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                request_ids.append(self._add(prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras):
+                request_ids.append(self._add(prompt, p, lora))
         except Exception:
             self.llm_engine.abort_request(request_ids)
             self.llm_engine.step()  # drain the abort outputs
@@ -78,14 +84,16 @@ class LLM:
         return encode_chat(self.llm_engine.tokenizer, conversation, add_generation_prompt,
                            template_kwargs=chat_template_kwargs)
 
-    def _add(self, prompt: PromptInput, params: SamplingParams) -> str:
+    def _add(self, prompt: PromptInput, params: SamplingParams,
+             lora: LoRARequest | None = None) -> str:
         request_id = f"llm-{self._counter}"
         self._counter += 1
         if isinstance(prompt, str):
-            self.llm_engine.add_request(request_id, prompt, params, final_only=True)
+            self.llm_engine.add_request(request_id, prompt, params, final_only=True,
+                                        lora_request=lora)
         else:
             self.llm_engine.add_request(request_id, None, params, prompt_token_ids=list(prompt),
-                                        final_only=True)
+                                        final_only=True, lora_request=lora)
         return request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -118,3 +126,12 @@ def _as_params_list(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return params
+
+
+def _as_lora_list(lora, count: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    lora = list(lora)
+    if len(lora) != count:
+        raise ValueError(f"got {len(lora)} lora requests for {count} prompts")
+    return lora

@@ -31,8 +31,10 @@ from pagedserve.engine.scheduler import Scheduler
 from pagedserve.frontend.core_client import RemoteEngineCore
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import EngineStats, RequestOutput
+from pagedserve.frontend.lora_registry import LoRARegistry
 from pagedserve.frontend.processor import Processor
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
+from pagedserve.messages import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.structured.remote import GrammarProcess
@@ -55,8 +57,10 @@ class LLMEngine:
         self.loaded = core.loaded
         self.model_config = core.model_config
         self.tokenizer = core.tokenizer
+        loras = (LoRARegistry(self.model_config, self.config.max_lora_rank)
+                 if self.config.enable_lora else None)
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size,
-                                   core.max_model_len, lambda: core.grammars)
+                                   core.max_model_len, lambda: core.grammars, loras)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._aborted_outputs: list[RequestOutput] = []
 
@@ -105,14 +109,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    final_only: bool = False) -> None:
+                    final_only: bool = False, lora_request: LoRARequest | None = None) -> None:
         """Validate and queue; raises ValueError (taking no block) when the request is bad.
 
         `cache_salt` isolates the prefix cache (see Processor.process); `final_only`: step()
-        reports the request only once it has finished (see OutputProcessor.add_request).
+        reports the request only once it has finished (see OutputProcessor.add_request);
+        `lora_request`: the LoRA adapter it runs under (None: the base model).
         """
         token_ids, core_requests = self.processor.process(
-            request_id, prompt, params, prompt_token_ids, arrival_time, cache_salt)
+            request_id, prompt, params, prompt_token_ids, arrival_time, cache_salt,
+            lora_request)
         self.output_processor.add_request(request_id, prompt, token_ids, params, core_requests,
                                           final_only)
         for core_request in core_requests:

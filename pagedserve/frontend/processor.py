@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 
 from pagedserve.errors import RequestError
-from pagedserve.messages import EngineCoreRequest
+from pagedserve.frontend.lora_registry import LoRARegistry
+from pagedserve.messages import EngineCoreRequest, LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.params import StructuredOutputsParams
@@ -30,21 +31,27 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 class Processor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
-                 grammars: Callable[[], GrammarCache]) -> None:
+                 grammars: Callable[[], GrammarCache],
+                 loras: LoRARegistry | None = None) -> None:
         """`grammars` returns the grammar cache, built on first use (it costs a second for a
-        large vocabulary); in one process the core's, so a grammar compiles once for both."""
+        large vocabulary); in one process the core's, so a grammar compiles once for both.
+        `loras`: the adapters' registry when LoRA is on (None: a request naming one is
+        refused)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.grammars = grammars
+        self.loras = loras
 
     def process(self, request_id: str, prompt: str | None, params: SamplingParams,
                 prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
-                cache_salt: str | None = None) -> tuple[list[int], list[EngineCoreRequest]]:
+                cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                ) -> tuple[list[int], list[EngineCoreRequest]]:
         """The prompt's token ids (truncated if asked) and one core request per sample.
 
         `cache_salt` isolates the prefix cache: requests share cached blocks only when their
         salts are equal (it is hashed into the first block, so it reaches the whole chain).
+        `lora_request`: the LoRA adapter to run under (checked once per adapter id).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -56,6 +63,11 @@ class Processor:
                 params.bad_words))
         if params.structured_outputs is not None:  # compiled now (and cached): fails early
             self.check_structured_outputs(params.structured_outputs)
+        if lora_request is not None:
+            if self.loras is None:
+                raise RequestError("lora_request needs an engine started with enable_lora",
+                                   param="lora_request")
+            self.loras.check(lora_request)
         arrival = time.time() if arrival_time is None else arrival_time
         requests = []
         for index, child_id in enumerate(child_request_ids(request_id, params.n)):
@@ -64,7 +76,7 @@ class Processor:
                 seed = None if params.seed is None else params.seed + index
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             requests.append(EngineCoreRequest(child_id, token_ids, child_params, arrival,
-                                              cache_salt))
+                                              cache_salt, lora_request))
         return token_ids, requests
 
     def prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None

@@ -1,11 +1,12 @@
 """Per-request block tables on top of the block pool, with automatic prefix caching.
 
 The request is duck-typed: `.request_id`, `.all_token_ids` (prompt + output, growing),
-`.num_tokens`, `.num_computed_tokens`, and optionally `.cache_salt`.
+`.num_tokens`, `.num_computed_tokens`, and optionally `.cache_salt` and `.lora_request`.
 
-Extra hash key: `cache_salt` goes only into block 0, because the chain carries it to every
-later block anyway. (KV computed under a LoRA adapter would differ everywhere: its id would go
-into every block's extra keys, here, when adapters exist.) A request's block hashes are kept and extended incrementally, so a decode step
+Extra hash keys: `cache_salt` and the LoRA adapter's id (KV computed under an adapter differs
+from the base model's everywhere) go only into block 0, because the chain carries them to
+every later block anyway: two adapters never share a block, one adapter's requests share
+theirs. A request's block hashes are kept and extended incrementally, so a decode step
 hashes at most the one block that just filled.
 
 Sliding windows: when every layer of the model attends only to its last `sliding_window`
@@ -99,9 +100,12 @@ class KVCacheManager:
         if start >= num_blocks:
             return hashes
         salt = getattr(request, "cache_salt", None)
+        lora = getattr(request, "lora_request", None)
         extras: list[tuple | None] = [None] * (num_blocks - start)
-        if start == 0 and salt is not None:
-            extras[0] = (salt,)
+        first = (() if salt is None else (salt,)) + (
+            () if lora is None else (("lora", lora.lora_int_id),))
+        if start == 0 and first:
+            extras[0] = first
         bs = self.block_size
         hashes.extend(self.block_pool.hash_fn.chain(
             hashes[-1] if hashes else None, request.all_token_ids[start * bs:num_blocks * bs],

@@ -44,15 +44,20 @@ from pagedserve.model.rope import RotaryEmbedding
 class Linear(nn.Linear):
     """nn.Linear through the matmul it is given (`Ops.matmul`: a packed copy of its weight on
     the CPU, else F.linear); the loader may swap in another for the weights it loads (FP8's
-    `fp8.Fp8Matmul`, the fast mode's `packed.QuantizedMatmul`)."""
+    `fp8.Fp8Matmul`, the fast mode's `packed.QuantizedMatmul`). With LoRA on, `lora` adds
+    the step's adapters to the output (`lora.LoRAStack`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  matmul: Matmul) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.matmul = matmul
+        self.lora: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora(x, y)
+        return y
 
 
 class RowParallelLinear(Linear):
@@ -62,7 +67,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel.get_tp().size == 1:
             return super().forward(x)
-        y = parallel.all_reduce_(self.matmul(x, self.weight, None))
+        y = self.matmul(x, self.weight, None)
+        if self.lora is not None:  # this rank's partial shrink, expanded: summed below
+            self.lora(x, y)
+        y = parallel.all_reduce_(y)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -272,6 +280,7 @@ class Decoder(nn.Module):
         )
         # the output projection's matmul, on whichever weight it is
         self.lm_head_matmul = ops.matmul()
+        self.lora_fn = ops.lora  # batched LoRA's implementation, for `lora.attach`
         # one table per layer type present (Gemma 3's local layers have their own base)
         self.rotary = {t: RotaryEmbedding(config, t)
                        for t in dict.fromkeys(map(config.layer_type, range(config.num_layers)))}

@@ -10,8 +10,9 @@ native kernels (`kernels/native/ops.c`): one call instead of the eager path's 4 
 ops, whose per-op overhead dominates at decode sizes. They round where the eager path rounds;
 only the order of a norm's sum of squares and the last bit of some exps differ. Anything else
 (other dtypes or devices, no C compiler) runs the eager path. The same choice covers the float
-linears (`packed.select_packing`), the FP8 matmul (`fp8.reference_linear` or the CUDA one)
-and the MoE experts (fused Triton kernels, or expert by expert).
+linears (`packed.select_packing`), the FP8 matmul (`fp8.reference_linear` or the CUDA one),
+the MoE experts (fused Triton kernels, or expert by expert) and batched LoRA (`lora.py`'s
+reference, or `kernels/triton/lora.py`).
 
 An `Ops` value holds the choice; the decoder's modules keep what they were given and call it
 without asking again (no per-call device test). Tests pass one explicitly: `TORCH_OPS` (the
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from pagedserve.kernels.native import ops as native
 from pagedserve.model.fp8 import reference_linear
+from pagedserve.model.lora import LoRAFn, reference_lora
 from pagedserve.model.packed import Packing, PackedWeight, select_packing
 
 Matmul = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]  # (x, weight, bias) -> y
@@ -51,6 +53,8 @@ class Ops:
     fp8_linear: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] = reference_linear
     # x, w13, w2, routing weights, expert ids -> the MoE output; None: expert by expert
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+    # x, y, stacked A, stacked B, the step's LoRABatch -> None (y += the adapters' output)
+    lora: LoRAFn = reference_lora
 
     def matmul(self) -> Matmul:
         """A float linear layer's own matmul: a packed copy of its weight, or F.linear."""
@@ -75,14 +79,15 @@ def native_ops() -> Ops:
 
 def triton_ops() -> Ops:
     """The Triton kernels: the fused elementwise ops, the FP8 matmul, the fused MoE."""
-    from pagedserve.kernels.triton import fp8_linear, model_ops, moe
+    from pagedserve.kernels.triton import fp8_linear, lora, model_ops, moe
 
     def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor]:
         return model_ops.rms_norm(x, weight, eps, residual)
 
     return Ops(add_rms_norm, model_ops.rotate_qk_, model_ops.silu_and_mul,
-               fp8_linear=fp8_linear.linear, fused_moe=moe.fused_moe)
+               fp8_linear=fp8_linear.linear, fused_moe=moe.fused_moe,
+               lora=lora.lora_shrink_expand)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
