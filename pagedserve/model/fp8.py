@@ -94,22 +94,22 @@ def is_fp8(weight: Tensor) -> bool:
 
 def checkpoint_quantization(folder: Path) -> str | None:
     """"fp8" for a compressed-tensors checkpoint with 8-bit float weights, None for one
-    without `quantization_config`; any other quantization is refused by name."""
+    without float-quantized weights (`int_weights.read_scheme` reads integer ones); other
+    float schemes are refused by name."""
     config = folder / "config.json"
     raw = json.loads(config.read_text()).get("quantization_config") if config.exists() else None
-    if not raw:
+    if not raw or raw.get("quant_method") != "compressed-tensors":
         return None
-    method = raw.get("quant_method")
     groups = raw.get("config_groups") or {}
     weights = [g.get("weights") or {} for g in groups.values()]
-    if method == "compressed-tensors" and weights and all(
-            w.get("type") == "float" and w.get("num_bits") == 8
-            and w.get("strategy") in ("channel", "tensor") for w in weights):
+    if not weights or not all(w.get("type") == "float" for w in weights):
+        return None
+    if all(w.get("num_bits") == 8 and w.get("strategy") in ("channel", "tensor")
+           for w in weights):
         return "fp8"
     schemes = [(w.get("type"), w.get("num_bits"), w.get("strategy")) for w in weights]
-    raise ValueError(f"{folder} is quantized with {method!r} {schemes}; only FP8 "
-                     "compressed-tensors checkpoints with per-channel or per-tensor weight "
-                     "scales are supported")
+    raise ValueError(f"{folder} is quantized with compressed-tensors {schemes}; only FP8 "
+                     "weights with per-channel or per-tensor scales are supported")
 
 
 def check_device(device: torch.device) -> None:

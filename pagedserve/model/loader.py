@@ -6,10 +6,13 @@ requested dtype on the requested device, and each checkpoint tensor is copied st
 Under tensor parallelism a rank reads only its slice of each safetensors tensor; a GGUF tensor
 is dequantized whole, then sliced (`model.parallel`). With FP8 weights (`model.fp8`) the dense
 projections are e4m3 parameters from the start: a float checkpoint tensor is quantized on the
-device as it is copied in, an FP8 one is copied as it is, with its `weight_scale`.
+device as it is copied in, an FP8 one is copied as it is, with its `weight_scale`. With
+integer weights (`model.int_weights`: compressed-tensors W4A16/W8A16, GPTQ, AWQ, read from
+the checkpoint's `quantization_config`) the layers the checkpoint holds packed get packed
+parameters, and each packed tensor is converted to the kernels' layout as it is read.
 
 Which kernels the model runs is decided here too, once: `ops.select_ops` from the device and
-dtype, then the FP8 matmul for FP8 weights, the quantized blocks' matmul and the whole-step
+dtype, then the FP8 matmul for FP8 weights, the packed matmul for integer ones, the quantized blocks' matmul and the whole-step
 decode (`fast_decode`) for the fast mode.
 """
 
@@ -23,11 +26,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from pagedserve.config import LOAD_FORMATS
 from pagedserve.kernels.native import quant as native_quant
 from pagedserve.kernels.native.quant import QuantizedLinear, QuantizedWeight
-from pagedserve.model import dummy, fp8, parallel
+from pagedserve.model import dummy, fp8, int_weights, parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder, Linear
 from pagedserve.model.fast_decode import FastDecode
@@ -114,8 +118,11 @@ def _open_checkpoint(
 _KV_SCALE = re.compile(r"^layers\.(\d+)\.self_attn\.(k_scale|v_scale)$")
 
 
-def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the model's (fused) parameters; fail on gaps or strays."""
+def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]],
+                 scheme: int_weights.IntScheme | None = None) -> None:
+    """Copy HF-named tensors into the model's (fused) parameters; fail on gaps or strays.
+    `scheme`: the checkpoint's integer quantization, whose packed tensors are converted to
+    the kernels' layout first."""
     params = dict(model.named_parameters())
     # Fused parameters are complete once all their shards arrived.
     expected = {(name, i) for name in params for i in range(model.num_shards(name))}
@@ -134,11 +141,23 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]]) ->
             if kv_scale is not None:
                 layers[int(kv_scale[1])].checkpoint_kv_scales[kv_scale[2]] = tensor.float()
                 continue
+            if scheme is not None:
+                name, tensor = _packed_tensor(scheme, name, tensor)
+                if name is None:
+                    continue
             target, shard, rows = model.shard_range(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for this model config")
             param = params[target]
+            if target.endswith(".g_idx"):  # [K]: the same for every part of a fused layer
+                rows = None
+                if any((target, i) in loaded for i in range(model.num_shards(target))) and (
+                        not torch.equal(param.cpu(), tensor)):
+                    raise ValueError(f"{hf_name}: the parts of {target.removesuffix('.g_idx')}"
+                                     " have different column orders (g_idx)")
             dst = param if rows is None else param[rows]
+            if target.endswith(".zeros"):
+                tensor = tensor[:dst.shape[0]]  # rows past N: packing's padding
             if target.endswith(".weight_scale"):
                 tensor = _scale_rows(tensor, dst.shape[0], hf_name)
             elif fp8.is_fp8(param) and not fp8.is_fp8(tensor):
@@ -160,6 +179,21 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]]) ->
     missing = sorted({name for name, _ in expected - loaded})
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
+
+
+def _packed_tensor(scheme: int_weights.IntScheme, name: str,
+                   tensor: torch.Tensor) -> tuple[str | None, torch.Tensor]:
+    """A checkpoint tensor under our name and in our layout (`int_weights.convert`); None
+    for one that carries nothing we keep."""
+    module, _, suffix = name.rpartition(".")
+    if scheme.skipped(suffix):
+        return None, tensor
+    param = scheme.param_of(suffix)
+    if param is None:
+        return name, tensor
+    if param == "skip":
+        return None, tensor
+    return f"{module}.{param}", int_weights.convert(scheme, param, tensor)
 
 
 def _scale_rows(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
@@ -204,20 +238,27 @@ def load_model(
     device = torch.device(device)
     if weights is None:
         weights = dummy.dummy_weights(config, dtype, device)  # sharded already
-    quantization = quantization or (fp8.checkpoint_quantization(path) if path.is_dir()
-                                    else None)
+    stored = fp8.checkpoint_quantization(path) if path.is_dir() else None
+    scheme = (int_weights.read_scheme(path) if path.is_dir() and stored is None
+              and load_format != "dummy" else None)
+    if scheme is not None and quantization is not None:
+        raise ValueError(f"{path} holds {scheme.name} weights ({scheme.method}); it cannot "
+                         f"be loaded with quantization={quantization!r}")
+    quantization = quantization or stored
     ops = ops or select_ops(device, dtype)
     with torch.device("meta"):
         model = Decoder(config, ops)
     model = model.to(dtype)
     if quantization is not None:
         _quantize_linears(model, quantization, device)
+    packed = _pack_linears(model, scheme, path) if scheme is not None else []
     model = model.to_empty(device=device)
     if quantization is not None:
         for linear in model.dense_linears():  # their scales are on the device now
             linear.matmul = fp8.Fp8Matmul(ops.fp8_linear, linear.weight_scale)
-    load_weights(model, weights)
-    model.quantization = quantization
+    load_weights(model, weights, scheme)
+    _attach_int_matmuls(model, packed, scheme, ops)
+    model.quantization = quantization or (scheme.name if scheme is not None else None)
     if quantized and quantization is None and path.suffix == ".gguf" and (
             dtype == torch.float32 and device.type == "cpu") and (
             parallel.get_tp().size == 1 and native_quant.available()):
@@ -248,6 +289,47 @@ def _quantize_linears(model: Decoder, quantization: str, device: torch.device) -
     fp8.check_device(device)
     for linear in model.dense_linears():
         fp8.to_fp8(linear)
+
+
+def _pack_linears(model: Decoder, scheme: int_weights.IntScheme, path: Path) -> list[str]:
+    """Give each linear layer the checkpoint holds packed its packed parameters
+    (`int_weights.to_int`); returns their module names."""
+    if parallel.get_tp().size > 1:
+        raise ValueError(f"{scheme.name} weights are not supported with tensor parallelism "
+                         "yet")
+    names = []
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names += list(f.keys())
+    parts: dict[str, dict[int, bool]] = {}
+    for module, act_order in int_weights.packed_modules(names, scheme).items():
+        target, shard, _ = model.shard_range(module + ".weight")
+        if ".mlp.w13" in target or ".mlp.w2" in target:
+            raise ValueError(f"{path}: packed {scheme.method} MoE experts ({module}) are not "
+                             "supported yet")
+        parts.setdefault(target.removesuffix(".weight"), {})[shard] = act_order
+    for target, shards in parts.items():
+        if len(shards) != model.num_shards(target + ".weight") or (
+                len(set(shards.values())) > 1):
+            raise ValueError(f"{path}: the parts of {target} are not all packed alike "
+                             f"({scheme.method}): a fused layer's parts must be")
+        module = model.get_submodule(target)
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{path}: {target} is packed but is not a linear layer")
+        int_weights.to_int(module, scheme, next(iter(shards.values())))
+    return list(parts)
+
+
+def _attach_int_matmuls(model: Decoder, packed: list[str],
+                        scheme: int_weights.IntScheme | None, ops: Ops) -> None:
+    for target in packed:
+        matmul = int_weights.IntMatmul(ops.int_linear,
+                                       int_weights.int_weight(model.get_submodule(target),
+                                                              scheme))
+        if target == "lm_head":
+            model.lm_head_matmul = matmul
+        else:
+            model.get_submodule(target).matmul = matmul
 
 
 def attach_quantized(model: Decoder, weights: Iterator[tuple[str, QuantizedWeight]]) -> int:

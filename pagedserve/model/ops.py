@@ -11,6 +11,7 @@ ops, whose per-op overhead dominates at decode sizes. They round where the eager
 only the order of a norm's sum of squares and the last bit of some exps differ. Anything else
 (other dtypes or devices, no C compiler) runs the eager path. The same choice covers the float
 linears (`packed.select_packing`), the FP8 matmul (`fp8.reference_linear` or the CUDA one),
+the packed integer matmul (`int_weights.reference_linear` or `kernels/triton/int_linear`),
 the MoE experts (fused Triton kernels, or expert by expert) and batched LoRA (`lora.py`'s
 reference, or `kernels/triton/lora.py`).
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pagedserve.kernels.native import ops as native
+from pagedserve.model import int_weights
 from pagedserve.model.fp8 import reference_linear
 from pagedserve.model.lora import LoRAFn, reference_lora
 from pagedserve.model.packed import Packing, PackedWeight, select_packing
@@ -51,6 +53,9 @@ class Ops:
     packing: Packing | None = None  # the float linears' prepacked kernel; None: F.linear
     # x, e4m3 weight, its per-row scales, bias -> y (`fp8.reference_linear`'s contract)
     fp8_linear: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor] = reference_linear
+    # x, a packed weight (`kernels.weight_formats`), bias -> y (`int_weights.reference_linear`)
+    int_linear: Callable[[Tensor, object, Tensor | None], Tensor] = (
+        int_weights.reference_linear)
     # x, w13, w2, routing weights, expert ids -> the MoE output; None: expert by expert
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     # x, y, stacked A, stacked B, the step's LoRABatch -> None (y += the adapters' output)
@@ -78,16 +83,17 @@ def native_ops() -> Ops:
 
 
 def triton_ops() -> Ops:
-    """The Triton kernels: the fused elementwise ops, the FP8 matmul, the fused MoE."""
-    from pagedserve.kernels.triton import fp8_linear, lora, model_ops, moe
+    """The Triton kernels: the fused elementwise ops, the FP8 and int matmuls, the fused
+    MoE, batched LoRA."""
+    from pagedserve.kernels.triton import fp8_linear, int_linear, lora, model_ops, moe
 
     def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor]:
         return model_ops.rms_norm(x, weight, eps, residual)
 
     return Ops(add_rms_norm, model_ops.rotate_qk_, model_ops.silu_and_mul,
-               fp8_linear=fp8_linear.linear, fused_moe=moe.fused_moe,
-               lora=lora.lora_shrink_expand)
+               fp8_linear=fp8_linear.linear, int_linear=int_linear.linear,
+               fused_moe=moe.fused_moe, lora=lora.lora_shrink_expand)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

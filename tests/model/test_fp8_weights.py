@@ -152,7 +152,7 @@ def test_fp8_checkpoint_and_online_quantization_give_the_same_model(tmp_path):
 
 @pytest.mark.parametrize("change,message", [
     ({"strategy": "block"}, "per-channel or per-tensor"),
-    ({"num_bits": 4, "type": "int"}, "only FP8 compressed-tensors"),
+    ({"num_bits": 4, "type": "int"}, "format 'float-quantized' with weights 'int'"),
 ])
 def test_other_quantized_checkpoints_are_refused(tmp_path, change, message):
     hf = qwen3(tmp_path)

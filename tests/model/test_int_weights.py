@@ -1,0 +1,195 @@
+"""Integer weight-only checkpoints (compressed-tensors pack-quantized, GPTQ, AWQ) on the CPU,
+written by benchmarks/quantize_int.py as each format's tool writes them:
+
+- our dequantized weights equal the format's own reference bit for bit: compressed-tensors'
+  decompressor; for AWQ, compressed-tensors' AutoAWQ converter and then its decompressor;
+  for GPTQ (and compressed-tensors' actorder "group", whose g_idx its current decompressor
+  no longer reads), AutoGPTQ's dequantization formula (scales[g_idx] * (w - (z + 1)));
+- logits and greedy tokens equal transformers' on the float model built from those
+  dequantized weights (float32);
+- unsupported variants are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, MixtralConfig, Qwen3Config
+
+from pagedserve.model import load_model
+from tests.model.test_decoder import TINY, make_checkpoint
+from tests.model.test_families import check_greedy_generation, check_paged_logits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from quantize_int import quantize_folder  # noqa: E402
+
+# K is 64 (attention, gate/up) or 96 (down): group 64 leaves a part-group at the end of down
+FORMATS = {
+    "ct-w4-g32-sym": ("compressed-tensors", dict(bits=4, group=32)),
+    "ct-w4-g64-asym-actorder": ("compressed-tensors",
+                                dict(bits=4, group=64, symmetric=False, act_order=True)),
+    "ct-w8-channel-asym": ("compressed-tensors", dict(bits=8, group=0, symmetric=False)),
+    "gptq-w4-g32-desc_act": ("gptq", dict(bits=4, group=32, act_order=True)),
+    "gptq-w8-g64-asym": ("gptq", dict(bits=8, group=64, symmetric=False)),
+    "awq-w4-g32": ("awq", dict(bits=4, group=32, symmetric=False)),
+}
+PROJS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+         "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+         "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+         "down_proj": ("mlp.down_proj", 0)}
+
+
+def qwen3(folder):
+    return make_checkpoint(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False), folder)
+
+
+def quantized(tmp_path, case: str, make=qwen3, dtype=None):
+    fmt, options = FORMATS[case]
+    hf = make(tmp_path / "float")
+    quantize_folder(tmp_path / "float", tmp_path / case, fmt, dtype=dtype, **options)
+    return hf, tmp_path / case
+
+
+def our_weights(model) -> dict[str, torch.Tensor]:
+    """Each checkpoint projection's dequantized weight, cut out of our fused layers."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        for proj, (path, part) in PROJS.items():
+            w = layer.get_submodule(path).matmul.weight.dequantize()
+            sizes = {"self_attn.qkv_proj": [64, 32, 32], "mlp.gate_up_proj": [96, 96]}.get(
+                path, [w.shape[0]])
+            out[f"model.layers.{i}.{path.split('.')[0]}.{proj}"] = w.split(sizes)[part]
+    return out
+
+
+def unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """AutoGPTQ's unpacking: codes along `dim`, low bits first."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    if dim == 0:
+        codes = (words.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)
+        return codes.reshape(-1, words.shape[1])
+    codes = (words.unsqueeze(2) >> shifts[None, None, :]) & ((1 << bits) - 1)
+    return codes.reshape(words.shape[0], -1)
+
+
+def gptq_reference(t: dict, bits: int) -> torch.Tensor:
+    """AutoGPTQ's dequantization: scales[g_idx] * (w - (qzeros + 1)[g_idx]), [N, K]."""
+    w = unpack(t["qweight"], bits, 0)  # [K, N]
+    zeros = unpack(t["qzeros"], bits, 1) + 1  # [G, N]
+    g = t["g_idx"].long()
+    return (t["scales"][g].float() * (w - zeros[g]).float()).to(t["scales"].dtype).t()
+
+
+def ct_reference(t: dict, config: dict) -> torch.Tensor:
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    weights = dict(config["config_groups"]["group_0"]["weights"], actorder=None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    return PackedQuantizationCompressor.decompress(t, scheme)["weight"]
+
+
+def reference_weights(folder: Path, case: str) -> dict[str, torch.Tensor]:
+    fmt, options = FORMATS[case]
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    stored = load_file(folder / "model.safetensors")
+    modules = {name.rsplit(".", 1)[0] for name in stored if name.endswith(
+        (".qweight", ".weight_packed"))}
+    out = {}
+    for module in modules:
+        t = {n.removeprefix(module + "."): v for n, v in stored.items()
+             if n.startswith(module + ".")}
+        if fmt == "gptq":
+            out[module] = gptq_reference(t, options["bits"])
+        elif fmt == "awq":
+            from compressed_tensors.entrypoints.convert.converters.autoawq import (
+                AutoAWQConverter)
+
+            converted = AutoAWQConverter(bits=4, group_size=options["group"]).process(
+                {f"{module}.{n}": v for n, v in t.items()})
+            ct = {n.removeprefix(module + "."): v for n, v in converted.items()}
+            out[module] = ct_reference(ct, {"config_groups": {"group_0": {"weights": {
+                "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                "group_size": options["group"]}}}})
+        elif options.get("act_order"):  # GPTQ's formula over compressed-tensors' tensors
+            zeros = unpack(t["weight_zero_point"], 4, 0)[:t["weight_scale"].shape[0]]
+            gptq = {"qweight": t["weight_packed"].t(), "qzeros": zeros.t() - 1,
+                    "scales": t["weight_scale"].t(), "g_idx": t["weight_g_idx"]}
+            gptq["qzeros"] = _pack_rows(gptq["qzeros"], 4)
+            out[module] = gptq_reference(gptq, 4)
+        else:
+            out[module] = ct_reference(t, config)
+    return out
+
+
+def _pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [R, C] -> words [R, C * bits / 32], low bits first (to reuse AutoGPTQ's form)."""
+    per_word = 32 // bits
+    words = (codes.long().view(codes.shape[0], -1, per_word)
+             << (torch.arange(per_word) * bits)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("case", FORMATS)
+def test_dequantized_weights_equal_the_formats_reference_bit_for_bit(case, tmp_path):
+    _, folder = quantized(tmp_path, case, dtype=torch.bfloat16)
+    model, _, _ = load_model(folder, None, "cpu")
+    bits = FORMATS[case][1]["bits"]
+    assert model.quantization == f"w{bits}a16"
+    ours, ref = our_weights(model), reference_weights(folder, case)
+    assert ours.keys() == ref.keys()
+    for name, w in ours.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(w, ref[name]), name
+
+
+def float_model_of(hf, model):
+    """transformers' model with each projection set to our dequantized weight."""
+    with torch.no_grad():
+        for name, w in our_weights(model).items():
+            hf.get_submodule(name).weight.copy_(w.float())
+    return hf
+
+
+@pytest.mark.parametrize("case,make", [
+    ("ct-w4-g32-sym", qwen3),
+    ("gptq-w4-g32-desc_act", lambda f: make_checkpoint(LlamaConfig(**TINY), f)),
+    ("awq-w4-g32", lambda f: make_checkpoint(LlamaConfig(**TINY, tie_word_embeddings=True),
+                                             f)),
+])
+def test_logits_and_greedy_tokens_equal_the_dequantized_float_model(case, make, tmp_path):
+    hf, folder = quantized(tmp_path, case, make)
+    model, config, _ = load_model(folder, torch.float32, "cpu")
+    reference = float_model_of(hf, model)
+    check_paged_logits(case, reference, model)
+    check_greedy_generation(case, reference, model, config.max_model_len)
+
+
+def test_packed_moe_experts_are_refused_by_name(tmp_path):
+    def mixtral(f):
+        return make_checkpoint(MixtralConfig(**TINY, num_local_experts=4,
+                                             num_experts_per_tok=2), f)
+
+    _, folder = quantized(tmp_path, "ct-w4-g32-sym", mixtral)
+    with pytest.raises(ValueError, match="MoE experts .* not supported"):
+        load_model(folder, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"quant_method": "gptq", "bits": 3}, "3-bit GPTQ weights are not supported"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+     "checkpoint_format 'marlin' is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
+    ({"quant_method": "exl2", "bits": 4}, "'exl2', which is not supported"),
+])
+def test_unsupported_variants_are_refused_by_name(tmp_path, change, message):
+    make_checkpoint(LlamaConfig(**TINY), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = change
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path, None, "cpu")
