@@ -9,7 +9,6 @@ and random rows, penalties and logprobs all see the constrained distribution. xg
 
 from __future__ import annotations
 
-import xgrammar as xgr
 from torch import Tensor
 
 
@@ -20,6 +19,8 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
     where the grammar covers fewer ids than the LM head has rows (`grammar_vocab_size`):
     the ids past its last bit are then allowed in a row exactly when that bit is set (the
     sign bit of the row's last word), i.e. masked in a constrained row, free in a free one."""
+    import xgrammar as xgr  # here, not at the top: the engine core loads it only for grammars
+
     if not logits.is_contiguous():
         logits = logits.contiguous()
     vocab, covered = logits.shape[1], bitmask.shape[1] * 32

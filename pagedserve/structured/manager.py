@@ -51,14 +51,17 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xgrammar as xgr
+import torch
 
 from pagedserve.structured.grammar import GrammarCache, grammar_vocab_size
 from pagedserve.structured.marker import MarkerWatch, split_at_marker
 from pagedserve.structured.params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # xgrammar is imported with the first grammar: it pulls in transformers
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +150,7 @@ class _Task:
         """The accept's results (an FFI array of 0/1, one per token), or None."""
         results = None
         if self.accept_handles:
-            results = _BATCH_ACCEPT(self.accept_handles, self.accept_tokens, False)
+            results = _batch_accept()(self.accept_handles, self.accept_tokens, False)
         if self.fill_handles:
             filler.batch_fill_next_token_bitmask(self.fill_handles, bitmask, self.fill_rows,
                                                  False)
@@ -158,11 +161,17 @@ class _Task:
         return not (self.accept_handles or self.fill_handles)
 
 
-_BATCH_ACCEPT = xgr.base._core.BatchGrammarMatcher.batch_accept_token
+def _batch_accept() -> Any:
+    """xgrammar's batch accept on the matchers' handles (its binding, not the wrapper)."""
+    import xgrammar as xgr
+
+    return xgr.base._core.BatchGrammarMatcher.batch_accept_token
 
 
 def _filler() -> Any:
     """xgrammar's batch fill on the calling thread only (max_threads=1: no thread pool)."""
+    import xgrammar as xgr
+
     return xgr.BatchGrammarMatcher(max_threads=1)._handle
 
 
@@ -266,7 +275,9 @@ class StructuredOutputManager:
         self._on_release = on_release
         # two buffers, used in turn: a bitmask being uploaded is never the one being filled
         if buffers is None:
-            tensors = [xgr.allocate_token_bitmask(max_num_seqs, width) for _ in range(2)]
+            # xgrammar's layout: int32 words, bit i of word w allows token 32 * w + i
+            tensors = [torch.full((max_num_seqs, -(-width // 32)), -1, dtype=torch.int32)
+                       for _ in range(2)]
             if pin_memory:
                 tensors = [b.pin_memory() for b in tensors]
             self._buffer_tensors = tensors  # owns the (pinned) memory
@@ -365,6 +376,8 @@ class StructuredOutputManager:
         if self._stop_token_ids is None:
             self._stop_token_ids = list(self.grammars.tokenizer_info.stop_token_ids)
             self._stop_set = frozenset(self._stop_token_ids)
+        import xgrammar as xgr
+
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self._stop_token_ids)
         if starts_after is not None:
             watch = MarkerWatch(starts_after)
