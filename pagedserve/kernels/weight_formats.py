@@ -69,9 +69,10 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     K (K padded with zero codes)."""
     per_word = codes_per_word(bits)
     n, k = codes.shape
-    padded = torch.zeros(n, math.ceil(k / per_word) * per_word, dtype=torch.int64)
+    padded = torch.zeros(n, math.ceil(k / per_word) * per_word, dtype=torch.int64,
+                         device=codes.device)
     padded[:, :k] = codes.to(torch.int64)
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=codes.device) * bits
     words = (padded.view(n, -1, per_word) << shifts).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 

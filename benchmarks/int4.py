@@ -1,0 +1,234 @@
+"""4-bit (and 8-bit) integer weights on a CUDA GPU: the Llama-3-8B shape, one run.
+
+    PYTHONPATH=. python benchmarks/int4.py --out DIR [--parts gemv,memory,8b] [--sweep]
+
+Parts (all by default; about 6 minutes on an H100 with a cold Triton cache):
+  gemv    Llama-3-8B's projections (K x N: qkv, o, gate_up, down) at 1, 16 and 256 rows:
+          `kernels/triton/int_linear.linear` on W4A16 group 128 (symmetric, and with zero
+          points as GPTQ / AWQ / asymmetric compressed-tensors load) and W8A16 group 128,
+          against the bf16 matmul; time, packed bytes over time and, at 1 row, % of the copy
+          bandwidth. Timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step
+          reads them). With --sweep also each GEMV candidate of `GEMV_CANDIDATES` at 1 row.
+  memory  the weights' device bytes for the 8B shape per format (bf16, W4A16 g128 sym /
+          with zeros, W4A16 per channel, W8A16 g128), from the tensors each keeps
+  8b      the 8B shape (random bf16 weights made on the GPU, `load_format dummy`), its dense
+          projections quantized on the GPU by round to nearest to W4A16 group 128 (the
+          layout a compressed-tensors / GPTQ / AWQ checkpoint loads to; the values do not
+          change the speed): batch-1 TPOT against bf16 in the same run, the decoder graph's
+          and the LM head's GPU time, and workload A (256 requests) for both
+
+Writes DIR/int4.json (docs/results style: one row per figure) and prints each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from pagedserve.kernels.triton import int_linear  # noqa: E402
+from pagedserve.kernels.weight_formats import IntWeight, pack_codes  # noqa: E402
+from pagedserve.model.int_weights import IntMatmul  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+          "down": (14336, 4096)}
+ROWS = (1, 16, 256)
+GEMV_CANDIDATES = {f"gemv n{n} k{k} w{w}": replace(int_linear.DEFAULT, gemv_block_n=n,
+                                                   gemv_block_k=k, gemv_warps=w)
+                   for n, k, w in [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 512, 4),
+                                   (16, 1024, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8)]}
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fp8_bench = _module("fp8")
+kernels = _module("kernels")
+throughput = fp8_bench.throughput
+
+
+class Results:
+    def __init__(self, out: Path) -> None:
+        self.path = out / "int4.json"
+        self.rows: list[dict] = []
+
+    def add(self, part: str, **row) -> dict:
+        row = {"part": part, **row, "device": torch.cuda.get_device_name(),
+               "date": datetime.date.today().isoformat()}
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.rows, indent=1) + "\n")
+        print(json.dumps(row), flush=True)
+        return row
+
+
+def quantize(w: torch.Tensor, bits: int, group: int, zeros: bool) -> IntWeight:
+    """Round to nearest, on w's device: w [N, K] -> an `IntWeight` (group 0: per channel)."""
+    n, k = w.shape
+    group = group or k
+    top = (1 << bits) - 1
+    g = w.float().view(n, k // group, group)
+    if zeros:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / top).clamp(min=1e-8)
+        zero = torch.round(-lo / scale).clamp(0, top)
+    else:
+        scale = g.abs().amax(-1).clamp(min=1e-8) / ((top - 1) / 2)
+        zero = torch.full_like(scale, 1 << (bits - 1))
+    codes = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, top).view(n, k)
+    packed = pack_codes(codes.to(torch.int32), bits)
+    return IntWeight(packed, scale.to(w.dtype), zero.to(w.dtype) if zeros else None, None,
+                     bits, group, k)
+
+
+def weight_bytes(w: IntWeight) -> int:
+    return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros)
+               if t is not None)
+
+
+FORMATS = {"w4a16 g128": (4, 128, False), "w4a16 g128 zeros": (4, 128, True),
+           "w8a16 g128": (8, 128, False)}
+
+
+def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
+    for name, (k_dim, n_dim) in SHAPES.items():
+        weights = {}
+        for label, (bits, group, zeros) in FORMATS.items():
+            one = quantize(torch.randn(n_dim, k_dim, device="cuda", dtype=torch.bfloat16)
+                           * 0.02, bits, group, zeros)
+            copies = max(2, math.ceil((1 << 30) / weight_bytes(one)))
+            weights[label] = [one] + [IntWeight(one.qweight.clone(), one.scales.clone(),
+                                                None if one.zeros is None else one.zeros.clone(),
+                                                None, bits, group, k_dim)
+                                      for _ in range(copies - 1)]
+        copies = max(2, math.ceil((1 << 30) / (n_dim * k_dim * 2)))
+        bf16 = torch.randn(copies, n_dim, k_dim, device="cuda", dtype=torch.bfloat16) * 0.02
+        for rows in ROWS:
+            x = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
+            methods = {"bf16 matmul": ([lambda r=r: x @ bf16[r].t() for r in range(copies)],
+                                       n_dim * k_dim * 2, None)}
+            for label, ws in weights.items():
+                methods[label] = ([lambda w=w: int_linear.linear(x, w) for w in ws],
+                                  weight_bytes(ws[0]), int_linear.DEFAULT)
+            if sweep and rows == 1:
+                ws = weights["w4a16 g128"]
+                for label, cfg in GEMV_CANDIDATES.items():
+                    methods[f"w4a16 g128 {label}"] = (
+                        [lambda w=w, c=cfg: int_linear.linear(x, w, None, c) for w in ws],
+                        weight_bytes(ws[0]), cfg)
+            for label, (fns, nbytes, cfg) in methods.items():
+                us = kernels.graph_us(fns)
+                gbps = nbytes / (us * 1e-6) / 1e9
+                row = dict(layer=name, k=k_dim, n=n_dim, rows=rows, method=label,
+                           us=round(us, 2), weight_mb=round(nbytes / 2**20, 2),
+                           gb_per_s=round(gbps, 1))
+                if rows == 1:
+                    row["pct_copy_bw"] = round(100 * gbps * 1e9 / bandwidth, 1)
+                if cfg is not None:
+                    row.update(asdict(cfg))
+                res.add("gemv", **row)
+        del weights, bf16
+        torch.cuda.empty_cache()
+
+
+def part_memory(res: Results) -> None:
+    """Device bytes of the 8B shape's weights per format: the dense projections packed, the
+    embedding, LM head and norms in bf16."""
+    config = json.loads((HERE / "configs" / "llama3-8b.json").read_text())
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    projections = [(h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)]  # (K, N)
+    float_bytes = 2 * (2 * config["vocab_size"] * h + (2 * layers + 1) * h)
+    dense = sum(k * n for k, n in projections) * layers
+    res.add("memory", format="bf16", weight_gb=round((float_bytes + 2 * dense) / 1e9, 3))
+    for label, (bits, group, zeros) in {**FORMATS, "w4a16 channel": (4, 0, False)}.items():
+        per_layer = 0
+        for k, n in projections:
+            groups = 1 if group == 0 else k // group
+            per_layer += n * k * bits // 8 + n * groups * 2 * (2 if zeros else 1)
+        total = float_bytes + per_layer * layers
+        res.add("memory", format=label, weight_gb=round(total / 1e9, 3),
+                ratio_vs_bf16=round(total / (float_bytes + 2 * dense), 3))
+
+
+def pack_model(model, bits: int = 4, group: int = 128) -> None:
+    """The dense projections of a loaded bf16 model replaced by their W4A16 round-to-nearest
+    packing, as the loader leaves an integer checkpoint's layers (`int_weights`)."""
+    for linear in model.dense_linears():
+        w = quantize(linear.weight.detach(), bits, group, False)
+        linear.weight = None
+        linear.qweight = nn.Parameter(w.qweight, requires_grad=False)
+        linear.scales = nn.Parameter(w.scales, requires_grad=False)
+        linear.matmul = IntMatmul(int_linear.linear, w)
+    model.quantization = f"w{bits}a16"
+    torch.cuda.empty_cache()
+
+
+def part_8b(res: Results, root: Path, bandwidth: float, workload: bool) -> None:
+    model_dir = fp8_bench.config_folder(HERE / "configs" / "llama3-8b.json", root / "llama3-8b")
+    prompts, out_lens = throughput.workload_prompts()
+    common = {"model": "llama-3-8b shape, load_format dummy, bf16 activations"}
+    tpot = {}
+    for name in ("bf16", "w4a16 g128"):
+        loaded = fp8_bench.load_dummy(model_dir, None)
+        if name != "bf16":
+            pack_model(loaded.model)
+        engine = fp8_bench.engine_for(loaded, str(model_dir))
+        tpot[name] = fp8_bench.tpot_batch1(engine)
+        res.add("8b", measure="tpot_batch1_ms", variant=name, tpot_ms=tpot[name],
+                weight_bytes=fp8_bench.weight_bytes(engine), **fp8_bench.step_parts(engine),
+                **common, **({"ratio_vs_bf16": round(tpot[name] / tpot["bf16"], 3)}
+                             if name != "bf16" else {}))
+        if workload:
+            row = fp8_bench.workload_a(engine, prompts, out_lens)
+            res.add("8b", measure="workload_A", variant=name, **common, **row,
+                    kv_blocks=fp8_bench.num_blocks(engine),
+                    roofline_tok_per_s=fp8_bench.roofline(engine, prompts, out_lens,
+                                                          bandwidth))
+        del engine, loaded
+        throughput.release()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for int4.json")
+    parser.add_argument("--parts", default="gemv,memory,8b")
+    parser.add_argument("--sweep", action="store_true", help="gemv: also the GEMV candidates")
+    parser.add_argument("--no-workload", action="store_true", help="8b: TPOT only")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    res = Results(args.out)
+    bandwidth = throughput.copy_bandwidth()
+    if "memory" in parts:
+        part_memory(res)
+    if "gemv" in parts:
+        part_gemv(res, bandwidth, args.sweep)
+    if "8b" in parts:
+        part_8b(res, Path(tempfile.mkdtemp(prefix="pagedserve-int4-")), bandwidth,
+                not args.no_workload)
+    print("summary:", flush=True)
+    for row in res.rows:
+        keys = ("format", "weight_gb", "layer", "rows", "method", "us", "gb_per_s",
+                "pct_copy_bw", "variant", "measure", "tpot_ms", "ratio_vs_bf16",
+                "output_tok_per_s", "graph_ms")
+        print(row["part"], {k: row[k] for k in keys if k in row}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
