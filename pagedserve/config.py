@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pagedserve.spec.config import SpeculativeConfig
+
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -101,6 +103,9 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # speculative decoding (pagedserve/spec): a SpeculativeConfig, its dict or its JSON text,
+    # e.g. {"method": "ngram", "num_speculative_tokens": 4}; None = off
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
@@ -131,6 +136,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_address needs tensor_parallel_size > 1")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None:
+            self._check_speculation()
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.kv_offload_memory < 0:
@@ -149,6 +157,16 @@ class EngineConfig:
         if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
             raise ValueError("cpu_kv_cache_fraction must be in (0, 1], "
                              f"got {self.cpu_kv_cache_fraction}")
+
+    def _check_speculation(self) -> None:
+        """The combinations speculative decoding does not run yet, refused by name."""
+        if self.async_scheduling:
+            raise ValueError("speculative_config runs with synchronous scheduling: the next "
+                             "step depends on how many drafts are accepted; leave "
+                             "async_scheduling unset or False")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config does not run with tensor_parallel_size > 1 "
+                             "yet (the ranks' rejection draws are not shared)")
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         if getattr(self, name) not in choices:

@@ -125,6 +125,12 @@ class SchedulerStats(Message):
     host_tier_hits: int = 0
     host_tier_stores: int = 0
     host_tier_evictions: int = 0
+    # speculative decoding, since start: verifies, draft tokens proposed, drafts accepted,
+    # and accepted drafts at each position of a draft (index 0: its first token)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class EngineCoreOutputs(Message):
@@ -201,6 +207,12 @@ class SchedulerOutput(Message):
     blocks_to_swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
     blocks_to_offload: list[tuple[int, int]] = []  # (gpu, host tier slot)
     blocks_to_recall: list[tuple[int, int]] = []  # (host tier slot, gpu)
+    # speculative decoding: a verified request's chunk is its last known token then these
+    # drafts (its last scheduled tokens); the step samples its k + 1 positions
+    draft_token_ids: dict[str, list[int]] = {}
+    # requests whose rejected drafts' blocks went back to the pool: each keeps this many
+    # leading entries of its block-table row (applied before this step's new blocks)
+    truncated_block_rows: dict[str, int] = {}
 
     @property
     def sampling_req_ids(self) -> list[str]:
@@ -222,6 +234,9 @@ class ModelRunnerOutput(Message, array_like=True):
     logprobs: LogprobsLists | None = None
     # requests with prompt_logprobs whose prompt positions this step computed
     prompt_logprobs: dict[str, LogprobsLists] | None = None
+    # speculative decoding: per row, the drafts accepted before its sampled token (which is
+    # the bonus or the replacement of the first rejected draft); None when none verified
+    accepted_token_ids: list[list[int]] | None = None
 
 
 # -- engine-core process start-up (core_proc.py -> core_client.py) ----------------------------

@@ -68,7 +68,8 @@ class StepBuffers:
         self.slot_mapping = staged((max_tokens,), torch.int64)
         self.seq_lens = staged((max_seqs,), torch.int32)
         self.query_start_loc = staged((max_seqs + 1,), torch.int32)
-        self.logits_indices = staged((max_seqs,), torch.int64)
+        # a row per sampling request, k + 1 per verified one (speculative decoding)
+        self.logits_indices = staged((max_tokens,), torch.int64)
         self.block_tables = staged((max_seqs, max_blocks_per_seq), torch.int32)
         # async scheduling: input_ids rows whose token is a row of the last sampled tokens
         self.placeholder_rows = staged((max_seqs,), torch.int64)
@@ -175,6 +176,14 @@ class BlockTableRows:
         self.table[row, filled:filled + len(block_ids)] = block_ids
         self.table[row, :num_nulled] = 0
         self._num_filled[request_id] = filled + len(block_ids)
+
+    def truncate(self, request_id: str, num_blocks: int) -> None:
+        """Keep a request's first `num_blocks` entries (its rejected drafts' blocks went back
+        to the pool); unknown requests are skipped (finished since)."""
+        row = self._index.get(request_id)
+        if row is not None:
+            self.table[row, num_blocks:self._num_filled[request_id]] = 0
+            self._num_filled[request_id] = min(num_blocks, self._num_filled[request_id])
 
     def rows(self, request_ids: list[str]) -> np.ndarray:
         """The row index of each request."""

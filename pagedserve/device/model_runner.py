@@ -51,6 +51,7 @@ from pagedserve.device.lora_slots import LoRASlots
 from pagedserve.device.penalties import PenaltyState
 from pagedserve.kernels.penalties import to_device
 from pagedserve.device.profile_run import profile_batch
+from pagedserve.device.rejection import VerifyRows, verify
 from pagedserve.device.sampler import (
     LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs,
     select_sampling_kernels, warm_up_sampler)
@@ -74,8 +75,12 @@ class PendingRunnerOutput:
     """
 
     def __init__(self, states: list[CachedRequestState], sampled: SamplerOutput | None,
-                 prompt_logprobs: dict[str, LogprobsLists] | None = None) -> None:
+                 prompt_logprobs: dict[str, LogprobsLists] | None = None,
+                 accepted: list[list[int]] | None = None) -> None:
+        """`accepted`: speculative decoding's accepted drafts per row (on the host: the
+        verify has waited for the step), placed before each row's sampled token."""
         self.states = states
+        self._accepted = accepted
         self.req_ids = [state.req_id for state in states]
         self.sampled_token_ids = sampled.sampled_token_ids if sampled is not None else None
         self._prompt_logprobs = prompt_logprobs  # already on the host
@@ -98,14 +103,19 @@ class PendingRunnerOutput:
         if self._ready is not None:
             self._ready.synchronize()
         tokens = self._tokens.tolist()
-        for state, token in zip(self.states, tokens):
+        accepted = self._accepted
+        for row, (state, token) in enumerate(zip(self.states, tokens)):
+            if accepted is not None:
+                for draft in accepted[row]:
+                    state.append_output_token(draft)
             state.append_output_token(token)
         logprobs = None
         if self._logprobs is not None:
             lp = self._logprobs
             logprobs = LogprobsLists(lp.top_token_ids.tolist(), lp.top_logprobs.tolist(),
                                      lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist())
-        return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs)
+        return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs,
+                                 accepted)
 
 
 def _to_host(tensor: Tensor) -> Tensor:
@@ -127,6 +137,9 @@ class StepInputs:
     placeholder_ids: list[str]
     placeholder_rows: np.ndarray
     lora: LoRABatch | None = None  # the adapters' rows; None: all the base model's
+    # speculative decoding: each sampling state's drafts (k + 1 logits rows each, the
+    # others one); None when the step verifies none
+    drafts: list[list[int]] | None = None
 
 
 class PreparedStep(NamedTuple):
@@ -145,6 +158,10 @@ class StepHandle:
     logits: Tensor | None  # [rows, vocab]; None when the step samples nothing
     sampling: SamplingMetadata | None
     prompt_logprobs: dict[str, LogprobsLists] | None  # on the host already
+    # speculative decoding: the verified requests' rows (then `logits` and `sampling` are
+    # the other sampling states' rows, `ordinary` their positions among `states`)
+    verify: VerifyRows | None = None
+    ordinary: list[int] | None = None
 
 
 class ModelRunner:
@@ -323,6 +340,8 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             self.penalties.remove(req_id)
         self.block_rows.release(output.preempted_req_ids)
+        for req_id, num_blocks in output.truncated_block_rows.items():
+            self.block_rows.truncate(req_id, num_blocks)
         for new in output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids, new.sampling_params,
@@ -363,11 +382,16 @@ class ModelRunner:
         positions[num_tokens:] = 0
         num_known = np.fromiter((len(r.all_token_ids) for r in requests), dtype=np.int64,
                                 count=num_seqs)
+        drafts = output.draft_token_ids
+        num_drafts = np.zeros(num_seqs, dtype=np.int64)
+        if drafts:  # a verify's drafts are known to the step, after its last token
+            num_drafts[:] = [len(drafts.get(r, ())) for r in output.req_ids]
+            num_known += num_drafts
         # a chunk that ends past the known tokens ends on a placeholder (only ever one)
         placeholders = np.flatnonzero(seq_lens > num_known)
         placeholder_rows = query_start_loc[placeholders + 1] - 1
         self._fill_known_input_ids(requests, num_computed, np.minimum(seq_lens, num_known),
-                                   placeholder_rows, num_tokens)
+                                   placeholder_rows, num_tokens, drafts)
         b.input_ids.np[num_tokens:token_rows] = 0
 
         bs = self.block_size
@@ -383,7 +407,8 @@ class ModelRunner:
         b.seq_lens.np[num_seqs:rows] = 1
 
         samples = np.array(output.samples, dtype=bool)
-        sample_rows = query_start_loc[1:num_seqs + 1][samples] - 1
+        sample_rows = _sample_rows(query_start_loc[1:num_seqs + 1][samples],
+                                   num_drafts[samples])
         b.logits_indices.np[:len(sample_rows)] = sample_rows
         meta = AttentionMetadata(  # what an eager forward reads; a graph reads the buffers
             num_decodes=output.num_decodes, num_decode_tokens=output.num_decodes,
@@ -402,10 +427,13 @@ class ModelRunner:
             positions=b.positions.upload(token_rows),
             meta=meta,
             logits_indices=b.logits_indices.upload(len(sample_rows)),
-            sampling_states=self._sampling_states(requests, output.samples, seq_lens),
+            sampling_states=self._sampling_states(requests, output.samples,
+                                                  seq_lens - num_drafts),
             graph_size=graph_size,
             placeholder_ids=[output.req_ids[i] for i in placeholders.tolist()],
-            placeholder_rows=placeholder_rows, lora=lora)
+            placeholder_rows=placeholder_rows, lora=lora,
+            drafts=([drafts.get(r, []) for r, sample in zip(output.req_ids, output.samples)
+                     if sample] if drafts else None))
         return inputs
 
     @staticmethod
@@ -420,10 +448,11 @@ class ModelRunner:
 
     def _fill_known_input_ids(self, requests: list[CachedRequestState], starts: np.ndarray,
                               ends: np.ndarray, placeholder_rows: np.ndarray,
-                              num_tokens: int) -> None:
+                              num_tokens: int, drafts: dict[str, list[int]]) -> None:
         """Write tokens [start, end) of each request into the host input ids around the
         placeholder rows, which the device copy fills. An async decode step at steady state
-        is all placeholders and reads no token here."""
+        is all placeholders and reads no token here. A verified request's drafts follow its
+        known tokens."""
         input_ids = self.buffers.input_ids.np[:num_tokens]
         if len(placeholder_rows) == num_tokens:
             return
@@ -432,6 +461,7 @@ class ModelRunner:
             known = [r.all_token_ids[c] for r, c, e in zip(requests, starts, ends) if c < e]
         else:
             known = list(chain.from_iterable(
+                r.all_token_ids[c:e] + drafts.get(r.req_id, []) if drafts else
                 r.all_token_ids[c:e] for r, c, e in zip(requests, starts, ends)))
         if len(placeholder_rows):
             mask = np.ones(num_tokens, dtype=bool)
@@ -509,22 +539,82 @@ class ModelRunner:
         if not states:
             return StepHandle([], None, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.drafts is not None:
+            return self._verify_handle(states, logits, inputs, prompt_logprobs)
         last = inputs.input_ids[inputs.logits_indices] if any(  # in-flight tokens' conditions
             state.sampling_params.bad_words_token_ids or state.sampling_params.thinking_budget
             for state in states) else None
         return StepHandle(states, logits, self.sampling_metadata(states, logits, last),
                           prompt_logprobs)
 
+    def _verify_handle(self, states: list[CachedRequestState], logits: Tensor,
+                       inputs: StepInputs, prompt_logprobs: dict[str, LogprobsLists] | None
+                       ) -> StepHandle:
+        """A step with verified requests: their k + 1 rows apart from the other sampling
+        states' one row each (which the sampler takes as usual)."""
+        drafts = inputs.drafts
+        ends = np.cumsum([len(d) + 1 for d in drafts])
+        ordinary = [i for i, d in enumerate(drafts) if not d]
+        verified = [i for i, d in enumerate(drafts) if d]
+        verify_rows = torch.from_numpy(np.concatenate(
+            [np.arange(ends[i] - len(drafts[i]) - 1, ends[i]) for i in verified]))
+        expanded = [states[i] for i in verified for _ in range(len(drafts[i]) + 1)]
+        rows = VerifyRows(verified, [drafts[i] for i in verified],
+                          logits[verify_rows.to(logits.device)],
+                          SamplingMetadata.from_requests(expanded, logits.shape[1],
+                                                         self.device))
+        if not ordinary:
+            return StepHandle(states, None, None, prompt_logprobs, rows, ordinary)
+        ordinary_states = [states[i] for i in ordinary]
+        last_rows = torch.from_numpy(ends[ordinary] - 1).to(logits.device)
+        ordinary_logits = logits[last_rows]
+        last = inputs.input_ids[inputs.logits_indices][last_rows] if any(
+            s.sampling_params.bad_words_token_ids or s.sampling_params.thinking_budget
+            for s in ordinary_states) else None
+        return StepHandle(states, ordinary_logits,
+                          self.sampling_metadata(ordinary_states, ordinary_logits, last),
+                          prompt_logprobs, rows, ordinary)
+
     @torch.inference_mode()
     def sample_tokens(self, step: StepHandle,
                       grammar: GrammarOutput | None = None) -> PendingRunnerOutput:
         """Sample a launched step, under `grammar`'s bitmask rows if given."""
+        if step.verify is not None:
+            return self._sample_verified(step, grammar)
         sampled = None
         if step.logits is not None:
             if grammar is not None:
                 self._attach_bitmask(step.sampling, step.states, grammar)
             sampled = self._sample(step.logits, step.sampling)
         return PendingRunnerOutput(step.states, sampled, step.prompt_logprobs)
+
+    def _sample_verified(self, step: StepHandle,
+                         grammar: GrammarOutput | None) -> PendingRunnerOutput:
+        """The verified requests' accepted drafts and next tokens (`rejection.verify`), the
+        other rows sampled as usual; both merged into the step's rows."""
+        states, ordinary, rows = step.states, step.ordinary, step.verify
+        tokens = torch.empty(len(states), dtype=torch.int64, device=self.device)
+        logprobs = None
+        if step.logits is not None:
+            if grammar is not None:  # verified rows are never constrained (scheduler.py)
+                grammar = GrammarOutput([states[i].req_id for i in ordinary],
+                                        grammar.bitmask[ordinary])
+                self._attach_bitmask(step.sampling, [states[i] for i in ordinary], grammar)
+            sampled = self._sample(step.logits, step.sampling)
+            tokens[ordinary] = sampled.sampled_token_ids
+            if sampled.logprobs is not None:  # verified rows want none: left empty
+                lp = sampled.logprobs
+                logprobs = LogprobsTensors(*(
+                    _scatter_rows(t, ordinary, len(states)) for t in (
+                        lp.top_token_ids, lp.top_logprobs, lp.sampled_logprobs,
+                        lp.sampled_ranks)))
+        accepted_rows, verified_tokens = verify(rows, [states[i] for i in rows.index])
+        tokens[rows.index] = torch.tensor(verified_tokens, device=self.device)
+        accepted: list[list[int]] = [[] for _ in states]
+        for i, drafts in zip(rows.index, accepted_rows):
+            accepted[i] = drafts
+        return PendingRunnerOutput(states, SamplerOutput(tokens, logprobs),
+                                   step.prompt_logprobs, accepted)
 
     def _compute_prompt_logprobs(self, output: SchedulerOutput, hidden: Tensor
                                  ) -> dict[str, LogprobsLists] | None:
@@ -609,6 +699,24 @@ class ModelRunner:
             return self.graphs.replay(inputs.graph_size)
         with set_forward_context(inputs.meta, self.backend), lora_context(inputs.lora):
             return self.model(inputs.input_ids, inputs.positions)
+
+
+def _sample_rows(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """The token rows that get sampled: each sampling request's last, and before it one per
+    draft of a verified request (the positions that check its drafts)."""
+    if not num_drafts.any():
+        return ends - 1
+    counts = num_drafts + 1
+    firsts = np.repeat(ends - counts, counts)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return firsts + offsets
+
+
+def _scatter_rows(values: Tensor, rows: list[int], num_rows: int) -> Tensor:
+    """`values`' rows placed at `rows` of a zero tensor of `num_rows` rows."""
+    full = values.new_zeros((num_rows, *values.shape[1:]))
+    full[rows] = values
+    return full
 
 
 def _unbind_kv_cache(layers: list, first_k_cache: Tensor) -> None:

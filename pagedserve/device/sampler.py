@@ -324,25 +324,7 @@ class Sampler:
         return self.kernels is not None
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if meta.allowed_token_bitmask is not None:
-            logits = apply_token_bitmask(logits, meta.allowed_token_bitmask)
-        if meta.allowed_tokens is not None:
-            rows, allowed = meta.allowed_tokens
-            banned = torch.zeros_like(logits, dtype=torch.bool)
-            banned[rows] = ~allowed
-            logits = logits.masked_fill(banned, float("-inf"))
-        if meta.bad_words is not None:
-            rows, tokens, after = meta.bad_words
-            hit = after < 0
-            if meta.last_token_ids is not None:
-                hit |= meta.last_token_ids.index_select(0, rows) == after
-            bans = torch.where(hit, float("-inf"), 0.0).to(logits.dtype)
-            logits = logits.index_put((rows, tokens), bans, accumulate=True)
-        if meta.logit_bias is not None:
-            rows, tokens, biases = meta.logit_bias
-            logits = logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
-        if meta.forced is not None:
-            logits = _force(logits, meta)
+        logits = restrict(logits, meta)
         fused = self._takes_fused_path(meta)
         if fused:  # the kernels read the model's dtype; only logprobs need float32
             tokens = self._sample_fused(logits, meta)
@@ -387,16 +369,36 @@ class Sampler:
         return tokens
 
     def _sample_random(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        logits = logits / meta.temperature.unsqueeze(1)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = logits.softmax(-1)
+        probs = random_probs(logits, meta)
         noise = torch.empty_like(probs).exponential_()  # one launch for all unseeded rows
         for row, generator in meta.generators.items():  # seeded rows: their own stream
             noise[row].exponential_(generator=generator)
         return (probs / noise).argmax(-1)
+
+
+def restrict(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """The rows' token restrictions, before any path (see the module docstring); the
+    speculative verify applies them too (`rejection.py`)."""
+    if meta.allowed_token_bitmask is not None:
+        logits = apply_token_bitmask(logits, meta.allowed_token_bitmask)
+    if meta.allowed_tokens is not None:
+        rows, allowed = meta.allowed_tokens
+        banned = torch.zeros_like(logits, dtype=torch.bool)
+        banned[rows] = ~allowed
+        logits = logits.masked_fill(banned, float("-inf"))
+    if meta.bad_words is not None:
+        rows, tokens, after = meta.bad_words
+        hit = after < 0
+        if meta.last_token_ids is not None:
+            hit |= meta.last_token_ids.index_select(0, rows) == after
+        bans = torch.where(hit, float("-inf"), 0.0).to(logits.dtype)
+        logits = logits.index_put((rows, tokens), bans, accumulate=True)
+    if meta.logit_bias is not None:
+        rows, tokens, biases = meta.logit_bias
+        logits = logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
+    if meta.forced is not None:
+        logits = _force(logits, meta)
+    return logits
 
 
 # Row mixes that between them launch every kernel variant a CUDA step can take: plain
@@ -431,6 +433,17 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype,
                 meta.allowed_token_bitmask = torch.full(
                     (rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
             sampler(torch.randn(rows, vocab_size, dtype=dtype, device=device), meta)
+
+
+def random_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """The distribution a random row draws from: temperature, min-p, top-k, top-p, softmax
+    (float32 logits, restricted and penalized already)."""
+    logits = logits / meta.temperature.unsqueeze(1)
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    return logits.softmax(-1)
 
 
 def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:

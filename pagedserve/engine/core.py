@@ -64,6 +64,8 @@ from pagedserve.messages import (
     ModelRunnerOutput, SchedulerOutput, SchedulerStats, TokenLogprobs)
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.loader import load_tokenizer, model_path, read_model_config
+from pagedserve.spec.config import SpeculativeConfig
+from pagedserve.spec.ngram import NgramProposer, Proposer
 from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.structured.remote import GrammarProcess
@@ -142,7 +144,8 @@ class EngineCore:
             executor.initialize(KVCacheSpec(num_blocks, num_cpu_blocks, self.max_model_len,
                                             host_tier.num_slots if host_tier is not None else 0))
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len,
-                                   num_cpu_blocks, host_tier)
+                                   num_cpu_blocks, host_tier,
+                                   _proposer(config.speculative_config))
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -151,7 +154,9 @@ class EngineCore:
             self.structured = _structured_outputs(config, executor, self.tokenizer,
                                                   self.tokenizer_source, self.model_config,
                                                   self.eos_token_ids)
+        # speculation needs each step's accepted count before the next is scheduled
         self.async_scheduling = (executor.device_type == "cuda"
+                                 and config.speculative_config is None
                                  if config.async_scheduling is None
                                  else config.async_scheduling)
         self._prompt_logprobs: dict[str, LogprobsLists] = {}  # until each request's first token
@@ -330,14 +335,14 @@ class EngineCore:
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
         structured = self.structured
         if next_rows is not None:
-            structured.submit(progressed, next_rows)
+            structured.submit([request for request, _ in progressed], next_rows)
         elif structured.has_requests():
-            structured.submit(progressed)
+            structured.submit([request for request, _ in progressed])
         rows = (dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
                 if runner_output.logprobs is not None else None)
         outputs = []
         append = outputs.append
-        for request in progressed:  # per request at every step: plain attribute reads
+        for request, num_new in progressed:  # per request at every step: attribute reads
             logprobs = None
             if rows is not None and request.sampling_params.logprobs is not None:
                 logprobs = [_token_logprobs(runner_output, rows[request.request_id],
@@ -349,7 +354,9 @@ class EngineCore:
             if self._prompt_logprobs and request.request_id in self._prompt_logprobs:
                 prompt_logprobs = self._prompt_logprobs.pop(request.request_id)
             append(EngineCoreOutput(
-                request.request_id, [request.all_token_ids[-1]], logprobs,
+                request.request_id,
+                [request.all_token_ids[-1]] if num_new == 1 else
+                request.all_token_ids[-num_new:], logprobs,
                 finish_reason, request.stop_reason, request.num_cached_tokens,
                 prompt_logprobs))
         return outputs
@@ -383,8 +390,18 @@ class EngineCore:
             prefix_cache_evictions=manager.block_pool.num_evictions,
             num_blocks_swapped_out=scheduler.num_blocks_swapped_out,
             num_blocks_swapped_in=scheduler.num_blocks_swapped_in,
-
+            spec_num_drafts=scheduler.spec_stats.num_drafts,
+            spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
+            spec_accepted_per_position=list(scheduler.spec_stats.accepted_per_position),
             **_host_tier_stats(scheduler))
+
+
+def _proposer(config: SpeculativeConfig | None) -> Proposer | None:
+    """The drafts of the configured method (None: no speculation)."""
+    if config is None:
+        return None
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 def _host_tier(config: EngineConfig, block_bytes: int, enable_events: bool) -> HostTier | None:

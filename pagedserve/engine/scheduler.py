@@ -41,6 +41,19 @@ device. A request that will have reached max_tokens (or max_model_len) once its 
 arrive is not scheduled again. A request finished when its token arrives (a stop) may still
 have a step in flight: that step's token is dropped.
 
+Speculative decoding (`pagedserve/spec`, synchronous scheduling only): a running request
+whose only uncomputed token is its last one asks the proposer for up to k drafts and is
+scheduled with its last token and the drafts, a verify of k + 1 positions (a short prefill
+against its blocks, mixed with the other requests' chunks). Its lookahead slots are
+allocated before the step like any chunk's, but the drafts are not known tokens, so no block
+is hashed over them. When the tokens come back, the accepted drafts and the sampled token are
+placed one by one (a stop ends the run), the rejected drafts are taken off
+`num_computed_tokens`, the blocks only they needed go back to the pool (`trim`; the runner
+cuts its row to match, `truncated_block_rows`), and the blocks the accepted tokens complete
+are hashed. No drafting while more than `disable_by_batch_size` requests run, nor for a
+request whose sampling a verify could not keep exact (penalties, bad words, thinking budgets
+and grammars depend on the tokens before each position) or that wants logprobs.
+
 What the runner gets is plain data (`messages.SchedulerOutput`): the batch's request ids,
 positions and token counts, the prompt and parameters of requests new to it, and the block
 ids `allocate_slots` handed out this step. The scheduler keeps its own list of each launched
@@ -60,15 +73,20 @@ from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.kv_cache.host_tier import HostTier
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.spec.config import SpeculativeConfig
+from pagedserve.spec.ngram import Proposer
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, num_cpu_blocks: int = 0,
-                 host_tier: HostTier | None = None) -> None:
+                 host_tier: HostTier | None = None, proposer: Proposer | None = None
+                 ) -> None:
         """`num_cpu_blocks`: the swap space, used when config.preemption_mode is "swap".
         `host_tier`: the prefix cache's host tier, whose slots the runner holds; the
-        manager must record its evictions (`record_evictions`)."""
+        manager must record its evictions (`record_evictions`). `proposer`: the drafts of
+        config.speculative_config's method (None: no speculation)."""
         self.max_num_seqs = config.max_num_seqs
         # distinct LoRA adapters among the running requests: the runner's device slots
         self.max_loras = config.max_loras if config.enable_lora else 0
@@ -89,6 +107,10 @@ class Scheduler:
         self.num_blocks_recalled = 0
         self._finished_ids: list[str] = []
         self._steps_in_flight: deque[list[Request]] = deque()  # sampling requests per step
+        self.proposer = proposer
+        self.spec: SpeculativeConfig | None = config.speculative_config if proposer else None
+        self._truncated: dict[str, int] = {}  # rows cut since the last step (trim)
+        self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -101,8 +123,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        out = SchedulerOutput(finished_req_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput(finished_req_ids=self._finished_ids,
+                              truncated_block_rows=self._truncated)
+        self._finished_ids, self._truncated = [], {}
         scheduled: list[tuple[Request, int]] = []
         index = 0
         while index < len(self.running) and budget > 0:
@@ -113,8 +136,13 @@ class Scheduler:
             if num_pending and self._ends_in_flight(request, num_tokens, num_pending):
                 continue
             num_new = min(num_tokens + num_pending - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, budget) if self.spec is not None else None
+            if drafts:
+                out.draft_token_ids[request.request_id] = drafts
+                num_new += len(drafts)
             if not self._holds_its_slot(request, num_new) and not self._allocate_or_preempt(
                     request, num_new, out):
+                out.draft_token_ids.pop(request.request_id, None)  # preempted itself
                 break
             scheduled.append((request, num_new))
             budget -= num_new
@@ -135,6 +163,21 @@ class Scheduler:
                 out.blocks_to_offload.append((block_id, slot))
         self.host_tier.end_step()
 
+    def _drafts(self, request: Request, budget: int) -> list[int] | None:
+        """Up to k drafts for a request whose only uncomputed token is its last (none while
+        the batch is large, or for sampling a verify cannot keep exact); never past
+        max_tokens, max_model_len or the step's budget."""
+        spec = self.spec
+        if (request.num_output_placeholders
+                or request.num_computed_tokens != request.num_tokens - 1
+                or len(self.running) > spec.disable_by_batch_size
+                or not speculates(request.sampling_params)):
+            return None
+        k = min(spec.num_speculative_tokens, budget - 1,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1)
+        return self.proposer.propose(request.all_token_ids, k) if k > 0 else None
+
     def _ends_in_flight(self, request: Request, num_tokens: int, num_pending: int) -> bool:
         """Its tokens in flight take it to max_tokens or max_model_len: no step can use it."""
         return (request.num_output_tokens + num_pending >= request.max_tokens
@@ -146,10 +189,12 @@ class Scheduler:
         out.req_ids = [request.request_id for request, _ in scheduled]
         out.num_scheduled_tokens = counts = [num_new for _, num_new in scheduled]
         out.num_computed_tokens = [request.num_computed_tokens for request, _ in scheduled]
-        samples, sampling = out.samples, []
+        samples, sampling, drafts = out.samples, [], out.draft_token_ids
         for request, num_new in scheduled:
             end = request.num_computed_tokens = request.num_computed_tokens + num_new
-            sample = end == len(request.all_token_ids) + request.num_output_placeholders
+            num_drafts = len(drafts.get(request.request_id, ())) if drafts else 0
+            sample = end == (len(request.all_token_ids) + request.num_output_placeholders
+                             + num_drafts)
             if sample:
                 request.num_output_placeholders += 1
                 sampling.append(request)
@@ -333,12 +378,12 @@ class Scheduler:
             self.swap_space.free(swapped.cpu_block_ids)
 
     def update_from_output(self, output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[Request]:
+                           runner_output: ModelRunnerOutput) -> list[tuple[Request, int]]:
         """Put the sampled tokens of the oldest step in flight (`output`) in place of their
-        placeholders; finish and free stopped requests. A request that finished while the
-        step was in flight drops its token.
+        placeholders, after a verified request's accepted drafts; finish and free stopped
+        requests. A request that finished while the step was in flight drops its token.
 
-        Returns the requests that received a token this step.
+        Returns the requests that received tokens this step, each with how many.
         """
         if not output.req_ids:
             return []
@@ -349,12 +394,17 @@ class Scheduler:
                                f"samples {len(sampling)}: outputs out of order")
         progressed = []
         block_size, max_model_len = self.block_size, self.max_model_len
-        for request, token in zip(sampling, tokens):
+        drafts, accepted = output.draft_token_ids, runner_output.accepted_token_ids
+        for row, (request, token) in enumerate(zip(sampling, tokens)):
             if request.is_finished:
                 continue
             request.num_output_placeholders -= 1
+            if drafts and request.request_id in drafts:
+                progressed.append((request, self._place_verified(
+                    request, drafts[request.request_id], accepted[row], token)))
+                continue
             request.append_output_token(token)
-            progressed.append(request)
+            progressed.append((request, 1))
             num_tokens = len(request.all_token_ids)
             if request.check_stop(max_model_len):
                 self._finish(request)
@@ -364,6 +414,26 @@ class Scheduler:
                 # could not be cached at scheduling, as its last token was unknown
                 self.kv_cache_manager.cache_blocks(request, num_tokens)
         return progressed
+
+    def _place_verified(self, request: Request, drafts: list[int], accepted: list[int],
+                        token: int) -> int:
+        """Place a verify's accepted drafts and its sampled token until one stops the
+        request; give back what the rejected drafts held. Returns the tokens placed."""
+        self.spec_stats.record(len(drafts), len(accepted))
+        request.num_computed_tokens -= len(drafts) - len(accepted)
+        placed = 0
+        for new in (*accepted, token):
+            request.append_output_token(new)
+            placed += 1
+            if request.check_stop(self.max_model_len):
+                self._finish(request)
+                return placed
+        manager = self.kv_cache_manager
+        kept = manager.trim(request, request.num_computed_tokens + 1)
+        if kept is not None:
+            self._truncated[request.request_id] = kept
+        manager.cache_blocks(request, request.num_computed_tokens)
+        return placed
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish (e.g. stop string, abort) requests wherever they are; frees their blocks."""
@@ -385,9 +455,34 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache_manager.free(request)
         self._release_swap(request)
+        self._truncated.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
         self.requests.pop(request.request_id, None)
 
 
 def _priority_order(request: Request) -> tuple[int, float]:
     return request.sampling_params.priority, request.arrival_time
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a verify keeps this sampling exact: penalties, bad words, thinking budgets and
+    grammars change each position's distribution with the tokens before it, and logprobs
+    are reported one row per step."""
+    return not (params.needs_penalties or params.bad_words_token_ids
+                or params.thinking_budget is not None
+                or params.structured_outputs is not None or params.logprobs is not None)
+
+
+class SpecStats:
+    """Speculative decoding's counters since start (the scheduler records each verify)."""
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * k
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1

@@ -94,6 +94,18 @@ class EngineStats:
     host_tier_hits: int = 0  # blocks recalled from the host tier (kv_cache/host_tier.py)
     host_tier_stores: int = 0  # evicted blocks copied into it
     host_tier_evictions: int = 0  # blocks dropped from it
+    # speculative decoding: verifies, draft tokens, accepted drafts, and accepted drafts at
+    # each position of a draft
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verify emits on average: its accepted drafts and the one it samples."""
+        return (1 + self.spec_num_accepted_tokens / self.spec_num_drafts
+                if self.spec_num_drafts else 0.0)
 
     @classmethod
     def of(cls, scheduler: SchedulerStats, prompt_tokens_total: int,

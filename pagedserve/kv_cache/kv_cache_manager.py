@@ -247,6 +247,19 @@ class KVCacheManager:
                 raise ValueError(f"request {request.request_id}: computed block "
                                  f"{block.block_id} no longer holds prefix block {i}")
 
+    def trim(self, request: Any, num_tokens: int) -> int | None:
+        """Release the request's blocks past the first `num_tokens` tokens' (the lookahead
+        of rejected drafts, which no hash covers: they never held known tokens), tail first.
+        Returns how many blocks it keeps when some went, else None."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = _cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return None
+        released = [b for b in blocks[keep:] if not b.is_null]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(released))
+        return keep
+
     def free(self, request: Any) -> None:
         """Release the request's blocks tail first; a no-op for unknown requests."""
         req_id = request.request_id
