@@ -142,6 +142,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("max_lora_rank", "LoRA: the largest adapter rank the slots hold", metavar="R"),
     EngineArg("max_cpu_loras", "LoRA: adapters kept loaded in host memory behind the slots",
               metavar="N", default_text="max_loras"),
+    EngineArg("speculative_config", "speculative decoding as JSON, vLLM's keys: "
+              '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} '
+              "(prompt lookup: drafts copied from the prompt and output, verified exactly; "
+              "also prompt_lookup_min, disable_by_batch_size); synchronous scheduling, one "
+              "rank", parse=str, metavar="JSON", default_text="off"),
 )
 
 NOT_FLAGS = {

@@ -65,6 +65,11 @@ class _EngineStatsCollector:
          "host tier."),
         ("host_tier_evicted_blocks", "host_tier_evictions", "KV blocks dropped from the host "
          "tier to make room."),
+        ("spec_decode_num_drafts", "spec_num_drafts", "Speculative verifies (a request's "
+         "drafts checked in one step)."),
+        ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
+        ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens "
+         "accepted."),
         ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
         ("generation_tokens", "generation_tokens_total", "Tokens generated."),
     )
@@ -83,6 +88,23 @@ class _EngineStatsCollector:
             PREFIX + "prefix_cache_hit_rate", "Fraction of prompt tokens looked up in the "
             "prefix cache that were found there, since start (0 before any lookup).",
             value=_get(stats, "prefix_cache_hits") / queries if queries else 0.0)
+        yield from _spec_metrics(stats)
+
+
+def _spec_metrics(stats: Any) -> Iterable[Metric]:
+    """Speculative decoding's acceptance: per draft position, and the mean tokens a verify
+    emits (its accepted drafts and the one it samples; 0 before any verify)."""
+    per_position = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+        "position of a draft (0: its first token).", labels=["position"])
+    for position, count in enumerate(getattr(stats, "spec_accepted_per_position", None) or []):
+        per_position.add_metric([str(position)], count)
+    yield per_position
+    drafts = _get(stats, "spec_num_drafts")
+    yield GaugeMetricFamily(
+        PREFIX + "spec_decode_mean_accepted_length", "Tokens a speculative verify emits on "
+        "average, since start (its accepted drafts and the token it samples).",
+        value=1 + _get(stats, "spec_num_accepted_tokens") / drafts if drafts else 0.0)
 
 
 def _get(stats: Any, attr: str) -> float:
