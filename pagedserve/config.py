@@ -159,14 +159,12 @@ class EngineConfig:
                              f"got {self.cpu_kv_cache_fraction}")
 
     def _check_speculation(self) -> None:
-        """The combinations speculative decoding does not run yet, refused by name."""
+        """A combination speculative decoding cannot run, refused by name (tensor
+        parallelism is refused by the engine core, which starts the ranks)."""
         if self.async_scheduling:
             raise ValueError("speculative_config runs with synchronous scheduling: the next "
                              "step depends on how many drafts are accepted; leave "
                              "async_scheduling unset or False")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config does not run with tensor_parallel_size > 1 "
-                             "yet (the ranks' rejection draws are not shared)")
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         if getattr(self, name) not in choices:

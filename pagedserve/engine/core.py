@@ -97,6 +97,9 @@ class EngineCore:
         """`loaded` lets tests and benchmarks build engines with other KV budgets or
         scheduling options over one copy of the weights instead of reloading them (one
         process only: tensor-parallel workers load their own shards)."""
+        if config.speculative_config is not None and config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config does not run with tensor_parallel_size > 1 "
+                             "yet: each rank would draw its own rejections")
         torch.manual_seed(config.seed)
         phases = StartupPhases()
         with phases.timed("weights"):

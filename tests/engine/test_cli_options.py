@@ -66,6 +66,8 @@ NON_DEFAULT = [
     ("--attention-backend", "torch", "attention_backend", "torch"),
     ("--enforce-eager", None, "enforce_eager", True),
     ("--no-async-scheduling", None, "async_scheduling", False),
+    ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+     "speculative_config", '{"method": "ngram", "num_speculative_tokens": 2}'),
 ]
 
 

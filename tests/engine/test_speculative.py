@@ -12,6 +12,7 @@ import json
 import pytest
 
 from pagedserve.config import EngineConfig
+from pagedserve.engine.core import EngineCore
 from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.frontend.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
@@ -157,6 +158,6 @@ def test_combinations_not_built_are_refused_at_start():
     with pytest.raises(ValueError, match="synchronous scheduling"):
         EngineConfig(speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2)
+        EngineCore(EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2))
     parsed = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config
     assert parsed.num_speculative_tokens == 4 and parsed.prompt_lookup_max == 3

@@ -1,0 +1,289 @@
+"""Speculative decoding (issue 30): what it buys one user, and what it costs under load.
+
+Parts (each a key of the JSON written to --out, merged into what is there):
+  grounded  the default model (or --model), one chat at a time, input-grounded tasks (fix
+            the typos of / rewrite a ~300-word passage given in the prompt), greedy:
+            output tokens/s with ngram against without, same run, same weights; the outputs
+            must be identical (greedy), and the acceptance is reported
+  oracle    (GPU) a shape from benchmarks/configs with dummy weights (default Llama-3-8B),
+            batch 1, k = 4: TPOT without speculation against a verify of the target's own
+            greedy continuation (recorded first) corrupted so that each draft token is
+            accepted with probability --acceptance: the engine's own cost of a verify with a
+            drafter that costs nothing
+  load      (GPU) workload A (benchmarks/throughput.py's 256 requests) with ngram against
+            without, same run: output tokens/s (speculation switches itself off at this
+            batch; with it on the engine schedules synchronously, so the async engine is
+            measured too)
+
+    python benchmarks/speculative.py --parts grounded --out docs/results/speculative.json
+    python benchmarks/speculative.py --parts grounded,oracle,load --device cuda \
+        --out docs/results/speculative.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import gc
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))
+
+import torch  # noqa: E402
+
+from pagedserve import SamplingParams  # noqa: E402
+from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.entrypoints.chat_template import encode_chat  # noqa: E402
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel  # noqa: E402
+
+PASSAGE = (
+    "The old lighthouse stood at the edge of the cliff for more then two hundred years, and "
+    "in all that time it had never once gone dark. The keepers changed, the paint faded and "
+    "was renewed, the great lens was cleaned and polished by hands that grew old and were "
+    "replaced by younger ones, but the light itself went on turning every night, sweeping "
+    "its long white arm across the water. Sailors who had never seen the tower by day knew "
+    "it by its rythm: two short flashes, a pause, and one long one. Fishermen's children "
+    "learned to count with it before they could read. When the storm of the winter of the "
+    "great frost came, the waves rose higher then anyone living had seen, and the spray "
+    "reached the gallery at the top of the tower. The keeper that year was a woman named "
+    "Agnes Holloway, who had taken the post after her husband died, and who had been told by "
+    "the harbour board that a widow could not be expected to manage the work alone. She "
+    "managed it for thirty one years. On the night of the storm the windows of the lantern "
+    "room cracked, and the wind came through with such force that it threatened to put out "
+    "the flame. Agnes stood in front of the broken pane with a sheet of canvas held against "
+    "it, hour after hour, while the lamp burned behind her. In the morning the lifeboat crew "
+    "found her still standing there, her hands frozen to the cloth, and the light still "
+    "turning. Three ships had come through the narrows that night and all of them had "
+    "reached the harbour safely. The harbour board, to its credit, never again said anything "
+    "about what a widow could or could not be expected to do. Today the lighthouse is "
+    "automatic, and no one lives in the keepers cottage, but there is a small brass plate by "
+    "the door with her name on it, and the light still turns: two short flashes, a pause, "
+    "and one long one.")
+TASKS = (
+    "Fix the spelling and grammar mistakes in the following passage. Reply with the "
+    "corrected passage only, in full.\n\n" + PASSAGE,
+    "Copy the following passage out again exactly, word for word, without any comment."
+    "\n\n" + PASSAGE,
+)
+
+
+def engine_over(loaded: LoadedModel, base: dict, speculative: dict | None,
+                async_scheduling: bool | None = None) -> LLMEngine:
+    """An engine over `loaded` (one copy of the weights for every variant)."""
+    options = dict(base, speculative_config=speculative)
+    if async_scheduling is not None or speculative is not None:
+        options["async_scheduling"] = bool(async_scheduling)
+    return LLMEngine(EngineConfig(**options), loaded)
+
+
+def run_one(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams
+            ) -> tuple[list[int], float, float | None]:
+    """(output token ids, seconds from the first token to the last, seconds to the first)."""
+    engine.add_request("r", None, params, prompt_token_ids=prompt_ids)
+    start, first, tokens = time.perf_counter(), None, []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.outputs[0].token_ids and first is None:
+                first = time.perf_counter()
+            tokens = output.outputs[0].token_ids
+    return list(tokens), time.perf_counter() - (first or start), \
+        (first - start) if first else None
+
+
+def spec_stats(engine: LLMEngine) -> dict:
+    stats = engine.get_stats()
+    return {"drafts": stats.spec_num_drafts, "draft_tokens": stats.spec_num_draft_tokens,
+            "accepted_tokens": stats.spec_num_accepted_tokens,
+            "accepted_per_position": stats.spec_accepted_per_position,
+            "acceptance_rate": (stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+                                if stats.spec_num_draft_tokens else 0.0),
+            "mean_accepted_length": stats.spec_mean_accepted_length}
+
+
+def grounded(args: argparse.Namespace) -> dict:
+    """One chat at a time, ngram against none, alternating per task (same load for both)."""
+    base = dict(model=args.model, device=args.device, max_model_len=2048,
+                kv_cache_memory=1 << 30)
+    loaded = LoadedModel.load(EngineConfig(**base))
+    engines = {"none": engine_over(loaded, base, None),
+               "ngram": engine_over(loaded, base, {"method": "ngram",
+                                                   "num_speculative_tokens": args.k,
+                                                   "prompt_lookup_max": 4})}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    tokenizer = engines["none"].tokenizer
+    rows, totals = [], {name: [0, 0.0] for name in engines}
+    run_one(engines["none"], encode_chat(tokenizer, [{"role": "user", "content": "Hi"}]),
+            SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    for task in TASKS:
+        prompt = encode_chat(tokenizer, [{"role": "user", "content": task}])
+        row = {"prompt_tokens": len(prompt)}
+        outputs = {}
+        for name, engine in engines.items():
+            tokens, decode_s, ttft = run_one(engine, prompt, params)
+            outputs[name] = tokens
+            row[name] = {"output_tokens": len(tokens), "decode_s": round(decode_s, 3),
+                         "ttft_s": round(ttft or 0.0, 3),
+                         "tok_s": round((len(tokens) - 1) / decode_s, 2)}
+            totals[name][0] += len(tokens) - 1
+            totals[name][1] += decode_s
+        row["identical"] = outputs["none"] == outputs["ngram"]
+        row["speedup"] = round(row["ngram"]["tok_s"] / row["none"]["tok_s"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    tok_s = {name: n / s for name, (n, s) in totals.items()}
+    return {"model": args.model or "default (SmolLM2-135M-Instruct GGUF)",
+            "device": str(loaded.device) if hasattr(loaded, "device") else args.device,
+            "k": args.k, "max_tokens": args.max_tokens, "tasks": rows,
+            "tok_s": {n: round(v, 2) for n, v in tok_s.items()},
+            "speedup": round(tok_s["ngram"] / tok_s["none"], 3),
+            "spec": spec_stats(engines["ngram"]), "load": os.getloadavg()}
+
+
+class OracleProposer:
+    """Drafts the target's own greedy continuation (recorded without speculation), each
+    token replaced by another with probability 1 - acceptance: greedy verification then
+    accepts each draft token with that probability, and the drafter costs nothing."""
+
+    def __init__(self, continuations: dict[tuple, list[int]], acceptance: float,
+                 vocab: int, seed: int = 0) -> None:
+        self.continuations = continuations
+        self.acceptance, self.vocab = acceptance, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        for prompt, full in self.continuations.items():
+            n = len(prompt)
+            if tuple(token_ids[:n]) == prompt and list(token_ids) == full[:len(token_ids)]:
+                truth = full[len(token_ids):len(token_ids) + k]
+                return [t if self.rng.random() < self.acceptance
+                        else (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                        for t in truth]
+        return []
+
+
+def release(engine: LLMEngine) -> None:
+    """Shut an engine down and give its KV cache back before the next is sized (each part
+    fixes its KV budget: engines over one copy of the weights would otherwise size theirs
+    from what the ones before left free)."""
+    engine.shutdown()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def shape_folder(root: Path, shape: str) -> Path:
+    from benchmarks.tensor_parallel import model_folder
+
+    return model_folder(root, shape)
+
+
+def oracle(args: argparse.Namespace) -> dict:
+    """Batch 1 TPOT: none against the oracle at k and the acceptance asked for."""
+    with tempfile.TemporaryDirectory() as root:
+        folder = shape_folder(Path(root), args.shape)
+        base = dict(model=str(folder), load_format="dummy", device=args.device,
+                    max_model_len=4096, kv_cache_memory=4 << 30)
+        loaded = LoadedModel.load(EngineConfig(**base))
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, 10_000) for _ in range(256)] for _ in range(4)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.oracle_tokens,
+                                ignore_eos=True)
+        none = engine_over(loaded, base, None, async_scheduling=None)
+        run_one(none, prompts[0][:16], SamplingParams(max_tokens=8, ignore_eos=True))
+        recorded, none_tpot = {}, []
+        for p in prompts:
+            tokens, decode_s, _ = run_one(none, p, params)
+            recorded[tuple(p)] = p + tokens
+            none_tpot.append(decode_s / (len(tokens) - 1))
+        spec = engine_over(loaded, base, {"method": "ngram", "num_speculative_tokens": 4})
+        spec.engine_core.scheduler.proposer = OracleProposer(
+            recorded, args.acceptance, loaded.model_config.vocab_size)
+        run_one(spec, prompts[0][:16], SamplingParams(max_tokens=8, ignore_eos=True))
+        spec_tpot, identical = [], True
+        for p in prompts:
+            tokens, decode_s, _ = run_one(spec, p, params)
+            identical &= recorded[tuple(p)] == p + tokens
+            spec_tpot.append(decode_s / (len(tokens) - 1))
+        result = {"shape": args.shape, "k": 4, "acceptance_set": args.acceptance,
+                  "output_tokens": args.oracle_tokens,
+                  "tpot_ms_none": round(1e3 * statistics.median(none_tpot), 3),
+                  "tpot_ms_oracle": round(1e3 * statistics.median(spec_tpot), 3),
+                  "identical": identical, "spec": spec_stats(spec),
+                  "draft_model": "not built (issue 30, part 2)"}
+        result["ratio"] = round(result["tpot_ms_oracle"] / result["tpot_ms_none"], 3)
+        return result
+
+
+def load(args: argparse.Namespace) -> dict:
+    """Workload A: none (async, the default on CUDA), none synchronous, ngram."""
+    from benchmarks.throughput import workload_prompts
+
+    with tempfile.TemporaryDirectory() as root:
+        folder = shape_folder(Path(root), args.load_shape)
+        base = dict(model=str(folder), load_format="dummy", device=args.device,
+                    kv_cache_memory=24 << 30)
+        loaded = LoadedModel.load(EngineConfig(**base))
+        prompts, out_lens = workload_prompts()
+        result = {"shape": args.load_shape}
+        for name, spec, async_ in (("none_async", None, None), ("none_sync", None, False),
+                                   ("ngram", {"method": "ngram",
+                                              "num_speculative_tokens": args.k}, False)):
+            engine = engine_over(loaded, base, spec, async_)
+            for i, (p, n) in enumerate(zip(prompts, out_lens)):
+                engine.add_request(str(i), None, SamplingParams(
+                    temperature=0.6, seed=i, max_tokens=n, ignore_eos=True),
+                    prompt_token_ids=p)
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            seconds = time.perf_counter() - start
+            result[name] = {"seconds": round(seconds, 3),
+                            "tok_s": round(sum(out_lens) / seconds, 1)}
+            if spec:
+                result[name]["spec"] = spec_stats(engine)
+            release(engine)
+        result["ngram_vs_none_async"] = round(result["ngram"]["tok_s"]
+                                              / result["none_async"]["tok_s"], 3)
+        return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="grounded")
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--load-shape", default="qwen3-0.6b")
+    parser.add_argument("--acceptance", type=float, default=0.8)
+    parser.add_argument("--oracle-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    parts = {"grounded": grounded, "oracle": oracle, "load": load}
+    results = json.loads(args.out.read_text()) if args.out and args.out.exists() else {}
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    for part in args.parts.split(","):
+        key = f"{part}_{'cuda' if device.startswith('cuda') else 'cpu'}"
+        results[key] = parts[part](args) | {
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+            "cpus": os.cpu_count()}
+        print(json.dumps({key: results[key]}, indent=1), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
