@@ -276,6 +276,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_ray(argv: list[str]) -> int:
+    try:
+        from pagedserve.entrypoints.ray_serve import main as serve_ray
+    except ImportError as error:
+        raise RuntimeError(f"serve-ray needs Ray Serve: pip install 'pagedserve[ray]' "
+                           f"({error})") from None
+    return serve_ray(argv)
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -337,16 +346,27 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         add_serve_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    serve_ray = commands.add_parser("serve-ray", add_help=False, help="replicas on Ray Serve "
+                                    "behind one OpenAI endpoint, prefix-aware routing "
+                                    "(pagedserve[ray]; serve-ray --help for its options)")
+    serve_ray.set_defaults(func=cmd_serve_ray)  # its options: main hands them on unparsed
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve-ray"]:  # Ray Serve's options and each replica's server's
+        return _run(cmd_serve_ray, argv[1:])
     args = build_parser(argv).parse_args(argv)
     if args.command == "bench" and args.dataset == "random" and args.input_len is None:
         args.input_len = 128
+    return _run(args.func, args)
+
+
+def _run(command, args) -> int:
     try:
-        return args.func(args)
+        return command(args)
     except (ValueError, RuntimeError, FileNotFoundError) as error:
         print(f"pagedserve: error: {error}", file=sys.stderr)
         return 1
