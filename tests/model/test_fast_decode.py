@@ -132,7 +132,7 @@ def test_the_rule_leaves_other_models_and_backends_to_the_layers(fast, default_l
     finally:
         model.fast_decode = saved
     assert checked.batches == [] and checked.declined > 0
-    monkeypatch.setattr(decode, "_kernel", lambda: None)  # no library / no AVX2
+    monkeypatch.setattr(decode, "kernel", lambda: None)  # no library / no AVX2
     assert FastDecode.for_model(model) is None
 
 

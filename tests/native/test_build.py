@@ -14,17 +14,17 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compile
 
 def test_builds_once_and_reuses(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
-    first = build._compile(tmp_path)
+    first = build.compile_variant(tmp_path)
     assert first.exists() and first.parent == tmp_path
     stamp = first.stat().st_mtime_ns
-    assert build._compile(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert build.compile_variant(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left
 
 
 def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(RuntimeError, match="no C compiler 'no-such-compiler'"):
-        build._compile(tmp_path)
+        build.compile_variant(tmp_path)
 
 
 AVX2 = {"avx2", "fma", "f16c"}
@@ -70,5 +70,5 @@ def test_a_cpu_without_avx2_gets_no_library(monkeypatch):
 @pytest.mark.parametrize("variant", build.VARIANTS, ids=lambda v: v.name)
 def test_every_variant_compiles(tmp_path, variant):
     """Also those this CPU cannot run: they must be ready for the CPUs that report them."""
-    library = build._compile(tmp_path, variant)
+    library = build.compile_variant(tmp_path, variant)
     assert library.exists() and variant.name in library.name

@@ -93,7 +93,7 @@ def test_every_variant_gives_the_same_bits(tmp_path):
     w, x, b = torch.randn(n, k) / k**0.5, torch.randn(rows, k), torch.randn(n)
     outs = {}
     for variant in [v for v in build.VARIANTS if v.cpu_flags <= build.cpu_flags()]:
-        lib = ctypes.CDLL(str(build._compile(tmp_path, variant)))
+        lib = ctypes.CDLL(str(build.compile_variant(tmp_path, variant)))
         width = lib.pagedserve_linear_panel()
         fn = lib.pagedserve_linear
         i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -70,7 +70,7 @@ def test_writes_only_its_output():
     """Rows and columns past the real ones (tile and panel padding) never reach memory."""
     x, w, b = random(19, 53, 45, True, 4)
     packed = linear.pack(w)
-    fn = linear._kernel(torch.bfloat16)
+    fn = linear.kernel(torch.bfloat16)
     buffer = torch.full((19 * 53 + 64,), 7.0, dtype=torch.bfloat16)
     assert fn(x.data_ptr(), 19, 45, packed.data_ptr(), 53, b.data_ptr(), buffer.data_ptr(),
               2) == 0

@@ -53,12 +53,12 @@ def quantize_rows(x: np.ndarray) -> np.ndarray:
 def variant(request, tmp_path_factory):
     """Point the wrapper at this variant's library (built once) for the module's tests; the
     library itself is the fixture's value."""
-    lib = ctypes.CDLL(str(build._compile(tmp_path_factory.mktemp(request.param.name),
+    lib = ctypes.CDLL(str(build.compile_variant(tmp_path_factory.mktemp(request.param.name),
                                          request.param)))
     fn = lib.pagedserve_qlinear
-    fn.argtypes, fn.restype = quant._kernel().argtypes, ctypes.c_int
+    fn.argtypes, fn.restype = quant.kernel().argtypes, ctypes.c_int
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(quant, "_kernel", lambda: fn)
+        patch.setattr(quant, "kernel", lambda: fn)
         yield lib
 
 

@@ -24,7 +24,9 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @cache
-def _kernel():
+def kernel():
+    """The C function through ctypes (looked up once), or None where the library is
+    missing (no compiler, no AVX2)."""
     return function("pagedserve_store_and_decode", c_void_p, c_int64, c_void_p, c_int64,
                     c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64,
                     c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_float, c_int64,
@@ -32,7 +34,7 @@ def _kernel():
 
 
 def available() -> bool:
-    return _kernel() is not None
+    return kernel() is not None
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -105,7 +107,7 @@ def store_and_decode(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
     tables = indices.block_tables
-    _kernel()(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+    kernel()(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
               indices.slot_mapping.data_ptr(), num_tokens, k_cache.data_ptr(),
               v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
               indices.seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim,

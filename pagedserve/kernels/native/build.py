@@ -85,7 +85,10 @@ def select_variant(flags: frozenset[str], cap: str | None = None) -> Variant | N
     return usable[-1] if usable else None
 
 
-def _compile(out_dir: Path, variant: Variant = VARIANTS[0]) -> Path:
+def compile_variant(out_dir: Path, variant: Variant = VARIANTS[0]) -> Path:
+    """The library built for `variant` in `out_dir` (reused while its sources and flags are
+    unchanged). Public so that each variant can be built and checked on a CPU that runs it,
+    not only the one `load` picks."""
     compiler = os.environ.get("CC", "cc")
     flags = [*FLAGS, *variant.compile_flags]
     digest = hashlib.sha256(" ".join([compiler, *flags]).encode())
@@ -132,7 +135,7 @@ def library() -> ctypes.CDLL | None:
     root = cache_root()
     out_dir = root / "native" if root else Path(tempfile.mkdtemp(prefix="pagedserve-"))
     try:
-        return ctypes.CDLL(str(_compile(out_dir, chosen)))
+        return ctypes.CDLL(str(compile_variant(out_dir, chosen)))
     except (OSError, RuntimeError) as e:
         logger.warning("native CPU kernels unavailable (%s): torch ops run instead", e)
         return None

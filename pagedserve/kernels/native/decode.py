@@ -44,7 +44,9 @@ class Model(Structure):
 
 
 @cache
-def _kernel():
+def kernel():
+    """The C function through ctypes (looked up once), or None where the library is
+    missing (no compiler, no AVX2)."""
     return function("pagedserve_decode_step", POINTER(Model), c_void_p, c_void_p, c_int64,
                     c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_void_p, c_void_p, c_int,
                     restype=c_int)
@@ -57,7 +59,7 @@ def _workspace_bytes():
 
 
 def available() -> bool:
-    return _kernel() is not None
+    return kernel() is not None
 
 
 def workspace_bytes(spec: Model, count: int, threads: int) -> int:
@@ -71,5 +73,5 @@ def decode_step(spec: Model, hidden: int, out: int, count: int, positions: int, 
     """One decode step over every layer (addresses of the step's tensors); returns 0, -2 for
     a position outside the RoPE tables, another value for a slot, seq_len or block id outside
     the cache or its block table."""
-    return _kernel()(byref(spec), hidden, out, count, positions, slots, tables, table_stride,
+    return kernel()(byref(spec), hidden, out, count, positions, slots, tables, table_stride,
                      table_width, seq_lens, workspace, threads)

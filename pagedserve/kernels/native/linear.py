@@ -35,7 +35,9 @@ def panel(dtype: torch.dtype = torch.float32) -> int:
 
 
 @cache
-def _kernel(dtype: torch.dtype):
+def kernel(dtype: torch.dtype):
+    """The C function through ctypes (looked up once), or None where the library is
+    missing (no compiler, no AVX2)."""
     name = _KERNELS[dtype][0]
     if not _has(name):
         return None
@@ -49,7 +51,7 @@ def _kernel(dtype: torch.dtype):
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether weights of `dtype` have a native kernel here."""
-    return dtype in _KERNELS and _kernel(dtype) is not None
+    return dtype in _KERNELS and kernel(dtype) is not None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int,
     rows = x.reshape(-1, k).to(dtype).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=dtype)
     bias = None if bias is None else bias.to(dtype).contiguous()
-    failed = _kernel(dtype)(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n,
+    failed = kernel(dtype)(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n,
                             None if bias is None else bias.data_ptr(), out.data_ptr(),
                             torch.get_num_threads())
     if failed:

@@ -26,14 +26,16 @@ GROUP = 16  # weight rows interleaved in the kernel's layout (quant.c's GR)
 
 
 @cache
-def _kernel():
+def kernel():
+    """The C function through ctypes (looked up once), or None where the library is
+    missing (no compiler, no AVX2)."""
     return function("pagedserve_qlinear", c_int, c_void_p, c_int64, c_int64, c_void_p,
                     c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_int,
                     restype=c_int)
 
 
 def available() -> bool:
-    return _kernel() is not None
+    return kernel() is not None
 
 
 @dataclass(frozen=True)
@@ -172,13 +174,13 @@ class QuantizedLinear:
         rows = x.reshape(-1, k).contiguous()
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
         bias = None if bias is None else bias.contiguous()
-        kernel, threads, offset = _kernel(), torch.get_num_threads(), 0
+        qlinear, threads, offset = kernel(), torch.get_num_threads(), 0
         for part in self.parts:
-            status = kernel(0 if part.kind == "q4" else 1, rows.data_ptr(), rows.shape[0], k,
-                            part.qs.data_ptr(), part.scales.data_ptr(),
-                            None if part.mins is None else part.mins.data_ptr(),
-                            part.shape[0], None if bias is None else bias[offset:].data_ptr(),
-                            out[:, offset:].data_ptr(), n, threads)
+            status = qlinear(0 if part.kind == "q4" else 1, rows.data_ptr(), rows.shape[0], k,
+                             part.qs.data_ptr(), part.scales.data_ptr(),
+                             None if part.mins is None else part.mins.data_ptr(),
+                             part.shape[0], None if bias is None else bias[offset:].data_ptr(),
+                             out[:, offset:].data_ptr(), n, threads)
             if status != 0:
                 raise MemoryError("quantized linear: no memory for the quantized activations")
             offset += part.shape[0]
