@@ -244,9 +244,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
         self.size = config.tensor_parallel_size
         self.model_config = model_config
-        parallel.check_shardable(model_config, self.size)
-        if config.quantization is not None:  # before any worker starts
-            raise ValueError("FP8 weights are not supported with tensor parallelism yet")
+        parallel.check_shardable(model_config, self.size)  # before any worker starts
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone rank raises

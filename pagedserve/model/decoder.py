@@ -345,7 +345,7 @@ class Decoder(nn.Module):
 
     def _expert_shard(self, layer: str, expert: str, proj: str) -> tuple[str, int, tuple]:
         """One expert's gate (w1), up (w3) or down (w2) into the stacked weights."""
-        e, size = int(expert), self.config.moe_intermediate_size
+        e, size = int(expert), parallel.local_moe_intermediate(self.config)  # this rank's
         if proj in ("w2", "down_proj"):
             return f"{layer}.mlp.w2", e, (e, slice(None))
         half = 0 if proj in ("w1", "gate_proj") else 1

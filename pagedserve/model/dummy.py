@@ -9,8 +9,9 @@ throw half away: that would take minutes at 70B), and every tensor-parallel size
 same weights, so TP=2's logits can be held against TP=1's. Norm weights are 1, as
 transformers initialises them; vocabulary padding rows are 0.
 
-Dense Llama / Mistral / Qwen2 / Qwen3 shapes only (not MoE, Gemma's extra norms or Phi-3's
-fused tensors).
+Llama / Mistral / Qwen2 / Qwen3 shapes and MoE ones (Mixtral, Qwen3-MoE: a router and
+per-expert tensors, named as Qwen3-MoE names them); not Gemma's extra norms or Phi-3's fused
+tensors.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ INIT_STD = 0.02
 
 
 def check_supported(config: ModelConfig) -> None:
-    if config.num_experts or config.sandwich_norms or config.fused_checkpoint:
-        raise ValueError(f"load_format dummy supports dense Llama/Qwen shapes, not "
+    if config.sandwich_norms or config.fused_checkpoint:
+        raise ValueError(f"load_format dummy supports Llama/Qwen/MoE shapes, not "
                          f"{config.family}")
 
 
@@ -51,6 +52,9 @@ def tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
         if config.qk_norm:
             yield p + "self_attn.q_norm.weight", (d,)
             yield p + "self_attn.k_norm.weight", (d,)
+        if config.num_experts:
+            yield from _moe_shapes(config, p + "mlp.")
+            continue
         for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)),
                             ("down_proj", (h, inter))):
             yield p + f"mlp.{name}.weight", shape
@@ -59,6 +63,16 @@ def tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "norm.weight", (h,)
     if not config.tie_word_embeddings:
         yield "lm_head.weight", (config.vocab_size, h)
+
+
+def _moe_shapes(config: ModelConfig, prefix: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """An MoE layer's router and experts, named as Qwen3-MoE's checkpoints name them."""
+    h, inter = config.hidden_size, config.moe_intermediate_size
+    yield prefix + "gate.weight", (config.num_experts, h)
+    for e in range(config.num_experts):
+        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)),
+                            ("down_proj", (h, inter))):
+            yield prefix + f"experts.{e}.{name}.weight", shape
 
 
 TABLE_SIZE = 1_048_583  # a prime: the hashed indices cover the table evenly

@@ -77,18 +77,21 @@ def _iter_safetensors(files: list[Path],
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                rows = parallel.checkpoint_rows(name.removeprefix("model."), config)
+                tensor = f.get_slice(name)
+                rows = parallel.checkpoint_rows(name.removeprefix("model."), config,
+                                                shape=tuple(tensor.get_shape()))
                 if rows is None:
                     yield name, f.get_tensor(name)
                 else:  # this rank's slice, read without the rest
-                    yield name, parallel.take_rows(f.get_slice(name), *rows)
+                    yield name, parallel.take_rows(tensor, *rows)
 
 
 def _shard(weights: Iterator[tuple[str, torch.Tensor]],
            config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's slice of each whole tensor."""
     for name, tensor in weights:
-        rows = parallel.checkpoint_rows(name.removeprefix("model."), config)
+        rows = parallel.checkpoint_rows(name.removeprefix("model."), config,
+                                        shape=tuple(tensor.shape))
         yield name, tensor if rows is None else parallel.take_rows(tensor, *rows)
 
 
@@ -284,8 +287,6 @@ def _quantize_linears(model: Decoder, quantization: str, device: torch.device) -
     if quantization not in fp8.QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {fp8.QUANTIZATIONS} or None, got "
                          f"{quantization!r}")
-    if parallel.get_tp().size > 1:
-        raise ValueError("FP8 weights are not supported with tensor parallelism yet")
     fp8.check_device(device)
     for linear in model.dense_linears():
         fp8.to_fp8(linear)

@@ -11,7 +11,9 @@ The experts' weights are stacked, `w13` [E, 2I, H] (gate rows first, then up) an
 (`kernels/triton/moe.py`) do gate/up and down as one grouped GEMM launch each over the tokens
 sorted by expert; elsewhere each expert that received tokens runs its two matmuls on just those
 tokens (`ExpertByExpert`, through the model's float matmul: the native kernel on the CPU),
-accumulated in expert order as transformers does. Which of the two is the model's `Ops`'
+accumulated in expert order as transformers does. Under tensor parallelism each rank runs
+every expert on its slice of the intermediate features, the router whole, and the partial
+outputs are added by one all-reduce. Which of the two is the model's `Ops`'
 choice (`model.ops.select_ops`), made when it loads.
 """
 
@@ -77,9 +79,8 @@ class SparseMoE(nn.Module):
 
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        if parallel.get_tp().size > 1:
-            raise ValueError("tensor parallelism does not shard the experts of an MoE model yet")
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        # every expert, over this rank's slice of its intermediate features (see `parallel`)
+        e, h, i = config.num_experts, config.hidden_size, parallel.local_moe_intermediate(config)
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.round_weights = config.family != "mixtral"  # Qwen3-MoE rounds them
@@ -91,4 +92,5 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize,
                              x.dtype if self.round_weights else None)
-        return self.experts(x, self.w13, self.w2, weights, ids)
+        # the ranks' partial sums of each expert's down projection, added
+        return parallel.all_reduce_(self.experts(x, self.w13, self.w2, weights, ids))

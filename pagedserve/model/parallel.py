@@ -12,6 +12,15 @@ Every rank holds a slice of each weight and runs the same forward pass on the sa
   outside the range embeds to zeros and the all-reduce fills it in; the LM head's logits are
   gathered over ranks, since the sampler needs the whole vocabulary.
 
+- MoE: every rank keeps every expert, each sliced over its intermediate features (w1/w3 or
+  gate/up column-parallel, w2 or down row-parallel), and the router whole: each rank routes
+  the same tokens to the same experts and adds its partial sums into one all-reduce;
+- FP8 weights: a per-channel scale goes with its output row (sliced with the rows of a
+  column-parallel weight, whole for a row-parallel one), a per-tensor scale is kept whole.
+  A row-parallel layer's activations are quantized per token over the rank's slice of the
+  input features, so its scales are finer than one process's and the sum differs from it by
+  less than the quantization error.
+
 So a layer costs two all-reduces of [tokens, hidden], and the KV cache is split by KV head.
 With fewer KV heads than ranks (or a count the ranks do not divide), a KV head is kept by
 every rank whose query heads read it: replicated, so that attention never crosses ranks.
@@ -22,6 +31,7 @@ collective here is a no-op and a rank keeps the whole of every weight.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -116,11 +126,12 @@ def _split(total: int, what: str, tp: TensorParallel) -> int:
 
 def check_shardable(config: ModelConfig, size: int) -> None:
     """A ValueError now, before any worker starts, for a model `size` ranks cannot split."""
-    if config.num_experts:
-        raise ValueError("tensor parallelism does not shard the experts of an MoE model yet")
     tp = TensorParallel(0, size)
     local_q_heads(config, tp)
-    local_intermediate(config, tp)
+    if config.num_experts:
+        local_moe_intermediate(config, tp)
+    else:
+        local_intermediate(config, tp)
 
 
 def local_q_heads(config: ModelConfig, tp: TensorParallel | None = None) -> range:
@@ -155,6 +166,11 @@ def local_intermediate(config: ModelConfig, tp: TensorParallel | None = None) ->
     return _split(config.intermediate_size, "intermediate_size", tp or _STATE)
 
 
+def local_moe_intermediate(config: ModelConfig, tp: TensorParallel | None = None) -> int:
+    """Each expert's intermediate features on this rank."""
+    return _split(config.moe_intermediate_size, "moe_intermediate_size", tp or _STATE)
+
+
 def local_vocab(config: ModelConfig, tp: TensorParallel | None = None) -> range:
     """This rank's rows of the (padded) vocabulary: every rank gets the same count, the last
     one's tail past vocab_size is padding (zero weights, logits cut off after the gather)."""
@@ -163,13 +179,18 @@ def local_vocab(config: ModelConfig, tp: TensorParallel | None = None) -> range:
     return range(tp.rank * per_rank, (tp.rank + 1) * per_rank)
 
 
-def checkpoint_rows(name: str, config: ModelConfig,
-                    tp: TensorParallel | None = None) -> tuple[int, list[int]] | None:
-    """Which part of the full checkpoint tensor `name` (HF naming) this rank keeps:
-    (dimension, indices along it; -1 = a zero row of vocab padding), or None for all of it.
+_COLUMN_FFN = ("gate_proj", "up_proj", "w1", "w3")
+_ROW_FFN = ("down_proj", "w2")
+
+
+def checkpoint_rows(name: str, config: ModelConfig, tp: TensorParallel | None = None,
+                    shape: tuple[int, ...] | None = None) -> tuple[int, list[int]] | None:
+    """Which part of the full checkpoint tensor `name` (HF naming, of `shape` if known) this
+    rank keeps: (dimension, indices along it; -1 = a zero row of vocab padding), or None for
+    all of it. A one-element tensor (an FP8 per-tensor scale) is kept whole.
     """
     tp = tp or _STATE
-    if tp.size == 1:
+    if tp.size == 1 or (shape is not None and math.prod(shape) == 1):
         return None
     parts = name.split(".")
     module, kind = parts[-2], parts[-1]
@@ -180,11 +201,12 @@ def checkpoint_rows(name: str, config: ModelConfig,
         return 0, _head_rows(local_kv_heads(config, tp), d)
     if module == "o_proj" and kind == "weight":
         return 1, _head_rows(local_q_heads(config, tp), d)
-    if module in ("gate_proj", "up_proj", "down_proj"):
-        if module == "down_proj" and kind != "weight":
-            return None
-        n = local_intermediate(config, tp)
-        return (1 if module == "down_proj" else 0), list(range(tp.rank * n, (tp.rank + 1) * n))
+    if module in _COLUMN_FFN + _ROW_FFN:
+        if module in _ROW_FFN and kind != "weight":
+            return None  # a bias or scale per output row: whole
+        n = (local_moe_intermediate(config, tp) if ".experts." in name
+             else local_intermediate(config, tp))
+        return (1 if module in _ROW_FFN else 0), list(range(tp.rank * n, (tp.rank + 1) * n))
     if module in ("embed_tokens", "lm_head") or name in ("lm_head.weight",):
         return 0, [i if i < config.vocab_size else -1 for i in local_vocab(config, tp)]
     return None

@@ -111,6 +111,26 @@ def test_tp2_tokens_equal_tp1_when_kv_heads_do_not_split(llama_kv3):
         tp2.llm_engine.shutdown()
 
 
+def test_tp2_moe_with_fp8_weights_through_the_workers(qwen3_moe):
+    """An MoE model with FP8 weights is no longer refused: two workers start and their greedy
+    first tokens are TP=1's but where FP8's rounding, which differs between one and two
+    ranks, tips a near-tie of the random weights (the logits' agreement is checked closely
+    in test_tp_logits)."""
+    prompts, params = workload()
+    greedy = [(p, s) for p, s in zip(prompts, params) if s.temperature == 0 and s.n == 1]
+    prompts, params = [p for p, _ in greedy], [s for _, s in greedy]
+    want = engine(qwen3_moe, 1, quantization="fp8").generate(prompts, params, use_tqdm=False)
+    tp2 = engine(qwen3_moe, 2, quantization="fp8")
+    try:
+        got = tp2.generate(prompts, params, use_tqdm=False)
+    finally:
+        tp2.llm_engine.shutdown()
+    same = sum(g.outputs[0].token_ids[0] == w.outputs[0].token_ids[0]
+               for g, w in zip(got, want, strict=True))
+    assert same >= len(want) - 1
+    assert all(len(o.outputs[0].token_ids) == 14 for o in got)
+
+
 def test_a_model_the_ranks_cannot_split_is_refused_before_any_worker_starts(llama):
     with pytest.raises(ValueError, match="divisible by tensor_parallel_size"):
         engine(llama, 3)  # 8 query heads

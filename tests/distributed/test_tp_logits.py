@@ -24,13 +24,15 @@ from tests.model.paged import PagedDriver
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 CASES = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-llama-kv3"]
+# Mixtral with a 6-token sliding window (the prompts are longer), Qwen3-MoE top-3 of 8
+MOE_CASES = ["tiny-mixtral", "tiny-qwen3-moe"]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp-logits")
     folders = {}
-    for case in CASES:
+    for case in CASES + MOE_CASES:
         config = json.loads((CONFIGS / f"{case}.json").read_text())
         # a smaller, odd vocabulary (the last rank's rows padded) and two layers keep it
         # quick; logits far enough apart to tell the ranks' errors
@@ -42,9 +44,11 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     return folders
 
 
-def paged_logits(folder: str, load_format: str = "auto") -> list[torch.Tensor]:
+def paged_logits(folder: str, load_format: str = "auto",
+                 quantization: str | None = None) -> list[torch.Tensor]:
     """Every fed token's logits through a fixed mix of prefill, chunked prefill and decode."""
-    model, config, _ = load_model(folder, torch.float32, "cpu", load_format=load_format)
+    model, config, _ = load_model(folder, torch.float32, "cpu", load_format=load_format,
+                                  quantization=quantization)
     gen = torch.Generator().manual_seed(1)
     a, b = (torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (11, 14))
     driver = PagedDriver(model)
@@ -57,8 +61,25 @@ def paged_logits(folder: str, load_format: str = "auto") -> list[torch.Tensor]:
     return out
 
 
-def tp_logits(folders: list[str], load_format: str = "auto") -> list[list[torch.Tensor]]:
-    return [paged_logits(folder, load_format) for folder in folders]
+def tp_logits(folders: list[str], load_format: str = "auto",
+              quantization: str | None = None) -> list[list[torch.Tensor]]:
+    return [paged_logits(folder, load_format, quantization) for folder in folders]
+
+
+def tp_logits_mixed(runs: list[tuple[str, str | None]]) -> list[list[torch.Tensor]]:
+    """paged_logits of each (folder, quantization), one group for all."""
+    return [paged_logits(folder, quantization=q) for folder, q in runs]
+
+
+def assert_ranks_equal_reference(case: str, ranks: list[list[torch.Tensor]],
+                                 want: list[torch.Tensor]) -> None:
+    for step, (w, *got) in enumerate(zip(want, *ranks)):
+        assert not w.isnan().any()
+        for g in got[1:]:
+            assert torch.equal(got[0], g), f"{case}: ranks disagree on the gathered logits"
+        torch.testing.assert_close(got[0], w, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{case} output {step}: {m}")
+        assert torch.equal(got[0].argmax(-1), w.argmax(-1))
 
 
 def test_tp2_logits_equal_tp1(checkpoints):
@@ -108,3 +129,48 @@ def test_local_kv_heads_serve_each_query_head(heads, kv_heads, size):
             assert kv[i // ratio] == head // (heads // kv_heads)
         if kv_heads % size == 0:  # an even split keeps no KV head twice
             assert kv == list(range(rank * kv_heads // size, (rank + 1) * kv_heads // size))
+
+
+# (case, quantization) run by one two-rank group: the MoE families in float32, then FP8
+# weights (the CPU's reference path) on a dense and an MoE model
+TP2_RUNS = [(c, None) for c in MOE_CASES] + [("tiny-llama3", "fp8"), ("tiny-mixtral", "fp8")]
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(checkpoints) -> dict[tuple[str, str | None], list[list[torch.Tensor]]]:
+    runs = [(checkpoints[c], q) for c, q in TP2_RUNS]
+    ranks = run_on_ranks(tp_logits_mixed, runs, size=2)
+    return {key: [rank[i] for rank in ranks] for i, key in enumerate(TP2_RUNS)}
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_tp2_moe_logits_equal_tp1(checkpoints, tp2_runs, case):
+    """Experts sliced over their intermediate features, the router whole: one all-reduce
+    gives one process's sums (Mixtral's also through a sliding window)."""
+    assert_ranks_equal_reference(case, tp2_runs[case, None], paged_logits(checkpoints[case]))
+
+
+@pytest.mark.parametrize("case", ["tiny-llama3", "tiny-mixtral"])
+def test_tp2_fp8_weights_agree_with_tp1(checkpoints, tp2_runs, case):
+    """FP8 weights under TP: each column-parallel rank keeps its rows' scales, a row-parallel
+    one quantizes its slice of the activations per token, so two ranks differ from one by
+    less than FP8 itself differs from float32 (on average: a perturbation of either kind may
+    tip a near-tie in the router to another expert for one token); both ranks see the same
+    gathered logits."""
+    got0, got1 = tp2_runs[case, "fp8"]
+    one = paged_logits(checkpoints[case], quantization="fp8")
+    exact = paged_logits(checkpoints[case])
+    assert all(torch.equal(a, b) for a, b in zip(got0, got1))
+    sharding = torch.cat([(g - w).abs().flatten() for g, w in zip(got0, one)]).mean()
+    quantization = torch.cat([(w - e).abs().flatten() for w, e in zip(one, exact)]).mean()
+    assert 0 < quantization  # FP8 weights did load
+    assert sharding < quantization, (sharding, quantization)
+
+
+def test_tp4_logits_equal_tp1(checkpoints):
+    """Four gloo ranks: a dense Llama (2 KV heads, each kept by two ranks) and Qwen3-MoE."""
+    cases = ["tiny-llama3", "tiny-qwen3-moe"]
+    ranks = run_on_ranks(tp_logits, [checkpoints[c] for c in cases], size=4)
+    for i, case in enumerate(cases):
+        assert_ranks_equal_reference(case, [r[i] for r in ranks],
+                                     paged_logits(checkpoints[case]))
