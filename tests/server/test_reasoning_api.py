@@ -2,8 +2,10 @@
 `<think>` / `</think>` / `<tool_call>` tokens, a Qwen3-style chat template): the reasoning
 split whole and streamed, with and without a tool call after it; `enable_thinking: false`
 changes the prompt; the thinking budget closes the block. A random model does not think on
-its own, so the output is held to a think block by a regex (structured outputs) or by
-allowed_token_ids and logit_bias. A second server takes the flags: --chat-template,
+its own, so the output is held to a think block by a regex (structured outputs, on a prompt
+without the generation prompt, which the server leaves as it is: on a thinking prompt it
+would open the block and start the grammar after it) or by allowed_token_ids and logit_bias.
+A second server takes the flags: --chat-template,
 --reasoning-parser deepseek_r1, --default-chat-template-kwargs."""
 
 from __future__ import annotations
@@ -111,9 +113,11 @@ def streamed(server, **body) -> dict:
 
 
 def regex(text: str) -> dict:
-    """Structured outputs that hold the output to exactly `text`."""
+    """Structured outputs that hold the whole output to exactly `text` (think block included:
+    no generation prompt, so the server opens no block)."""
     escaped = re.sub(r"([\\.^$|?*+()\[\]{}])", r"\\\1", text).replace("\n", "\\n")
-    return {"structured_outputs": {"regex": escaped}, "max_tokens": len(text) + 8}
+    return {"structured_outputs": {"regex": escaped}, "max_tokens": len(text) + 8,
+            "add_generation_prompt": False}
 
 
 def test_reasoning_split_whole_and_streamed(qwen3):
@@ -214,7 +218,10 @@ def test_thinking_budget_closes_the_block(qwen3):
 
 
 def test_thinking_budget_refusals(qwen3):
-    error = refusal(qwen3, thinking_token_budget=3, response_format={"type": "json_object"})
+    """A grammar from the first token (thinking off: the block closed in the prompt) leaves
+    no block for a budget."""
+    error = refusal(qwen3, thinking_token_budget=3, response_format={"type": "json_object"},
+                    chat_template_kwargs={"enable_thinking": False})
     assert error["param"] == "thinking_token_budget"
     assert refusal(qwen3, thinking_token_budget=-1)["param"] == "thinking_token_budget"
 

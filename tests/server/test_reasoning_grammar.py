@@ -1,14 +1,18 @@
-"""Structured outputs and forced tool calls on a reasoning model whose prompt opens the think
-block (the tiny Qwen3 of test_reasoning_api.py, the assistant's turn continued after
-`<think>`): the model thinks first and the grammar holds only after `</think>`, whole and
-streamed, on a synchronous server with the matchers on threads and on an async-scheduling
-one with the grammar process. A random model does not think on its own: a thinking budget
-closes the block after `a`s (logit_bias pushes `</think>` down and `a` up), or a bias makes
-`</think>` its first token, which a grammar from the first token would have refused."""
+"""Structured outputs and forced tool calls on a reasoning model, with Qwen3's own hybrid chat
+template (tests/server/data/, from Qwen3's tokenizer_config.json) on the tiny Qwen3 of
+test_reasoning_api.py. With thinking on, the template leaves the think block to the model;
+the server opens it in the prompt and the grammar holds only after `</think>` (as vLLM's),
+whole and streamed, with a forced tool call after the reasoning too; with thinking off the
+template closes an empty block and the grammar holds from the first token. Both on a
+synchronous server with the matchers on threads and on an async-scheduling one with the
+grammar process. A random model does not think on its own: a thinking budget closes the
+block after `a`s (logit_bias pushes `</think>` down and `a` up), or a bias makes `</think>`
+its first token, which a grammar from the first token would have refused."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -19,8 +23,8 @@ from tests.server.conftest import start_server, stop_server
 from tests.server.test_reasoning_api import (  # noqa: F401 (fixture)
     ASK, checkpoint, chat, detokenize, refusal, streamed, tokenize)
 
-OPENED = {"messages": [*ASK, {"role": "assistant", "content": "<think>\n"}],
-          "continue_final_message": True, "add_generation_prompt": False}
+QWEN3_TEMPLATE = Path(__file__).parent / "data" / "qwen3_chat_template.jinja"
+THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "size": {"enum": ["small", "large"]}},
           "required": ["ok", "size"], "additionalProperties": False}
@@ -35,27 +39,38 @@ def server(request, checkpoint):
     flags = ([] if request.param == "sync"
              else ["--async-scheduling", "--grammar-process"])
     srv = start_server("--model", str(checkpoint), "--load-format", "dummy",
-                       "--served-model-name", "tiny", *flags)
+                       "--served-model-name", "tiny", "--chat-template", str(QWEN3_TEMPLATE),
+                       *flags)
     yield srv
     stop_server(srv)
 
 
 def ids(server, text: str) -> int:
-    [token_id] = tokenize(server, messages=[{"role": "user", "content": text}],
-                          add_generation_prompt=False)[-2:-1]
+    response = httpx.post(server.url + "/tokenize", json={"prompt": text,
+                                                          "add_special_tokens": False})
+    [token_id] = response.json()["tokens"]
     return token_id
 
 
 def budgeted(server, budget: int = 3) -> dict:
     """A think block of `budget` a's, closed by the thinking budget."""
     a, end = ids(server, "a"), ids(server, "</think>")
-    return {**OPENED, "thinking_token_budget": budget,
+    return {"thinking_token_budget": budget,
             "logit_bias": {str(a): 100, str(end): -100}}
+
+
+def test_the_template_leaves_the_block_to_the_model(server):
+    """Thinking on: the prompt ends with the assistant's header; off: with a closed block."""
+    assert detokenize(server, tokenize(server)).endswith("<|im_start|>assistant\n")
+    off = detokenize(server, tokenize(server, **THINKING_OFF))
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_json_schema_after_the_think_block(server):
     body = {**budgeted(server), "response_format": FORMAT, "max_tokens": 80}
     whole = chat(server, **body)
+    # the server opened the block in the prompt: `<think>` and a newline
+    assert whole["usage"]["prompt_tokens"] == len(tokenize(server)) + 2
     message = whole["choices"][0]["message"]
     assert message["reasoning_content"] == "aaa"
     jsonschema.validate(json.loads(message["content"]), SCHEMA)
@@ -68,7 +83,7 @@ def test_json_schema_after_the_think_block(server):
 def test_the_grammar_waits_for_the_models_own_end(server):
     """No budget: the model closes the block itself, with its first token."""
     end = ids(server, "</think>")
-    answer = chat(server, **OPENED, response_format=FORMAT, max_tokens=80, logprobs=True,
+    answer = chat(server, response_format=FORMAT, max_tokens=80, logprobs=True,
                   logit_bias={str(end): 100})
     choice = answer["choices"][0]
     assert choice["logprobs"]["content"][0]["token"] == "</think>"
@@ -79,8 +94,9 @@ def test_the_grammar_waits_for_the_models_own_end(server):
 @pytest.mark.parametrize("tool_choice", [
     "required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_call_after_the_think_block(server, tool_choice):
+    # one call: the template's tool prompt fills half the tiny model's context
     body = {**budgeted(server), "tools": TOOLS, "tool_choice": tool_choice,
-            "max_tokens": 600}
+            "parallel_tool_calls": False, "max_tokens": 400}
     choice = chat(server, **body)["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     message = choice["message"]
@@ -100,16 +116,24 @@ def test_openai_sdk_parses_the_answer_after_thinking(server):
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0,
                            timeout=300)
     extra = budgeted(server)
-    messages = extra.pop("messages")
-    answer = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+    answer = client.chat.completions.create(model="tiny", messages=ASK, temperature=0,
                                             max_tokens=80, response_format=FORMAT,
                                             extra_body=extra)
     assert answer.choices[0].message.reasoning_content == "aaa"
     jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)
 
 
-def test_a_grammar_from_the_first_token_still_refuses_a_budget(server):
-    """The prompt leaves no block open: the grammar holds from the first token, so a budget
-    would be ignored."""
-    error = refusal(server, thinking_token_budget=3, response_format=FORMAT)
+def test_thinking_off_grammar_from_the_first_token(server):
+    """The prompt closed an empty block: no reasoning, the grammar holds from the first token
+    (the bias toward `</think>` cannot reach it), and a budget, which would be ignored, is
+    refused."""
+    end = ids(server, "</think>")
+    answer = chat(server, **THINKING_OFF, response_format=FORMAT, max_tokens=80,
+                  logprobs=True, logit_bias={str(end): 100})
+    choice = answer["choices"][0]
+    assert choice["logprobs"]["content"][0]["token"] != "</think>"
+    assert choice["message"]["reasoning_content"] is None
+    jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    assert answer["usage"]["prompt_tokens"] == len(tokenize(server, **THINKING_OFF))
+    error = refusal(server, **THINKING_OFF, thinking_token_budget=3, response_format=FORMAT)
     assert error["param"] == "thinking_token_budget"

@@ -4,8 +4,15 @@ Reasoning models write their thoughts in a block, `<think> ... </think>`, before
 Where that block starts is not always in the output: DeepSeek-R1's template and Qwen3's
 thinking-only templates end the prompt with `<think>`, so the output begins inside the block;
 Qwen3 with `enable_thinking: false` ends the prompt with an empty, closed block, so the output
-is all answer. The parser therefore looks at the tail of the prompt as well as at the output
-(`for_prompt`), instead of guessing from the output alone.
+is all answer; Qwen3's hybrid template with thinking on leaves the block to the model, which
+opens it with its first tokens. The parser therefore looks at the tail of the prompt as well
+as at the output (`for_prompt`), instead of guessing from the output alone.
+
+A grammar (structured outputs, a forced tool call) holds only after the block, as vLLM's does.
+Where the prompt leaves the block to the model, the server first opens it in the prompt
+(`open_block`: the tokens such a model writes first anyway), so the output starts inside the
+block and the grammar waits for its end, instead of depending on the model choosing to think:
+a grammar never left unapplied because the block was never opened.
 
 Two parsers (vLLM's names):
 - `qwen3`: the output is reasoning only inside a block, opened by the prompt or by a `<think>`
@@ -51,6 +58,7 @@ class ReasoningParser:
     start: str = "<think>"
     end: str = "</think>"
     always_starts_inside: bool = False
+    opener: str = "<think>\n"  # how the model opens a block (and a thinking prompt ends)
 
     def opens_block(self, prompt_tail: str) -> bool:
         """Whether a prompt ending in `prompt_tail` leaves a block open for the output."""
@@ -61,6 +69,14 @@ class ReasoningParser:
     def for_prompt(self, tokenizer: Any, prompt_token_ids: list[int]) -> PromptReasoning:
         tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:])
         return PromptReasoning(self, self.opens_block(tail))
+
+    def open_block(self, tokenizer: Any, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt with a block opened at its end, where it leaves the block to the model
+        (no marker in its tail: neither opened nor closed); else the prompt as it is."""
+        tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:])
+        if self.always_starts_inside or self.start in tail or self.end in tail:
+            return prompt_token_ids
+        return prompt_token_ids + list(tokenizer.encode(self.opener, add_special_tokens=False))
 
     def end_token_ids(self, tokenizer: Any) -> list[int]:
         """The tokens that close the block (what a thinking budget forces)."""

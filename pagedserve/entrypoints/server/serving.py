@@ -150,6 +150,7 @@ class OpenAIServing:
         params = self._chat_output_params(req, tools, params)
         await self._check_tool_schemas(req)
         token_ids = await asyncio.to_thread(self._apply_chat_template, req, tools)
+        token_ids = self._open_block_for_grammar(req, params, token_ids)
         thinking = self._prompt_reasoning(req, token_ids)
         params = self._grammar_after_reasoning(params, thinking)
         params = self._with_thinking_budget(req, params, thinking)
@@ -238,6 +239,18 @@ class OpenAIServing:
                 and "skip_special_tokens" not in req.model_fields_set:
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
+
+    def _open_block_for_grammar(self, req: ChatCompletionRequest, params: SamplingParams,
+                                token_ids: list[int]) -> list[int]:
+        """A grammar on a prompt that leaves the think block to the model (Qwen3's hybrid
+        template with thinking on) holds after the block, as vLLM's: the prompt gets the
+        block's opening, so the model thinks first (reasoning.py says why the server opens it).
+        A prompt without the generation prompt (continued, or the caller's own) is left as it
+        is."""
+        if self.reasoning is None or params.structured_outputs is None \
+                or not req.generation_prompt:
+            return token_ids
+        return self.reasoning.open_block(self.tokenizer, token_ids)
 
     def _prompt_reasoning(self, req: ChatCompletionRequest, token_ids: list[int]
                           ) -> reasoning.PromptReasoning | None:
