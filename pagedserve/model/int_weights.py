@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from pagedserve.kernels.weight_formats import IntWeight, pack_codes, unpack_codes
+from pagedserve.model import parallel
 
 BITS = (4, 8)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of each nibble of a word, within its 8
@@ -189,16 +190,43 @@ def convert(scheme: IntScheme, param: str, tensor: Tensor) -> Tensor:
     return pack_codes(codes.t(), bits) if param == "qweight" else codes.t()
 
 
+def take_shard(param: str, tensor: Tensor, rows: tuple[int, list[int]] | None,
+               scheme: IntScheme, act_order: bool) -> Tensor:
+    """This rank's part of our parameter `param` (in our layout), given the rows of the
+    float weight [N, K] the rank keeps (`parallel.checkpoint_rows`): output rows
+    (column-parallel, the vocabulary) are rows of every tensor but g_idx; input columns
+    (row-parallel) are whole words of qweight, the columns' g_idx and, without g_idx,
+    whole groups of scales and zeros (with g_idx a column may take any group: all kept)."""
+    if rows is None:
+        return tensor
+    dim, index = rows
+    if dim == 0:
+        return tensor if param == "g_idx" else parallel.take_rows(tensor, 0, index)
+    lo, hi = index[0], index[-1] + 1  # a rank's input columns are one range
+    if param == "g_idx":
+        return tensor[lo:hi]
+    unit = 32 // scheme.bits if param == "qweight" else scheme.group_size
+    if param != "qweight" and (act_order or unit == 0):
+        return tensor
+    if lo % unit or (hi - lo) % unit:
+        what = "packed words" if param == "qweight" else "quantization groups"
+        raise ValueError(f"tensor parallelism splits the input columns at {lo}, which is not "
+                         f"a boundary of the {what} ({unit} columns): use fewer ranks")
+    return tensor[:, lo // unit:hi // unit]
+
+
 # -- the model's layers -------------------------------------------------------------------
 
 
-def to_int(linear: nn.Module, scheme: IntScheme, act_order: bool) -> None:
+def to_int(linear: nn.Module, scheme: IntScheme, act_order: bool, full_k: int) -> None:
     """Replace a linear layer's float weight by (uninitialised) packed parameters on the
     weight's device (meta while the model is built): qweight, scales, zeros (unless
-    symmetric), g_idx (with act_order)."""
+    symmetric), g_idx (with act_order). `full_k`: the unsharded layer's input columns (a
+    row-parallel rank keeps every group when g_idx may point anywhere)."""
     n, k = linear.weight.shape
     dtype, device = linear.weight.dtype, linear.weight.device
-    groups = 1 if scheme.group_size == 0 else -(-k // scheme.group_size)
+    groups = 1 if scheme.group_size == 0 else -(-(full_k if act_order else k)
+                                                // scheme.group_size)
 
     def param(shape, dt):
         return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)

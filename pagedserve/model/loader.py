@@ -33,7 +33,7 @@ from pagedserve.kernels.native import quant as native_quant
 from pagedserve.kernels.native.quant import QuantizedLinear, QuantizedWeight
 from pagedserve.model import dummy, fp8, int_weights, parallel
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.decoder import Decoder, Linear
+from pagedserve.model.decoder import Decoder, Linear, RowParallelLinear
 from pagedserve.model.fast_decode import FastDecode
 from pagedserve.model.ops import Ops, select_ops
 from pagedserve.model.packed import QuantizedMatmul
@@ -72,14 +72,16 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors(files: list[Path],
-                      config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(files: list[Path], config: ModelConfig,
+                      whole: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor, this rank's slice of it (`whole`: all of it, for the loader to slice
+    after converting a packed layout)."""
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 tensor = f.get_slice(name)
-                rows = parallel.checkpoint_rows(name.removeprefix("model."), config,
-                                                shape=tuple(tensor.get_shape()))
+                rows = None if whole else parallel.checkpoint_rows(
+                    name.removeprefix("model."), config, shape=tuple(tensor.get_shape()))
                 if rows is None:
                     yield name, f.get_tensor(name)
                 else:  # this rank's slice, read without the rest
@@ -96,9 +98,10 @@ def _shard(weights: Iterator[tuple[str, torch.Tensor]],
 
 
 def _open_checkpoint(
-    path: Path, dummy: bool = False,
+    path: Path, dummy: bool = False, whole: bool = False,
 ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]] | None]:
-    """The config and the weights (None when `dummy`: the folder needs only config.json)."""
+    """The config and the weights (None when `dummy`: the folder needs only config.json;
+    `whole`: a folder's tensors unsliced under tensor parallelism)."""
     if path.is_file() and path.suffix == ".gguf":
         # Lazy: the `gguf` package is only needed for GGUF files (the GPU box lacks it).
         from pagedserve.model.gguf import open_gguf
@@ -111,7 +114,7 @@ def _open_checkpoint(
         config = ModelConfig.from_hf_folder(path)
         if dummy:
             return config, None
-        return config, _iter_safetensors(_safetensors_files(path), config)
+        return config, _iter_safetensors(_safetensors_files(path), config, whole)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
     raise ValueError(f"{path} is neither a model folder nor a .gguf file")
@@ -144,8 +147,8 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]],
             if kv_scale is not None:
                 layers[int(kv_scale[1])].checkpoint_kv_scales[kv_scale[2]] = tensor.float()
                 continue
-            if scheme is not None:
-                name, tensor = _packed_tensor(scheme, name, tensor)
+            if scheme is not None:  # whole tensors: converted, then this rank's part
+                name, tensor = _packed_tensor(model, scheme, name, tensor)
                 if name is None:
                     continue
             target, shard, rows = model.shard_range(name)
@@ -184,19 +187,25 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]],
         raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
 
 
-def _packed_tensor(scheme: int_weights.IntScheme, name: str,
+def _packed_tensor(model: Decoder, scheme: int_weights.IntScheme, name: str,
                    tensor: torch.Tensor) -> tuple[str | None, torch.Tensor]:
-    """A checkpoint tensor under our name and in our layout (`int_weights.convert`); None
-    for one that carries nothing we keep."""
+    """A whole checkpoint tensor under our name, in our layout (`int_weights.convert`) and
+    cut to this rank's part; None for one that carries nothing we keep."""
     module, _, suffix = name.rpartition(".")
-    if scheme.skipped(suffix):
-        return None, tensor
-    param = scheme.param_of(suffix)
+    param = None if scheme.skipped(suffix) else scheme.param_of(suffix)
     if param is None:
-        return name, tensor
+        if scheme.skipped(suffix):
+            return None, tensor
+        rows = parallel.checkpoint_rows(name, model.config, shape=tuple(tensor.shape))
+        return name, tensor if rows is None else parallel.take_rows(tensor, *rows)
     if param == "skip":
         return None, tensor
-    return f"{module}.{param}", int_weights.convert(scheme, param, tensor)
+    rows = parallel.checkpoint_rows(module + ".weight", model.config)
+    target = model.shard_range(module + ".weight")[0].removesuffix(".weight")
+    act_order = isinstance(getattr(model.get_submodule(target), "g_idx", None),
+                           torch.Tensor) if target in dict(model.named_modules()) else False
+    return f"{module}.{param}", int_weights.take_shard(
+        param, int_weights.convert(scheme, param, tensor), rows, scheme, act_order)
 
 
 def _scale_rows(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
@@ -236,14 +245,15 @@ def load_model(
     path = model_path(path)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    config, weights = _open_checkpoint(path, dummy=load_format == "dummy")
+    stored = fp8.checkpoint_quantization(path) if path.is_dir() else None
+    scheme = (int_weights.read_scheme(path) if path.is_dir() and stored is None
+              and load_format != "dummy" else None)
+    config, weights = _open_checkpoint(path, dummy=load_format == "dummy",
+                                       whole=scheme is not None)
     dtype = dtype or config.dtype
     device = torch.device(device)
     if weights is None:
         weights = dummy.dummy_weights(config, dtype, device)  # sharded already
-    stored = fp8.checkpoint_quantization(path) if path.is_dir() else None
-    scheme = (int_weights.read_scheme(path) if path.is_dir() and stored is None
-              and load_format != "dummy" else None)
     if scheme is not None and quantization is not None:
         raise ValueError(f"{path} holds {scheme.name} weights ({scheme.method}); it cannot "
                          f"be loaded with quantization={quantization!r}")
@@ -295,9 +305,6 @@ def _quantize_linears(model: Decoder, quantization: str, device: torch.device) -
 def _pack_linears(model: Decoder, scheme: int_weights.IntScheme, path: Path) -> list[str]:
     """Give each linear layer the checkpoint holds packed its packed parameters
     (`int_weights.to_int`); returns their module names."""
-    if parallel.get_tp().size > 1:
-        raise ValueError(f"{scheme.name} weights are not supported with tensor parallelism "
-                         "yet")
     names = []
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -317,7 +324,9 @@ def _pack_linears(model: Decoder, scheme: int_weights.IntScheme, path: Path) -> 
         module = model.get_submodule(target)
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{path}: {target} is packed but is not a linear layer")
-        int_weights.to_int(module, scheme, next(iter(shards.values())))
+        k = module.in_features
+        full_k = k * parallel.get_tp().size if isinstance(module, RowParallelLinear) else k
+        int_weights.to_int(module, scheme, next(iter(shards.values())), full_k)
     return list(parts)
 
 

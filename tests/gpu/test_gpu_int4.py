@@ -5,15 +5,12 @@ loaded on CUDA give the CPU reference's logits (float32: same dequantized weight
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("k,n", [(4096, 6144), (14336, 4096), (328, 40)])
@@ -51,8 +48,7 @@ def test_quantized_checkpoints_on_cuda_give_the_cpu_logits(fmt, options, tmp_pat
     from tests.model.paged import PagedDriver
     from tests.model.test_decoder import TINY, make_checkpoint
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from quantize_int import quantize_folder
+    from benchmarks.quantize_int import quantize_folder
 
     make_checkpoint(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False),
                     tmp_path / "float")

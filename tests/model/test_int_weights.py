@@ -13,7 +13,6 @@ written by benchmarks/quantize_int.py as each format's tool writes them:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, MixtralConfig, Qwen3Config
 
+from benchmarks.quantize_int import quantize_folder
 from pagedserve.model import load_model
 from tests.model.test_decoder import TINY, make_checkpoint
 from tests.model.test_families import check_greedy_generation, check_paged_logits
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from quantize_int import quantize_folder  # noqa: E402
 
 # K is 64 (attention, gate/up) or 96 (down): group 64 leaves a part-group at the end of down
 FORMATS = {
