@@ -255,6 +255,10 @@ class EngineCoreReady(Message):
     kv_cache_dtype: str  # as /v1/models reports it: "bfloat16", "fp8_e4m3", ...
     quantization: str | None
     device: str
+    # LoRA: the largest adapter rank (0: LoRA is off), and the model's config (ModelConfig's
+    # JSON) that the frontend checks adapters against
+    max_lora_rank: int = 0
+    model_config: str = ""
 
 
 class EngineCoreFailed(Message):

@@ -95,7 +95,9 @@ def ready_message(core: EngineCore) -> EngineCoreReady:
         num_gpu_blocks=core.num_blocks, block_size=config.block_size,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_dtype="fp8_e4m3" if kv == "float8_e4m3fn" else kv,
-        quantization=executor.quantization, device=executor.device_name)
+        quantization=executor.quantization, device=executor.device_name,
+        max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
+        model_config=core.model_config.to_json() if config.enable_lora else "")
 
 
 class EngineCoreProc:

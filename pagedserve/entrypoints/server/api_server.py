@@ -55,7 +55,8 @@ from pagedserve.entrypoints.server.messages import AnthropicErrors, MessagesServ
 from pagedserve.entrypoints.server.messages_protocol import MessagesRequest, MessageTokensRequest
 from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.entrypoints.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
     TokenizeResponse)
 from pagedserve.entrypoints.server.reasoning import REASONING_PARSERS
@@ -64,6 +65,7 @@ from pagedserve.entrypoints.server.responses import ResponsesServing
 from pagedserve.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedserve.entrypoints.server.serving import ChatSettings, OpenAIServing
 from pagedserve.entrypoints.server.tool_parsers import PARSERS
+from pagedserve.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,8 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 _ERROR_TEXT = {
     401: "No API key, or not one of the server's (--api-key)",
-    404: "The model is not served here",
+    404: "The model (or LoRA adapter) is not served here",
+    409: "The LoRA adapter is in use by running requests",
     408: "The body did not arrive within --body-timeout; or, for a generation, the "
          "request's timeout (or --request-timeout) passed and it was aborted",
     413: "The body is larger than --max-body-size",
@@ -112,10 +115,12 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, access: Access = Access(),
               health_timeout: float = 5.0,
               response_store: ResponseStore | None = None,
-              body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+              body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+              allow_lora_updates: bool = False) -> FastAPI:
     """An app serving `engine` under `model_name` (and `aliases`); `response_store`: where
     /v1/responses keeps its responses (default: the store's default bounds); a body must
-    arrive within `body_timeout` seconds of its headers and be at most `max_body_bytes`."""
+    arrive within `body_timeout` seconds of its headers and be at most `max_body_bytes`;
+    `allow_lora_updates`: the routes that load and unload LoRA adapters exist."""
     ready = engine.ready
     card = {"max_model_len": ready.max_model_len, "kv_cache_dtype": ready.kv_cache_dtype,
             "quantization": ready.quantization}
@@ -154,7 +159,25 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
 
     @app.get("/v1/models", responses=_errors(*auth))
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, **card)])
+        adapters = engine.loras.by_name.values() if engine.loras is not None else ()
+        return ModelList(data=[ModelCard(id=model_name, **card)] + [
+            ModelCard(id=a.lora_name, parent=model_name, root=a.lora_path, **card)
+            for a in adapters])
+
+    if allow_lora_updates:
+        @app.post("/v1/load_lora_adapter", responses=_errors(*auth, 413))
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+            try:
+                await engine.load_lora(req.lora_name, req.lora_path)
+            except RequestError as exc:
+                field = "lora_name" if exc.param == "lora_name" else "lora_path"
+                raise APIError(str(exc), 400, param=field) from None
+            return Response(f"LoRA adapter {req.lora_name} loaded", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter", responses=_errors(*auth, 404, 409, 413))
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+            engine.unload_lora(req.lora_name)
+            return Response(f"LoRA adapter {req.lora_name} unloaded", media_type="text/plain")
 
     @app.get("/metrics", responses=_errors(*status_auth))
     async def metrics() -> Response:
@@ -351,6 +374,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "(default: %(default)s)")
     group.add_argument("--served-model-name", default=None, help="name clients pass as "
                        "`model` (default: the model file's or folder's name)")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       type=_lora_module, help="LoRA adapters (PEFT folders) served as "
+                       "`model` NAME on top of the base model (needs --enable-lora)")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     group.add_argument("--seed", type=int, default=0, help="seeds the engine's generator for "
                        "requests without a seed (default: %(default)s)")
     group.add_argument("--graceful-timeout", type=float, default=5.0, help="seconds in-flight "
@@ -423,6 +451,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"not NAME=PATH: {text!r}")
+    return name, path
+
+
+def load_lora_modules(engine: AsyncEngine, modules: list[tuple[str, str]]) -> None:
+    """The --lora-modules adapters, checked before the server listens (ValueError: why not)."""
+    if modules and engine.loras is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for name, path in modules:
+        try:
+            engine.loras.add(name, path)
+        except RequestError as exc:
+            raise ValueError(f"--lora-modules {name}: {exc}") from None
+
+
 def _template_kwargs(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -475,10 +521,11 @@ def run_server(args: argparse.Namespace) -> None:
         name = args.served_model_name or (Path(args.model).stem if args.model
                                           else DEFAULT_MODEL_NAME)
         aliases = (args.model,) if args.model else ()
+        load_lora_modules(engine, args.lora_modules)
         app = build_app(engine, name, aliases, chat, args.max_body_size, access,
                         args.health_timeout,
                         ResponseStore(args.max_stored_responses, args.max_stored_bytes),
-                        args.body_timeout)
+                        args.body_timeout, args.allow_runtime_lora_updating)
         # uvicorn cancels handlers still running after its own timeout; ours fires first and
         # aborts them in the engine instead, so each client still gets a final chunk and [DONE]
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

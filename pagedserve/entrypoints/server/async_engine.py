@@ -38,6 +38,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -51,8 +52,10 @@ from pagedserve.errors import RequestError
 from pagedserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from pagedserve.frontend.output_processor import OutputProcessor
 from pagedserve.frontend.outputs import EngineStats, RequestOutput
+from pagedserve.frontend.lora_registry import LoRARegistry
 from pagedserve.frontend.processor import Processor
-from pagedserve.messages import EngineCoreOutputs, SchedulerStats
+from pagedserve.messages import EngineCoreOutputs, LoRARequest, SchedulerStats
+from pagedserve.model.config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.compiles import GrammarBusy, GrammarCompiles
 from pagedserve.structured.grammar import GrammarCache
@@ -122,6 +125,7 @@ class _Stream:
     timer: asyncio.TimerHandle | None = None  # its deadline's, when it has one
     first_token: float | None = None
     num_output_tokens: int = 0
+    lora_name: str | None = None  # the LoRA adapter it runs under
     _pending: RequestOutput | BaseException | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -154,8 +158,11 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.metrics = metrics or ServerMetrics()
         self.limits = limits
+        self.loras = (LoRARegistry(ModelConfig.from_json(ready.model_config),
+                                   ready.max_lora_rank) if ready.max_lora_rank else None)
+        self.lora_in_flight: Counter[str] = Counter()  # requests per adapter, by name
         self.processor = Processor(tokenizer, ready.vocab_size, ready.max_model_len,
-                                   self._grammars)
+                                   self._grammars, self.loras)
         self.compiles = GrammarCompiles(
             self.processor.check_structured_outputs, limits.grammar_compile_threads,
             limits.max_grammar_bytes, limits.grammar_compile_timeout)
@@ -210,7 +217,8 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                           prompt_token_ids: list[int] | None = None,
-                          cache_salt: str | None = None, timeout: float | None = None
+                          cache_salt: str | None = None, timeout: float | None = None,
+                          lora_request: LoRARequest | None = None
                           ) -> AsyncIterator[RequestOutput]:
         """Submit a request; return its stream of outputs, up to the finished one.
 
@@ -235,10 +243,14 @@ class AsyncEngine:
             self._check_running()
             self._check_queue(params.n)
         token_ids, core_requests = self.processor.process(
-            request_id, prompt, params, prompt_token_ids, None, cache_salt)
+            request_id, prompt, params, prompt_token_ids, None, cache_salt, lora_request)
         self.output_processor.add_request(request_id, prompt, token_ids, params, core_requests)
-        stream = _Stream(arrival, num_live=len(core_requests))
+        lora_name = None if lora_request is None else lora_request.lora_name
+        stream = _Stream(arrival, num_live=len(core_requests), lora_name=lora_name)
         self._streams[request_id] = stream
+        if lora_name is not None:
+            self.lora_in_flight[lora_name] += 1
+            self.metrics.lora_requests.labels(lora_name=lora_name).inc()
         try:
             for core_request in core_requests:
                 self.client.add_request(core_request)
@@ -249,6 +261,30 @@ class AsyncEngine:
             stream.timer = asyncio.get_running_loop().call_later(
                 deadline - time.monotonic(), self._expire, request_id, timeout)
         return self._outputs(request_id, stream)
+
+    # ---- LoRA adapters ------------------------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Check and name an adapter (read on a thread: it reads the files); RequestError
+        when it cannot run here, and then nothing is kept of it."""
+        if self.loras is None:
+            raise bad_request("LoRA adapters need a server started with --enable-lora",
+                              param="lora_name")
+        return await asyncio.to_thread(self.loras.add, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget a named adapter. One that requests are still running under is refused
+        (409: unload it again once they finish), so none of them loses its adapter midway;
+        its weights leave the core's caches as other adapters take their place (LRU)."""
+        if self.loras is None or name not in self.loras.by_name:
+            raise APIError(f"The LoRA adapter `{name}` is not loaded.", 404,
+                           param="lora_name", code="model_not_found")
+        if self.lora_in_flight[name] > 0:
+            raise APIError(f"The LoRA adapter `{name}` is in use by "
+                           f"{self.lora_in_flight[name]} request(s); unload it once they "
+                           "finish.", 409, param="lora_name", code="lora_in_use")
+        self.loras.remove(name)
+        del self.lora_in_flight[name]
 
     async def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
         """Compile `spec` on the grammar threads, within the server's limits (RequestError
@@ -387,6 +423,8 @@ class AsyncEngine:
                               processed.generation_tokens_total)
 
     def _record_finish(self, stream: _Stream, reason: str) -> None:
+        if stream.lora_name is not None:
+            self.lora_in_flight[stream.lora_name] -= 1
         done = time.monotonic()
         ttft = None if stream.first_token is None else stream.first_token - stream.arrival
         self.metrics.observe_request(

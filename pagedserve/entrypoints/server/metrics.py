@@ -135,6 +135,8 @@ class ServerMetrics:
             "unauthorized, queue_full, grammar (too large, too slow to compile), grammar_busy, "
             "timeout (the deadline passed while its grammar compiled).", ["reason"],
             registry=self.registry)
+        self.lora_requests = Counter(PREFIX + "lora_requests", "Requests submitted under "
+                                     "each LoRA adapter.", ["lora_name"], registry=self.registry)
 
     def watch_grammar_compiles(self, running: Callable[[], int],
                                waiting: Callable[[], int]) -> None:

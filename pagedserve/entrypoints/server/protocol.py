@@ -545,6 +545,19 @@ class ChatCompletionRequest(SamplingRequest):
         return self.add_generation_prompt and not self.continue_final_message
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's /v1/load_lora_adapter: a PEFT adapter folder, served as `model` lora_name."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's /v1/unload_lora_adapter (its lora_int_id is ours to give, not the client's)."""
+
+    lora_name: str = Field(min_length=1)
+
+
 class TokenizeRequest(_Request):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the template."""
 
@@ -719,6 +732,9 @@ class ModelCard(BaseModel):
     # weights' quantization ("fp8", or None for the model's dtype)
     kv_cache_dtype: str | None = None
     quantization: str | None = None
+    # a LoRA adapter: the base model it runs on, and its folder
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(BaseModel):

@@ -42,6 +42,7 @@ from pagedserve.entrypoints.server.protocol import (
     PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, TokenizeRequest,
     TokenizeResponse, ToolCall, TopLogprob, UsageInfo, random_id)
 from pagedserve.errors import RequestError
+from pagedserve.messages import LoRARequest
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.thinking_budget import ThinkingBudget
@@ -81,6 +82,7 @@ class _EngineRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None  # the adapter its `model` named
 
 
 class OpenAIServing:
@@ -106,14 +108,14 @@ class OpenAIServing:
     # ---- endpoints -------------------------------------------------------------------------
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         base_id = random_id("cmpl")
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
         requests = []
         for i, prompt in enumerate(req.prompts()):
             token_ids = await asyncio.to_thread(self._tokenize_prompt, prompt)
             text = prompt if isinstance(prompt, str) else None
-            requests.append(_EngineRequest(f"{base_id}-{i}", text, token_ids, params))
+            requests.append(_EngineRequest(f"{base_id}-{i}", text, token_ids, params, lora))
         streams = await self._submit(requests, req)
         if req.stream:
             return EventStreamResponse(_with_done(self._completion_events(req, base_id, streams)),
@@ -140,7 +142,7 @@ class OpenAIServing:
     async def submit_chat(self, req: ChatCompletionRequest) -> ChatRun:
         """Validate, render and submit a chat request: 400s are raised here, before any
         answer starts."""
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         base_id = random_id("chatcmpl")
         tools = _tools_for(req)
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -154,7 +156,7 @@ class OpenAIServing:
         thinking = self._prompt_reasoning(req, token_ids)
         params = self._grammar_after_reasoning(params, thinking)
         params = self._with_thinking_budget(req, params, thinking)
-        requests = [_EngineRequest(base_id, None, token_ids, params)]
+        requests = [_EngineRequest(base_id, None, token_ids, params, lora)]
         streams = await self._submit(requests, req)
         return ChatRun(req, base_id, tools, thinking, streams[0],
                        lambda: self._abort(requests), len(token_ids))
@@ -207,9 +209,14 @@ class OpenAIServing:
 
     # ---- validation and engine submission ----------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted_names:
-            raise model_not_found(model)
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names, None for the base model; 404 for any other."""
+        if model is None or model in self.accepted_names:
+            return None
+        loras = self.engine.loras
+        if loras is not None and model in loras.by_name:
+            return loras.by_name[model]
+        raise model_not_found(model)
 
     def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids; the engine checks them (empty, vocabulary, length)."""
@@ -423,7 +430,7 @@ class OpenAIServing:
                 streams.append(await self.engine.add_request(
                     r.request_id, prompt=r.prompt, params=r.params,
                     prompt_token_ids=r.prompt_token_ids, cache_salt=req.cache_salt,
-                    timeout=req.timeout))
+                    timeout=req.timeout, lora_request=r.lora_request))
         except BaseException as exc:
             self._abort(requests)
             if isinstance(exc, RequestError):
