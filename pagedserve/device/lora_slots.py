@@ -36,6 +36,8 @@ class LoRASlots:
         self.device = device
         self.dtype = model.embed_tokens.weight.dtype
         self.stacks = lora.attach(model, max_loras, max_rank)
+        # the torch reference reads each slot's rows, grouped on the host; the kernels do not
+        self.grouped = model.lora_fn is lora.reference_lora
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._free = list(range(max_loras - 1, -1, -1))
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
@@ -92,7 +94,7 @@ class LoRASlots:
         seg_lens[:num_seqs], seg_slots[:num_seqs] = num_new, request_slots
         seg_lens[num_seqs:rows], seg_slots[num_seqs:rows] = 1, -1
         rows_by_slot = None
-        if not graph:
+        if self.grouped and not graph:
             host_rows = token_slots[:num_tokens]
             rows_by_slot = {int(s): torch.from_numpy(np.flatnonzero(host_rows == s)).to(
                 self.device, non_blocking=True) for s in np.unique(request_slots) if s >= 0}
