@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.make_checkpoint import byte_level_tokenizer
 from pagedserve.entrypoints.server.reasoning import (PromptReasoning, Split, get_reasoning_parser,
                                                      parser_for_template)
 
@@ -68,6 +69,23 @@ def test_the_prompt_decides_where_the_output_starts() -> None:
     assert not QWEN3.opens_block("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not QWEN3.opens_block("<|im_start|>assistant\n")
     assert R1.opens_block("<｜Assistant｜>")
+
+
+def test_the_server_opens_a_block_left_to_the_model() -> None:
+    """Only a prompt whose tail shows no block (thinking on, Qwen3's hybrid template) gets the
+    opening; one that opened or closed a block, and R1's, are left as they are."""
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+
+    def opened(parser, prompt: str) -> str:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        return tokenizer.decode(parser.open_block(tokenizer, ids))
+
+    header = "<|im_start|>assistant\n"
+    assert opened(QWEN3, header) == header + "<think>\n"
+    for prompt in (header + "<think>\n", header + "<think>\n\n</think>\n\n"):
+        assert opened(QWEN3, prompt) == prompt
+    assert opened(R1, "<｜Assistant｜>") == "<｜Assistant｜>"
 
 
 _PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "\n", " ", "a",
