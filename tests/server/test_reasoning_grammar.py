@@ -137,3 +137,23 @@ def test_thinking_off_grammar_from_the_first_token(server):
     assert answer["usage"]["prompt_tokens"] == len(tokenize(server, **THINKING_OFF))
     error = refusal(server, **THINKING_OFF, thinking_token_budget=3, response_format=FORMAT)
     assert error["param"] == "thinking_token_budget"
+
+
+def test_the_agent_apis_format_after_thinking(server):
+    """/v1/messages with thinking on (its budget closes the block) and output_config.format:
+    the text block is the JSON; /v1/responses with reasoning effort "none" (thinking off)
+    and text.format: the JSON from the first token, no reasoning item."""
+    thinking = {"type": "enabled", "budget_tokens": 3}
+    message = httpx.post(server.url + "/v1/messages", timeout=300, json={
+        "model": "tiny", "max_tokens": 80, "temperature": 0, "messages": ASK,
+        "thinking": thinking, "output_config": {"format": {"type": "json_schema",
+                                                           "schema": SCHEMA}}}).json()
+    [text] = [b["text"] for b in message["content"] if b["type"] == "text"]
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert message["stop_reason"] == "end_turn"
+    response = httpx.post(server.url + "/v1/responses", timeout=300, json={
+        "model": "tiny", "max_output_tokens": 80, "temperature": 0, "input": ASK,
+        "reasoning": {"effort": "none"},
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}}}).json()
+    assert [item["type"] for item in response["output"]] == ["message"]
+    jsonschema.validate(json.loads(response["output"][0]["content"][0]["text"]), SCHEMA)
