@@ -96,6 +96,9 @@ class EngineConfig:
     # None: the engine starts its workers on this host; an address ("tcp://*:5600"): it binds
     # there and waits for tensor_parallel_size workers started elsewhere (torchrun)
     tensor_parallel_address: str | None = None
+    # tensor parallelism on one host's GPUs: all-reduces up to this many bytes go through
+    # peer-mapped memory (model/allreduce.py), larger ones through NCCL; 0 = NCCL for all
+    peer_all_reduce_max_bytes: int = 8 << 20
     # LoRA adapters (model/lora.py): requests may name one; at most max_loras distinct ones
     # run in a step (device slots of rank up to max_lora_rank), max_cpu_loras stay loaded in
     # host memory behind them (None: max_loras)
@@ -134,6 +137,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_address is not None and self.tensor_parallel_size == 1:
             raise ValueError("tensor_parallel_address needs tensor_parallel_size > 1")
+        if self.peer_all_reduce_max_bytes < 0:
+            raise ValueError("peer_all_reduce_max_bytes must be >= 0, got "
+                             f"{self.peer_all_reduce_max_bytes}")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

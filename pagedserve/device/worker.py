@@ -89,7 +89,9 @@ class Worker:
             torch.cuda.set_device(device)
         else:  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
-        parallel.init_tensor_parallel(self.rank, self.size, device, self.init_method)
+        parallel.init_tensor_parallel(
+            self.rank, self.size, device, self.init_method,
+            peer_all_reduce_max_bytes=config.peer_all_reduce_max_bytes)
         torch.manual_seed(config.seed)  # unseeded sampling draws alike on every rank
         self.model, self.model_config, _ = load_on_device(config, device)
         self.reply(b"ok", encode(WorkerLoaded(

@@ -137,6 +137,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("tensor_parallel_address", "bind here (e.g. tcp://*:5600) and wait for the "
               "workers started by torchrun (python -m pagedserve.device.worker) instead of "
               "starting them", metavar="ADDRESS", default_text="start them on this host"),
+    EngineArg("peer_all_reduce_max_bytes", "tensor parallelism on one host's GPUs: "
+              "all-reduces up to this size read the peers' memory directly (one-shot or "
+              "two-shot), larger ones go through NCCL; 0 = NCCL for all",
+              parse=parse_size, metavar="SIZE"),
     EngineArg("enable_lora", "serve LoRA adapters (PEFT format) on top of the base model"),
     EngineArg("max_loras", "LoRA: distinct adapters in one step (device slots)", metavar="N"),
     EngineArg("max_lora_rank", "LoRA: the largest adapter rank the slots hold", metavar="R"),

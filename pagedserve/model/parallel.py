@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.model import allreduce
 from pagedserve.model.config import ModelConfig
 
 
@@ -51,6 +52,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None  # the device collectives: NCCL on CUDA, gloo on CPU
+    # small all-reduces over peer memory (`allreduce`); None: every one through `group`
+    peer: allreduce.PeerAllReduce | None = None
 
 
 _STATE = TensorParallel()
@@ -61,8 +64,11 @@ def get_tp() -> TensorParallel:
 
 
 def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str,
-                         timeout: timedelta = timedelta(seconds=60)) -> TensorParallel:
-    """Join the group of `size` ranks (NCCL on CUDA, gloo on the CPU).
+                         timeout: timedelta = timedelta(seconds=60),
+                         peer_all_reduce_max_bytes: int = 0) -> TensorParallel:
+    """Join the group of `size` ranks (NCCL on CUDA, gloo on the CPU), and on CUDA set up the
+    peer-memory all-reduce for messages up to `peer_all_reduce_max_bytes` where every rank
+    can (`allreduce.start`; 0: NCCL for all).
 
     The timeout bounds every collective and the rendezvous: a rank that never arrives (a dead
     or missing worker) makes the others fail instead of waiting forever.
@@ -79,7 +85,9 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
         if dist.get_world_size() != size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed is initialised as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, expected rank {rank} of {size}")
-        _STATE = TensorParallel(rank, size, dist.group.WORLD)
+        group = dist.group.WORLD
+        peer = allreduce.start(size, rank, group, device, peer_all_reduce_max_bytes)
+        _STATE = TensorParallel(rank, size, group, peer)
     else:
         _STATE = TensorParallel()
     return _STATE
@@ -91,8 +99,14 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
 def all_reduce_(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the ranks, in place (a no-op with one rank)."""
     tp = _STATE
-    if tp.size > 1:
-        dist.all_reduce(x, group=tp.group)
+    if tp.size == 1:
+        return x
+    if tp.peer is not None:
+        algorithm = tp.peer.plan.algorithm(x.numel() * x.element_size(), x.dtype,
+                                           x.is_contiguous())
+        if algorithm != "nccl":
+            return tp.peer(x, algorithm)
+    dist.all_reduce(x, group=tp.group)
     return x
 
 
