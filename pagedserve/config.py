@@ -80,6 +80,12 @@ class EngineConfig:
     # evicted from the device pool are kept there and recalled on a later hit
     # (kv_cache/host_tier.py); 0 = off
     kv_offload_memory: int = 0
+    # a directory for the prefix cache's disk tier, below the host tier: blocks the host tier
+    # drops are written to files there, read back through it, and found again by a restart
+    # with the same model, dtypes, block size, KV layout and hash seed
+    # (kv_cache/disk_format.py); None = off. kv_offload_disk: the bytes of files it may keep
+    kv_offload_path: str | None = None
+    kv_offload_disk: int = 16 << 30
     # execution
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
     enforce_eager: bool = False  # CUDA: True skips CUDA graphs for decode; CPU is always eager
@@ -149,6 +155,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.kv_offload_memory < 0:
             raise ValueError(f"kv_offload_memory must be >= 0 bytes, got {self.kv_offload_memory}")
+        if self.kv_offload_disk <= 0:
+            raise ValueError(f"kv_offload_disk must be > 0 bytes, got {self.kv_offload_disk}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

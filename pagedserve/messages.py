@@ -131,6 +131,15 @@ class SchedulerStats(Message):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    # the disk tier (--kv-offload-path), in blocks since start: read back whole into the host
+    # tier (hits; their recalls count as the host tier's too), written, dropped, and read
+    # back broken (a miss: recomputed)
+    disk_tier_hits: int = 0
+    disk_tier_stores: int = 0
+    disk_tier_evictions: int = 0
+    disk_tier_load_failures: int = 0
+    kv_block_bytes: int = 0  # one block on one rank, all layers (tier bytes = blocks * this)
+    tier_copy_seconds: float = 0.0  # the runner's time in tier copies and file I/O, since start
 
 
 class EngineCoreOutputs(Message):
@@ -213,6 +222,11 @@ class SchedulerOutput(Message):
     # requests whose rejected drafts' blocks went back to the pool: each keeps this many
     # leading entries of its block-table row (applied before this step's new blocks)
     truncated_block_rows: dict[str, int] = {}
+    # the disk tier (kv_cache/disk_format.py), before the offloads: host slots written to files
+    # (host slot, disk slot, block hash); after them, files read into host slots (disk slot,
+    # host slot, block hash), whose outcome comes back in ModelRunnerOutput.failed_loads
+    blocks_to_spill: list[tuple[int, int, bytes | int]] = []
+    blocks_to_load: list[tuple[int, int, bytes | int]] = []
 
     @property
     def sampling_req_ids(self) -> list[str]:
@@ -225,7 +239,8 @@ class SchedulerOutput(Message):
         """Nothing for the runner to do at all, not even to forget a finished request."""
         return not (self.req_ids or self.finished_req_ids or self.preempted_req_ids
                     or self.blocks_to_swap_out or self.blocks_to_swap_in
-                    or self.blocks_to_offload or self.blocks_to_recall)
+                    or self.blocks_to_offload or self.blocks_to_recall
+                    or self.blocks_to_spill or self.blocks_to_load)
 
 
 class ModelRunnerOutput(Message, array_like=True):
@@ -237,6 +252,9 @@ class ModelRunnerOutput(Message, array_like=True):
     # speculative decoding: per row, the drafts accepted before its sampled token (which is
     # the bonus or the replacement of the first rejected draft); None when none verified
     accepted_token_ids: list[list[int]] | None = None
+    # indices into the step's blocks_to_load whose file did not read back whole on some rank
+    failed_loads: list[int] = []
+    tier_copy_seconds: float = 0.0  # this step's tier copies and file I/O (rank 0's)
 
 
 # -- engine-core process start-up (core_proc.py -> core_client.py) ----------------------------
@@ -303,6 +321,9 @@ class KVCacheSpec(Message):
     num_cpu_blocks: int
     max_model_len: int
     num_host_tier_blocks: int = 0  # the prefix cache's host tier (kv_cache/host_tier.py)
+    # the disk tier: its run directory (kv_cache/disk_format.py) and fingerprint digest
+    disk_tier_dir: str | None = None
+    disk_tier_digest: bytes = b""
 
 
 class GrammarBitmask(Message, array_like=True):

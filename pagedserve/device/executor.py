@@ -175,6 +175,8 @@ def initialize_runner(runner: ModelRunner, spec: KVCacheSpec) -> None:
         runner.initialize_swap_space(spec.num_cpu_blocks)
     if spec.num_host_tier_blocks:
         runner.initialize_host_tier(spec.num_host_tier_blocks)
+    if spec.disk_tier_dir is not None:
+        runner.initialize_disk_tier(spec.disk_tier_dir, spec.disk_tier_digest)
     runner.setup(spec.max_model_len)
 
 

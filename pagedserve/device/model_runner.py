@@ -30,10 +30,13 @@ sampled tensor into the step's input ids on the device.
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
+
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,10 +49,12 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.device.cuda_graphs import DecodeGraphs
+from pagedserve.device.disk_tier import DiskBlocks
 from pagedserve.device.input_batch import BlockTableRows, CachedRequestState, StepBuffers
 from pagedserve.device.lora_slots import LoRASlots
 from pagedserve.device.penalties import PenaltyState
 from pagedserve.kernels.penalties import to_device
+from pagedserve.kv_cache.disk_format import rank_dir
 from pagedserve.device.profile_run import profile_batch
 from pagedserve.device.rejection import VerifyRows, verify
 from pagedserve.device.sampler import (
@@ -61,6 +66,17 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.lora import LoRABatch, lora_context
 from pagedserve.structured.manager import GrammarOutput
+
+
+class TierReport(NamedTuple):
+    """What a step's tier copies came to: its loads whose file did not read back whole on
+    some rank (indices into blocks_to_load), and the seconds the copies took here."""
+
+    failed_loads: list[int]
+    seconds: float
+
+
+NO_TIER_WORK = TierReport([], 0.0)
 
 
 class PendingRunnerOutput:
@@ -76,11 +92,13 @@ class PendingRunnerOutput:
 
     def __init__(self, states: list[CachedRequestState], sampled: SamplerOutput | None,
                  prompt_logprobs: dict[str, LogprobsLists] | None = None,
-                 accepted: list[list[int]] | None = None) -> None:
+                 accepted: list[list[int]] | None = None,
+                 tiers: TierReport = NO_TIER_WORK) -> None:
         """`accepted`: speculative decoding's accepted drafts per row (on the host: the
         verify has waited for the step), placed before each row's sampled token."""
         self.states = states
         self._accepted = accepted
+        self.tiers = tiers
         self.req_ids = [state.req_id for state in states]
         self.sampled_token_ids = sampled.sampled_token_ids if sampled is not None else None
         self._prompt_logprobs = prompt_logprobs  # already on the host
@@ -99,7 +117,8 @@ class PendingRunnerOutput:
     def result(self) -> ModelRunnerOutput:
         """Wait for the copies (the engine's only wait on the GPU) and return the tokens."""
         if self._tokens is None:
-            return ModelRunnerOutput([], [], prompt_logprobs=self._prompt_logprobs)
+            return ModelRunnerOutput([], [], None, self._prompt_logprobs, None,
+                                     *self.tiers)
         if self._ready is not None:
             self._ready.synchronize()
         tokens = self._tokens.tolist()
@@ -115,7 +134,7 @@ class PendingRunnerOutput:
             logprobs = LogprobsLists(lp.top_token_ids.tolist(), lp.top_logprobs.tolist(),
                                      lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist())
         return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs,
-                                 accepted)
+                                 accepted, *self.tiers)
 
 
 def _to_host(tensor: Tensor) -> Tensor:
@@ -147,6 +166,7 @@ class PreparedStep(NamedTuple):
 
     output: SchedulerOutput
     inputs: StepInputs | None  # None: no request is scheduled (finished ids only)
+    tiers: TierReport = NO_TIER_WORK
 
 
 @dataclass(eq=False)
@@ -162,6 +182,7 @@ class StepHandle:
     # the other sampling states' rows, `ordinary` their positions among `states`)
     verify: VerifyRows | None = None
     ordinary: list[int] | None = None
+    tiers: TierReport = NO_TIER_WORK
 
 
 class ModelRunner:
@@ -184,7 +205,9 @@ class ModelRunner:
         self.kv_scales: list[tuple[Tensor, Tensor] | None] = []
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
         self.host_tier_caches: list[tuple[Tensor, Tensor]] = []  # kv_cache/host_tier.py's slots
+        self.disk_tier: DiskBlocks | None = None  # this rank's disk-tier files
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
+        self._copied_in: torch.cuda.Event | None = None  # after the latest copies from host
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request seen
         self.loras = None if not config.enable_lora else LoRASlots(
@@ -298,6 +321,10 @@ class ModelRunner:
         """The prefix cache's host tier: slots for evicted cached blocks (this rank's shard
         of their KV heads)."""
         self.host_tier_caches = self._host_caches(num_slots)
+
+    def initialize_disk_tier(self, run_dir: str, digest: bytes) -> None:
+        """The disk tier below the host tier: this rank's files (`kv_cache.disk_format`)."""
+        self.disk_tier = DiskBlocks(rank_dir(Path(run_dir), parallel.get_tp().rank), digest)
 
     def _host_caches(self, num_blocks: int) -> list[tuple[Tensor, Tensor]]:
         """Per-layer caches of `num_blocks` blocks in CPU memory; pinned on CUDA so the
@@ -486,13 +513,41 @@ class ModelRunner:
         tokens = previous.sampled_token_ids.index_select(0, sources).to(inputs.input_ids.dtype)
         inputs.input_ids.index_copy_(0, b.placeholder_rows.upload(count), tokens)
 
-    def swap(self, output: SchedulerOutput) -> None:
-        """Block copies the scheduler asked for, before this step's forward pass: copies out
-        to host memory (swap space, host tier) first, then copies in."""
+    def swap(self, output: SchedulerOutput) -> TierReport:
+        """Block copies the scheduler asked for, before this step's forward pass: host slots
+        to disk first (they read slots that later copies overwrite), then copies out to
+        host memory (swap space, host tier), disk to host slots, and copies in."""
+        start = time.perf_counter()
+        if output.blocks_to_spill:
+            self._host_writes_done()
+            self.disk_tier.spill(self.host_tier_caches, output.blocks_to_spill)
         self._copy_out(self.cpu_kv_caches, output.blocks_to_swap_out)
         self._copy_out(self.host_tier_caches, output.blocks_to_offload)
+        failed = self._load(output.blocks_to_load) if output.blocks_to_load else []
         self._copy_in(self.cpu_kv_caches, output.blocks_to_swap_in)
         self._copy_in(self.host_tier_caches, output.blocks_to_recall)
+        tier_work = (output.blocks_to_spill or output.blocks_to_offload
+                     or output.blocks_to_load or output.blocks_to_recall)
+        return TierReport(failed, time.perf_counter() - start) if tier_work else NO_TIER_WORK
+
+    def _load(self, loads: list[tuple[int, int, bytes | int]]) -> list[int]:
+        """Read files into host slots (which earlier copies from host memory must have
+        finished reading); the loads that failed on any rank, so every rank and the
+        scheduler agree on what was found."""
+        self._host_writes_done()
+        if self._copied_in is not None:
+            self._copied_in.synchronize()
+        done = self.disk_tier.load(self.host_tier_caches, loads)
+        failed = torch.tensor([not ok for ok in done], dtype=torch.int32, device=self.device)
+        parallel.all_reduce_(failed)
+        return [i for i, count in enumerate(failed.tolist()) if count]
+
+    def _host_writes_done(self) -> None:
+        """Wait until the queued copies into host memory have landed (CUDA copies them
+        asynchronously): the host reads or overwrites those slots next."""
+        if self._swapped_out is not None:
+            self._swapped_out.synchronize()
+            self._swapped_out = None
 
     def _copy_out(self, host_caches: list[tuple[Tensor, Tensor]],
                   pairs: list[tuple[int, int]]) -> None:
@@ -505,10 +560,11 @@ class ModelRunner:
     def _copy_in(self, host_caches: list[tuple[Tensor, Tensor]],
                  pairs: list[tuple[int, int]]) -> None:
         if pairs:
-            if self._swapped_out is not None:  # a copy in reads host memory on the host
-                self._swapped_out.synchronize()
-                self._swapped_out = None
+            self._host_writes_done()  # a copy in reads host memory on the host
             self.backend.swap_blocks(host_caches, self.kv_caches, torch.tensor(pairs))
+            if self.device.type == "cuda":  # read asynchronously from pinned memory
+                self._copied_in = torch.cuda.Event()
+                self._copied_in.record()
 
     @torch.inference_mode()
     def prepare_step(self, output: SchedulerOutput) -> PreparedStep:
@@ -518,8 +574,9 @@ class ModelRunner:
         before has built its sampling inputs at its launch, so nothing done here changes
         them)."""
         self.update_states(output)
-        self.swap(output)
-        return PreparedStep(output, self.prepare_inputs(output) if output.req_ids else None)
+        tiers = self.swap(output)
+        return PreparedStep(output, self.prepare_inputs(output) if output.req_ids else None,
+                            tiers)
 
     @torch.inference_mode()
     def launch(self, prepared: PreparedStep,
@@ -527,9 +584,9 @@ class ModelRunner:
         """Queue the forward pass and the LM head of a prepared step. `previous`: the step
         before, sampled already (its tokens may still be on their way): its sampled tokens
         fill this step's placeholder rows on the device."""
-        output, inputs = prepared
+        output, inputs, tiers = prepared
         if inputs is None:
-            return StepHandle([], None, None, None)
+            return StepHandle([], None, None, None, tiers=tiers)
         if inputs.placeholder_ids:
             self._copy_last_sampled(inputs, previous)
         self.buffers.mark_uploaded()
@@ -537,19 +594,19 @@ class ModelRunner:
         prompt_logprobs = self._compute_prompt_logprobs(output, hidden)
         states = inputs.sampling_states
         if not states:
-            return StepHandle([], None, None, prompt_logprobs)
+            return StepHandle([], None, None, prompt_logprobs, tiers=tiers)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if inputs.drafts is not None:
-            return self._verify_handle(states, logits, inputs, prompt_logprobs)
+            return self._verify_handle(states, logits, inputs, prompt_logprobs, tiers)
         last = inputs.input_ids[inputs.logits_indices] if any(  # in-flight tokens' conditions
             state.sampling_params.bad_words_token_ids or state.sampling_params.thinking_budget
             for state in states) else None
         return StepHandle(states, logits, self.sampling_metadata(states, logits, last),
-                          prompt_logprobs)
+                          prompt_logprobs, tiers=tiers)
 
     def _verify_handle(self, states: list[CachedRequestState], logits: Tensor,
-                       inputs: StepInputs, prompt_logprobs: dict[str, LogprobsLists] | None
-                       ) -> StepHandle:
+                       inputs: StepInputs, prompt_logprobs: dict[str, LogprobsLists] | None,
+                       tiers: TierReport) -> StepHandle:
         """A step with verified requests: their k + 1 rows apart from the other sampling
         states' one row each (which the sampler takes as usual)."""
         drafts = inputs.drafts
@@ -564,7 +621,7 @@ class ModelRunner:
                           SamplingMetadata.from_requests(expanded, logits.shape[1],
                                                          self.device))
         if not ordinary:
-            return StepHandle(states, None, None, prompt_logprobs, rows, ordinary)
+            return StepHandle(states, None, None, prompt_logprobs, rows, ordinary, tiers)
         ordinary_states = [states[i] for i in ordinary]
         last_rows = torch.from_numpy(ends[ordinary] - 1).to(logits.device)
         ordinary_logits = logits[last_rows]
@@ -573,7 +630,7 @@ class ModelRunner:
             for s in ordinary_states) else None
         return StepHandle(states, ordinary_logits,
                           self.sampling_metadata(ordinary_states, ordinary_logits, last),
-                          prompt_logprobs, rows, ordinary)
+                          prompt_logprobs, rows, ordinary, tiers)
 
     @torch.inference_mode()
     def sample_tokens(self, step: StepHandle,
@@ -586,7 +643,8 @@ class ModelRunner:
             if grammar is not None:
                 self._attach_bitmask(step.sampling, step.states, grammar)
             sampled = self._sample(step.logits, step.sampling)
-        return PendingRunnerOutput(step.states, sampled, step.prompt_logprobs)
+        return PendingRunnerOutput(step.states, sampled, step.prompt_logprobs,
+                                   tiers=step.tiers)
 
     def _sample_verified(self, step: StepHandle,
                          grammar: GrammarOutput | None) -> PendingRunnerOutput:
@@ -614,7 +672,7 @@ class ModelRunner:
         for i, drafts in zip(rows.index, accepted_rows):
             accepted[i] = drafts
         return PendingRunnerOutput(states, SamplerOutput(tokens, logprobs),
-                                   step.prompt_logprobs, accepted)
+                                   step.prompt_logprobs, accepted, step.tiers)
 
     def _compute_prompt_logprobs(self, output: SchedulerOutput, hidden: Tensor
                                  ) -> dict[str, LogprobsLists] | None:

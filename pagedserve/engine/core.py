@@ -56,7 +56,7 @@ from pagedserve.device.model_runner import ModelRunner
 from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.startup import StartupPhases
-from pagedserve.kv_cache.host_tier import HostTier
+from pagedserve.engine.tiers import build_tiers
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.kv_cache.kv_events import KVEventPublisher
 from pagedserve.messages import (
@@ -133,7 +133,7 @@ class EngineCore:
             config.prefix_caching_hash_algo, hash_seed=config.prefix_caching_hash_seed,
             sliding_window=self.model_config.kv_window,
             enable_events=config.kv_events_endpoint is not None,
-            record_evictions=config.kv_offload_memory > 0)
+            record_evictions=bool(config.kv_offload_memory or config.kv_offload_path))
         self.kv_event_publisher = (
             KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint)
             if config.kv_events_endpoint is not None else None)
@@ -141,14 +141,16 @@ class EngineCore:
         num_cpu_blocks = 0
         if config.preemption_mode == "swap":
             num_cpu_blocks = config.swap_space // executor.block_bytes
-        host_tier = _host_tier(config, executor.block_bytes,
-                               config.kv_events_endpoint is not None)
+        tiers = build_tiers(config, executor, self.model_config, self.max_model_len,
+                            config.kv_events_endpoint is not None)
         with phases.timed("kv cache + sampler warm-up + cuda graphs"):
-            executor.initialize(KVCacheSpec(num_blocks, num_cpu_blocks, self.max_model_len,
-                                            host_tier.num_slots if host_tier is not None else 0))
+            executor.initialize(KVCacheSpec(
+                num_blocks, num_cpu_blocks, self.max_model_len,
+                tiers.host.num_slots if tiers.host is not None else 0, tiers.disk_dir,
+                tiers.digest))
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len,
-                                   num_cpu_blocks, host_tier,
-                                   _proposer(config.speculative_config))
+                                   num_cpu_blocks, tiers.host,
+                                   _proposer(config.speculative_config), tiers.disk)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -323,8 +325,9 @@ class EngineCore:
     def _step_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         if self.kv_event_publisher is not None:
             events = self.kv_cache_manager.block_pool.take_events()
-            if self.scheduler.host_tier is not None:
-                events += self.scheduler.host_tier.take_events()
+            for tier in (self.scheduler.host_tier, self.scheduler.disk_tier):
+                if tier is not None:
+                    events += tier.take_events()
             self.kv_event_publisher.publish(events)
         return EngineCoreOutputs(outputs, self.make_stats(), time.time())
 
@@ -397,7 +400,8 @@ class EngineCore:
             spec_num_draft_tokens=scheduler.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
             spec_accepted_per_position=list(scheduler.spec_stats.accepted_per_position),
-            **_host_tier_stats(scheduler))
+            kv_block_bytes=self.executor.block_bytes,
+            **_tier_stats(scheduler))
 
 
 def _proposer(config: SpeculativeConfig | None) -> Proposer | None:
@@ -407,26 +411,18 @@ def _proposer(config: SpeculativeConfig | None) -> Proposer | None:
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
-def _host_tier(config: EngineConfig, block_bytes: int, enable_events: bool) -> HostTier | None:
-    """The prefix cache's host tier of `kv_offload_memory` bytes (None when 0)."""
-    if not config.kv_offload_memory:
-        return None
-    if not config.enable_prefix_caching:
-        raise ValueError("kv_offload_memory keeps the prefix cache's evicted blocks: it "
-                         "needs enable_prefix_caching")
-    num_slots = config.kv_offload_memory // block_bytes
-    if num_slots < 1:
-        raise ValueError(f"kv_offload_memory of {config.kv_offload_memory} bytes holds no KV "
-                         f"block of {block_bytes} bytes")
-    return HostTier(num_slots, enable_events, config.block_size)
-
-
-def _host_tier_stats(scheduler: Scheduler) -> dict[str, int]:
-    tier = scheduler.host_tier
-    if tier is None:
-        return {}
-    return {"host_tier_hits": scheduler.num_blocks_recalled,
-            "host_tier_stores": tier.stats.stores, "host_tier_evictions": tier.stats.evictions}
+def _tier_stats(scheduler: Scheduler) -> dict[str, int | float]:
+    host, disk = scheduler.host_tier, scheduler.disk_tier
+    stats: dict[str, int | float] = {}
+    if host is not None:
+        stats.update(host_tier_hits=scheduler.num_blocks_recalled,
+                     host_tier_stores=host.stats.stores, host_tier_evictions=host.stats.evictions,
+                     tier_copy_seconds=scheduler.tier_copy_seconds)
+    if disk is not None:
+        stats.update(disk_tier_hits=scheduler.num_blocks_loaded,
+                     disk_tier_stores=disk.stats.stores, disk_tier_evictions=disk.stats.evictions,
+                     disk_tier_load_failures=scheduler.num_failed_loads)
+    return stats
 
 
 def _token_logprobs(runner_output: ModelRunnerOutput, row: int, k: int) -> TokenLogprobs:

@@ -78,6 +78,7 @@ class Request(TokenSequence):
         self.num_preemptions = 0
         self.stop_reason: int | None = None  # the stop token id that finished it
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        # (on the device or recalled from its host / disk tiers)
 
     @property
     def is_finished(self) -> bool:

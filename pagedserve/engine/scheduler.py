@@ -33,6 +33,15 @@ attends to them, which the runner's copies precede on the device's stream, so no
 request waits for a recall. The decision is the scheduler's alone, so every tensor-parallel
 rank copies the same blocks of its own shard.
 
+With a disk tier below it (--kv-offload-path) the blocks the host tier drops are written to
+files (`blocks_to_spill`), and a waiting request whose chain continues on disk past its
+host hit first has those blocks loaded into pending host slots (`blocks_to_load`); it is
+passed over (it keeps its place) until the step that loads them has come back, whose output
+says which files did not read back whole on some rank (`failed_loads`). Those are dropped
+from both tiers, and the request is admitted with the chain as far as it held: its prefill
+starts where the loaded blocks end, so a broken file costs a recompute, never wrong KV, and
+nothing waits on a file for longer than one step.
+
 Scheduling a step advances `num_computed_tokens` at once and gives every request whose chunk
 reaches its end an output placeholder (see `request.py`), so the next step can be scheduled
 before this one's tokens are back (async scheduling): a placeholder is scheduled as if the
@@ -81,12 +90,13 @@ from pagedserve.spec.ngram import Proposer
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, num_cpu_blocks: int = 0,
-                 host_tier: HostTier | None = None, proposer: Proposer | None = None
-                 ) -> None:
+                 host_tier: HostTier | None = None, proposer: Proposer | None = None,
+                 disk_tier: HostTier | None = None) -> None:
         """`num_cpu_blocks`: the swap space, used when config.preemption_mode is "swap".
         `host_tier`: the prefix cache's host tier, whose slots the runner holds; the
         manager must record its evictions (`record_evictions`). `proposer`: the drafts of
-        config.speculative_config's method (None: no speculation)."""
+        config.speculative_config's method (None: no speculation). `disk_tier`: the file
+        slots below the host tier (needs `host_tier`)."""
         self.max_num_seqs = config.max_num_seqs
         # distinct LoRA adapters among the running requests: the runner's device slots
         self.max_loras = config.max_loras if config.enable_lora else 0
@@ -105,6 +115,11 @@ class Scheduler:
         self.num_blocks_swapped_in = 0
         self.host_tier = host_tier
         self.num_blocks_recalled = 0
+        self.disk_tier = disk_tier
+        self.num_blocks_loaded = 0  # read back whole from disk
+        self.num_failed_loads = 0
+        self.tier_copy_seconds = 0.0
+        self._loading: dict[str, list[int]] = {}  # request id -> host slots it waits for
         self._finished_ids: list[str] = []
         self._steps_in_flight: deque[list[Request]] = deque()  # sampling requests per step
         self.proposer = proposer
@@ -156,12 +171,22 @@ class Scheduler:
 
     def _offload_evicted(self, out: SchedulerOutput) -> None:
         """Copy the cached blocks this step's allocations evicted into the host tier (the
-        runner does so before the step overwrites them); the step's recall pins end here."""
+        runner does so before the step overwrites them), and the blocks the host tier
+        dropped to disk (before the copies that reuse their slots); the step's pins end
+        here."""
+        host, disk = self.host_tier, self.disk_tier
         for block_hash, block_id in self.kv_cache_manager.take_evicted():
-            slot = self.host_tier.store(block_hash)
+            slot = host.store(block_hash)
             if slot is not None:
                 out.blocks_to_offload.append((block_id, slot))
-        self.host_tier.end_step()
+        for block_hash, slot in host.take_dropped():
+            disk_slot = disk.store(block_hash) if disk is not None else None
+            if disk_slot is not None:
+                out.blocks_to_spill.append((slot, disk_slot, block_hash))
+        host.end_step()
+        if disk is not None:
+            disk.take_dropped()  # the file is simply overwritten when its slot is reused
+            disk.end_step()
 
     def _drafts(self, request: Request, budget: int) -> list[int] | None:
         """Up to k drafts for a request whose only uncomputed token is its last (none while
@@ -301,6 +326,10 @@ class Scheduler:
                 blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             swapped = self.swapped.get(request.request_id)
             slots = self._host_hits(request, num_hit) if swapped is None else []
+            if swapped is None and self._waits_for_loads(request, num_hit + len(slots)
+                                                         * self.block_size, out):
+                skipped += 1  # keeps its place until its blocks are read from disk
+                continue
             # tokens whose KV is present before this step: prefix hits, then swapped-in or
             # recalled blocks
             num_ready = (max(num_hit, swapped.num_computed_tokens) if swapped
@@ -333,7 +362,7 @@ class Scheduler:
         resumed after preemption, its new blocks (its tokens are the runner's already)."""
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         if request.status == RequestStatus.WAITING:
-            request.num_cached_tokens = num_hit
+            request.num_cached_tokens = num_ready  # the device's hit and its tiers'
             out.scheduled_new_reqs.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params,
                 block_ids, num_ready, request.lora_request))
@@ -360,6 +389,53 @@ class Scheduler:
         return self.host_tier.lookup(
             self.kv_cache_manager.prefix_hashes(request, num_hit // self.block_size))
 
+    def _waits_for_loads(self, request: Request, num_found: int, out: SchedulerOutput) -> bool:
+        """Whether the request waits for blocks read from disk: loads it started and that
+        have not come back, or loads it starts now, for its chain past the `num_found`
+        tokens found on the device and in host memory. Once its loads are back it is
+        admitted with what they found (no second round on this admission)."""
+        if self.disk_tier is None or request.sampling_params.prompt_logprobs is not None:
+            return False
+        waits = self._loading.get(request.request_id)
+        if waits is not None:
+            if any(self.host_tier.is_pending(slot) for slot in waits):
+                return True
+            del self._loading[request.request_id]
+            return False
+        waits = self._start_loads(request, num_found // self.block_size, out)
+        if waits:
+            self._loading[request.request_id] = waits
+        return bool(waits)
+
+    def _start_loads(self, request: Request, first: int, out: SchedulerOutput) -> list[int]:
+        """Queue loads of the request's blocks from `first` on while the chain holds on disk
+        and the host tier has room; the pending host slots to wait for (a block another
+        request is loading already is waited for, not loaded twice)."""
+        hashes = self.kv_cache_manager.prefix_hashes(request, first)
+        waits = []
+        for block_hash, disk_slot in zip(hashes, self.disk_tier.lookup(hashes)):
+            slot = self.host_tier.pending_slot(block_hash)
+            if slot is None:
+                slot = self.host_tier.store(block_hash, pending=True)
+                if slot is None:
+                    break
+                out.blocks_to_load.append((disk_slot, slot, block_hash))
+            waits.append(slot)
+        return waits
+
+    def _resolve_loads(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """A step's loads are back: the blocks read whole become host-tier blocks; a broken
+        file is a miss, forgotten by both tiers."""
+        failed = set(runner_output.failed_loads)
+        for i, (_, slot, block_hash) in enumerate(output.blocks_to_load):
+            ok = i not in failed
+            self.host_tier.resolve(slot, ok)
+            if ok:
+                self.num_blocks_loaded += 1
+            else:
+                self.num_failed_loads += 1
+                self.disk_tier.discard(block_hash)
+
     def _recall(self, request: Request, slots: list[int], num_hit: int,
                 out: SchedulerOutput) -> None:
         """Queue the copy of the host-tier blocks into the request's blocks after its device
@@ -385,6 +461,9 @@ class Scheduler:
 
         Returns the requests that received tokens this step, each with how many.
         """
+        self.tier_copy_seconds += runner_output.tier_copy_seconds
+        if output.blocks_to_load:
+            self._resolve_loads(output, runner_output)
         if not output.req_ids:
             return []
         sampling = self._steps_in_flight.popleft()
@@ -456,6 +535,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self._release_swap(request)
         self._truncated.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
         self.requests.pop(request.request_id, None)
 

@@ -122,7 +122,14 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               parse=parse_size, metavar="SIZE"),
     EngineArg("kv_offload_memory", "host memory for the prefix cache's second tier: cached "
               "blocks evicted from the device are kept there and recalled on a later hit; "
-              "0 = off", parse=parse_size, metavar="SIZE"),
+              "0 = off (the CPU engine, whose KV cache is host memory already, takes it "
+              "only as the disk tier's staging)", parse=parse_size, metavar="SIZE"),
+    EngineArg("kv_offload_path", "directory for the prefix cache's disk tier: blocks that "
+              "fall out of the host tier are written to files there (checksummed) and found "
+              "again after a restart with the same model, dtypes, block size and "
+              "--prefix-caching-hash-seed", metavar="DIR", default_text="off"),
+    EngineArg("kv_offload_disk", "disk space the disk tier's files may take "
+              "(--kv-offload-path)", parse=parse_size, metavar="SIZE"),
     EngineArg("attention_backend", "auto = triton on CUDA; on the CPU the native kernels "
               "(cpu) when they build, else the PyTorch reference (torch)",
               choices=ATTENTION_BACKENDS),

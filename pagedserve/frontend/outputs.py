@@ -94,6 +94,12 @@ class EngineStats:
     host_tier_hits: int = 0  # blocks recalled from the host tier (kv_cache/host_tier.py)
     host_tier_stores: int = 0  # evicted blocks copied into it
     host_tier_evictions: int = 0  # blocks dropped from it
+    disk_tier_hits: int = 0  # blocks read back whole from the disk tier (--kv-offload-path)
+    disk_tier_stores: int = 0  # blocks written to it
+    disk_tier_evictions: int = 0  # blocks dropped from it (their files reused)
+    disk_tier_load_failures: int = 0  # files that did not read back whole (recomputed)
+    kv_block_bytes: int = 0  # one KV block on one rank (tier bytes = blocks * this)
+    tier_copy_seconds: float = 0.0  # the runner's time in tier copies and file I/O
     # speculative decoding: verifies, draft tokens, accepted drafts, and accepted drafts at
     # each position of a draft
     spec_num_drafts: int = 0

@@ -8,7 +8,8 @@ engine's digest as an unsigned integer (`external_hash`): a router compares them
 hashes it computes from a prompt (`BlockHasher` rooted at the fleet's shared
 `prefix_caching_hash_seed`, then `external_hash`). `medium` names the tier in vLLM's
 vocabulary: "GPU" for the engine's own KV pool (whatever the device), "CPU" for the host
-tier (`host_tier`), whose stores carry no token ids (it indexes blocks by hash alone).
+tier (`host_tier`), whose stores carry no token ids (it indexes blocks by hash alone), and
+"DISK" for the disk tier below it (the same index over files).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pagedserve.kv_cache.hashing import BlockHash
 
 MEDIUM_POOL = "GPU"
 MEDIUM_HOST = "CPU"
+MEDIUM_DISK = "DISK"
 
 
 def external_hash(block_hash: BlockHash) -> int:

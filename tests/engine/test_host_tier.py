@@ -1,6 +1,7 @@
-"""The prefix cache's host tier on the CPU engine: a conversation whose blocks the device
-pool evicted is recalled from the host tier and answers with the same greedy tokens as an
-engine that never evicted it."""
+"""The prefix cache's host tier on the CPU engine (there the disk tier's staging: the CPU
+engine takes --kv-offload-memory only with --kv-offload-path): a conversation whose blocks
+the device pool evicted is recalled from the host tier and answers with the same greedy
+tokens as an engine that never evicted it."""
 
 from __future__ import annotations
 
@@ -42,17 +43,18 @@ def reference(make_engine):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_recalled_conversation_gives_the_same_tokens(make_engine, engine, reference,
-                                                     async_scheduling):
+                                                     async_scheduling, tmp_path):
     """With async scheduling a step's copies are queued while the step before is in flight."""
     block_bytes = engine.model_runner.block_bytes
     small = make_engine(kv_cache_memory=8 * block_bytes, kv_offload_memory=64 * block_bytes,
-                        async_scheduling=async_scheduling)
+                        kv_offload_path=str(tmp_path), async_scheduling=async_scheduling)
     before = small.get_stats()
     assert conversation(small) == reference
     stats = small.get_stats()
     assert stats.prefix_cache_evictions > before.prefix_cache_evictions
     assert stats.host_tier_stores > 0
     assert stats.host_tier_hits >= len(SYSTEM) // 16  # turn 2 found the system prompt
+    assert stats.disk_tier_stores == 0  # the host tier held it all
 
 
 def test_without_the_tier_the_evicted_conversation_is_recomputed(make_engine, engine, reference):
@@ -62,9 +64,11 @@ def test_without_the_tier_the_evicted_conversation_is_recomputed(make_engine, en
     assert small.get_stats().host_tier_hits == 0
 
 
-def test_a_tiny_tier_drops_its_oldest_blocks_and_stays_exact(make_engine, engine, reference):
+def test_a_tiny_tier_drops_its_oldest_blocks_and_stays_exact(make_engine, engine, reference,
+                                                             tmp_path):
     block_bytes = engine.model_runner.block_bytes
-    small = make_engine(kv_cache_memory=8 * block_bytes, kv_offload_memory=3 * block_bytes)
+    small = make_engine(kv_cache_memory=8 * block_bytes, kv_offload_memory=3 * block_bytes,
+                        kv_offload_path=str(tmp_path))
     assert conversation(small) == reference
     assert small.get_stats().host_tier_evictions > 0
 
@@ -76,11 +80,9 @@ def test_a_negative_offload_size_is_refused():
         EngineConfig(kv_offload_memory=-1)
 
 
-@pytest.mark.parametrize("options", [{"enable_prefix_caching": False, "kv_offload_memory": 1},
-                                     {"kv_offload_memory": 1}])
-def test_an_engine_refuses_a_tier_it_cannot_use(make_engine, engine, options):
-    """Without prefix caching nothing is evicted by hash; a size under one block holds none."""
-    if options["kv_offload_memory"] == 1 and "enable_prefix_caching" in options:
-        options["kv_offload_memory"] = 64 * engine.model_runner.block_bytes
+def test_an_engine_without_prefix_caching_refuses_a_tier(make_engine, engine, tmp_path):
+    """Without prefix caching nothing is evicted by hash (the CPU engine refuses a host tier
+    alone: tests/engine/test_disk_tier.py)."""
     with pytest.raises(ValueError, match="kv_offload_memory"):
-        make_engine(**options)
+        make_engine(enable_prefix_caching=False, kv_offload_path=str(tmp_path),
+                    kv_offload_memory=64 * engine.model_runner.block_bytes)

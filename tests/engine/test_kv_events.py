@@ -118,14 +118,16 @@ def test_an_endpoint_in_use_is_a_clear_error(make_engine):
         make_engine(kv_events_replay_endpoint="tcp://127.0.0.1:*")
 
 
-def test_host_tier_events_carry_their_medium(make_engine, engine, subscribe):
+def test_tier_events_carry_their_medium(make_engine, engine, subscribe, tmp_path):
     """Blocks the device pool evicts are stored in the host tier (medium "CPU", under the
-    same hashes); a tier of two slots drops its oldest, also as a "CPU" event."""
+    same hashes); the blocks it drops go to the disk tier (medium "DISK"); each tier's
+    events match its counts."""
     block_bytes = engine.model_runner.block_bytes
     engine = make_engine(kv_events_endpoint="tcp://127.0.0.1:*", block_size=BLOCK,
-                         kv_cache_memory=7 * block_bytes, kv_offload_memory=2 * block_bytes)
+                         kv_cache_memory=7 * block_bytes, kv_offload_memory=2 * block_bytes,
+                         kv_offload_path=str(tmp_path))
     sub = subscribe(engine.engine_core.kv_event_publisher.endpoint)
-    for i in range(3):
+    for i in range(6):
         run(engine, f"c{i}", list(range(3000 + 1000 * i, 3000 + 1000 * i + 3 * BLOCK + 5)))
     events = events_of(receive(sub))
 
@@ -134,10 +136,14 @@ def test_host_tier_events_carry_their_medium(make_engine, engine, subscribe):
                 for h in e.block_hashes]
 
     host_stored, host_removed = hashes(BlockStored, "CPU"), hashes(BlockRemoved, "CPU")
+    disk_stored = hashes(BlockStored, "DISK")
     assert host_stored and set(host_stored) <= set(hashes(BlockRemoved, "GPU"))
     assert all(e.token_ids == [] and e.parent_block_hash is None for e in events
-               if isinstance(e, BlockStored) and e.medium == "CPU")
-    assert len(host_stored) - len(host_removed) <= 2 and host_removed
+               if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK"))
+    assert host_removed and set(host_removed) <= set(host_stored)
+    assert disk_stored and set(disk_stored) <= set(host_removed)
     stats = engine.get_stats()
     assert (stats.host_tier_stores, stats.host_tier_evictions) == (len(host_stored),
                                                                    len(host_removed))
+    assert (stats.disk_tier_stores, stats.disk_tier_evictions) == (
+        len(disk_stored), len(hashes(BlockRemoved, "DISK")))

@@ -43,6 +43,8 @@ def test_hit_rate_and_evictions_are_reported(server):
     # no host tier here (tests/engine/test_host_tier.py counts real recalls)
     assert m["pagedserve_host_tier_hit_blocks_total"] == 0
     assert m["pagedserve_host_tier_stored_blocks_total"] == 0
+    assert m["pagedserve_disk_tier_hit_blocks_total"] == m["pagedserve_disk_tier_hit_bytes_total"] == 0
+    assert m["pagedserve_kv_tier_copy_seconds_total"] == 0
 
 
 def test_kv_events_reach_a_subscriber(server):

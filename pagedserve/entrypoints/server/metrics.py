@@ -64,7 +64,17 @@ class _EngineStatsCollector:
         ("host_tier_stored_blocks", "host_tier_stores", "Evicted KV blocks copied into the "
          "host tier."),
         ("host_tier_evicted_blocks", "host_tier_evictions", "KV blocks dropped from the host "
-         "tier to make room."),
+         "tier to make room (to the disk tier, if there is one)."),
+        ("disk_tier_hit_blocks", "disk_tier_hits", "KV blocks read back whole from the disk "
+         "tier (--kv-offload-path) into the host tier, to be recalled from there."),
+        ("disk_tier_stored_blocks", "disk_tier_stores", "KV blocks the host tier dropped, "
+         "written to the disk tier."),
+        ("disk_tier_evicted_blocks", "disk_tier_evictions", "KV blocks dropped from the disk "
+         "tier to make room (their files reused)."),
+        ("disk_tier_load_failures", "disk_tier_load_failures", "Disk-tier files that did not "
+         "read back whole (checksum, truncation): a miss, the block recomputed."),
+        ("kv_tier_copy_seconds", "tier_copy_seconds", "Time the runner spent queuing the "
+         "tiers' block copies and in their file I/O."),
         ("spec_decode_num_drafts", "spec_num_drafts", "Speculative verifies (a request's "
          "drafts checked in one step)."),
         ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
@@ -83,6 +93,13 @@ class _EngineStatsCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=_get(stats, attr))
         for name, attr, doc in self._COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=_get(stats, attr))
+        block_bytes = _get(stats, "kv_block_bytes")
+        for tier in ("host", "disk"):
+            for kind, attr in (("hit", "hits"), ("stored", "stores")):
+                yield CounterMetricFamily(
+                    f"{PREFIX}{tier}_tier_{kind}_bytes", f"Bytes of the {tier} tier's "
+                    f"{kind} KV blocks (one rank's share).",
+                    value=block_bytes * _get(stats, f"{tier}_tier_{attr}"))
         queries = _get(stats, "prefix_cache_queries")
         yield GaugeMetricFamily(
             PREFIX + "prefix_cache_hit_rate", "Fraction of prompt tokens looked up in the "
