@@ -197,8 +197,10 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # an expert's weight in a checkpoint: layers.N.(mlp|block_sparse_moe).experts.E.PROJ.weight
+# (or a packed layout's part, under `int_weights`' names)
 _EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\."
+                     r"(weight|qweight|scales|zeros|g_idx)$")
 
 
 class DecoderLayer(nn.Module):
@@ -334,22 +336,26 @@ class Decoder(nn.Module):
     def num_shards(self, param_name: str) -> int:
         """How many checkpoint tensors fill this parameter (3 for qkv, 2 for gate/up, unless
         the checkpoint stores them fused)."""
-        if param_name.endswith(".mlp.w13"):
-            return 2 * self.config.num_experts
-        if param_name.endswith(".mlp.w2"):
-            return self.config.num_experts
+        stacked = re.search(r"\.mlp\.(w13|w2)(_\w+)?$", param_name)  # a packed one's too
+        if stacked:
+            return self.config.num_experts * (2 if stacked[1] == "w13" else 1)
         if self.config.fused_checkpoint:
             return 1
         module = param_name.split(".")[-2]
         return {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
 
-    def _expert_shard(self, layer: str, expert: str, proj: str) -> tuple[str, int, tuple]:
-        """One expert's gate (w1), up (w3) or down (w2) into the stacked weights."""
+    def _expert_shard(self, layer: str, expert: str, proj: str,
+                      kind: str = "weight") -> tuple[str, int, tuple]:
+        """One expert's gate (w1), up (w3) or down (w2) into the stacked weights (`kind`: the
+        float weight, or a packed layout's part: `w13_qweight`, ..., see `int_weights`; a
+        column order, g_idx, is one row per expert)."""
         e, size = int(expert), parallel.local_moe_intermediate(self.config)  # this rank's
-        if proj in ("w2", "down_proj"):
-            return f"{layer}.mlp.w2", e, (e, slice(None))
+        down = proj in ("w2", "down_proj")
+        name = f"{layer}.mlp.{'w2' if down else 'w13'}" + ("" if kind == "weight" else f"_{kind}")
         half = 0 if proj in ("w1", "gate_proj") else 1
-        return f"{layer}.mlp.w13", 2 * e + half, (e, slice(half * size, (half + 1) * size))
+        if down or kind == "g_idx":
+            return name, e if down else 2 * e + half, (e,)
+        return name, 2 * e + half, (e, slice(half * size, (half + 1) * size))
 
     def shard_range(self, name: str) -> tuple[str, int, slice | tuple | None]:
         """Map an HF weight name (without `model.`) to (our parameter name, shard index, row

@@ -21,7 +21,9 @@ format:
 
 Which layers are quantized is what the checkpoint holds: a layer whose tensors come packed
 is made packed (so an ignored LM head, or an embedding, stays as the checkpoint has it). A
-fused layer's parts (q/k/v, gate/up) must agree. Variants the kernels do not read (3-bit,
+fused layer's parts (q/k/v, gate/up) must agree. MoE experts (Mixtral, Qwen3-MoE) are packed
+per expert in stacked parameters and run expert by expert (`moe.PackedExperts`). Variants the
+kernels do not read (3-bit,
 2-bit, GPTQ's marlin / bitblas layouts, AWQ's GEMV / exllama / marlin versions, activation
 quantization) are refused by name at load.
 """
@@ -239,6 +241,41 @@ def to_int(linear: nn.Module, scheme: IntScheme, act_order: bool, full_k: int) -
     if act_order:
         linear.g_idx = param((k,), torch.int32)
     linear.in_features_packed = k
+
+
+def to_int_experts(moe: nn.Module, scheme: IntScheme, act_order: bool, full_k2: int) -> None:
+    """`to_int` for an MoE layer's stacked experts: w13 [E, 2I, H] and w2 [E, H, I] become
+    w13_qweight, w13_scales, ... with the expert first (g_idx [E, K]: one order each).
+    `full_k2`: w2's unsharded input columns."""
+    for base, full_k in (("w13", None), ("w2", full_k2)):
+        weight = getattr(moe, base)
+        e, n, k = weight.shape
+        groups = 1 if scheme.group_size == 0 else -(-((full_k or k) if act_order else k)
+                                                    // scheme.group_size)
+
+        def param(shape, dt):
+            return nn.Parameter(torch.empty(shape, dtype=dt, device=weight.device),
+                                requires_grad=False)
+
+        setattr(moe, base, None)
+        setattr(moe, f"{base}_qweight", param((e, n, -(-k * scheme.bits // 32)), torch.int32))
+        setattr(moe, f"{base}_scales", param((e, n, groups), weight.dtype))
+        if not scheme.symmetric:
+            setattr(moe, f"{base}_zeros", param((e, n, groups), weight.dtype))
+        if act_order:
+            setattr(moe, f"{base}_g_idx", param((e, k), torch.int32))
+        setattr(moe, f"{base}_in_features", k)
+
+
+def expert_weights(moe: nn.Module, scheme: IntScheme, base: str) -> list[IntWeight]:
+    """Each expert's `IntWeight` of `base` ("w13" or "w2"), over the loaded parameters."""
+    qweight = getattr(moe, f"{base}_qweight")
+    k = getattr(moe, f"{base}_in_features")
+    zeros, g_idx = getattr(moe, f"{base}_zeros", None), getattr(moe, f"{base}_g_idx", None)
+    return [IntWeight(qweight[e], getattr(moe, f"{base}_scales")[e],
+                      None if zeros is None else zeros[e], None if g_idx is None else g_idx[e],
+                      scheme.bits, scheme.group_size or k, k)
+            for e in range(qweight.shape[0])]
 
 
 def int_weight(linear: nn.Module, scheme: IntScheme) -> IntWeight:

@@ -12,8 +12,9 @@ the checkpoint's `quantization_config`) the layers the checkpoint holds packed g
 parameters, and each packed tensor is converted to the kernels' layout as it is read.
 
 Which kernels the model runs is decided here too, once: `ops.select_ops` from the device and
-dtype, then the FP8 matmul for FP8 weights, the packed matmul for integer ones, the quantized blocks' matmul and the whole-step
-decode (`fast_decode`) for the fast mode.
+dtype, then the FP8 matmul for FP8 weights, the packed matmul (and experts) for integer
+ones, the quantized blocks' matmul and the whole-step decode (`fast_decode`) for the fast
+mode.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pagedserve.model import dummy, fp8, int_weights, parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder, Linear, RowParallelLinear
 from pagedserve.model.fast_decode import FastDecode
+from pagedserve.model.moe import PackedExperts, SparseMoE
 from pagedserve.model.ops import Ops, select_ops
 from pagedserve.model.packed import QuantizedMatmul
 
@@ -132,7 +134,7 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]],
     params = dict(model.named_parameters())
     # Fused parameters are complete once all their shards arrived.
     expected = {(name, i) for name in params for i in range(model.num_shards(name))}
-    loaded = set()
+    loaded, orders = set(), set()
     layers = model.attention_layers()
     with torch.no_grad():
         for hf_name, tensor in weights:
@@ -148,21 +150,22 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]],
                 layers[int(kv_scale[1])].checkpoint_kv_scales[kv_scale[2]] = tensor.float()
                 continue
             if scheme is not None:  # whole tensors: converted, then this rank's part
-                name, tensor = _packed_tensor(model, scheme, name, tensor)
+                name, tensor = _packed_tensor(model, params, scheme, name, tensor)
                 if name is None:
                     continue
             target, shard, rows = model.shard_range(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for this model config")
             param = params[target]
-            if target.endswith(".g_idx"):  # [K]: the same for every part of a fused layer
-                rows = None
-                if any((target, i) in loaded for i in range(model.num_shards(target))) and (
-                        not torch.equal(param.cpu(), tensor)):
-                    raise ValueError(f"{hf_name}: the parts of {target.removesuffix('.g_idx')}"
-                                     " have different column orders (g_idx)")
+            if target.endswith("g_idx"):  # [K] (an expert's row): one for a fused layer
+                rows = rows[:1] if isinstance(rows, tuple) else None
+                dst = param if rows is None else param[rows]
+                if (target, rows) in orders and not torch.equal(dst.cpu(), tensor):
+                    raise ValueError(f"{hf_name}: the parts of a fused layer ({target}) have "
+                                     "different column orders (g_idx)")
+                orders.add((target, rows))
             dst = param if rows is None else param[rows]
-            if target.endswith(".zeros"):
+            if target.endswith("zeros"):
                 tensor = tensor[:dst.shape[0]]  # rows past N: packing's padding
             if target.endswith(".weight_scale"):
                 tensor = _scale_rows(tensor, dst.shape[0], hf_name)
@@ -187,7 +190,7 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]],
         raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
 
 
-def _packed_tensor(model: Decoder, scheme: int_weights.IntScheme, name: str,
+def _packed_tensor(model: Decoder, params: dict, scheme: int_weights.IntScheme, name: str,
                    tensor: torch.Tensor) -> tuple[str | None, torch.Tensor]:
     """A whole checkpoint tensor under our name, in our layout (`int_weights.convert`) and
     cut to this rank's part; None for one that carries nothing we keep."""
@@ -201,9 +204,7 @@ def _packed_tensor(model: Decoder, scheme: int_weights.IntScheme, name: str,
     if param == "skip":
         return None, tensor
     rows = parallel.checkpoint_rows(module + ".weight", model.config)
-    target = model.shard_range(module + ".weight")[0].removesuffix(".weight")
-    act_order = isinstance(getattr(model.get_submodule(target), "g_idx", None),
-                           torch.Tensor) if target in dict(model.named_modules()) else False
+    act_order = model.shard_range(module + ".g_idx")[0] in params
     return f"{module}.{param}", int_weights.take_shard(
         param, int_weights.convert(scheme, param, tensor), rows, scheme, act_order)
 
@@ -303,8 +304,8 @@ def _quantize_linears(model: Decoder, quantization: str, device: torch.device) -
 
 
 def _pack_linears(model: Decoder, scheme: int_weights.IntScheme, path: Path) -> list[str]:
-    """Give each linear layer the checkpoint holds packed its packed parameters
-    (`int_weights.to_int`); returns their module names."""
+    """Give each linear layer (and MoE layer's experts) the checkpoint holds packed its
+    packed parameters (`int_weights.to_int`, `to_int_experts`); returns their names."""
     names = []
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
@@ -312,34 +313,53 @@ def _pack_linears(model: Decoder, scheme: int_weights.IntScheme, path: Path) -> 
     parts: dict[str, dict[int, bool]] = {}
     for module, act_order in int_weights.packed_modules(names, scheme).items():
         target, shard, _ = model.shard_range(module + ".weight")
-        if ".mlp.w13" in target or ".mlp.w2" in target:
-            raise ValueError(f"{path}: packed {scheme.method} MoE experts ({module}) are not "
-                             "supported yet")
         parts.setdefault(target.removesuffix(".weight"), {})[shard] = act_order
     for target, shards in parts.items():
-        if len(shards) != model.num_shards(target + ".weight") or (
+        expert = target.endswith((".mlp.w13", ".mlp.w2"))
+        if len(shards) != model.num_shards(target if expert else target + ".weight") or (
                 len(set(shards.values())) > 1):
             raise ValueError(f"{path}: the parts of {target} are not all packed alike "
                              f"({scheme.method}): a fused layer's parts must be")
+    packed = []
+    for target, shards in parts.items():
+        act_order = next(iter(shards.values()))
+        if target.endswith(".mlp.w2"):
+            continue  # with its w13
+        if target.endswith(".mlp.w13"):
+            layer = target.removesuffix(".w13")
+            if layer + ".w2" not in parts:
+                raise ValueError(f"{path}: {layer}'s experts are packed in part only")
+            moe = model.get_submodule(layer)
+            full_k2 = moe.w2.shape[2] * parallel.get_tp().size
+            int_weights.to_int_experts(moe, scheme, act_order, full_k2)
+            packed.append(layer)
+            continue
         module = model.get_submodule(target)
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{path}: {target} is packed but is not a linear layer")
         k = module.in_features
         full_k = k * parallel.get_tp().size if isinstance(module, RowParallelLinear) else k
-        int_weights.to_int(module, scheme, next(iter(shards.values())), full_k)
-    return list(parts)
+        int_weights.to_int(module, scheme, act_order, full_k)
+        packed.append(target)
+    return packed
 
 
 def _attach_int_matmuls(model: Decoder, packed: list[str],
                         scheme: int_weights.IntScheme | None, ops: Ops) -> None:
     for target in packed:
-        matmul = int_weights.IntMatmul(ops.int_linear,
-                                       int_weights.int_weight(model.get_submodule(target),
-                                                              scheme))
+        module = model.get_submodule(target)
+        if isinstance(module, SparseMoE):
+            module.experts = PackedExperts([
+                (int_weights.IntMatmul(ops.int_linear, w13), int_weights.IntMatmul(
+                    ops.int_linear, w2)) for w13, w2 in zip(
+                    int_weights.expert_weights(module, scheme, "w13"),
+                    int_weights.expert_weights(module, scheme, "w2"))])
+            continue
+        matmul = int_weights.IntMatmul(ops.int_linear, int_weights.int_weight(module, scheme))
         if target == "lm_head":
             model.lm_head_matmul = matmul
         else:
-            model.get_submodule(target).matmul = matmul
+            module.matmul = matmul
 
 
 def attach_quantized(model: Decoder, weights: Iterator[tuple[str, QuantizedWeight]]) -> int:

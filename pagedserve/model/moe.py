@@ -58,19 +58,36 @@ class ExpertByExpert:
 
     def __call__(self, x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor,
                  ids: Tensor) -> Tensor:
-        out = torch.zeros_like(x)
-        experts = self._matmuls(w13, w2)
-        top_k = ids.shape[1]
-        counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
-        order = ids.flatten().argsort(stable=True)
-        for (w13_e, w2_e, matmul13, matmul2), pair in zip(experts, order.split(counts)):
-            if pair.numel() == 0:
-                continue
-            tokens, slot = pair // top_k, pair % top_k
-            gate, up = matmul13(x[tokens], w13_e, None).chunk(2, dim=-1)
-            y = matmul2(F.silu(gate) * up, w2_e, None)
-            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
-        return out
+        return run_experts(x, self._matmuls(w13, w2), weights, ids)
+
+
+def run_experts(x: Tensor, experts: list[tuple], weights: Tensor, ids: Tensor) -> Tensor:
+    """Each expert (w13_e, w2_e, matmul13, matmul2) with tokens on those tokens, scaled by
+    their routing weight and added into the output in expert order."""
+    out = torch.zeros_like(x)
+    top_k = ids.shape[1]
+    counts = torch.bincount(ids.flatten(), minlength=len(experts)).tolist()
+    order = ids.flatten().argsort(stable=True)
+    for (w13_e, w2_e, matmul13, matmul2), pair in zip(experts, order.split(counts)):
+        if pair.numel() == 0:
+            continue
+        tokens, slot = pair // top_k, pair % top_k
+        gate, up = matmul13(x[tokens], w13_e, None).chunk(2, dim=-1)
+        y = matmul2(F.silu(gate) * up, w2_e, None)
+        out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
+    return out
+
+
+class PackedExperts:
+    """Experts whose weights a checkpoint holds packed (`int_weights`): expert by expert,
+    each matmul on its expert's packed weight (`int_weights.IntMatmul`); the stacked float
+    weights the layer passes are None."""
+
+    def __init__(self, matmuls: list[tuple[Matmul, Matmul]]) -> None:
+        self.experts = [(None, None, m13, m2) for m13, m2 in matmuls]
+
+    def __call__(self, x: Tensor, w13: None, w2: None, weights: Tensor, ids: Tensor) -> Tensor:
+        return run_experts(x, self.experts, weights, ids)
 
 
 class SparseMoE(nn.Module):

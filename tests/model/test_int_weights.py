@@ -7,18 +7,21 @@ written by benchmarks/quantize_int.py as each format's tool writes them:
   no longer reads), AutoGPTQ's dequantization formula (scales[g_idx] * (w - (z + 1)));
 - logits and greedy tokens equal transformers' on the float model built from those
   dequantized weights (float32);
+- MoE experts (Mixtral, Qwen3-MoE) likewise, against the float model written from them;
 - unsupported variants are refused by name.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import LlamaConfig, MixtralConfig, Qwen3Config
+from safetensors.torch import load_file, save_file
+from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from benchmarks.quantize_int import quantize_folder
 from pagedserve.model import load_model
@@ -167,14 +170,51 @@ def test_logits_and_greedy_tokens_equal_the_dequantized_float_model(case, make, 
     check_greedy_generation(case, reference, model, config.max_model_len)
 
 
-def test_packed_moe_experts_are_refused_by_name(tmp_path):
-    def mixtral(f):
-        return make_checkpoint(MixtralConfig(**TINY, num_local_experts=4,
-                                             num_experts_per_tok=2), f)
+def moe_float_folder(model, source: Path, folder: Path, names: tuple[str, str, str, str]):
+    """`source`'s checkpoint with every projection (attention and each expert) replaced by
+    our dequantized weight: the float model our packed one should equal."""
+    moe, gate, up, down = names
+    tensors = load_file(source / "model.safetensors")
+    for i, layer in enumerate(model.layers):
+        qkv = layer.self_attn.qkv_proj.matmul.weight.dequantize().float()
+        for proj, w in zip(("q_proj", "k_proj", "v_proj"), qkv.split([64, 32, 32])):
+            tensors[f"model.layers.{i}.self_attn.{proj}.weight"] = w
+        tensors[f"model.layers.{i}.self_attn.o_proj.weight"] = (
+            layer.self_attn.o_proj.matmul.weight.dequantize().float())
+        for e, (_, _, m13, m2) in enumerate(layer.mlp.experts.experts):
+            prefix = f"model.layers.{i}.{moe}.experts.{e}"
+            w1, w3 = m13.weight.dequantize().float().chunk(2)
+            tensors[f"{prefix}.{gate}.weight"], tensors[f"{prefix}.{up}.weight"] = w1, w3
+            tensors[f"{prefix}.{down}.weight"] = m2.weight.dequantize().float()
+    folder.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
 
-    _, folder = quantized(tmp_path, "ct-w4-g32-sym", mixtral)
-    with pytest.raises(ValueError, match="MoE experts .* not supported"):
-        load_model(folder, torch.float32, "cpu")
+
+MOE = {
+    "mixtral-gptq-desc_act": ("gptq-w4-g32-desc_act", lambda f: make_checkpoint(
+        MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2), f),
+        ("block_sparse_moe", "w1", "w3", "w2")),
+    "qwen3moe-ct-asym-actorder": ("ct-w4-g64-asym-actorder", lambda f: make_checkpoint(
+        Qwen3MoeConfig(**TINY, head_dim=16, moe_intermediate_size=64, num_experts=4,
+                       num_experts_per_tok=2, norm_topk_prob=True), f),
+        ("mlp", "gate_proj", "up_proj", "down_proj")),
+}
+
+
+@pytest.mark.parametrize("case", MOE)
+def test_packed_moe_experts_give_the_dequantized_float_models_logits(case, tmp_path):
+    fmt_case, make, names = MOE[case]
+    _, folder = quantized(tmp_path, fmt_case, make)
+    model, config, _ = load_model(folder, torch.float32, "cpu")
+    reference = moe_float_folder(model, tmp_path / "float", tmp_path / "dequantized", names)
+    check_paged_logits(case, reference, model)
+    check_greedy_generation(case, reference, model, config.max_model_len)
 
 
 @pytest.mark.parametrize("change,message", [
