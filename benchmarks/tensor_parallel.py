@@ -1,39 +1,40 @@
-"""Tensor parallelism on two GPUs (the lent nvidia-h200-x2): the link, the all-reduce, and
-TP=2 against TP=1 on Llama-3-8B's shape, then a shape that fits only on two GPUs; one run.
+"""Tensor parallelism on two or four GPUs (the lent nvidia-h100-x2 / -x4): the link, the
+all-reduce (NCCL against the peer-memory one of pagedserve/model/allreduce.py), and TP sizes
+against TP=1 on Llama-3-8B's shape, Qwen3-30B-A3B's (MoE) and Llama-3-70B's.
 
-    PYTHONPATH=. python benchmarks/tensor_parallel.py --out DIR [--only PARTS]
+    PYTHONPATH=. python benchmarks/tensor_parallel.py --out DIR [--ranks N] [--only PARTS]
 
-Parts (all by default, in this order):
-  topo       `nvidia-smi topo -m`: how the two GPUs are linked
-  allreduce  NCCL all-reduce of bf16 tensors (8 KiB = one decode token's hidden state of
-             Llama-3-8B, 1, 16 and 256 MiB): time and bus bandwidth, 2 ranks; and whether an
-             all-reduce captured in a CUDA graph replays right between eager collectives (if
-             not, the TP=2 engines run with --enforce-eager, and the rows say so)
-  logits     Llama-3-8B shape, TP=1 and TP=2 on the same random weights: the first generated
-             token's top-20 logprobs of 16 prompts (largest difference), and greedy agreement
-  tpot       batch-1 decode TPOT, TP=2 / TP=1 (target <= 0.65)
-  workload   workload A (benchmarks/throughput.py's: 256 requests, prompt and output lengths
-             uniform in [100, 1024]), output tokens/s, TP=2 / TP=1 (target >= 1.6)
-  big        Llama-3-70B's shape (70.6B parameters, 141 GB in bf16: more than one H200 holds)
-             at TP=2 serving workload A
+`--ranks N` (2 by default; 4 on a four-GPU machine): the all-reduce's ranks and the largest TP
+size; the engines run TP=1, 2 (and 4 when N is 4), and TP=N once more with NCCL alone
+(--peer-all-reduce-max-bytes 0) for the tpot part. Parts (all by default, in this order):
+  topo       `nvidia-smi topo -m`: how the GPUs are linked
+  allreduce  bf16 all-reduce at 8 KiB-256 MiB over N ranks, each size by NCCL, one-shot and
+             two-shot (peer memory), every call captured in a CUDA graph (as decode steps
+             run them): time and bus bandwidth; the fastest per size shows where the
+             thresholds belong. Also whether an NCCL all-reduce captured in a graph replays
+             right between eager collectives (if not, the TP engines run --enforce-eager)
+  logits     Llama-3-8B shape, TP=1 and TP=N on the same random weights: the first generated
+             token's top-20 logprobs of 16 prompts (largest difference), greedy agreement
+  tpot       Llama-3-8B batch-1 decode TPOT at every TP size (targets: TP=2 <= 0.60x TP=1,
+             TP=4 <= 0.40x), and TP=N through NCCL alone
+  workload   Llama-3-8B workload A (benchmarks/throughput.py's: 256 requests, prompt and
+             output lengths uniform in [100, 1024]) at every TP size (TP=2 >= 1.7x TP=1)
+  moe        Qwen3-30B-A3B's shape (MoE, experts sharded) workload A at every TP size
+  big        Llama-3-70B's shape (141 GB in bf16: two H200s or four H100s) at TP=N:
+             start-up time, batch-1 TPOT, workload A
 
 logits, tpot and workload share one engine per TP size. Weights are random (load_format
 dummy: no checkpoint to write; the same weights at every TP size, see pagedserve/model/
-dummy.py); a folder holds only config.json and a byte-level tokenizer. The TP=1 engine and
-then the TP=2 engine are built in one process, the engine core in that process (not in a
-process of its own as `LLM(...)` would put it), the first shut down before the second starts:
-a process that has run an engine must be able to run another (issue 27; this script once
-gave each engine a fresh process because that crashed). The process runs apart from this
-script's, in a session of its own, so a hung NCCL rank cannot outlive a timeout. A part that
-fails is recorded as an `error` row and the run goes on.
+dummy.py); a folder holds only config.json and a byte-level tokenizer. The engines of a part
+are built one after another in one process, the engine core in that process, each shut down
+before the next starts (issue 27). That process runs apart from this script's, in a session of
+its own, so a hung NCCL rank cannot outlive a timeout. A part that fails is recorded as an
+`error` row and the run goes on.
 
-Expected to take 6-7 minutes on the H200 pair. If one device call may not last that long, run
-`--only topo,allreduce,logits,tpot,workload`, then `--only allreduce,big` (the all-reduce part
-is short and decides whether the TP=2 engines may use CUDA graphs).
-
-Appends to DIR/tensor_parallel.json: rows of tp, shape, metric, value, device, date (and the
-part's details). `--tiny` runs the same logic on the CPU (gloo, a tiny Llama, a scaled-down
-workload): a check of the script, not a measurement.
+Each part fits one device call of under 10 minutes (cold caches); see docs/benchmarks.md for
+the commands and their durations. Appends to DIR/tensor_parallel.json: rows of tp, shape,
+metric, value, device, date (and the part's details). `--tiny` runs the same logic on the CPU
+(gloo, tiny models, a scaled-down workload): a check of the script, not a measurement.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ HERE = Path(__file__).resolve().parent
 # this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-PARTS = ("topo", "allreduce", "logits", "tpot", "workload", "big")
+PARTS = ("topo", "allreduce", "logits", "tpot", "workload", "moe", "big")
 ENGINE_PARTS = ("logits", "tpot", "workload")
-CHILD_TIMEOUT_S = 420
-BANDWIDTH_TIMEOUT_S = 120  # NCCL start-up and the bandwidth sizes
+CHILD_TIMEOUT_S = 540
+BANDWIDTH_TIMEOUT_S = 180  # NCCL and symmetric-memory start-up, then every size and kind
 GRAPH_CHECK_TIMEOUT_S = 60  # a captured all-reduce that hangs on replay must not eat the run
 ALLREDUCE_TIMEOUT_S = BANDWIDTH_TIMEOUT_S + GRAPH_CHECK_TIMEOUT_S + 60
 TOP_LOGPROBS = 20
@@ -70,26 +71,31 @@ TOP_LOGPROBS = 20
 class Scale:
     """What the run measures: the real thing on GPUs, or a seconds-long check on the CPU."""
 
-    def __init__(self, tiny: bool) -> None:
+    def __init__(self, tiny: bool, ranks: int = 2) -> None:
         self.tiny = tiny
+        self.ranks = ranks
+        self.tps = [1, 2] + ([4] if ranks >= 4 else [])
         self.device = "cpu" if tiny else "cuda"
         self.shape = "tiny-llama3" if tiny else "llama3-8b"
+        self.moe_shape = "tiny-qwen3-moe" if tiny else "qwen3-30b-a3b"
         self.big_shape = "tiny-llama3" if tiny else "llama3-70b"
         self.requests = 8 if tiny else 256
         self.lengths = (10, 40) if tiny else (100, 1024)
         self.tpot_tokens = 16 if tiny else 128
         self.logit_prompts = 4 if tiny else 16
-        self.allreduce_bytes = ([8 << 10, 1 << 20] if tiny
-                                else [8 << 10, 1 << 20, 16 << 20, 256 << 20])
+        self.allreduce_bytes = ([8 << 10, 1 << 20] if tiny else
+                                [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20,
+                                 32 << 20, 256 << 20])
         # TP>1 without CUDA graphs: set when the all-reduce part finds a captured all-reduce
         # that does not replay right (the engines would then hang or compute garbage)
         self.eager_tp = False
 
-    def engine_options(self, tp: int) -> dict:
+    def engine_options(self, tp: int, peer: bool = True) -> dict:
         if self.tiny:
             return dict(device="cpu", dtype="float32", kv_cache_memory=64 << 20,
                         max_model_len=256)
-        return dict(max_model_len=4096, enforce_eager=self.eager_tp and tp > 1)
+        return dict(max_model_len=4096, enforce_eager=self.eager_tp and tp > 1,
+                    **({} if peer else {"peer_all_reduce_max_bytes": 0}))
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -121,19 +127,19 @@ def model_folder(root: Path, shape: str) -> Path:
 
 
 def child_engines(spec: dict) -> dict:
-    """Each TP size of spec["tps"] in turn, in this process: {tp: results, or {"error"}}."""
+    """Each engine of spec["runs"] in turn, in this process: {label: results, or {"error"}}."""
     results = {}
-    for tp in spec["tps"]:
+    for run in spec["runs"]:
         try:
-            results[str(tp)] = one_engine(spec, tp)
+            results[run["label"]] = one_engine(spec, run)
         except Exception:  # noqa: BLE001 - reported to the parent as a row
-            results[str(tp)] = {"error": traceback.format_exc()[-3000:]}
+            results[run["label"]] = {"error": traceback.format_exc()[-3000:]}
     return results
 
 
-def one_engine(spec: dict, tp: int) -> dict:
-    """Build one engine (TP=tp) in this process, run the parts asked for, shut it down and
-    give its memory back; results as a dict."""
+def one_engine(spec: dict, run: dict) -> dict:
+    """Build one engine (TP=run["tp"], the peer all-reduce unless run["peer"] is false) in
+    this process, run its parts, shut it down and give its memory back; results as a dict."""
     import gc
 
     import torch
@@ -144,17 +150,18 @@ def one_engine(spec: dict, tp: int) -> dict:
 
     scale = Scale(spec["tiny"])
     scale.eager_tp = spec["eager_tp"]
+    tp, parts = run["tp"], run["parts"]
     t0 = time.perf_counter()
     llm = LLM.from_engine(LLMEngine.from_options(
         spec["folder"], tensor_parallel_size=tp, load_format="dummy",
-        **scale.engine_options(tp)))
+        **scale.engine_options(tp, run.get("peer", True))))
     out = {"startup_s": round(time.perf_counter() - t0, 1),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "kv_blocks": llm.llm_engine.num_blocks}
     try:
         llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True),
                      use_tqdm=False)  # warm-up
-        if "logits" in spec["parts"]:
+        if "logits" in parts:
             params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                     logprobs=TOP_LOGPROBS)
             outputs = llm.generate(logit_prompts(scale), params, use_tqdm=False)
@@ -162,9 +169,9 @@ def one_engine(spec: dict, tp: int) -> dict:
             out["first_logprobs"] = [{str(t): lp.logprob
                                       for t, lp in o.outputs[0].logprobs[0].items()}
                                      for o in outputs]
-        if "tpot" in spec["parts"]:
+        if "tpot" in parts:
             out["tpot_ms"] = tpot_batch1(llm, scale.tpot_tokens)
-        if "workload" in spec["parts"]:
+        if "workload" in parts:
             out.update(run_workload(llm, scale))
     finally:
         llm.llm_engine.shutdown()
@@ -205,8 +212,8 @@ def run_workload(llm, scale: Scale) -> dict:
 
 # ------------------------------------------------------------------ children (all-reduce)
 def child_allreduce(spec: dict) -> dict:
-    """Two ranks; rank 0 sends the bandwidth rows, then the graph check's verdict (a capture
-    that hangs on replay costs the verdict, not the rows)."""
+    """spec["ranks"] ranks; rank 0 sends the timing rows, then the graph check's verdict (a
+    capture that hangs on replay costs the verdict, not the rows)."""
     import queue as queues
 
     import torch.multiprocessing as mp
@@ -217,8 +224,9 @@ def child_allreduce(spec: dict) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_allreduce_rank, args=(rank, 2, port, spec, results))
-             for rank in range(2)]
+    size = spec["ranks"]
+    procs = [ctx.Process(target=_allreduce_rank, args=(rank, size, port, spec, results))
+             for rank in range(size)]
     for proc in procs:
         proc.start()
     try:
@@ -253,22 +261,35 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size,
                             **({"device_id": device} if cuda else {}))
+    peer, peer_error = None, None
+    if cuda:
+        try:
+            peer = _peer_all_reduce(size, max(spec["sizes"]), device)
+        except Exception:  # noqa: BLE001 - NCCL rows still come
+            peer_error = traceback.format_exc()[-1500:]
     rows = []
     for nbytes in spec["sizes"]:
         x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-        iters = 20 if nbytes >= 16 << 20 else 200
-        for _ in range(5):
-            dist.all_reduce(x)
-        _sync(cuda)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(x)
-        _sync(cuda)
-        seconds = (time.perf_counter() - t0) / iters
-        rows.append({"bytes": nbytes, "us": round(seconds * 1e6, 2),
-                     "bus_gb_per_s": round(2 * (size - 1) / size * nbytes / seconds / 1e9, 2)})
+        iters = 10 if nbytes >= 16 << 20 else 100
+        algorithms = {"nccl": lambda: dist.all_reduce(x)}
+        if peer is not None:
+            algorithms["one_shot"] = lambda: peer(x, "one_shot")
+            algorithms["two_shot"] = lambda: peer(x, "two_shot")
+        for name, fn in algorithms.items():
+            try:
+                seconds = _time_calls(fn, iters, cuda)
+                row = {"bytes": nbytes, "algorithm": name, "us": round(seconds * 1e6, 2),
+                       "bus_gb_per_s": round(2 * (size - 1) / size * nbytes / seconds / 1e9,
+                                             2)}
+                if name != "nccl":
+                    row["matches_nccl"] = _matches_nccl(peer, name, nbytes, rank, device)
+            except Exception:  # noqa: BLE001 - one failing size or kind is a row
+                row = {"bytes": nbytes, "algorithm": name, "error":
+                       traceback.format_exc()[-1500:]}
+            rows.append(row)
     if rank == 0:
-        queue.put({"rows": rows, "device": torch.cuda.get_device_name() if cuda else "cpu"})
+        queue.put({"rows": rows, "peer_error": peer_error,
+                   "device": torch.cuda.get_device_name() if cuda else "cpu"})
     verdict = None
     if cuda:
         try:
@@ -278,6 +299,62 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
             verdict = False
     if rank == 0:
         queue.put(verdict)
+
+
+def _peer_all_reduce(size: int, max_bytes: int, device):
+    """The peer all-reduce over a buffer large enough for every size measured (the engine's
+    threshold is a separate setting: here every algorithm runs at every size)."""
+    import torch.distributed as dist
+
+    from pagedserve.model.allreduce import AllReducePlan, PeerAllReduce
+
+    return PeerAllReduce(AllReducePlan(max_bytes, max_bytes), dist.group.WORLD, device)
+
+
+def _time_calls(fn, iters: int, cuda: bool) -> float:
+    """Seconds per call: on CUDA `iters` calls captured in one graph (as decode steps run
+    them, without launch overhead), replayed 3 times; on the CPU eager."""
+    import torch
+
+    if not cuda:
+        for _ in range(3):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / (3 * iters)
+    del graph
+    return seconds
+
+
+def _matches_nccl(peer, algorithm: str, nbytes: int, rank: int, device) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    x = torch.arange(nbytes // 2, device=device).remainder_(31).add_(rank).to(torch.bfloat16)
+    want = x.clone()
+    dist.all_reduce(want)
+    return bool(torch.equal(peer(x, algorithm), want))
 
 
 def _graph_check(rank: int, size: int, device) -> bool:
@@ -381,90 +458,123 @@ def part_topo(res: Results) -> None:
 
 
 def part_allreduce(res: Results, scale: Scale) -> None:
-    result = run_child("allreduce", {"tiny": scale.tiny, "sizes": scale.allreduce_bytes},
-                       timeout=ALLREDUCE_TIMEOUT_S)
+    n = scale.ranks
+    result = run_child("allreduce", {"tiny": scale.tiny, "sizes": scale.allreduce_bytes,
+                                     "ranks": n}, timeout=ALLREDUCE_TIMEOUT_S)
     if "error" in result:
-        res.add(2, None, "allreduce_bus_gb_per_s", None, error=result["error"])
+        res.add(n, None, "allreduce_bus_gb_per_s", None, error=result["error"])
         scale.eager_tp = not scale.tiny  # perhaps a captured all-reduce hung: no graphs
         return
     res.device = result["device"]
     if result["graph_allreduce_ok"] is not None:
-        res.add(2, None, "cuda_graph_allreduce_ok", result["graph_allreduce_ok"])
+        res.add(n, None, "cuda_graph_allreduce_ok", result["graph_allreduce_ok"])
         scale.eager_tp = not result["graph_allreduce_ok"]
+    if result.get("peer_error"):
+        res.add(n, None, "peer_allreduce", None, error=result["peer_error"])
+    fastest: dict[int, tuple[float, str]] = {}
     for row in result["rows"]:
-        res.add(2, None, "allreduce_bus_gb_per_s", row["bus_gb_per_s"], bytes=row["bytes"],
-                us=row["us"], dtype="bfloat16")
+        row = dict(row)
+        value = row.pop("bus_gb_per_s", None)
+        res.add(n, None, "allreduce_bus_gb_per_s", value, dtype="bfloat16",
+                cuda_graph=not scale.tiny, **row)
+        if "us" in row and row.get("matches_nccl", True):
+            fastest[row["bytes"]] = min(fastest.get(row["bytes"], (float("inf"), "")),
+                                        (row["us"], row["algorithm"]))
+    if any(name != "nccl" for _, name in fastest.values()):
+        res.add(n, None, "allreduce_fastest_by_bytes",
+                {str(b): name for b, (_, name) in sorted(fastest.items())})
 
 
-def engine_runs(res: Results, scale: Scale, root: Path, parts: list[str]) -> dict[int, dict]:
-    folder = model_folder(root, scale.shape)
-    spec = {"tps": [1, 2], "folder": str(folder), "parts": parts, "tiny": scale.tiny,
-            "eager_tp": scale.eager_tp}
-    both = run_child("engines", spec, timeout=2 * CHILD_TIMEOUT_S)
+def engine_runs(res: Results, scale: Scale, root: Path, shape: str, runs: list[dict],
+                timeout: float = CHILD_TIMEOUT_S) -> dict[str, dict]:
+    """The engines of `runs` ({label, tp, peer, parts}) on `shape`, one after another in one
+    child process; their start-up rows reported here."""
+    folder = model_folder(root, shape)
+    spec = {"runs": runs, "folder": str(folder), "tiny": scale.tiny, "eager_tp": scale.eager_tp}
+    done = run_child("engines", spec, timeout=timeout)
     results = {}
-    for tp in (1, 2):
-        result = results[tp] = both.get(str(tp), {"error": both.get("error", "not run")})
+    for run in runs:
+        label = run["label"]
+        result = results[label] = done.get(label, {"error": done.get("error", "not run")})
         if "error" in result:
-            res.add(tp, scale.shape, "engine", None, error=result["error"])
+            res.add(run["tp"], shape, "engine", None, error=result["error"], run=label)
             continue
         res.device = result["device"]
-        res.add(tp, scale.shape, "startup_s", result["startup_s"], kv_blocks=result["kv_blocks"],
-                cuda_graphs=not (scale.eager_tp and tp > 1) and not scale.tiny,
-                same_process_as="tp1" if tp == 2 else None)
+        res.add(run["tp"], shape, "startup_s", result["startup_s"], run=label,
+                kv_blocks=result["kv_blocks"], peer_allreduce=run.get("peer", True),
+                cuda_graphs=not (scale.eager_tp and run["tp"] > 1) and not scale.tiny)
     return results
 
 
-def report_engines(res: Results, scale: Scale, runs: dict[int, dict]) -> None:
-    one, two = runs[1], runs[2]
-    ok = "error" not in one and "error" not in two
-    if ok and "greedy" in one:
-        report_logits(res, scale, one, two)
-    for tp, run in runs.items():
+def dense_runs(scale: Scale, parts: list[str]) -> list[dict]:
+    """TP=1, 2 (and 4) with the parts asked for; TP=N through NCCL alone for tpot."""
+    runs = [{"label": str(tp), "tp": tp, "peer": True,
+             "parts": [p for p in parts if p != "logits" or tp in (1, scale.ranks)]}
+            for tp in scale.tps]
+    if "tpot" in parts and scale.ranks in scale.tps:
+        runs.append({"label": f"{scale.ranks}-nccl", "tp": scale.ranks, "peer": False,
+                     "parts": ["tpot"]})
+    return runs
+
+
+TARGETS = {("tpot", 2): "<= 0.60", ("tpot", 4): "<= 0.40", ("workload", 2): ">= 1.7"}
+
+
+def report_engines(res: Results, scale: Scale, shape: str, runs: dict[str, dict]) -> None:
+    one = runs.get("1", {"error": "not run"})
+    for label, run in runs.items():
+        tp = int(label.split("-")[0])
         if "tpot_ms" in run:
-            res.add(tp, scale.shape, "tpot_batch1_ms", run["tpot_ms"])
+            res.add(tp, shape, "tpot_batch1_ms", run["tpot_ms"], run=label)
         if "output_tok_per_s" in run:
-            res.add(tp, scale.shape, "workload_A_output_tok_per_s", run["output_tok_per_s"],
-                    seconds=run["workload_s"], output_tokens=run["output_tokens"],
+            res.add(tp, shape, "workload_A_output_tok_per_s", run["output_tok_per_s"],
+                    run=label, seconds=run["workload_s"], output_tokens=run["output_tokens"],
                     preemptions=run["preemptions"], kv_blocks=run["kv_blocks"])
-    if ok and "tpot_ms" in one:
-        res.add(2, scale.shape, "tpot_ratio_tp2_over_tp1",
-                round(two["tpot_ms"] / one["tpot_ms"], 3), target="<= 0.65")
-    if ok and "output_tok_per_s" in one:
-        res.add(2, scale.shape, "workload_A_speedup_tp2_over_tp1",
-                round(two["output_tok_per_s"] / one["output_tok_per_s"], 3), target=">= 1.6")
+        if label == "1" or "error" in run or "error" in one:
+            continue
+        if "tpot_ms" in run and "tpot_ms" in one:
+            res.add(tp, shape, f"tpot_ratio_tp{label}_over_tp1",
+                    round(run["tpot_ms"] / one["tpot_ms"], 3),
+                    target=TARGETS.get(("tpot", tp)))
+        if "output_tok_per_s" in run and "output_tok_per_s" in one:
+            res.add(tp, shape, f"workload_A_speedup_tp{label}_over_tp1",
+                    round(run["output_tok_per_s"] / one["output_tok_per_s"], 3),
+                    target=TARGETS.get(("workload", tp)))
+    top = runs.get(str(scale.ranks), {})
+    if "greedy" in one and "greedy" in top:
+        report_logits(res, scale, one, top)
 
 
-def report_logits(res: Results, scale: Scale, one: dict, two: dict) -> None:
+def report_logits(res: Results, scale: Scale, one: dict, other: dict) -> None:
     """The first generated token's top-20 logprobs (tokens in both lists) and how many
     greedy tokens agree before the first difference (random weights give flat
     distributions, so bf16 rounding may swap near-ties: agreement is reported, not required)."""
     diffs, same_top = [], 0
-    for a, b in zip(one["first_logprobs"], two["first_logprobs"]):
+    for a, b in zip(one["first_logprobs"], other["first_logprobs"]):
         diffs += [abs(a[t] - b[t]) for t in a.keys() & b.keys()]
         same_top += max(a, key=a.get) == max(b, key=b.get)
     prefix = [next((i for i, (x, y) in enumerate(zip(g1, g2)) if x != y), len(g1))
-              for g1, g2 in zip(one["greedy"], two["greedy"])]
-    n = len(prefix)
-    res.add(2, scale.shape, "first_token_logprob_max_abs_diff_vs_tp1", round(max(diffs), 5),
+              for g1, g2 in zip(one["greedy"], other["greedy"])]
+    n, tp = len(prefix), scale.ranks
+    res.add(tp, scale.shape, "first_token_logprob_max_abs_diff_vs_tp1", round(max(diffs), 5),
             mean=round(statistics.mean(diffs), 5), prompts=n, top=TOP_LOGPROBS)
-    res.add(2, scale.shape, "first_token_argmax_agreement_vs_tp1", same_top / n)
-    res.add(2, scale.shape, "greedy_tokens_agreeing_before_first_difference",
+    res.add(tp, scale.shape, "first_token_argmax_agreement_vs_tp1", same_top / n)
+    res.add(tp, scale.shape, "greedy_tokens_agreeing_before_first_difference",
             statistics.mean(prefix), of=len(one["greedy"][0]))
 
 
+def part_moe(res: Results, scale: Scale, root: Path) -> None:
+    """Qwen3-30B-A3B's shape, workload A at every TP size."""
+    runs = [{"label": str(tp), "tp": tp, "parts": ["workload"]} for tp in scale.tps]
+    report_engines(res, scale, scale.moe_shape,
+                   engine_runs(res, scale, root, scale.moe_shape, runs))
+
+
 def part_big(res: Results, scale: Scale, root: Path) -> None:
-    folder = model_folder(root, scale.big_shape)
-    both = run_child("engines", {"tps": [2], "folder": str(folder), "parts": ["workload"],
-                                 "tiny": scale.tiny, "eager_tp": scale.eager_tp})
-    result = both.get("2", {"error": both.get("error", "not run")})
-    if "error" in result:
-        res.add(2, scale.big_shape, "workload_A_output_tok_per_s", None, error=result["error"])
-        return
-    res.device = result["device"]
-    res.add(2, scale.big_shape, "workload_A_output_tok_per_s", result["output_tok_per_s"],
-            seconds=result["workload_s"], output_tokens=result["output_tokens"],
-            preemptions=result["preemptions"], kv_blocks=result["kv_blocks"],
-            startup_s=result["startup_s"], cuda_graphs=not scale.eager_tp and not scale.tiny)
+    """Llama-3-70B's shape at TP=N: start-up, batch-1 TPOT, workload A."""
+    runs = [{"label": str(scale.ranks), "tp": scale.ranks, "parts": ["tpot", "workload"]}]
+    report_engines(res, scale, scale.big_shape,
+                   engine_runs(res, scale, root, scale.big_shape, runs))
 
 
 def main() -> None:
@@ -472,6 +582,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder for tensor_parallel.json")
     parser.add_argument("--only", default=",".join(PARTS), help=f"parts of {PARTS}")
     parser.add_argument("--tiny", action="store_true", help="the CPU check (gloo, tiny)")
+    parser.add_argument("--ranks", type=int, default=2, choices=(2, 4),
+                        help="GPUs: the all-reduce's ranks and the largest TP size")
+    parser.add_argument("--tps", default=None,
+                        help="the TP sizes the engine parts run, e.g. 1,2 (default: 1, 2 and "
+                        "4 with --ranks 4), to split a part over several device calls")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -484,7 +599,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     args.out.mkdir(parents=True, exist_ok=True)
-    scale, res = Scale(args.tiny), Results(args.out)
+    scale, res = Scale(args.tiny, args.ranks), Results(args.out)
+    if args.tps:
+        scale.tps = [int(tp) for tp in args.tps.split(",")]
+        if not set(scale.tps) <= {1, 2, 4} or max(scale.tps) > args.ranks:
+            parser.error(f"--tps must be among 1, 2, 4 and at most --ranks ({args.ranks})")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -494,7 +613,11 @@ def main() -> None:
             part_allreduce(res, scale)
         engine_parts = [p for p in ENGINE_PARTS if p in parts]
         if engine_parts:
-            report_engines(res, scale, engine_runs(res, scale, root, engine_parts))
+            runs = dense_runs(scale, engine_parts)
+            report_engines(res, scale, scale.shape,
+                           engine_runs(res, scale, root, scale.shape, runs))
+        if "moe" in parts:
+            part_moe(res, scale, root)
         if "big" in parts:
             part_big(res, scale, root)
     print(f"done in {time.perf_counter() - t0:.0f} s; {len(res.rows)} rows in {res.path}")
