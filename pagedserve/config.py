@@ -113,8 +113,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     # speculative decoding (pagedserve/spec): a SpeculativeConfig, its dict or its JSON text,
-    # e.g. {"method": "ngram", "num_speculative_tokens": 4}; None = off
-    speculative_config: SpeculativeConfig | dict | str | None = None
+    # e.g. {"method": "ngram", "num_speculative_tokens": 4}; None = off. The dict and text are
+    # parsed in __post_init__; the annotation names only the parsed form, the one the
+    # tensor-parallel workers decode (msgspec takes one dict-like type in a union)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self._check_choice("dtype", DTYPES)
