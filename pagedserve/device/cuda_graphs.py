@@ -30,7 +30,7 @@ from torch import Tensor
 from pagedserve.attention.backend import AttentionBackend, set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.device.input_batch import StepBuffers
-from pagedserve.device.lora_slots import decode_graph_batch
+from pagedserve.device.lora_slots import LoRASlots
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.lora import lora_context
 
@@ -45,7 +45,7 @@ def batch_size_ladder(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: Decoder, backend: AttentionBackend, buffers: StepBuffers,
-                 max_batch: int, max_model_len: int, lora: bool = False) -> None:
+                 max_batch: int, max_model_len: int, lora: LoRASlots | None = None) -> None:
         self.model = model
         self.backend = backend
         self.buffers = buffers
@@ -70,7 +70,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> Tensor:
         b = self.buffers
-        lora = decode_graph_batch(b, size) if self.lora else None
+        lora = self.lora.graph_batch(size) if self.lora is not None else None
         with set_forward_context(self._meta(size), self.backend), lora_context(lora):
             return self.model(b.input_ids.device[:size], b.positions.device[:size])
 
@@ -84,8 +84,6 @@ class DecodeGraphs:
         b.slot_mapping.device.fill_(-1)
         b.seq_lens.device.fill_(1)
         b.block_tables.device.zero_()
-        b.lora_slots.device.fill_(-1)
-        b.lora_seg_slots.device.fill_(-1)
         b.query_start_loc.device.copy_(torch.arange(b.query_start_loc.device.numel(),
                                                     dtype=torch.int32))
         pool = torch.cuda.graph_pool_handle()

@@ -74,10 +74,6 @@ class StepBuffers:
         # async scheduling: input_ids rows whose token is a row of the last sampled tokens
         self.placeholder_rows = staged((max_seqs,), torch.int64)
         self.placeholder_sources = staged((max_seqs,), torch.int64)
-        # LoRA (device/lora_slots.py): each token's adapter slot, each request's rows and slot
-        self.lora_slots = staged((max_tokens,), torch.int32)
-        self.lora_seg_lens = staged((max_seqs,), torch.int32)
-        self.lora_seg_slots = staged((max_seqs,), torch.int32)
         # per block-table row, the columns a step may have left nonzero
         self._table_widths = np.zeros(max_seqs, dtype=np.int64)
         # The host buffers are rewritten every step: wait for the last step's copies first.

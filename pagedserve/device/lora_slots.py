@@ -9,6 +9,10 @@ most `max_loras` distinct adapters among its running requests, so one is always 
 A slot is written by copies queued on the device's stream: a step still running there reads
 the old weights to its end.
 
+Each step's rows go to the kernels as `LoRABatch` (model/lora.py), built here with numpy into
+buffers of fixed size and address (a CUDA graph replays reads of them): each token's slot,
+and the rows of adapters sorted by slot and cut into tiles.
+
 Each rank decides alone: the slots are this rank's memory, and every rank sees the same
 steps, so their choices agree anyway, but nothing depends on that.
 """
@@ -20,7 +24,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from pagedserve.device.input_batch import StepBuffers
+from pagedserve.device.input_batch import StagedTensor
 from pagedserve.messages import LoRARequest
 from pagedserve.model import lora
 from pagedserve.model.config import ModelConfig
@@ -34,6 +38,7 @@ class LoRASlots:
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
         self.device = device
+        self.num_slots = max_loras
         self.dtype = model.embed_tokens.weight.dtype
         self.stacks = lora.attach(model, max_loras, max_rank)
         # the torch reference reads each slot's rows, grouped on the host; the kernels do not
@@ -80,35 +85,63 @@ class LoRASlots:
         self._host.move_to_end(key)
         return weights
 
-    def batch(self, buffers: StepBuffers, request_slots: np.ndarray, num_new: np.ndarray,
-              query_start_loc, rows: int, token_rows: int, graph: bool) -> lora.LoRABatch | None:
-        """The step's `LoRABatch` from each request's slot, written into the step buffers
-        (padding rows are the base model's); None for an eager step with no adapter."""
+    def allocate(self, max_tokens: int) -> None:
+        """The step inputs' buffers (host and device), for steps of up to `max_tokens`."""
+        def staged(size: int) -> StagedTensor:
+            return StagedTensor.allocate((size,), torch.int32, self.device)
+
+        tiles = lora.max_tiles(max_tokens, self.num_slots)
+        self._token_slots, self._sorted_rows = staged(max_tokens), staged(max_tokens)
+        self._tile_starts, self._tile_lens = staged(tiles), staged(tiles)
+        self._tile_slots = staged(tiles)
+
+    def batch(self, request_slots: np.ndarray, num_new: np.ndarray, token_rows: int,
+              graph: bool) -> lora.LoRABatch | None:
+        """The step's `LoRABatch` from each request's slot, written into the buffers
+        (padding rows are the base model's); None for an eager step with no adapter. A
+        graph's tile count is fixed by its size, unused tiles marked -1."""
         if not graph and not (request_slots >= 0).any():
             return None
-        num_seqs, num_tokens = len(request_slots), int(num_new.sum())
-        token_slots = buffers.lora_slots.np
-        token_slots[:num_tokens] = np.repeat(request_slots, num_new)
-        token_slots[num_tokens:token_rows] = -1
-        seg_lens, seg_slots = buffers.lora_seg_lens.np, buffers.lora_seg_slots.np
-        seg_lens[:num_seqs], seg_slots[:num_seqs] = num_new, request_slots
-        seg_lens[num_seqs:rows], seg_slots[num_seqs:rows] = 1, -1
-        rows_by_slot = None
-        if self.grouped and not graph:
-            host_rows = token_slots[:num_tokens]
-            rows_by_slot = {int(s): torch.from_numpy(np.flatnonzero(host_rows == s)).to(
-                self.device, non_blocking=True) for s in np.unique(request_slots) if s >= 0}
+        num_tokens = int(num_new.sum())
+        slots = self._token_slots.np[:token_rows]
+        slots[:num_tokens] = np.repeat(request_slots, num_new)
+        slots[num_tokens:] = -1
+        one_row = bool((num_new == 1).all()) and token_rows <= lora.ONE_ROW_MAX
+        if self.grouped:  # the reference: each slot's rows, on the host
+            rows_by_slot = {int(s): torch.from_numpy(np.flatnonzero(slots == s)).to(self.device)
+                            for s in np.unique(request_slots) if s >= 0}
+            return lora.LoRABatch(self._token_slots.upload(token_rows), *self._no_tiles(),
+                                  one_row, rows_by_slot=rows_by_slot)
+        if one_row:
+            return lora.LoRABatch(self._token_slots.upload(token_rows), *self._no_tiles(),
+                                  True, lora.TILE_ROWS)
+        count = lora.fill_tiles(slots, self._sorted_rows.np, self._tile_starts.np,
+                                self._tile_lens.np, self._tile_slots.np)
+        if graph:
+            capacity = lora.max_tiles(token_rows, self.num_slots)
+            self._tile_slots.np[count:capacity] = -1
+            self._tile_lens.np[count:capacity] = 0
+            count = capacity
+        return lora.LoRABatch(self._token_slots.upload(token_rows),
+                              self._sorted_rows.upload(token_rows),
+                              self._tile_starts.upload(count), self._tile_lens.upload(count),
+                              self._tile_slots.upload(count), False, lora.TILE_ROWS)
+
+    def _no_tiles(self) -> tuple:
+        empty = self._tile_slots.device[:0]
+        return empty, empty, empty, empty
+
+    def graph_batch(self, size: int) -> lora.LoRABatch:
+        """The inputs a captured decode graph of `size` rows reads: the buffers themselves,
+        every row at the base model's -1 and every tile unused until a step writes them."""
+        self._token_slots.device.fill_(-1)
+        self._tile_slots.device.fill_(-1)
+        self._tile_lens.device.zero_()
+        tiles = lora.max_tiles(size, self.num_slots)
         return lora.LoRABatch(
-            buffers.lora_slots.upload(token_rows), query_start_loc[:rows],
-            buffers.lora_seg_lens.upload(rows), buffers.lora_seg_slots.upload(rows),
-            int(num_new.max()) if num_seqs else 1, rows_by_slot)
-
-
-def decode_graph_batch(buffers: StepBuffers, size: int) -> lora.LoRABatch:
-    """The rows of a captured decode graph of `size` rows: the buffers it replays."""
-    return lora.LoRABatch(buffers.lora_slots.device[:size], buffers.query_start_loc.device[:size],
-                          buffers.lora_seg_lens.device[:size],
-                          buffers.lora_seg_slots.device[:size], 1)
+            self._token_slots.device[:size], self._sorted_rows.device[:size],
+            self._tile_starts.device[:tiles], self._tile_lens.device[:tiles],
+            self._tile_slots.device[:tiles], size <= lora.ONE_ROW_MAX, lora.TILE_ROWS)
 
 
 def _pinned(adapter: LoRAAdapter) -> LoRAAdapter:

@@ -347,6 +347,8 @@ class ModelRunner:
         self.buffers = StepBuffers(max(config.max_num_batched_tokens, config.max_num_seqs),
                                    config.max_num_seqs, max_blocks, self.device)
         self.block_rows = BlockTableRows(max_blocks, capacity=2 * config.max_num_seqs)
+        if self.loras is not None:
+            self.loras.allocate(max(config.max_num_batched_tokens, config.max_num_seqs))
         self.graphs = None
         warm_up_sampler(self.sampler, self.model_config.vocab_size, self.dtype, self.device,
                         config.max_num_seqs)
@@ -354,7 +356,7 @@ class ModelRunner:
             self._bind_kv_cache()
             self.graphs = DecodeGraphs(self.model, self.backend, self.buffers,
                                        config.max_num_seqs, max_model_len,
-                                       lora=self.loras is not None)
+                                       lora=self.loras)
             self.graphs.capture()
 
     # -- one step ---------------------------------------------------------------------------
@@ -446,9 +448,8 @@ class ModelRunner:
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
         lora = None
         if self.loras is not None:
-            lora = self.loras.batch(
-                b, self.loras.slots([r.lora_request for r in requests]), num_new,
-                meta.query_start_loc, rows, token_rows, graph_size is not None)
+            lora = self.loras.batch(self.loras.slots([r.lora_request for r in requests]),
+                                    num_new, token_rows, graph_size is not None)
         inputs = StepInputs(
             input_ids=b.input_ids.upload(token_rows),
             positions=b.positions.upload(token_rows),

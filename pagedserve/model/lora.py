@@ -8,8 +8,8 @@ n * max_rank and B is block-diagonal over the shards (`lora_adapter.py`), so one
 
 Which rows run under which slot is the step's `LoRABatch`, set around the forward pass by the
 runner (`lora_context`), like the attention's forward context: per token its slot (-1: the
-base model), and per request its segment, for the kernels that group a prefill's rows by
-adapter. The implementation of the shrink-expand is the model's `Ops.lora`, chosen at load:
+base model), and the rows grouped by slot in tiles, for the kernels that read an adapter's
+weights once per tile of its rows. The implementation of the shrink-expand is the model's `Ops.lora`, chosen at load:
 the torch reference below (the CPU engine), or the Triton kernels
 (`kernels/triton/lora.py`). A row-parallel projection (o, down under tensor parallelism)
 adds its LoRA output before the all-reduce: each rank's expand of its partial shrink sums to
@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,12 +34,44 @@ class LoRABatch:
     """The step's adapter rows. Tensors on the model's device, int32."""
 
     token_slots: Tensor  # [T]: each token's slot, -1 for the base model
-    seg_starts: Tensor  # [S]: each request's first token
-    seg_lens: Tensor  # [S]
-    seg_slots: Tensor  # [S]
-    max_seg_len: int  # 1: a decode-only step (the gathered kernels, one row at a time)
-    # the reference's grouping, on the host: slot -> its rows (None under a CUDA graph)
+    # the rows of adapters sorted by slot, cut into tiles of one slot each (the kernels' unit:
+    # a tile's rows share its slot's weights); unused tiles have slot -1
+    sorted_rows: Tensor  # [T]
+    tile_starts: Tensor  # [tiles]: the tile's first entry of sorted_rows
+    tile_lens: Tensor  # [tiles]
+    tile_slots: Tensor  # [tiles]
+    one_row_kernels: bool  # a small decode step: each row on its own (kernels/triton/lora.py)
+    tile_rows: int = 32  # the most rows in a tile (TILE_ROWS)
+    # the reference's grouping, on the host: slot -> its rows (None where the kernels run)
     rows_by_slot: dict[int, Tensor] | None = None
+
+
+TILE_ROWS = 32  # a tile's rows: weights read once per this many rows of an adapter
+ONE_ROW_MAX = 8  # decode steps of at most this many rows run each row on its own
+
+
+def max_tiles(num_rows: int, num_slots: int) -> int:
+    """The most tiles `num_rows` rows over `num_slots` adapters can make."""
+    return -(-num_rows // TILE_ROWS) + num_slots
+
+
+def fill_tiles(token_slots: np.ndarray, sorted_rows: np.ndarray, tile_starts: np.ndarray,
+               tile_lens: np.ndarray, tile_slots: np.ndarray) -> int:
+    """Sort the rows of adapters (slot >= 0) by slot into `sorted_rows` and cut each slot's
+    run into tiles of at most TILE_ROWS; returns the tile count. Entries past it are left to
+    the caller (a graph's fixed grid marks them unused: slot -1)."""
+    rows = np.flatnonzero(token_slots >= 0)
+    rows = rows[np.argsort(token_slots[rows], kind="stable")]
+    sorted_rows[:len(rows)] = rows
+    slots, starts, counts = np.unique(token_slots[rows], return_index=True, return_counts=True)
+    offsets = [np.arange(0, c, TILE_ROWS) for c in counts.tolist()]
+    n = sum(len(o) for o in offsets)
+    if n:
+        tile_starts[:n] = np.concatenate([start + o for start, o in zip(starts, offsets)])
+        tile_lens[:n] = np.concatenate([np.minimum(TILE_ROWS, c - o)
+                                        for c, o in zip(counts, offsets)])
+        tile_slots[:n] = np.repeat(slots, [len(o) for o in offsets])
+    return n
 
 
 LoRAFn = Callable[[Tensor, Tensor, Tensor, Tensor, LoRABatch], None]  # x, y, a, b, batch

@@ -4,16 +4,19 @@ launch per stage (Punica's SGMV / BGMV idea).
 Two stages per projection: the shrink (x [T, K] -> xa [T, R], R the stacked rank, in
 float32) and the expand (xa -> y [T, N], added in place). Each comes in two forms:
 
-- segments (a step with a prefill chunk): a request's rows are contiguous and share an
-  adapter, so one program takes a tile of a segment's rows and multiplies it with `tl.dot`
-  against its slot's A or B, read once per tile;
-- rows (a decode-only step, and the CUDA graphs, which capture only those): each row is its
-  own adapter's, a GEMV; the shrink splits K over programs (float32 atomic adds) so that a
-  batch of one still spreads over the GPU.
+- tiles (prefill chunks, and decode batches over `model.lora.ONE_ROW_MAX` rows): the step's rows sorted by
+  adapter (`sorted_rows`) are cut into tiles of up to `tile_rows` of one adapter each; a
+  program gathers a tile's rows and multiplies them with `tl.dot` against its slot's A or B,
+  read once per tile rather than once per row (with many rows per adapter, the weights'
+  reads would otherwise dominate the step);
+- rows (small decode batches: batch-1 latency): each row on its own, a GEMV; the shrink
+  splits K over programs (float32 atomic adds) so that a single row still spreads over
+  the GPU.
 
-Rows of the base model (slot -1) and padding rows exit at once, so a graph captured with
-every row at -1 serves any mix of adapters: the slot of each row is read from its input
-buffer at replay. The shrink's result is rounded to the weights' dtype before the expand,
+Both are graph-safe: a CUDA graph replays a fixed grid (the tile count for its size is
+rows / tile_rows + slots), and unused tiles, rows of the base model (slot -1) and padding rows
+exit at once, so a graph captured with nothing to do serves any mix of adapters: the tiles
+and each row's slot are read from their input buffers at replay. The shrink's result is rounded to the weights' dtype before the expand,
 as PEFT's `lora_B(lora_A(x))` stores it.
 """
 
@@ -30,18 +33,19 @@ from pagedserve.kernels.triton.precision import dot_precision
 
 
 @triton.jit
-def _shrink_segments(x_ptr, a_ptr, out_ptr, seg_starts, seg_lens, seg_slots, stride_x,
-                     stride_as, stride_ar, stride_out, K, R, BLOCK_M: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr):
-    seg, mblk, rblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(seg_slots + seg).to(tl.int64)
-    length = tl.load(seg_lens + seg)
-    if slot < 0 or mblk * BLOCK_M >= length:
+def _shrink_tiles(x_ptr, a_ptr, out_ptr, rows_ptr, tile_starts, tile_lens, tile_slots,
+                  stride_x, stride_as, stride_ar, stride_out, K, R, BLOCK_M: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    tile, rblk = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(tile_slots + tile).to(tl.int64)
+    length = tl.load(tile_lens + tile)
+    if slot < 0:
         return
-    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = (tl.load(seg_starts + seg) + offs_m).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < length
+    rows = tl.load(rows_ptr + tl.load(tile_starts + tile) + offs_m, mask=mask_m,
+                   other=0).to(tl.int64)
     offs_r = rblk * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -60,18 +64,19 @@ def _shrink_segments(x_ptr, a_ptr, out_ptr, seg_starts, seg_lens, seg_slots, str
 
 
 @triton.jit
-def _expand_segments(xa_ptr, b_ptr, y_ptr, seg_starts, seg_lens, seg_slots, stride_xa,
-                     stride_bs, stride_bn, stride_y, N, R, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr):
-    seg, mblk, nblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(seg_slots + seg).to(tl.int64)
-    length = tl.load(seg_lens + seg)
-    if slot < 0 or mblk * BLOCK_M >= length:
+def _expand_tiles(xa_ptr, b_ptr, y_ptr, rows_ptr, tile_starts, tile_lens, tile_slots,
+                  stride_xa, stride_bs, stride_bn, stride_y, N, R, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    tile, nblk = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(tile_slots + tile).to(tl.int64)
+    length = tl.load(tile_lens + tile)
+    if slot < 0:
         return
-    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = (tl.load(seg_starts + seg) + offs_m).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < length
+    rows = tl.load(rows_ptr + tl.load(tile_starts + tile) + offs_m, mask=mask_m,
+                   other=0).to(tl.int64)
     offs_n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     dtype = b_ptr.dtype.element_ty
@@ -137,7 +142,6 @@ def _expand_rows(xa_ptr, b_ptr, y_ptr, token_slots, stride_xa, stride_bs, stride
     tl.store(out, (y + acc).to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
-BLOCK_M = 16  # a segment tile's rows (tl.dot needs 16)
 # the interpreter's half-precision tl.dot returns garbage: there the tiles are upcast first
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -151,7 +155,7 @@ def lora_shrink_expand(x: Tensor, y: Tensor, a: Tensor, b: Tensor, batch) -> Non
         return
     assert x.stride(-1) == 1 and y.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
     block_r = max(16, min(64, triton.next_power_of_2(R)))
-    if batch.max_seg_len == 1:
+    if batch.one_row_kernels:
         xa = torch.zeros(T, R, dtype=torch.float32, device=x.device)
         block_k = min(512, triton.next_power_of_2(K))
         _shrink_rows[(T, triton.cdiv(R, 16), triton.cdiv(K, block_k))](
@@ -162,13 +166,13 @@ def lora_shrink_expand(x: Tensor, y: Tensor, a: Tensor, b: Tensor, batch) -> Non
             N, R, BLOCK_N=64, BLOCK_R=block_r)
         return
     xa = torch.empty(T, R, dtype=torch.float32, device=x.device)  # base rows: never read
-    segs, m_blocks = batch.seg_slots.shape[0], triton.cdiv(batch.max_seg_len, BLOCK_M)
+    tiles = batch.tile_slots.shape[0]
     precision = "ieee" if _INTERPRET else dot_precision(x.dtype)
-    _shrink_segments[(segs, m_blocks, triton.cdiv(R, block_r))](
-        x, a, xa, batch.seg_starts, batch.seg_lens, batch.seg_slots, x.stride(0), a.stride(0),
-        a.stride(1), xa.stride(0), K, R, BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=64,
-        PRECISION=precision, UPCAST=_INTERPRET)
-    _expand_segments[(segs, m_blocks, triton.cdiv(N, 64))](
-        xa, b, y, batch.seg_starts, batch.seg_lens, batch.seg_slots, xa.stride(0), b.stride(0),
-        b.stride(1), y.stride(0), N, R, BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_R=block_r,
-        PRECISION=precision, UPCAST=_INTERPRET)
+    _shrink_tiles[(tiles, triton.cdiv(R, block_r))](
+        x, a, xa, batch.sorted_rows, batch.tile_starts, batch.tile_lens, batch.tile_slots,
+        x.stride(0), a.stride(0), a.stride(1), xa.stride(0), K, R, BLOCK_M=batch.tile_rows,
+        BLOCK_R=block_r, BLOCK_K=64, PRECISION=precision, UPCAST=_INTERPRET)
+    _expand_tiles[(tiles, triton.cdiv(N, 64))](
+        xa, b, y, batch.sorted_rows, batch.tile_starts, batch.tile_lens, batch.tile_slots,
+        xa.stride(0), b.stride(0), b.stride(1), y.stride(0), N, R, BLOCK_M=batch.tile_rows,
+        BLOCK_N=64, BLOCK_R=block_r, PRECISION=precision, UPCAST=_INTERPRET)

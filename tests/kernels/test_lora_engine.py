@@ -1,0 +1,49 @@
+"""The engine with the Triton LoRA kernels (interpreted) gives the torch reference's tokens: a
+mixed batch of three adapters and the base model through the runner's tiles (prefill chunks,
+decode steps of more than `ONE_ROW_MAX` rows) and its one-row path (the last few decodes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
+from pagedserve.messages import LoRARequest
+from pagedserve.model.loader import load_model, load_tokenizer
+from pagedserve.model.lora import ONE_ROW_MAX
+from pagedserve.model.ops import triton_ops
+from pagedserve.sampling_params import SamplingParams
+from tests.engine.test_lora import ADAPTERS, base_checkpoint, make_adapter
+
+pytest.importorskip("peft")
+
+
+def test_triton_lora_matches_the_reference(tmp_path):
+    base = base_checkpoint(tmp_path, "tiny-llama3")
+    loras = [None]
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        make_adapter(base, tmp_path / name, options, seed)
+        loras.append(LoRARequest(name, seed + 1, str(tmp_path / name)))
+    num = ONE_ROW_MAX + 2
+    requests = {f"r{i}": ([3 + i, 40 + 2 * i, 7, 90 + i] * (1 + i % 2), loras[i % 4])
+                for i in range(num)}
+    # decodes end at different steps: tiles while more than ONE_ROW_MAX run, then one row each
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + i % 3, ignore_eos=True)
+              for i in range(num)]
+    tokens = {}
+    for name, ops in (("reference", None), ("triton", triton_ops())):
+        model, config, source = load_model(base, torch.float32, "cpu", ops=ops)
+        loaded = LoadedModel(model, config, load_tokenizer(source), source)
+        engine = LLMEngine(EngineConfig(
+            model=str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=3,
+            max_lora_rank=16, kv_cache_memory=2 << 20, block_size=4,
+            max_num_batched_tokens=32), loaded)
+        out = {}
+        for (rid, (prompt, lora)), p in zip(requests.items(), params):
+            engine.add_request(rid, None, p, prompt_token_ids=prompt, lora_request=lora)
+        while engine.has_unfinished_requests():
+            out.update({o.request_id: o.outputs[0].token_ids for o in engine.step()
+                        if o.finished})
+        tokens[name] = out
+    assert tokens["triton"] == tokens["reference"]
