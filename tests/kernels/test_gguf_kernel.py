@@ -1,0 +1,69 @@
+"""The GGUF block kernels under TRITON_INTERPRET=1, on random blocks of every type kept
+quantized on the GPU: the decoding against the `gguf` package's `dequantize` of the same bytes,
+bit for bit; the one-row, tiled and dequantize-then-matmul products against x @ that weight^T
+on ragged shapes (N not a multiple of the tile, K not a multiple of the K tile)."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from pagedserve.kernels.triton.gguf_linear import BLOCKS, MAX_TILED_ROWS, Tiles, dequantize, linear
+from tests.kernels.test_kernels import fresh_seed
+
+TYPES = sorted(BLOCKS)
+# where each type keeps its float16 scales in a block: (offset, count)
+F16_FIELDS = {2: (0, 1), 3: (0, 2), 8: (0, 1), 12: (0, 2), 13: (0, 2), 14: (208, 1)}
+# K tiles of 512: the shapes below take two, the second ragged
+SMALL = Tiles(one_row_n=16, one_row_k=512, block_m=16, block_n=16, block_k=512)
+
+
+def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, row bytes]: random bytes (every bit pattern of quants and 6-bit/int8 scales
+    is a valid block) with finite float16 scales of a model's magnitude."""
+    weights, size = BLOCKS[qtype]
+    assert GGML_QUANT_SIZES[GGMLQuantizationType(qtype)] == (weights, size)
+    blocks = rng.integers(0, 256, (n, k // weights, size), dtype=np.uint8)
+    offset, count = F16_FIELDS[qtype]
+    scales = (rng.standard_normal((n, k // weights, count)) * 0.01).astype(np.float16)
+    blocks[..., offset:offset + 2 * count] = scales.view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def reference(blocks: np.ndarray, qtype: int) -> torch.Tensor:
+    return torch.from_numpy(gguf_dequantize(blocks, GGMLQuantizationType(qtype)).copy())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[GGMLQuantizationType(t).name for t in TYPES])
+def test_decode_equals_gguf_dequantize(qtype):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    k = 2 * BLOCKS[qtype][0]
+    blocks = random_blocks(qtype, 21, k, rng)
+    ours = dequantize(torch.from_numpy(blocks), qtype, k, tiles=SMALL)
+    assert torch.equal(ours, reference(blocks, qtype)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, MAX_TILED_ROWS + 1])
+@pytest.mark.parametrize("qtype", TYPES, ids=[GGMLQuantizationType(t).name for t in TYPES])
+def test_linear_matches_dequantized_matmul(qtype, rows):
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    k = 672 if BLOCKS[qtype][0] == 32 else 768  # 21 or 3 blocks
+    n = 37  # not a multiple of any tile
+    blocks = random_blocks(qtype, n, k, rng)
+    w = reference(blocks, qtype)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k + 5, generator=gen)[:, 5:]  # a strided view, as of a wider tensor
+    bias = torch.randn(n, generator=gen)
+    y = linear(x, torch.from_numpy(blocks), qtype, bias, tiles=SMALL)
+    expected = x.double() @ w.double().T + bias.double()
+    # float32 sums in another order: errors scale with the sum of |products|
+    bound = (x.abs().double() @ w.abs().double().T) * 1e-5 + 1e-6
+    assert ((y.double() - expected).abs() <= bound).all(), f"seed {seed}"
+
+
+def test_bad_row_length_is_refused():
+    with pytest.raises(ValueError, match="multiple"):
+        linear(torch.zeros(1, 100), torch.zeros(4, 18, dtype=torch.uint8), 2)
