@@ -46,6 +46,7 @@ from pagedserve.artifacts import cache_root
 from pagedserve.kernels.native.quant import QuantizedWeight
 from pagedserve.model.config import GEMMA_FAMILIES, ModelConfig, rope_context_len
 from pagedserve.model.gguf_blocks import GGUF_TYPES, from_gguf
+from pagedserve.model.gguf_weights import GgufBlocks, is_linear_weight
 from pagedserve.progress import notice, progress
 
 logger = logging.getLogger(__name__)
@@ -348,29 +349,65 @@ def _unpermute_rows(name: str, rows: int, config: ModelConfig) -> np.ndarray | N
 
 
 def iter_weights(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) one at a time, so only one dequantized tensor is alive.
+    """Yield (HF name, float32 tensor) one at a time, so only one dequantized tensor is alive."""
+    for tensor in reader.tensors:
+        if tensor.name not in _CONFIG_TENSORS:
+            yield from _float_tensors(tensor, config)
+
+
+def _float_tensors(tensor, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """One GGUF tensor as (HF name, float32 tensor) pairs (one per expert of a stacked one).
 
     Undone here: the Q/K permutation, Gemma's norms stored as 1 + w (llama.cpp's converter
     adds the 1 that Gemma's RMSNorm adds at run time), and stacked experts (one per expert)."""
-    gemma = config.family in GEMMA_FAMILIES
+    w = dequantize(tensor.data, tensor.tensor_type)
+    order = _unpermute_rows(tensor.name, w.shape[0], config)
+    if order is not None:
+        w = w[order]
+    if config.family in GEMMA_FAMILIES and tensor.name.endswith("norm.weight"):
+        w = w - np.float32(1)
+    if not w.flags.writeable:  # unquantized tensors come back as views of the mmap
+        w = w.copy()
+    w = torch.from_numpy(np.ascontiguousarray(w))
+    experts = _expert_names(tensor.name, config.num_experts)
+    if experts is None:
+        yield hf_name(tensor.name, config.family), w
+    else:
+        # copies: the cache cannot save views of one storage
+        yield from ((name, e.clone()) for name, e in zip(experts, w, strict=True))
+
+
+def tensor_types(reader: GGUFReader, config: ModelConfig) -> dict[str, int]:
+    """HF name -> GGML type of each 2-D tensor (from the header: nothing is read)."""
+    return {hf_name(t.name, config.family): int(t.tensor_type) for t in reader.tensors
+            if len(t.shape) == 2 and t.name not in _CONFIG_TENSORS
+            and _expert_names(t.name, config.num_experts) is None}
+
+
+def iter_tensors(reader: GGUFReader, config: ModelConfig,
+                 keep: set[str]) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
+    """`iter_weights`, except that the tensors named in `keep` come as their blocks (rows
+    unpermuted like the float ones'; blocks run along K, so rows move whole).
+    The types of the linear weights dequantized instead are logged."""
+    dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
-        w = dequantize(tensor.data, tensor.tensor_type)
-        order = _unpermute_rows(tensor.name, w.shape[0], config)
-        if order is not None:
-            w = w[order]
-        if gemma and tensor.name.endswith("norm.weight"):
-            w = w - np.float32(1)
-        if not w.flags.writeable:  # unquantized tensors come back as views of the mmap
-            w = w.copy()
-        w = torch.from_numpy(np.ascontiguousarray(w))
-        experts = _expert_names(tensor.name, config.num_experts)
-        if experts is None:
-            yield hf_name(tensor.name, config.family), w
-        else:
-            # copies: the cache cannot save views of one storage
-            yield from ((name, e.clone()) for name, e in zip(experts, w, strict=True))
+        name = hf_name(tensor.name, config.family) if len(tensor.shape) == 2 else None
+        if name not in keep:
+            if name is not None and is_linear_weight(name):
+                kind = tensor.tensor_type.name
+                dequantized[kind] = dequantized.get(kind, 0) + 1
+            yield from _float_tensors(tensor, config)
+            continue
+        blocks = np.asarray(tensor.data)
+        order = _unpermute_rows(tensor.name, blocks.shape[0], config)
+        blocks = torch.from_numpy(np.array(blocks if order is None else blocks[order]))
+        yield name, GgufBlocks(int(tensor.tensor_type), blocks, int(tensor.shape[0]))
+    if dequantized:
+        logger.info("GGUF linear weights dequantized at load (no quantized GPU kernel for "
+                    "their type, or for a type of a layer they are fused with): %s",
+                    ", ".join(f"{n} of {kind}" for kind, n in sorted(dequantized.items())))
 
 
 def open_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

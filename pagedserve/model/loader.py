@@ -32,10 +32,11 @@ from torch import nn
 from pagedserve.config import LOAD_FORMATS
 from pagedserve.kernels.native import quant as native_quant
 from pagedserve.kernels.native.quant import QuantizedLinear, QuantizedWeight
-from pagedserve.model import dummy, fp8, int_weights, parallel
+from pagedserve.model import dummy, fp8, gguf_weights, int_weights, parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder, Linear, RowParallelLinear
 from pagedserve.model.fast_decode import FastDecode
+from pagedserve.model.gguf_weights import GgufBlocks
 from pagedserve.model.moe import PackedExperts, SparseMoE
 from pagedserve.model.ops import Ops, select_ops
 from pagedserve.model.packed import QuantizedMatmul
@@ -90,13 +91,18 @@ def _iter_safetensors(files: list[Path], config: ModelConfig,
                     yield name, parallel.take_rows(tensor, *rows)
 
 
-def _shard(weights: Iterator[tuple[str, torch.Tensor]],
-           config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's slice of each whole tensor."""
+def _shard(weights: Iterator[tuple[str, torch.Tensor | GgufBlocks]],
+           config: ModelConfig) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
+    """This rank's slice of each whole tensor (or tensor kept in GGUF blocks)."""
     for name, tensor in weights:
         rows = parallel.checkpoint_rows(name.removeprefix("model."), config,
                                         shape=tuple(tensor.shape))
-        yield name, tensor if rows is None else parallel.take_rows(tensor, *rows)
+        if rows is None:
+            yield name, tensor
+        elif isinstance(tensor, GgufBlocks):
+            yield name, tensor.take(*rows)
+        else:
+            yield name, parallel.take_rows(tensor, *rows)
 
 
 def _open_checkpoint(
@@ -233,7 +239,9 @@ def load_model(
     """Load a model for inference.
 
     path: HF folder, .gguf file, or None for the default model. dtype None means the
-    checkpoint's own dtype (float32 for GGUF, which we dequantize). `quantized`: the fast
+    checkpoint's own dtype (float32 for GGUF, which we dequantize). A GGUF's linears stored in
+    a type the kernels take keep their blocks when `ops` has a `gguf_linear` (CUDA) and no
+    `quantization` is asked for (`model.gguf_weights`). `quantized`: the fast
     mode, for a GGUF on the CPU at float32 without tensor parallelism (else ignored): its
     linear layers also keep the file's quantized blocks and run on them (`attach_quantized`).
     `quantization`: "fp8" for FP8 weights (`model.fp8`), None for the checkpoint's own (FP8
@@ -249,11 +257,23 @@ def load_model(
     stored = fp8.checkpoint_quantization(path) if path.is_dir() else None
     scheme = (int_weights.read_scheme(path) if path.is_dir() and stored is None
               and load_format != "dummy" else None)
-    config, weights = _open_checkpoint(path, dummy=load_format == "dummy",
-                                       whole=scheme is not None)
-    dtype = dtype or config.dtype
     device = torch.device(device)
-    if weights is None:
+    gguf_file = path.is_file() and path.suffix == ".gguf"
+    if gguf_file:
+        dtype = dtype or torch.float32  # what a GGUF's weights are dequantized to
+        ops = ops or select_ops(device, dtype)
+    gguf_reader = None
+    if gguf_file and ops.gguf_linear is not None and quantization is None:
+        from pagedserve.model.gguf import GGUFReader, read_config
+
+        gguf_reader = GGUFReader(path)
+        # the weights come once the model is built (`_gguf_blocks`)
+        config, weights = read_config(gguf_reader, path), None
+    else:
+        config, weights = _open_checkpoint(path, dummy=load_format == "dummy",
+                                           whole=scheme is not None)
+    dtype = dtype or config.dtype
+    if weights is None and gguf_reader is None:
         weights = dummy.dummy_weights(config, dtype, device)  # sharded already
     if scheme is not None and quantization is not None:
         raise ValueError(f"{path} holds {scheme.name} weights ({scheme.method}); it cannot "
@@ -266,12 +286,17 @@ def load_model(
     if quantization is not None:
         _quantize_linears(model, quantization, device)
     packed = _pack_linears(model, scheme, path) if scheme is not None else []
+    kept: dict[str, GgufBlocks] = {}
+    if gguf_reader is not None:
+        targets, weights = _gguf_blocks(model, gguf_reader, config, kept, device)
     model = model.to_empty(device=device)
     if quantization is not None:
         for linear in model.dense_linears():  # their scales are on the device now
             linear.matmul = fp8.Fp8Matmul(ops.fp8_linear, linear.weight_scale)
     load_weights(model, weights, scheme)
     _attach_int_matmuls(model, packed, scheme, ops)
+    if gguf_reader is not None:
+        gguf_weights.attach(model, ops.gguf_linear, targets, kept)
     model.quantization = quantization or (scheme.name if scheme is not None else None)
     if quantized and quantization is None and path.suffix == ".gguf" and (
             dtype == torch.float32 and device.type == "cpu") and (
@@ -281,6 +306,22 @@ def load_model(
         attach_quantized(model, open_quantized(path, config))
         model.fast_decode = FastDecode.for_model(model)
     return model.eval().requires_grad_(False), config, str(path)
+
+
+def _gguf_blocks(model: Decoder, reader, config: ModelConfig, kept: dict[str, GgufBlocks],
+                 device: torch.device) -> tuple[dict[str, set[str]], Iterator]:
+    """For a GGUF whose linears keep their blocks (`model.gguf_weights`), on the model still
+    on the meta device: take the float weight off the layers that keep blocks and return
+    (those layers' HF names by parameter, the float tensors to load); the blocks land in
+    `kept` as the tensors are read."""
+    from pagedserve.model.gguf import iter_tensors, tensor_types
+
+    targets = gguf_weights.kept_targets(model.shard_range, model.num_shards,
+                                        tensor_types(reader, config))
+    gguf_weights.drop_float(model, targets)
+    names = set().union(*targets.values())
+    tensors = _shard(iter_tensors(reader, config, names), config)
+    return targets, gguf_weights.split_blocks(tensors, kept, device)
 
 
 def model_path(path: str | Path | None) -> Path:

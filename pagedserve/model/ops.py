@@ -12,8 +12,10 @@ only the order of a norm's sum of squares and the last bit of some exps differ. 
 (other dtypes or devices, no C compiler) runs the eager path. The same choice covers the float
 linears (`packed.select_packing`), the FP8 matmul (`fp8.reference_linear` or the CUDA one),
 the packed integer matmul (`int_weights.reference_linear` or `kernels/triton/int_linear`),
-the MoE experts (fused Triton kernels, or expert by expert) and batched LoRA (`lora.py`'s
-reference, or `kernels/triton/lora.py`).
+the MoE experts (fused Triton kernels, or expert by expert), batched LoRA (`lora.py`'s
+reference, or `kernels/triton/lora.py`) and whether a GGUF's linears keep their blocks (CUDA:
+`gguf_linear`) or are dequantized at load (the CPU, whose fast mode has its own quantized
+kernels: `packed.QuantizedMatmul`).
 
 An `Ops` value holds the choice; the decoder's modules keep what they were given and call it
 without asking again (no per-call device test). Tests pass one explicitly: `TORCH_OPS` (the
@@ -60,6 +62,9 @@ class Ops:
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     # x, y, stacked A, stacked B, the step's LoRABatch -> None (y += the adapters' output)
     lora: LoRAFn = reference_lora
+    # x, GGUF blocks, their GGML type, bias -> y (`kernels/triton/gguf_linear.linear`): a
+    # GGUF's linears keep their blocks (`model.gguf_weights`); None: dequantized at load
+    gguf_linear: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
 
     def matmul(self) -> Matmul:
         """A float linear layer's own matmul: a packed copy of its weight, or F.linear."""
@@ -84,8 +89,9 @@ def native_ops() -> Ops:
 
 def triton_ops() -> Ops:
     """The Triton kernels: the fused elementwise ops, the FP8 and int matmuls, the fused
-    MoE, batched LoRA."""
-    from pagedserve.kernels.triton import fp8_linear, int_linear, lora, model_ops, moe
+    MoE, batched LoRA, the matmul on GGUF blocks."""
+    from pagedserve.kernels.triton import (fp8_linear, gguf_linear, int_linear, lora, model_ops,
+                                           moe)
 
     def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor]:
@@ -93,7 +99,8 @@ def triton_ops() -> Ops:
 
     return Ops(add_rms_norm, model_ops.rotate_qk_, model_ops.silu_and_mul,
                fp8_linear=fp8_linear.linear, int_linear=int_linear.linear,
-               fused_moe=moe.fused_moe, lora=lora.lora_shrink_expand)
+               fused_moe=moe.fused_moe, lora=lora.lora_shrink_expand,
+               gguf_linear=gguf_linear.linear)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -9,7 +9,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from pagedserve.kernels.triton.gguf_linear import BLOCKS, MAX_TILED_ROWS, Tiles, dequantize, linear
+from pagedserve.kernels.gguf_format import BLOCKS
+from pagedserve.kernels.triton.gguf_linear import MAX_TILED_ROWS, Tiles, dequantize, linear
 from tests.kernels.test_kernels import fresh_seed
 
 TYPES = sorted(BLOCKS)

@@ -33,13 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.kernels.gguf_format import row_bytes
 from pagedserve.kernels.triton.precision import dot_precision
-
-# GGML type ids (`gguf.GGMLQuantizationType`): this module needs no `gguf` package
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
-# type -> (weights per block, bytes per block)
-BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144),
-          Q5_K: (256, 176), Q6_K: (256, 210)}
 
 # token counts: 1 -> the one-row kernel; up to this many -> the tiled kernel; more ->
 # dequantize, then the dense matmul
@@ -190,15 +185,6 @@ def _dequantize_kernel(w_ptr, out_ptr, N, K, stride_wn, QTYPE: tl.constexpr,
     w = _decode(w_ptr + rows.to(tl.int64)[:, None] * stride_wn, k[None, :], mask, QTYPE)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :],
              w.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def row_bytes(qtype: int, k: int) -> int:
-    """Bytes of one row of K weights in `qtype`'s blocks."""
-    weights, size = BLOCKS[qtype]
-    if k % weights:
-        raise ValueError(f"GGUF type {qtype}: K = {k} is not a multiple of its {weights}-weight "
-                         "blocks")
-    return k // weights * size
 
 
 def dequantize(blocks: Tensor, qtype: int, k: int, dtype: torch.dtype = torch.float32,
