@@ -1,0 +1,88 @@
+"""A GGUF model whose linears keep their blocks (the CUDA path, here with the Triton kernels
+under TRITON_INTERPRET=1) against the float model the same file loads as on the CPU (the
+`gguf` package's dequantization): the same logits over a prefill (the tiled kernel) and decode
+steps (the one-row kernel). The file mixes every kept type, a fused q/k/v whose shards differ in
+type, and a layer whose v is stored in a type without a kernel (its q/k/v are dequantized at
+load, and the log says so)."""
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter
+from transformers import AutoConfig, LlamaConfig
+
+from benchmarks.gguf_quantize import quantize
+from pagedserve.kernels.triton import gguf_linear
+from pagedserve.model import load_model
+from pagedserve.model.ops import TORCH_OPS
+from tests.model.gguf_files import gguf_tensors, write_metadata
+from tests.model.paged import PagedDriver
+from tests.model.test_decoder import make_checkpoint
+from safetensors.torch import load_file
+
+# K-quants need K a multiple of 256
+CONFIG = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              rms_norm_eps=1e-5, tie_word_embeddings=False)
+TYPES = {"blk.0.attn_q.weight": T.Q4_K, "blk.0.attn_k.weight": T.Q4_K,
+         "blk.0.attn_v.weight": T.Q6_K, "blk.0.attn_output.weight": T.Q4_0,
+         "blk.0.ffn_gate.weight": T.Q4_1, "blk.0.ffn_up.weight": T.Q4_1,
+         "blk.0.ffn_down.weight": T.Q5_K,
+         "blk.1.attn_q.weight": T.Q8_0, "blk.1.attn_k.weight": T.Q8_0,
+         "blk.1.attn_v.weight": T.F16,  # no kernel: the whole q/k/v dequantized
+         "blk.1.attn_output.weight": T.Q6_K, "blk.1.ffn_gate.weight": T.Q5_K,
+         "blk.1.ffn_up.weight": T.Q5_K, "blk.1.ffn_down.weight": T.Q4_K,
+         "output.weight": T.Q6_K, "token_embd.weight": T.Q8_0}
+
+
+@pytest.fixture(autouse=True)
+def _no_gguf_cache(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", "0")
+
+
+def write_quantized_gguf(folder, path):
+    make_checkpoint(LlamaConfig(**CONFIG), folder)
+    config = AutoConfig.from_pretrained(folder)
+    writer = GGUFWriter(str(path), "llama")
+    write_metadata(writer, config, "llama")
+    for name, tensor in gguf_tensors(load_file(folder / "model.safetensors"), config, "llama"):
+        x = np.ascontiguousarray(tensor.numpy())
+        qtype = TYPES.get(name)
+        if qtype is None:
+            writer.add_tensor(name, x)
+        elif qtype == T.F16:
+            writer.add_tensor(name, x.astype(np.float16))
+        else:
+            blocks = quantize(x, qtype)
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_blocks_model_matches_dequantized_model(tmp_path, caplog):
+    path = write_quantized_gguf(tmp_path, tmp_path / "model.gguf")
+    reference, _, _ = load_model(path, torch.float32, "cpu", ops=TORCH_OPS)
+    with caplog.at_level(logging.INFO, logger="pagedserve.model.gguf"):
+        blocks, _, _ = load_model(path, torch.float32, "cpu",
+                                  ops=replace(TORCH_OPS, gguf_linear=gguf_linear.linear))
+    assert "dequantized at load" in caplog.text and "1 of F16" in caplog.text
+    # only the float weights that are read stay: layer 1's q/k/v, not layer 0's
+    names = {name for name, _ in blocks.named_parameters()}
+    assert "layers.1.self_attn.qkv_proj.weight" in names
+    assert not {"layers.0.self_attn.qkv_proj.weight", "layers.0.mlp.down_proj.weight",
+                "lm_head.weight"} & names
+    prompt = torch.randint(0, CONFIG["vocab_size"], (7,),
+                           generator=torch.Generator().manual_seed(3)).tolist()
+    drivers = [PagedDriver(model, block_size=4) for model in (reference, blocks)]
+    feeds = [prompt, [5], [17]]  # a prefill, then decode steps
+    with torch.no_grad():
+        for feed in feeds:
+            expected, ours = (d.step({"a": feed})["a"] for d in drivers)
+            torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
