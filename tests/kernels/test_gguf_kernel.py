@@ -11,6 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from pagedserve.kernels.gguf_format import BLOCKS
 from pagedserve.kernels.triton.gguf_linear import MAX_TILED_ROWS, Tiles, dequantize, linear
+from pagedserve.model.gguf_weights import GgufBlocks
 from tests.kernels.test_kernels import fresh_seed
 
 TYPES = sorted(BLOCKS)
@@ -68,3 +69,20 @@ def test_linear_matches_dequantized_matmul(qtype, rows):
 def test_bad_row_length_is_refused():
     with pytest.raises(ValueError, match="multiple"):
         linear(torch.zeros(1, 100), torch.zeros(4, 18, dtype=torch.uint8), 2)
+
+
+def test_tensor_parallel_slices_of_blocks():
+    """A row-parallel rank's input features on block boundaries are its blocks' bytes; off
+    them, a clear error. A column-parallel rank's rows (-1: vocab padding) are whole rows."""
+    rng = np.random.default_rng(fresh_seed())
+    blocks = random_blocks(14, 6, 768, rng)  # Q6_K, three 256-weight blocks per row
+    whole = GgufBlocks(14, torch.from_numpy(blocks), 768)
+    w = reference(blocks, 14)
+    half = whole.take(1, list(range(256, 768)))
+    assert half.in_features == 512
+    assert torch.equal(dequantize(half.blocks.contiguous(), 14, 512, tiles=SMALL), w[:, 256:])
+    rows = whole.take(0, [4, 1, -1])
+    assert torch.equal(dequantize(rows.blocks, 14, 768, tiles=SMALL)[:2], w[[4, 1]])
+    assert not dequantize(rows.blocks, 14, 768, tiles=SMALL)[2].any()
+    with pytest.raises(ValueError, match="boundaries of its GGUF blocks of 256"):
+        whole.take(1, list(range(384)))

@@ -7,6 +7,7 @@ load, and the log says so)."""
 
 import logging
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
@@ -37,6 +38,8 @@ TYPES = {"blk.0.attn_q.weight": T.Q4_K, "blk.0.attn_k.weight": T.Q4_K,
          "blk.1.attn_output.weight": T.Q6_K, "blk.1.ffn_gate.weight": T.Q5_K,
          "blk.1.ffn_up.weight": T.Q5_K, "blk.1.ffn_down.weight": T.Q4_K,
          "output.weight": T.Q6_K, "token_embd.weight": T.Q8_0}
+# few, large tiles: the interpreter's time goes by the program
+TILES = gguf_linear.Tiles(one_row_n=512, one_row_k=256, block_m=16, block_n=512, block_k=256)
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +74,8 @@ def test_blocks_model_matches_dequantized_model(tmp_path, caplog):
     reference, _, _ = load_model(path, torch.float32, "cpu", ops=TORCH_OPS)
     with caplog.at_level(logging.INFO, logger="pagedserve.model.gguf"):
         blocks, _, _ = load_model(path, torch.float32, "cpu",
-                                  ops=replace(TORCH_OPS, gguf_linear=gguf_linear.linear))
+                                  ops=replace(TORCH_OPS, gguf_linear=partial(gguf_linear.linear,
+                                                                       tiles=TILES)))
     assert "dequantized at load" in caplog.text and "1 of F16" in caplog.text
     # only the float weights that are read stay: layer 1's q/k/v, not layer 0's
     names = {name for name, _ in blocks.named_parameters()}
