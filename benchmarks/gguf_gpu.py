@@ -5,7 +5,7 @@
 Parts:
   gemv  Llama-3-8B's projections in the types a Q4_K_M file gives them (Q4_K; Q6_K for the
         down projection's more-bits layers and the LM head): the GGUF kernels
-        (`kernels/triton/gguf_linear.linear`) at 1, 16 and 256 rows against the bf16 matmul,
+        (`kernels/triton/int_linear.linear` on `GgufWeight`s) at 1, 16 and 256 rows against the bf16 matmul,
         timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them);
         GB/s of the weights' bytes and % of the copy bandwidth
   8b    a Llama-3-8B-shaped Q4_K_M GGUF (written by `gguf_quantize.write_llama_q4_k_m`,
@@ -37,8 +37,8 @@ import torch  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from pagedserve.frontend.llm_engine import LoadedModel  # noqa: E402
-from pagedserve.kernels.gguf_format import row_bytes  # noqa: E402
-from pagedserve.kernels.triton.gguf_linear import linear  # noqa: E402
+from pagedserve.kernels.gguf_format import GgufWeight, row_bytes  # noqa: E402
+from pagedserve.kernels.triton.int_linear import linear  # noqa: E402
 from pagedserve.model import load_model  # noqa: E402
 from pagedserve.model.gguf_weights import GgufMatmul  # noqa: E402
 from pagedserve.model.loader import load_tokenizer  # noqa: E402
@@ -96,7 +96,8 @@ def part_gemv(res: Results, bandwidth: float) -> None:
         w = torch.randn(w_copies, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for rows in (1, 16, 256):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            runs = {"gguf": [(lambda b: lambda: linear(x, b, int(qtype)))(b) for b in blocks],
+            runs = {"gguf": [(lambda b: lambda: linear(x, GgufWeight(b, int(qtype), k)))(b)
+                             for b in blocks],
                     "bf16 matmul": [(lambda r: lambda: x @ w[r].t())(r)
                                     for r in range(w_copies)]}
             for method, fns in runs.items():
@@ -113,8 +114,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """The bytes of the model's float parameters and of the blocks its GGUF matmuls hold."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     matmuls = [getattr(m, "matmul", None) for m in model.modules()] + [model.lm_head_matmul]
-    return total + sum(b.numel() for mm in matmuls if isinstance(mm, GgufMatmul)
-                       for _, b in mm.parts)
+    return total + sum(part.blocks.numel() for mm in matmuls if isinstance(mm, GgufMatmul)
+                       for part in mm.parts)
 
 
 def part_8b(res: Results, root: Path) -> None:

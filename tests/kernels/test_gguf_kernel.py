@@ -1,7 +1,9 @@
-"""The GGUF block kernels under TRITON_INTERPRET=1, on random blocks of every type kept
-quantized on the GPU: the decoding against the `gguf` package's `dequantize` of the same bytes,
-bit for bit; the one-row, tiled and dequantize-then-matmul products against x @ that weight^T
-on ragged shapes (N not a multiple of the tile, K not a multiple of the K tile)."""
+"""GGUF weights in their blocks (`kernels/gguf_format.py`) under TRITON_INTERPRET=1, on random
+blocks of every type kept quantized on the GPU: the torch reference and the Triton unpacking
+(`gguf_dequant`, read back through the GEMM with the identity as x) against the `gguf`
+package's `dequantize` of the same bytes, bit for bit; the GEMV (one row) and the GEMM
+(several) of `int_linear` against x @ that weight^T on ragged shapes (N not a multiple of the
+tile, K not a multiple of the K tile); tensor-parallel slices of the blocks."""
 
 import numpy as np
 import pytest
@@ -9,16 +11,18 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from pagedserve.kernels.gguf_format import BLOCKS
-from pagedserve.kernels.triton.gguf_linear import MAX_TILED_ROWS, Tiles, dequantize, linear
+from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight
+from pagedserve.kernels.triton.int_linear import IntLinearConfig, linear
 from pagedserve.model.gguf_weights import GgufBlocks
 from tests.kernels.test_kernels import fresh_seed
 
 TYPES = sorted(BLOCKS)
+IDS = [GGMLQuantizationType(t).name for t in TYPES]
 # where each type keeps its float16 scales in a block: (offset, count)
 F16_FIELDS = {2: (0, 1), 3: (0, 2), 8: (0, 1), 12: (0, 2), 13: (0, 2), 14: (208, 1)}
 # K tiles of 512: the shapes below take two, the second ragged
-SMALL = Tiles(one_row_n=16, one_row_k=512, block_m=16, block_n=16, block_k=512)
+SMALL = IntLinearConfig(gemv_block_n=16, gemv_block_k=512, gemm_block_m=16, gemm_block_n=16,
+                        gemm_block_k=512)
 
 
 def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -37,18 +41,21 @@ def reference(blocks: np.ndarray, qtype: int) -> torch.Tensor:
     return torch.from_numpy(gguf_dequantize(blocks, GGMLQuantizationType(qtype)).copy())
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=[GGMLQuantizationType(t).name for t in TYPES])
-def test_decode_equals_gguf_dequantize(qtype):
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+def test_unpacking_equals_gguf_dequantize(qtype):
     seed = fresh_seed()
-    rng = np.random.default_rng(seed)
     k = 2 * BLOCKS[qtype][0]
-    blocks = random_blocks(qtype, 21, k, rng)
-    ours = dequantize(torch.from_numpy(blocks), qtype, k, tiles=SMALL)
-    assert torch.equal(ours, reference(blocks, qtype)), f"seed {seed}"
+    blocks = random_blocks(qtype, 21, k, np.random.default_rng(seed))
+    weight = GgufWeight(torch.from_numpy(blocks), qtype, k)
+    expected = reference(blocks, qtype)
+    assert torch.equal(weight.dequantize(), expected), f"seed {seed}"
+    # I @ W^T = W^T exactly: float32 products by 1 and sums with 0
+    unpacked = linear(torch.eye(k), weight, config=SMALL).T
+    assert torch.equal(unpacked, expected), f"seed {seed}"
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17, MAX_TILED_ROWS + 1])
-@pytest.mark.parametrize("qtype", TYPES, ids=[GGMLQuantizationType(t).name for t in TYPES])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
 def test_linear_matches_dequantized_matmul(qtype, rows):
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -59,16 +66,18 @@ def test_linear_matches_dequantized_matmul(qtype, rows):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k + 5, generator=gen)[:, 5:]  # a strided view, as of a wider tensor
     bias = torch.randn(n, generator=gen)
-    y = linear(x, torch.from_numpy(blocks), qtype, bias, tiles=SMALL)
+    y = linear(x, GgufWeight(torch.from_numpy(blocks), qtype, k), bias, config=SMALL)
     expected = x.double() @ w.double().T + bias.double()
     # float32 sums in another order: errors scale with the sum of |products|
     bound = (x.abs().double() @ w.abs().double().T) * 1e-5 + 1e-6
     assert ((y.double() - expected).abs() <= bound).all(), f"seed {seed}"
 
 
-def test_bad_row_length_is_refused():
+def test_rows_of_the_wrong_length_are_refused():
     with pytest.raises(ValueError, match="multiple"):
-        linear(torch.zeros(1, 100), torch.zeros(4, 18, dtype=torch.uint8), 2)
+        GgufWeight(torch.zeros(4, 18, dtype=torch.uint8), 2, 100)
+    with pytest.raises(ValueError, match="do not hold"):
+        GgufWeight(torch.zeros(4, 18, dtype=torch.uint8), 2, 64)
 
 
 def test_tensor_parallel_slices_of_blocks():
@@ -79,10 +88,9 @@ def test_tensor_parallel_slices_of_blocks():
     whole = GgufBlocks(14, torch.from_numpy(blocks), 768)
     w = reference(blocks, 14)
     half = whole.take(1, list(range(256, 768)))
-    assert half.in_features == 512
-    assert torch.equal(dequantize(half.blocks.contiguous(), 14, 512, tiles=SMALL), w[:, 256:])
-    rows = whole.take(0, [4, 1, -1])
-    assert torch.equal(dequantize(rows.blocks, 14, 768, tiles=SMALL)[:2], w[[4, 1]])
-    assert not dequantize(rows.blocks, 14, 768, tiles=SMALL)[2].any()
+    assert half.shape == (6, 512)
+    assert torch.equal(GgufWeight(half.blocks.contiguous(), 14, 512).dequantize(), w[:, 256:])
+    rows = GgufWeight(whole.take(0, [4, 1, -1]).blocks, 14, 768).dequantize()
+    assert torch.equal(rows[:2], w[[4, 1]]) and not rows[2].any()
     with pytest.raises(ValueError, match="boundaries of its GGUF blocks of 256"):
         whole.take(1, list(range(384)))

@@ -17,7 +17,7 @@ from gguf import GGUFWriter
 from transformers import AutoConfig, LlamaConfig
 
 from benchmarks.gguf_quantize import quantize
-from pagedserve.kernels.triton import gguf_linear
+from pagedserve.kernels.triton import int_linear
 from pagedserve.model import load_model
 from pagedserve.model.ops import TORCH_OPS
 from tests.model.gguf_files import gguf_tensors, write_metadata
@@ -39,7 +39,8 @@ TYPES = {"blk.0.attn_q.weight": T.Q4_K, "blk.0.attn_k.weight": T.Q4_K,
          "blk.1.ffn_up.weight": T.Q5_K, "blk.1.ffn_down.weight": T.Q4_K,
          "output.weight": T.Q6_K, "token_embd.weight": T.Q8_0}
 # few, large tiles: the interpreter's time goes by the program
-TILES = gguf_linear.Tiles(one_row_n=512, one_row_k=256, block_m=16, block_n=512, block_k=256)
+TILES = int_linear.IntLinearConfig(gemv_block_n=512, gemv_block_k=256, gemm_block_m=16,
+                                   gemm_block_n=512, gemm_block_k=256)
 
 
 @pytest.fixture(autouse=True)
@@ -74,8 +75,8 @@ def test_blocks_model_matches_dequantized_model(tmp_path, caplog):
     reference, _, _ = load_model(path, torch.float32, "cpu", ops=TORCH_OPS)
     with caplog.at_level(logging.INFO, logger="pagedserve.model.gguf"):
         blocks, _, _ = load_model(path, torch.float32, "cpu",
-                                  ops=replace(TORCH_OPS, gguf_linear=partial(gguf_linear.linear,
-                                                                       tiles=TILES)))
+                                  ops=replace(TORCH_OPS, gguf_linear=partial(int_linear.linear,
+                                                                       config=TILES)))
     assert "dequantized at load" in caplog.text and "1 of F16" in caplog.text
     # only the float weights that are read stay: layer 1's q/k/v, not layer 0's
     names = {name for name, _ in blocks.named_parameters()}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.triton.gguf_dequant import gguf_tile
 from pagedserve.kernels.weight_formats import WeightFormat
 
 _INT = tl.constexpr(int(WeightFormat.INT))
@@ -82,7 +83,9 @@ def dequant_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride, scales
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weights of rows offs_n [BLOCK_N], columns k0 + arange(BLOCK_K) -> [BLOCK_N, BLOCK_K]
     in float32, as `weight_formats` describes FORMAT."""
-    tl.static_assert(FORMAT == _INT, "unknown weight format")
-    return _int_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride, scales_stride,
-                     offs_n, n_mask, k0, K, BITS, GROUP, HAS_ZEROS, HAS_G_IDX, BLOCK_N,
-                     BLOCK_K)
+    if FORMAT == _INT:
+        return _int_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride,
+                         scales_stride, offs_n, n_mask, k0, K, BITS, GROUP, HAS_ZEROS,
+                         HAS_G_IDX, BLOCK_N, BLOCK_K)
+    else:  # a GGUF block type: its GGML id is the format's
+        return gguf_tile(data_ptr, data_stride, offs_n, n_mask, k0, K, FORMAT, BLOCK_K)
