@@ -5,8 +5,8 @@
 Parts:
   gemv  Llama-3-8B's projections in the types a Q4_K_M file gives them (Q4_K; Q6_K for the
         down projection's more-bits layers and the LM head): the GGUF kernels
-        (`kernels/triton/int_linear.linear` on `GgufWeight`s) at 1, 16 and 256 rows against the bf16 matmul,
-        timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them);
+        (`kernels/triton/int_linear.linear` on `GgufWeight`s) at 1, 16 and 256 rows against
+        the bf16 matmul, timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them);
         GB/s of the weights' bytes and % of the copy bandwidth
   8b    a Llama-3-8B-shaped Q4_K_M GGUF (written by `gguf_quantize.write_llama_q4_k_m`,
         random weights) against bf16 (random weights made on the GPU, `load_format dummy`):

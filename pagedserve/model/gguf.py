@@ -388,15 +388,16 @@ def iter_tensors(reader: GGUFReader, config: ModelConfig,
                  keep: set[str]) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
     """`iter_weights`, except that the tensors named in `keep` come as their blocks (rows
     unpermuted like the float ones'; blocks run along K, so rows move whole).
-    The types of the linear weights dequantized instead are logged."""
+    The types of the linear weights (and experts) dequantized instead are logged."""
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
         name = hf_name(tensor.name, config.family) if len(tensor.shape) == 2 else None
         if name not in keep:
-            if name is not None and is_linear_weight(name):
-                kind = tensor.tensor_type.name
+            experts = name is None and _expert_names(tensor.name, config.num_experts)
+            if experts or (name is not None and is_linear_weight(name)):
+                kind = tensor.tensor_type.name + (" (MoE experts)" if experts else "")
                 dequantized[kind] = dequantized.get(kind, 0) + 1
             yield from _float_tensors(tensor, config)
             continue
@@ -405,9 +406,10 @@ def iter_tensors(reader: GGUFReader, config: ModelConfig,
         blocks = torch.from_numpy(np.array(blocks if order is None else blocks[order]))
         yield name, GgufBlocks(int(tensor.tensor_type), blocks, int(tensor.shape[0]))
     if dequantized:
-        logger.info("GGUF linear weights dequantized at load (no quantized GPU kernel for "
-                    "their type, or for a type of a layer they are fused with): %s",
-                    ", ".join(f"{n} of {kind}" for kind, n in sorted(dequantized.items())))
+        logger.warning("GGUF linear weights dequantized at load (no kernel on the blocks of "
+                       "their type or of MoE experts, or a layer they are fused with has "
+                       "another type): %s",
+                       ", ".join(f"{n} of {kind}" for kind, n in sorted(dequantized.items())))
 
 
 def open_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

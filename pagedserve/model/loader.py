@@ -13,8 +13,9 @@ parameters, and each packed tensor is converted to the kernels' layout as it is 
 
 Which kernels the model runs is decided here too, once: `ops.select_ops` from the device and
 dtype, then the FP8 matmul for FP8 weights, the packed matmul (and experts) for integer
-ones, the quantized blocks' matmul and the whole-step decode (`fast_decode`) for the fast
-mode.
+ones, the matmul on a GGUF's blocks on CUDA (`model.gguf_weights`: those layers are read as
+the file stores them, once the model is built on the meta device), the quantized blocks'
+matmul and the whole-step decode (`fast_decode`) for the CPU's fast mode.
 """
 
 from __future__ import annotations

