@@ -94,6 +94,11 @@ class LoRASlots:
         self._token_slots, self._sorted_rows = staged(max_tokens), staged(max_tokens)
         self._tile_starts, self._tile_lens = staged(tiles), staged(tiles)
         self._tile_slots = staged(tiles)
+        # what a graph captures before any step writes them: every row the base model's,
+        # every tile unused (set here, not in the capture, which would replay the fill)
+        for buffer in (self._token_slots, self._tile_slots):
+            buffer.host.fill_(-1)
+            buffer.device.fill_(-1)
 
     def batch(self, request_slots: np.ndarray, num_new: np.ndarray, token_rows: int,
               graph: bool) -> lora.LoRABatch | None:
@@ -132,11 +137,8 @@ class LoRASlots:
         return empty, empty, empty, empty
 
     def graph_batch(self, size: int) -> lora.LoRABatch:
-        """The inputs a captured decode graph of `size` rows reads: the buffers themselves,
-        every row at the base model's -1 and every tile unused until a step writes them."""
-        self._token_slots.device.fill_(-1)
-        self._tile_slots.device.fill_(-1)
-        self._tile_lens.device.zero_()
+        """The inputs a captured decode graph of `size` rows reads: views of the buffers,
+        which each step's `batch` rewrites in place."""
         tiles = lora.max_tiles(size, self.num_slots)
         return lora.LoRABatch(
             self._token_slots.device[:size], self._sorted_rows.device[:size],
