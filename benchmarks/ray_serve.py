@@ -121,7 +121,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--kv-cache-memory", default="53M",
-                        help="per replica; the default, about 75 blocks of 16 tokens, holds 5 or 6 of the 8 system prompts (12 blocks each) besides the requests in flight")
+                        help="per replica; the default, about 75 blocks of 16 tokens, holds 5 "
+                        "or 6 of the 8 system prompts (12 blocks each) besides the requests "
+                        "in flight")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

@@ -38,6 +38,7 @@ logger = logging.getLogger("ray.serve")
 
 ROUTINGS = ("prefix", "round_robin")
 REPLAY_TIMEOUT_MS = 2000
+ROUTED_LIMIT = 100_000  # hashes per replica counted as cached before its events say so
 # no module-level decoder: Ray Serve pickles the router class by value with its globals
 
 
@@ -48,7 +49,9 @@ class ReplicaCache:
     events: str
     replay: str | None
     held: dict[str, set[int]] = field(default_factory=dict)  # medium -> hashes
-    routed: set[int] = field(default_factory=set)  # sent here, not yet confirmed
+    routed: dict[int, None] = field(default_factory=dict)  # sent here, not yet confirmed;
+    # oldest first, at most ROUTED_LIMIT (a request aborted before its blocks were cached
+    # never gets its confirmation)
     last_seq: int = -1
     socket: zmq.Socket | None = None
 
@@ -56,7 +59,8 @@ class ReplicaCache:
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self.held.setdefault(event.medium or "", set()).update(event.block_hashes)
-                self.routed.difference_update(event.block_hashes)
+                for block_hash in event.block_hashes:
+                    self.routed.pop(block_hash, None)
             elif isinstance(event, BlockRemoved):
                 self.held.get(event.medium or "", set()).difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
@@ -104,6 +108,11 @@ class ReplicaCache:
     def close(self) -> None:
         if self.socket is not None:
             self.socket.close(linger=0)
+
+    def add_routed(self, hashes: list[int]) -> None:
+        self.routed.update(dict.fromkeys(hashes))
+        for stale in list(itertools.islice(self.routed, max(0, len(self.routed) - ROUTED_LIMIT))):
+            del self.routed[stale]
 
     def size(self) -> int:
         return len(self.routed) + sum(len(held) for held in self.held.values())
@@ -155,7 +164,7 @@ class PrefixAwareRouter(RequestRouter):
         cache = self._caches.get(replica_id)
         hashes = _hashes(pending_request)
         if cache is not None and hashes:
-            cache.routed.update(hashes)
+            cache.add_routed(hashes)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -173,11 +182,9 @@ class PrefixAwareRouter(RequestRouter):
 
     def _read_events(self, replicas: list[RunningReplica]) -> None:
         for replica in replicas:
-            cache = self._subscribed(replica)
-            if cache is not None:
-                cache.read()
+            self._subscribed(replica).read()
 
-    def _subscribed(self, replica: RunningReplica) -> ReplicaCache | None:
+    def _subscribed(self, replica: RunningReplica) -> ReplicaCache:
         """The replica's cache view, subscribed to its events once it has reported them."""
         cache = self._caches.get(replica.replica_id)
         stats = replica.routing_stats or {}

@@ -112,8 +112,9 @@ class EngineReplica:
     def _stop(self) -> None:
         stop_process(self._process, self._process.terminate, timeout=30)
 
-    def __del__(self) -> None:
-        self._stop()
+    def __del__(self) -> None:  # Ray Serve calls it when it stops the replica
+        if hasattr(self, "_process"):  # not when the constructor failed before the start
+            self._stop()
 
 
 app = FastAPI(title="pagedserve on Ray Serve")
@@ -158,7 +159,8 @@ class OpenAIIngress:
     def _block_hashes(self, body: bytes) -> list[int]:
         """The external hashes of the prompt's full blocks; [] where the prompt cannot be
         read here (the replica's server answers the request itself, and says what is
-        wrong): such a request is routed by load alone."""
+        wrong): such a request is routed by load alone. A request's `cache_salt` is not
+        hashed in: salted prompts match nowhere and are routed by load too."""
         try:
             tokens = self._prompt_tokens(json.loads(body))
         except Exception:  # noqa: BLE001 - only the routing hint is lost

@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("ray.serve.request_router")
 
 from pagedserve.entrypoints.ray_router import ReplicaCache  # noqa: E402
-from pagedserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from pagedserve.kv_cache.events import (AllBlocksCleared, BlockRemoved, BlockStored,  # noqa: E402
+                                        KVEventBatch)
 from pagedserve.kv_cache.kv_events import KVEventPublisher  # noqa: E402
 
 
@@ -62,3 +63,14 @@ def test_without_replay_a_gap_is_skipped_not_waited_for():
         cache.close()
     finally:
         publisher.close()
+
+
+def test_a_routed_prompt_counts_as_cached_until_the_cache_is_cleared():
+    """A burst sharing a prefix follows its first request before any event arrives."""
+    cache = ReplicaCache("tcp://127.0.0.1:1", None)
+    cache.add_routed([7, 8])
+    assert cache.match([7, 8, 9]) == 2
+    cache.apply(KVEventBatch(0.0, [stored(7)]))
+    assert cache.match([7, 8]) == 2 and cache.size() == 2
+    cache.apply(KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert cache.match([7]) == 0
