@@ -23,8 +23,10 @@ from pagedserve.kernels.triton.precision import dot_precision, round_to
 
 @dataclass(frozen=True)
 class IntLinearConfig:
-    """Tile sizes: the GEMV's rows per program and columns per step; the GEMM's tile. Rows
-    up to `gemv_max_rows` take the GEMV, one pass per row."""
+    """Tile sizes: the GEMV's rows per program and columns per step; the GEMM's tile, and a
+    narrower one for decode batches (up to `small_max_rows` rows), whose few M tiles would
+    otherwise leave most SMs idle (N / 64 programs). Rows up to `gemv_max_rows` take the
+    GEMV, one pass per row."""
 
     gemv_block_n: int = 16
     gemv_block_k: int = 256
@@ -35,6 +37,10 @@ class IntLinearConfig:
     gemm_warps: int = 4
     gemm_stages: int = 3
     gemv_max_rows: int = 1
+    small_block_m: int = 16
+    small_block_n: int = 32
+    small_block_k: int = 128
+    small_max_rows: int = 16
 
 
 DEFAULT = IntLinearConfig()
@@ -114,9 +120,13 @@ def linear(x: Tensor, weight, bias: Tensor | None = None,
                            BLOCK_N=config.gemv_block_n, BLOCK_K=config.gemv_block_k,
                            num_warps=config.gemv_warps)
     else:
-        grid = (triton.cdiv(m, config.gemm_block_m), triton.cdiv(n, config.gemm_block_n))
+        small = m <= config.small_max_rows
+        bm, bn, bk = ((config.small_block_m, config.small_block_n, config.small_block_k)
+                      if small else
+                      (config.gemm_block_m, config.gemm_block_n, config.gemm_block_k))
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _gemm_kernel[grid](*args, m, n, k, rows.stride(0), y.stride(0), **common,
-                           BLOCK_M=config.gemm_block_m, BLOCK_N=config.gemm_block_n,
-                           BLOCK_K=config.gemm_block_k, PRECISION=dot_precision(x.dtype),
-                           num_warps=config.gemm_warps, num_stages=config.gemm_stages)
+                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                           PRECISION=dot_precision(x.dtype), num_warps=config.gemm_warps,
+                           num_stages=config.gemm_stages)
     return y.view(*x.shape[:-1], n)
