@@ -1,6 +1,7 @@
 """4-bit (and 8-bit) integer weights on a CUDA GPU: the Llama-3-8B shape, one run.
 
     PYTHONPATH=. python benchmarks/int4.py --out DIR [--parts gemv,memory,8b] [--sweep]
+        [--append]
 
 Parts (all by default; about 6 minutes on an H100 with a cold Triton cache):
   gemv    Llama-3-8B's projections (K x N: qkv, o, gate_up, down) at 1, 16 and 256 rows:
@@ -64,9 +65,10 @@ throughput = fp8_bench.throughput
 
 
 class Results:
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, append: bool = False) -> None:
         self.path = out / "int4.json"
-        self.rows: list[dict] = []
+        self.rows: list[dict] = (json.loads(self.path.read_text())
+                                 if append and self.path.exists() else [])
 
     def add(self, part: str, **row) -> dict:
         row = {"part": part, **row, "device": torch.cuda.get_device_name(),
@@ -211,9 +213,11 @@ def main() -> None:
     parser.add_argument("--parts", default="gemv,memory,8b")
     parser.add_argument("--sweep", action="store_true", help="gemv: also the GEMV candidates")
     parser.add_argument("--no-workload", action="store_true", help="8b: TPOT only")
+    parser.add_argument("--append", action="store_true", help="keep the rows already in "
+                        "DIR/int4.json (a run split in parts, or other formats' rows)")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    res = Results(args.out)
+    res = Results(args.out, args.append)
     bandwidth = throughput.copy_bandwidth()
     if "memory" in parts:
         part_memory(res)
