@@ -121,7 +121,8 @@ def _compressed_tensors(raw: dict, where: str) -> IntScheme:
                              "(group and channel are)")
         schemes.add((_bits(w.get("num_bits"), "compressed-tensors", where),
                      w.get("group_size") or 0 if strategy == "group" else 0,
-                     bool(w.get("symmetric", True)), w.get("actorder") == "group"))
+                     bool(w.get("symmetric", True)),
+                     w.get("actorder") in ("group", True)))  # True: older configs' "group"
     if len(schemes) > 1:
         raise ValueError(f"{where}: several int weight schemes in one model {sorted(schemes)} "
                          "are not supported")
