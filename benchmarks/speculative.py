@@ -197,7 +197,9 @@ def oracle(args: argparse.Namespace) -> dict:
                     max_model_len=4096, kv_cache_memory=4 << 30)
         loaded = LoadedModel.load(EngineConfig(**base))
         rng = random.Random(0)
-        prompts = [[rng.randrange(3, 10_000) for _ in range(256)] for _ in range(4)]
+        vocab = loaded.model_config.vocab_size
+        prompts = [[rng.randrange(3, min(vocab, 10_000)) for _ in range(256)]
+                   for _ in range(4)]
         params = SamplingParams(temperature=0.0, max_tokens=args.oracle_tokens,
                                 ignore_eos=True)
         none = engine_over(loaded, base, None, async_scheduling=None)
@@ -209,7 +211,7 @@ def oracle(args: argparse.Namespace) -> dict:
             none_tpot.append(decode_s / (len(tokens) - 1))
         spec = engine_over(loaded, base, {"method": "ngram", "num_speculative_tokens": 4})
         spec.engine_core.scheduler.proposer = OracleProposer(
-            recorded, args.acceptance, loaded.model_config.vocab_size)
+            recorded, args.acceptance, vocab)
         run_one(spec, prompts[0][:16], SamplingParams(max_tokens=8, ignore_eos=True))
         spec_tpot, identical = [], True
         for p in prompts:
@@ -236,6 +238,7 @@ def load(args: argparse.Namespace) -> dict:
                     kv_cache_memory=24 << 30)
         loaded = LoadedModel.load(EngineConfig(**base))
         prompts, out_lens = workload_prompts()
+        prompts, out_lens = prompts[:args.num_requests], out_lens[:args.num_requests]
         result = {"shape": args.load_shape}
         for name, spec, async_ in (("none_async", None, None), ("none_sync", None, False),
                                    ("ngram", {"method": "ngram",
@@ -270,6 +273,8 @@ def main() -> None:
     parser.add_argument("--load-shape", default="qwen3-0.6b")
     parser.add_argument("--acceptance", type=float, default=0.8)
     parser.add_argument("--oracle-tokens", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=256,
+                        help="load: the first N of workload A's requests")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     parts = {"grounded": grounded, "oracle": oracle, "load": load}
