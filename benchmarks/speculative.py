@@ -114,7 +114,7 @@ def spec_stats(engine: LLMEngine) -> dict:
 def grounded(args: argparse.Namespace) -> dict:
     """One chat at a time, ngram against none, alternating per task (same load for both)."""
     base = dict(model=args.model, device=args.device, max_model_len=2048,
-                kv_cache_memory=1 << 30)
+                kv_cache_memory=1 << 30, dtype=args.dtype)
     loaded = LoadedModel.load(EngineConfig(**base))
     engines = {"none": engine_over(loaded, base, None),
                "ngram": engine_over(loaded, base, {"method": "ngram",
@@ -142,7 +142,7 @@ def grounded(args: argparse.Namespace) -> dict:
         rows.append(row)
         print(json.dumps(row), flush=True)
     tok_s = {name: n / s for name, (n, s) in totals.items()}
-    return {"model": args.model or "default (SmolLM2-135M-Instruct GGUF)",
+    return {"model": args.model or "default (SmolLM2-135M-Instruct GGUF)", "dtype": args.dtype,
             "device": str(loaded.device) if hasattr(loaded, "device") else args.device,
             "k": args.k, "max_tokens": args.max_tokens, "tasks": rows,
             "tok_s": {n: round(v, 2) for n, v in tok_s.items()},
@@ -268,6 +268,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--dtype", default="auto", help="grounded: the engine's dtype")
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--load-shape", default="qwen3-0.6b")
@@ -282,6 +283,8 @@ def main() -> None:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     for part in args.parts.split(","):
         key = f"{part}_{'cuda' if device.startswith('cuda') else 'cpu'}"
+        if part == "grounded" and args.dtype != "auto":
+            key += f"_{args.dtype}"
         results[key] = parts[part](args) | {
             "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "cpus": os.cpu_count()}

@@ -439,13 +439,18 @@ class ModelRunner:
         sample_rows = _sample_rows(query_start_loc[1:num_seqs + 1][samples],
                                    num_drafts[samples])
         b.logits_indices.np[:len(sample_rows)] = sample_rows
+        num_decodes, max_query_len = output.num_decodes, int(num_new.max())
+        if self._verifies_as_decodes(drafts, num_new, num_drafts, num_tokens, graph_size):
+            self._decode_rows(output, num_new, token_pos, seq_lens)
+            num_decodes = rows = num_tokens
+            max_query_len = 1
         meta = AttentionMetadata(  # what an eager forward reads; a graph reads the buffers
-            num_decodes=output.num_decodes, num_decode_tokens=output.num_decodes,
+            num_decodes=num_decodes, num_decode_tokens=num_decodes,
             slot_mapping=b.slot_mapping.upload(token_rows),
             block_tables=b.block_tables.upload(rows),
             seq_lens=b.seq_lens.upload(rows),
             query_start_loc=b.query_start_loc.upload(rows + 1),
-            max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()))
+            max_query_len=max_query_len, max_seq_len=int(seq_lens.max()))
         lora = None
         if self.loras is not None:
             lora = self.loras.batch(self.loras.slots([r.lora_request for r in requests]),
@@ -463,6 +468,29 @@ class ModelRunner:
             drafts=([drafts.get(r, []) for r, sample in zip(output.req_ids, output.samples)
                      if sample] if drafts else None))
         return inputs
+
+    def _verifies_as_decodes(self, drafts: dict[str, list[int]], num_new: np.ndarray,
+                             num_drafts: np.ndarray, num_tokens: int,
+                             graph_size: int | None) -> bool:
+        """Whether a step of decodes and verifies only runs as one decode per token (the CPU
+        backend, no LoRA, no graph, the rows within the step buffers): the CPU's whole-step
+        decode (`model/fast_decode.py`) then takes it, which a verify chunk would otherwise
+        leave for the per-op path at several times a decode's cost."""
+        return (bool(drafts) and self.backend.name == "cpu" and self.loras is None
+                and graph_size is None and num_tokens <= self.config.max_num_seqs
+                and bool(np.all(num_new == num_drafts + 1)))
+
+    def _decode_rows(self, output: SchedulerOutput, num_new: np.ndarray,
+                     token_pos: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Rewrite the step's attention rows as one decode per token: each token its
+        request's block table and the context up to itself (a token attends to the K/V
+        its step stores before it, as a short prefill does)."""
+        b, num_tokens = self.buffers, len(token_pos)
+        b.fill_block_tables(self.block_rows.table,
+                            np.repeat(self.block_rows.rows(output.req_ids), num_new),
+                            num_tokens, -(-int(seq_lens.max()) // self.block_size))
+        b.seq_lens.np[:num_tokens] = token_pos + 1
+        b.query_start_loc.np[:num_tokens + 1] = np.arange(num_tokens + 1)
 
     @staticmethod
     def _sampling_states(requests: list[CachedRequestState], samples: list[bool],
