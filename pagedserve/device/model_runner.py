@@ -568,8 +568,8 @@ class ModelRunner:
             self._copied_in.synchronize()
         done = self.disk_tier.load(self.host_tier_caches, loads)
         failed = torch.tensor([not ok for ok in done], dtype=torch.int32, device=self.device)
-        parallel.all_reduce_(failed)
-        return [i for i, count in enumerate(failed.tolist()) if count]
+        parallel.max_(failed)
+        return [i for i, flag in enumerate(failed.tolist()) if flag]
 
     def _host_writes_done(self) -> None:
         """Wait until the queued copies into host memory have landed (CUDA copies them

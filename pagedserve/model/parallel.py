@@ -110,6 +110,15 @@ def all_reduce_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def max_(x: torch.Tensor) -> torch.Tensor:
+    """The largest x over the ranks, in place, through the group's own collective (small
+    control data, such as which of a step's file reads failed anywhere)."""
+    tp = _STATE
+    if tp.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp.group)
+    return x
+
+
 def broadcast_(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's x on every rank, in place (a no-op with one rank)."""
     tp = _STATE

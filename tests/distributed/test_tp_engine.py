@@ -173,3 +173,26 @@ def test_a_killed_worker_is_an_error_and_no_worker_is_left(llama):
     assert not set(workers.values()) & set(worker_processes().values())
     with pytest.raises(ExecutorError, match="rank 1"):  # and the engine stays failed
         tp2.generate(prompts[:1], params[:1], use_tqdm=False)
+
+
+def test_tp2_disk_tier_agrees_across_ranks_on_a_file_broken_on_one(llama, tmp_path):
+    """Each rank writes its shard of the blocks the host tier drops; when rank 1's files
+    are damaged, every rank treats them as a miss (the outcome is reduced over the ranks),
+    so the recompute gives TP=1's tokens."""
+    gen = torch.Generator().manual_seed(5)
+    first = torch.randint(3, 2000, (41,), generator=gen).tolist()
+    others = [torch.randint(3, 2000, (41,), generator=gen).tolist() for _ in range(8)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = engine(llama, 1).generate([first], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    tp2 = engine(llama, 2, kv_offload_path=str(tmp_path), prefix_caching_hash_seed="s")
+    try:
+        for prompt in [first, *others]:  # pushes the first prompt's blocks to disk
+            tp2.generate([prompt], greedy, use_tqdm=False)
+        assert stats(tp2).disk_tier_stores > 0
+        for path in tmp_path.glob("*/rank1/*.kv"):
+            path.write_bytes(path.read_bytes()[:-1] + b"\0")
+        got = tp2.generate([first], greedy, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want
+        assert stats(tp2).disk_tier_load_failures > 0 and stats(tp2).disk_tier_hits == 0
+    finally:
+        tp2.llm_engine.shutdown()
