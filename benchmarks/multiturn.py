@@ -1,5 +1,5 @@
 """Multi-turn conversations against a KV pool too small for their working set: the prefix
-cache's host tier (--kv-offload-memory) on vs off (issue 34).
+cache's tiers (host memory --kv-offload-memory, disk --kv-offload-path) on vs off (issue 34).
 
 Workload: `--conversations` conversations of `--turns` turns; each group of `--group`
 conversations shares a system prompt of `--system-tokens` random tokens; every turn sends the
@@ -8,18 +8,31 @@ whole history (system prompt, earlier user messages and answers) plus a new user
 turns each user thinks for a time uniform in [--think-min, --think-max] seconds, multiplied
 by `--time-scale` (time compressed: the engine runs in real time, only the users wait less).
 The same seeded workload runs once per engine, one engine after the other in this process,
-each with the device KV pool of `--kv-cache-memory`, one without and one with the host tier.
+each with the device KV pool of `--kv-cache-memory`: `--tiers` names the runs, "off" (no
+tier), "host" (a host tier of --kv-offload-memory) and "disk" (a disk tier in a fresh
+temporary directory under --kv-offload-path, over a host tier of only --disk-host-memory, so
+the working set lives on disk). The CPU engine has no host tier of its own (its pool is RAM):
+there "host" is refused, "disk" runs.
 
 Per run: TTFT p50/p99 (from a turn's arrival to its first token, as the engine loop sees
-them), output tokens per second over the run, the device prefix-cache hit rate (tokens), the
-blocks recalled from the host tier, and the cached blocks the device pool evicted.
+them), output tokens per second over the run, the prefix-hit rate per tier (prompt tokens
+looked up that the device pool held, that were recalled from host memory, that were read
+from disk), the blocks each tier stored and the device pool evicted, the runner's seconds
+in tier copies. With --workload-a N, the first N requests of workload A
+(benchmarks/throughput.py: nothing recalled, the pool large) with the tier off and on: the
+cost of the tier's bookkeeping when it does not help.
 
+    # the lent H100 (well under 10 minutes for both):
     python benchmarks/multiturn.py --config benchmarks/configs/qwen3-0.6b.json \
-        --kv-cache-memory 1G --kv-offload-memory 16G --out docs/results/kv_offload.json
+        --kv-cache-memory 1G --kv-offload-memory 16G --workload-a 256 \
+        --out docs/results/kv_offload.json
+    python benchmarks/multiturn.py --config benchmarks/configs/llama3-8b.json \
+        --kv-cache-memory 4G --kv-offload-memory 48G --tiers off,host \
+        --out docs/results/kv_offload.json
     # a quick check on the CPU:
     python benchmarks/multiturn.py --config benchmarks/configs/tiny-qwen3.json --device cpu \
         --conversations 8 --turns 3 --group 4 --system-tokens 256 --user-tokens 32 \
-        --answer-tokens 16 --kv-cache-memory 6M --kv-offload-memory 64M --time-scale 0.002
+        --answer-tokens 16 --kv-cache-memory 6M --disk-host-memory 1M --time-scale 0.002
 """
 
 from __future__ import annotations
@@ -74,7 +87,8 @@ def make_workload(args: argparse.Namespace, vocab: int) -> list[Conversation]:
     return conversations
 
 
-def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int) -> dict:
+def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int,
+        block_size: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=answer_tokens, ignore_eos=True)
     before = engine.get_stats()
     arrival: dict[str, float] = {}
@@ -114,6 +128,15 @@ def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int
     stats = engine.get_stats()
     queries = stats.prefix_cache_queries - before.prefix_cache_queries
     hits = stats.prefix_cache_hits - before.prefix_cache_hits
+
+    def delta(name: str):
+        return getattr(stats, name) - getattr(before, name)
+
+    def rate(blocks: int) -> float:
+        return round(blocks * block_size / queries, 4) if queries else 0.0
+
+    # a block read from disk is then recalled through the host tier: counted once, on disk
+    host_hits = delta("host_tier_hits") - delta("disk_tier_hits")
     ttfts.sort()
     return {
         "turns_measured": len(ttfts), "wall_s": round(wall, 3),
@@ -121,10 +144,50 @@ def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int
         "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
         "output_tok_per_s": round(num_output / wall, 2),
         "device_prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
-        "host_tier_hit_blocks": stats.host_tier_hits - before.host_tier_hits,
-        "host_tier_stored_blocks": stats.host_tier_stores - before.host_tier_stores,
-        "device_evictions": stats.prefix_cache_evictions - before.prefix_cache_evictions,
+        "host_tier_hit_rate": rate(host_hits),
+        "disk_tier_hit_rate": rate(delta("disk_tier_hits")),
+        "host_tier_hit_blocks": host_hits,
+        "disk_tier_hit_blocks": delta("disk_tier_hits"),
+        "host_tier_stored_blocks": delta("host_tier_stores"),
+        "disk_tier_stored_blocks": delta("disk_tier_stores"),
+        "disk_tier_load_failures": delta("disk_tier_load_failures"),
+        "device_evictions": delta("prefix_cache_evictions"),
+        "tier_copy_s": round(delta("tier_copy_seconds"), 3),
     }
+
+
+def tier_options(tier: str, args: argparse.Namespace) -> dict:
+    """The engine options of a run: no tier, the host tier, or the disk tier (a fresh
+    directory, a fixed hash seed as a restart would need, a small host tier above it)."""
+    if tier == "off":
+        return {}
+    if tier == "host":
+        return {"kv_offload_memory": args.kv_offload_memory}
+    path = tempfile.mkdtemp(prefix="pagedserve-kv-", dir=args.kv_offload_path)
+    return {"kv_offload_path": path, "kv_offload_memory": args.disk_host_memory,
+            "kv_offload_disk": args.kv_offload_disk, "prefix_caching_hash_seed": "bench"}
+
+
+def workload_a(engine: LLMEngine, count: int) -> dict:
+    """The first `count` requests of workload A, timed (nothing recalled: no pool pressure)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_throughput", Path(__file__).with_name("throughput.py"))
+    throughput = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(throughput)
+    prompts, out_lens = throughput.workload_prompts(vocab=engine.model_config.vocab_size)
+    prompts, out_lens = prompts[:count], out_lens[:count]
+    params = [SamplingParams(temperature=throughput.TEMPERATURE, max_tokens=n, ignore_eos=True)
+              for n in out_lens]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"a{i}", None, p, prompt_token_ids=prompt)
+    start, tokens = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                tokens += len(output.outputs[0].token_ids)
+    seconds = time.perf_counter() - start
+    return {"workload": "A", "requests": count, "seconds": round(seconds, 3),
+            "output_tok_per_s": round(tokens / seconds, 1)}
 
 
 def device_name(device: str) -> str:
@@ -136,15 +199,22 @@ def device_name(device: str) -> str:
     return platform.processor()
 
 
-def random_checkpoint(config: Path, device: str) -> str:
+def random_checkpoint(config: Path, device: str) -> tuple[str, str]:
+    """A model of `config`'s shape and its load format: on CUDA a folder of the config and
+    a byte-level tokenizer, its weights drawn on the GPU (`load_format` dummy: writing and
+    reading an 8B model's random safetensors would take minutes); on the CPU a random
+    checkpoint."""
     spec = importlib.util.spec_from_file_location(
         "make_checkpoint", Path(__file__).with_name("make_checkpoint.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    model_dir = tempfile.mkdtemp(prefix="pagedserve-ckpt-")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    module.make_checkpoint(config, Path(model_dir), dtype, 0, "bytes")
-    return model_dir
+    model_dir = Path(tempfile.mkdtemp(prefix="pagedserve-ckpt-"))
+    if device == "cuda":
+        (model_dir / "config.json").write_text(config.read_text())
+        module.byte_level_tokenizer().save_pretrained(model_dir)
+        return str(model_dir), "dummy"
+    module.make_checkpoint(config, model_dir, torch.float32, 0, "bytes")
+    return str(model_dir), "auto"
 
 
 def main() -> None:
@@ -164,28 +234,53 @@ def main() -> None:
                         help="users' think times are multiplied by this")
     parser.add_argument("--kv-cache-memory", type=parse_size, required=True,
                         help="the device pool: smaller than the working set")
-    parser.add_argument("--kv-offload-memory", type=parse_size, required=True,
-                        help="the host tier of the run with it on")
+    parser.add_argument("--kv-offload-memory", type=parse_size, default=16 << 30,
+                        help="the host tier of the \"host\" run")
+    parser.add_argument("--tiers", default=None,
+                        help="comma-separated runs: off, host, disk (default: off,host,disk on "
+                        "CUDA; off,disk on the CPU)")
+    parser.add_argument("--kv-offload-path", default=None,
+                        help="where the \"disk\" run's directory is made (default: the temp dir)")
+    parser.add_argument("--kv-offload-disk", type=parse_size, default=64 << 30)
+    parser.add_argument("--disk-host-memory", type=parse_size, default=256 << 20,
+                        help="the host tier above the disk in the \"disk\" run")
+    parser.add_argument("--workload-a", type=int, default=0,
+                        help="also run this many requests of workload A, tier off and on")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="append the rows (JSON list) to this file")
     args = parser.parse_args()
 
-    model_dir = args.model or random_checkpoint(Path(args.config), args.device)
-    base = EngineConfig(model=model_dir, device=args.device)
+    model_dir, load_format = ((args.model, "auto") if args.model
+                              else random_checkpoint(Path(args.config), args.device))
+    base = EngineConfig(model=model_dir, device=args.device, load_format=load_format)
     loaded = LoadedModel.load(base)
     rows = []
-    for offload in (0, args.kv_offload_memory):
+    tiers = (args.tiers or ("off,host,disk" if args.device == "cuda" else "off,disk")).split(",")
+    for tier in tiers:
+        options = tier_options(tier, args)
         engine = LLMEngine(EngineConfig(
             model=model_dir, device=args.device, kv_cache_memory=args.kv_cache_memory,
-            kv_offload_memory=offload, max_model_len=args.max_model_len), loaded)
+            max_model_len=args.max_model_len, **options), loaded)
         conversations = make_workload(args, engine.model_config.vocab_size)
         row = {"config": Path(args.config).stem if not args.model else args.model,
                "device": device_name(args.device), "device_blocks": engine.num_blocks,
-               "kv_offload_memory": offload, "conversations": args.conversations,
-               "turns": args.turns, "system_tokens": args.system_tokens,
-               "answer_tokens": args.answer_tokens, "time_scale": args.time_scale,
-               **run(engine, conversations, args.answer_tokens)}
+               "tier": tier, "kv_offload_memory": options.get("kv_offload_memory", 0),
+               "conversations": args.conversations, "turns": args.turns,
+               "system_tokens": args.system_tokens, "answer_tokens": args.answer_tokens,
+               "time_scale": args.time_scale,
+               **run(engine, conversations, args.answer_tokens, base.block_size)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        engine.shutdown()
+        del engine
+    on = "host" if args.device == "cuda" else "disk"
+    for tier in ("off", on) if args.workload_a else ():
+        options = tier_options(tier, args)
+        engine = LLMEngine(EngineConfig(model=model_dir, device=args.device, **options), loaded)
+        row = {"config": Path(args.config).stem if not args.model else args.model,
+               "device": device_name(args.device), "tier": tier,
+               **workload_a(engine, args.workload_a)}
         print(json.dumps(row), flush=True)
         rows.append(row)
         engine.shutdown()
