@@ -22,7 +22,7 @@ in tier copies. With --workload-a N, the first N requests of workload A
 (benchmarks/throughput.py: nothing recalled, the pool large) with the tier off and on: the
 cost of the tier's bookkeeping when it does not help.
 
-    # the lent H100 (well under 10 minutes for both):
+    # the lent H100, one device call each (docs/benchmarks.md):
     python benchmarks/multiturn.py --config benchmarks/configs/qwen3-0.6b.json \
         --kv-cache-memory 1G --kv-offload-memory 16G --workload-a 256 \
         --out docs/results/kv_offload.json
@@ -241,7 +241,7 @@ def main() -> None:
                         "CUDA; off,disk on the CPU)")
     parser.add_argument("--kv-offload-path", default=None,
                         help="where the \"disk\" run's directory is made (default: the temp dir)")
-    parser.add_argument("--kv-offload-disk", type=parse_size, default=64 << 30)
+    parser.add_argument("--kv-offload-disk", type=parse_size, default=16 << 30)
     parser.add_argument("--disk-host-memory", type=parse_size, default=256 << 20,
                         help="the host tier above the disk in the \"disk\" run")
     parser.add_argument("--workload-a", type=int, default=0,
