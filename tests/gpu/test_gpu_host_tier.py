@@ -50,3 +50,20 @@ def test_recalled_conversations_give_the_same_tokens(loaded):
     assert conversations(engine) == reference
     stats = engine.get_stats()
     assert stats.prefix_cache_evictions > 0 and stats.host_tier_hits > 0
+
+
+def test_conversations_recalled_from_disk_give_the_same_tokens(loaded, tmp_path):
+    """A disk tier under a host tier too small for the conversations: blocks are written
+    from pinned host slots once their copies out have landed, read back into slots no copy
+    in flight still reads, then recalled; the tokens are those of an engine that kept
+    them on the device."""
+    large = make_engine(loaded, max_model_len=512)
+    reference = conversations(large)
+    block_bytes = large.model_runner.block_bytes
+    del large
+    engine = make_engine(loaded, kv_cache_memory=48 * block_bytes, max_model_len=512,
+                         kv_offload_memory=40 * block_bytes, kv_offload_path=str(tmp_path))
+    assert conversations(engine) == reference
+    stats = engine.get_stats()
+    assert stats.disk_tier_stores > 0 and stats.disk_tier_hits > 0
+    assert stats.disk_tier_load_failures == 0
