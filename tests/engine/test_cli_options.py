@@ -63,6 +63,8 @@ NON_DEFAULT = [
     ("--preemption-mode", "swap", "preemption_mode", "swap"),
     ("--swap-space", "512M", "swap_space", 512 << 20),
     ("--kv-offload-memory", "2G", "kv_offload_memory", 2 << 30),
+    ("--kv-offload-path", "/tmp/kv", "kv_offload_path", "/tmp/kv"),
+    ("--kv-offload-disk", "100G", "kv_offload_disk", 100 << 30),
     ("--attention-backend", "torch", "attention_backend", "torch"),
     ("--enforce-eager", None, "enforce_eager", True),
     ("--no-async-scheduling", None, "async_scheduling", False),
