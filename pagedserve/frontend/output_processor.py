@@ -149,7 +149,7 @@ class OutputProcessor:
                 if out.finish_reason == "stop" and not detokenizer.include_stop_str_in_output:
                     text_ids = new_ids[:-1]  # EOS or a stop token id: not part of the text
             if not sample.detokenize_at_end:
-                self._detokenize(sample, text_ids, to_abort)
+                self._detokenize(sample, text_ids, to_abort, len(new_ids))
             elif sample.finish_reason is not None:
                 sample.detokenizer.update_at_once(
                     sample.token_ids[:len(sample.token_ids) - len(new_ids) + len(text_ids)])
@@ -179,9 +179,28 @@ class OutputProcessor:
             parent.metrics.num_cached_tokens = num_cached_tokens
 
     @staticmethod
-    def _detokenize(sample: _Sample, new_ids: list[int], to_abort: list[str]) -> None:
-        stop = sample.detokenizer.update(new_ids)
-        if stop is not None and not sample.finished:
+    def _detokenize(sample: _Sample, new_ids: list[int], to_abort: list[str],
+                    num_new: int = 1) -> None:
+        """`num_new`: the tokens the sample received this step (`new_ids` may leave out
+        its last, a stop token). Several at once (speculative decoding) go in one by one,
+        so a stop string ends the sample's token ids where it completed, as it would have
+        one token a step."""
+        detokenizer = sample.detokenizer
+        if len(new_ids) <= 1:
+            stop, end = detokenizer.update(new_ids), None
+        else:
+            first = len(sample.token_ids) - num_new
+            for i, token in enumerate(new_ids):
+                stop, end = detokenizer.update([token]), first + i + 1
+                if stop is not None:
+                    break
+        if stop is None:
+            return
+        if end is not None and end < len(sample.token_ids):  # before the step's last token
+            del sample.token_ids[end:]
+            sample.finish_reason, sample.stop_reason = "stop", stop
+            to_abort.append(sample.request_id)  # ignored by the core if it finished there
+        elif not sample.finished:
             sample.finish_reason, sample.stop_reason = "stop", stop
             to_abort.append(sample.request_id)
 

@@ -74,3 +74,27 @@ def test_a_streamed_output_keeps_its_tokens_while_the_request_grows(tokenizer):
                                           flat[:len(words[0]) + len(words[1])], flat]
     assert [c.token_ids_delta for c in seen] == words
     assert seen[-1].text == " one two three" and not processor.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("finish", [None, "stop"])
+def test_a_stop_string_inside_several_new_tokens_ends_the_token_ids_there(tokenizer, finish):
+    """Speculative decoding hands over several tokens at once: a stop string completed by
+    one of them ends the sample's token ids at that token, as one token a step would (the
+    core is asked to abort), whatever the core said of the step's last token."""
+    from pagedserve.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+    from pagedserve.frontend.output_processor import OutputProcessor
+    from pagedserve.sampling_params import SamplingParams
+
+    processor = OutputProcessor(tokenizer)
+    prompt = tokenizer.encode("Count")
+    params = SamplingParams(max_tokens=20, stop=[" two"])
+    processor.add_request("r", "Count", prompt, params,
+                          [EngineCoreRequest("r", prompt, params, 0.0)])
+    one, two, three = (tokenizer.encode(w) for w in (" one", " two", " three"))
+    new = one + two + three + ([tokenizer.eos_token_id] if finish else [])
+    outputs, to_abort = processor.process_outputs(EngineCoreOutputs(
+        [EngineCoreOutput("r", new, finish_reason=finish)]))
+    (output,) = outputs
+    assert output.outputs[0].token_ids == one + two
+    assert output.outputs[0].text == " one" and output.outputs[0].finish_reason == "stop"
+    assert output.outputs[0].stop_reason == " two" and to_abort == ["r"]
