@@ -7,7 +7,17 @@ do not pay for them.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
+
+# Triton fixes at import whether its jit functions (its own standard library's included) run
+# under the interpreter, and some test dependencies import triton themselves (peft,
+# compressed-tensors): on a machine without a GPU, interpret from the start, so that the kernel
+# tests (tests/kernels) still run under the interpreter whatever ran before them.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.kv_cache.conftest import free_order
 
