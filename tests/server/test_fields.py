@@ -307,6 +307,7 @@ OPENAI = "tests.server.test_openai_api::"
 STRUCTURED = "tests.server.test_structured_api::"
 FINDINGS = "tests.server.test_findings::"
 REASONING = "tests.server.test_reasoning_api::"
+LORA = "tests.server.test_lora_api::"
 
 # "Model.field" -> the test that checks its effect ("module::function", or HERE[name])
 HONORED = {
@@ -373,6 +374,9 @@ HONORED = {
         REASONING + "test_enable_thinking_false_changes_the_prompt",
     "DetokenizeRequest.model": FINDINGS + "test_tokenize_and_detokenize_refuse_bad_unicode",
     "DetokenizeRequest.tokens": STRUCTURED + "test_tokenize_and_detokenize",
+    "LoadLoRAAdapterRequest.lora_name": LORA + "test_load_use_unload_reload",
+    "LoadLoRAAdapterRequest.lora_path": LORA + "test_load_use_unload_reload",
+    "UnloadLoRAAdapterRequest.lora_name": LORA + "test_load_use_unload_reload",
     # the parts of a body
     "StreamOptions.include_usage": OPENAI + "test_greedy_completions_equal_llm_generate",
     "StructuredOutputsRequest.json_": FINDINGS + "test_structured_outputs_kinds",
