@@ -7,7 +7,8 @@ read out of bounds that only faulted when the allocator put the table at the end
 segment. A bug like that hides behind luck, so every kernel path (decode v1/v2 with split_short
 and the arrival counters, prefill, store-KV in bf16 and FP8, block copy and swap, the decoder's
 elementwise kernels, the FP8 GEMVs including the one-row word path and split-K, the MoE kernel,
-the sampling kernels, CUDA-graph replays, the engine with PDL on and off) runs here under
+the sampling kernels, the packed-weight matmuls of every 4-bit/8-bit and GGUF format, the
+batched LoRA kernels, CUDA-graph replays, the engine with PDL on and off) runs here under
 memcheck, and those with shared memory under racecheck and synccheck, and initcheck where it
 can speak.
 
@@ -24,8 +25,8 @@ A workload checks its results against the PyTorch reference and exits non-zero o
 so a sanitizer run also checks correctness. A run that timed out or printed no "ERROR SUMMARY"
 is recorded as such, never as 0 errors. Full logs go to `--logs` (default: a temporary
 folder, printed at the end); the table is printed last; the exit status is 0 only when every
-pair is clean. Targets: the workloads attention, model_ops, fp8, moe, sampling, graphs,
-engine, engine-eager, engine-fp8kv, and engine-nopdl (the engine workload with
+pair is clean. Targets: the workloads attention, model_ops, fp8, moe, sampling, quant, lora,
+graphs, engine, engine-eager, engine-fp8kv, and engine-nopdl (the engine workload with
 PAGEDSERVE_PDL=0). The engine workloads build their engine core in their own process (LLM(...)
 would spawn one), so `--target-processes application-only` sees every kernel they launch.
 
@@ -34,6 +35,7 @@ a kernel workload under memcheck or racecheck took 10-120 s, sampling under init
 an engine run 24-50 s). With the default 6 jobs the whole default set (22 pairs) does not fit
 one device call limited to 10 minutes: split it in two, each with `--budget 500`:
     --only attention,model_ops,fp8,moe,sampling,graphs      (18 pairs)
+    --only quant,lora                                       (8 pairs)
     --only engine,engine-eager,engine-fp8kv,engine-nopdl    (4 pairs)
 
 Memory bounds: memcheck sees an allocation as torch's caching allocator hands it out only when
@@ -107,6 +109,8 @@ TARGETS = {t.name: t for t in (
     Target("fp8", "fp8", (MEM, RACE, SYNC)),
     Target("moe", "moe", (MEM, RACE, SYNC, INIT)),
     Target("sampling", "sampling", (MEM, RACE, SYNC, INIT)),
+    Target("quant", "quant", (MEM, RACE, SYNC, INIT)),
+    Target("lora", "lora", (MEM, RACE, SYNC, INIT)),
     Target("graphs", "graphs", (MEM,), graphs=True),
     Target("engine", "engine", (MEM,), graphs=True),
     Target("engine-eager", "engine-eager", (MEM,), exclusive=True),
@@ -1157,8 +1161,113 @@ def w_engine(ctx: Ctx, variant: str) -> None:
         engine.shutdown()
 
 
+def w_quant(ctx: Ctx) -> None:
+    """The packed-weight matmuls (kernels/triton/int_linear.py) over every format they read:
+    integer weights of 4 and 8 bits (symmetric, zero points, g_idx permutations, per channel)
+    and GGUF blocks of each type kept quantized, at 1 row (the GEMV), a decode batch and a
+    prefill (the GEMMs), N and K ragged against the tiles, against x @ the weight that the
+    torch reference dequantizes from the same bytes."""
+    import numpy as np
+    import torch
+
+    from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight
+    from pagedserve.kernels.triton.int_linear import linear
+    from pagedserve.kernels.weight_formats import IntWeight, pack_codes
+
+    dev = ctx.device
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    tol = 2e-2 if ctx.gpu else 1e-4
+    rows_cases = (1, 5, 19, 256) if ctx.gpu and not ctx.small else (1, 5)
+    gen = torch.Generator().manual_seed(3)
+    n = 200 if ctx.gpu else 40
+    int_cases = [(4, 128, True, False, 1000), (4, 32, False, True, 264),
+                 (8, 64, False, False, 328), (4, 1 << 20, True, False, 136)]
+    for bits, group, zeros, g_idx, k in int_cases:
+        groups = -(-k // group)
+        codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
+        scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.001).to(dtype)
+        zero = (torch.randint(0, 1 << bits, (n, groups), generator=gen).to(dtype) if zeros
+                else None)
+        order = (torch.randperm(k, generator=gen) // group).to(torch.int32) if g_idx else None
+        weight = IntWeight(*(None if t is None else t.to(dev) for t in
+                             (pack_codes(codes, bits), scales, zero, order)), bits, group, k)
+        w = weight.dequantize().double().cpu()
+        for rows in rows_cases:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            got = linear(x.to(dev), weight)
+            ctx.rel_close(got, x.double() @ w.T, f"int{bits} g{group} zeros={zeros} "
+                          f"g_idx={g_idx} rows={rows}", tol)
+    rng = np.random.default_rng(3)
+    for qtype, (per_block, size) in sorted(BLOCKS.items()):
+        k = 3 * 256 if per_block == 256 else 21 * 32
+        blocks = rng.integers(0, 256, (37, k // per_block, size), dtype=np.uint8)
+        offset, count = GGUF_F16_SCALES[qtype]  # random bits there could be inf or NaN
+        scales = (rng.standard_normal((37, k // per_block, count)) * 0.01).astype(np.float16)
+        blocks[..., offset:offset + 2 * count] = scales.view(np.uint8)
+        weight = GgufWeight(torch.from_numpy(blocks.reshape(37, -1)), qtype, k)
+        w = weight.dequantize().double()
+        weight = GgufWeight(weight.blocks.to(dev), qtype, k)
+        for rows in rows_cases:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            got = linear(x.to(dev), weight)
+            ctx.rel_close(got, x.double() @ w.T, f"gguf type {qtype} rows={rows}", tol)
+
+
+# where each GGUF type kept quantized holds its float16 scales in a block: (offset, count)
+GGUF_F16_SCALES = {2: (0, 1), 3: (0, 2), 8: (0, 1), 12: (0, 2), 13: (0, 2), 14: (208, 1)}
+
+
+def w_lora(ctx: Ctx) -> None:
+    """The batched LoRA shrink/expand kernels (kernels/triton/lora.py), tiled (prefills and
+    large decode batches) and one row at a time, ranks 8 to 64, rows of several adapters and
+    of the base model (which must be left alone), against the torch reference."""
+    import numpy as np
+    import torch
+
+    from pagedserve.kernels.triton.lora import lora_shrink_expand
+    from pagedserve.model.lora import (TILE_ROWS, LoRABatch, fill_tiles, max_tiles,
+                                       reference_lora)
+
+    dev = ctx.device
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    tol = 2e-2 if ctx.gpu else 1e-4
+    K, N, num_slots = (4096, 1024, 8) if ctx.gpu and not ctx.small else (96, 80, 4)
+    cases = [(8, [5, 17, 1, 33], [2, -1, 0, 2], False),
+             (64, [40, 3], [1, 3], False),
+             (16, [1] * 40, [0, 3, -1, 3, 1, 0, -1, 2] * 5, False),
+             (16, [1] * 7, [0, 3, -1, 3, 1, 0, -1], True)]
+    gen = torch.Generator().manual_seed(4)
+    for rank, lens, slots, one_row in cases:
+        token_slots = np.repeat(np.array(slots, dtype=np.int32), lens)
+        T, tiles = len(token_slots), max_tiles(len(token_slots), num_slots)
+        sorted_rows = np.zeros(T, dtype=np.int32)
+        starts, tlens, tslots = (np.zeros(tiles, dtype=np.int32) for _ in range(3))
+        count = fill_tiles(token_slots, sorted_rows, starts, tlens, tslots)
+        ref_rows = {s: torch.from_numpy(np.flatnonzero(token_slots == s)) for s in set(slots)
+                    if s >= 0}
+        on = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+        batch = LoRABatch(on(token_slots), on(sorted_rows), on(starts[:count]),
+                          on(tlens[:count]), on(tslots[:count]), one_row, TILE_ROWS)
+        ref_batch = LoRABatch(*(torch.from_numpy(a) for a in (
+            token_slots, sorted_rows, starts[:count], tlens[:count], tslots[:count])),
+            one_row, TILE_ROWS, ref_rows)
+        x = torch.randn(T, K, generator=gen).to(dtype)
+        a = (torch.randn(num_slots, rank, K, generator=gen) / K**0.5).to(dtype)
+        b = torch.randn(num_slots, N, rank, generator=gen).to(dtype)
+        y0 = torch.randn(T, N, generator=gen).to(dtype)
+        expected = y0.double().clone()
+        reference_lora(x.double(), expected, a.double(), b.double(), ref_batch)
+        got = y0.clone().to(dev)
+        lora_shrink_expand(x.to(dev), got, a.to(dev), b.to(dev), batch)
+        what = f"lora rank {rank} rows {T} one_row={one_row}"
+        ctx.rel_close(got.double() - y0.double(), expected - y0.double(), what, tol)
+        base = torch.from_numpy(token_slots < 0)
+        ctx.check(torch.equal(got.cpu()[base], y0[base]), f"{what}: base rows changed")
+
+
 KERNEL_WORKLOADS = {"attention": w_attention, "model_ops": w_model_ops, "fp8": w_fp8,
-                    "moe": w_moe, "sampling": w_sampling, "graphs": w_graphs}
+                    "moe": w_moe, "sampling": w_sampling, "graphs": w_graphs,
+                    "quant": w_quant, "lora": w_lora}
 ENGINE_WORKLOADS = ("engine", "engine-eager", "engine-fp8kv")
 WORKLOADS = (*KERNEL_WORKLOADS, *ENGINE_WORKLOADS)
 
