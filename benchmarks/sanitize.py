@@ -1260,7 +1260,7 @@ def w_lora(ctx: Ctx) -> None:
         got = y0.clone().to(dev)
         lora_shrink_expand(x.to(dev), got, a.to(dev), b.to(dev), batch)
         what = f"lora rank {rank} rows {T} one_row={one_row}"
-        ctx.rel_close(got.double() - y0.double(), expected - y0.double(), what, tol)
+        ctx.rel_close(got.double().cpu() - y0.double(), expected - y0.double(), what, tol)
         base = torch.from_numpy(token_slots < 0)
         ctx.check(torch.equal(got.cpu()[base], y0[base]), f"{what}: base rows changed")
 
