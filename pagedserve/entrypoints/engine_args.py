@@ -68,8 +68,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("tokenizer", "tokenizer folder or file", metavar="PATH",
               default_text="the model's"),
     EngineArg("dtype", "weights and activations; auto = bfloat16 on CUDA, float32 on the "
-              "CPU, where a GGUF runs in the fast mode (its quantized blocks, int8 "
-              "activations); float32 = the exact path", choices=DTYPES),
+              "CPU, where a GGUF (or a 4-/8-bit checkpoint) runs in the fast mode (its "
+              "quantized blocks, int8 activations); float32 = the exact path", choices=DTYPES),
     EngineArg("device", "cpu, cuda, cuda:1, ...; auto = cuda when available"),
     EngineArg("quantization", "fp8: FP8 weights (e4m3, a scale per output channel; "
               "activations quantized per token; CUDA compute capability 8.9+, the CPU runs a "

@@ -8,7 +8,8 @@ as one call instead, the same kernels on the same values: its hidden states are 
 those of the per-op fast mode (tests/model/test_fast_decode.py holds it to that).
 
 One rule decides (`FastDecode.for_model` once, when the model loads; `__call__` per step, on
-the step's shape): a model in the fast mode (every dense projection on its quantized blocks)
+the step's shape): a model in the fast mode (every dense projection on its quantized blocks:
+a GGUF's, or an integer checkpoint's converted in their column order, `model.int_native`)
 of the plain pre-norm Llama shape (SiLU MLP, no MoE, no Gemma norms, score cap or embedding
 scale, one RoPE table), without tensor parallelism, running on the CPU attention backend, in
 a step where every sequence decodes one token and there are at most `MAX_BATCH` of them.
@@ -61,9 +62,10 @@ def _eligible(model: Decoder) -> bool:
                 or any(isinstance(n, UnitOffsetRMSNorm) for n in norms)
                 or not native_attention.supports(attn.num_heads, attn.num_kv_heads,
                                                  attn.head_dim)
-                or any(not isinstance(lin.matmul, QuantizedMatmul)
+                or any(type(lin.matmul) is not QuantizedMatmul  # (not a PermutedMatmul)
                        or len(lin.matmul.quantized.parts) > MAX_PARTS
-                       or lin.weight.device.type != "cpu" for lin in linears)):
+                       or lin.weight is not None and lin.weight.device.type != "cpu"
+                       for lin in linears)):
             return False
     return True
 

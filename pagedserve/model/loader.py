@@ -15,7 +15,8 @@ Which kernels the model runs is decided here too, once: `ops.select_ops` from th
 dtype, then the FP8 matmul for FP8 weights, the packed matmul (and experts) for integer
 ones, the matmul on a GGUF's blocks on CUDA (`model.gguf_weights`: those layers are read as
 the file stores them, once the model is built on the meta device), the quantized blocks'
-matmul and the whole-step decode (`fast_decode`) for the CPU's fast mode.
+matmul and the whole-step decode (`fast_decode`) for the CPU's fast mode (a GGUF's blocks,
+or an integer checkpoint's layers converted to them: `model.int_native`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import importlib.util
 import json
 import re
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,7 +35,7 @@ from torch import nn
 from pagedserve.config import LOAD_FORMATS
 from pagedserve.kernels.native import quant as native_quant
 from pagedserve.kernels.native.quant import QuantizedLinear, QuantizedWeight
-from pagedserve.model import dummy, fp8, gguf_weights, int_weights, parallel
+from pagedserve.model import dummy, fp8, gguf_weights, int_native, int_weights, parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder, Linear, RowParallelLinear
 from pagedserve.model.fast_decode import FastDecode
@@ -243,8 +245,10 @@ def load_model(
     checkpoint's own dtype (float32 for GGUF, which we dequantize). A GGUF's linears stored in
     a type the kernels take keep their blocks when `ops` has a `gguf_linear` (CUDA) and no
     `quantization` is asked for (`model.gguf_weights`). `quantized`: the fast
-    mode, for a GGUF on the CPU at float32 without tensor parallelism (else ignored): its
-    linear layers also keep the file's quantized blocks and run on them (`attach_quantized`).
+    mode on the CPU at float32 (else ignored): a GGUF's linear layers (without tensor
+    parallelism) also keep the file's quantized blocks and run on them (`attach_quantized`);
+    an integer checkpoint's packed layers run on the same native int8-activation kernels
+    where their weights fit them exactly (`model.int_native`), the reference elsewhere.
     `quantization`: "fp8" for FP8 weights (`model.fp8`), None for the checkpoint's own (FP8
     for an FP8 checkpoint, else none); the model's `quantization` says which ran. Returns the
     model in eval mode, its config, and the folder/file the tokenizer loads from (see
@@ -295,7 +299,9 @@ def load_model(
         for linear in model.dense_linears():  # their scales are on the device now
             linear.matmul = fp8.Fp8Matmul(ops.fp8_linear, linear.weight_scale)
     load_weights(model, weights, scheme)
-    _attach_int_matmuls(model, packed, scheme, ops)
+    native = quantized and dtype == torch.float32 and device.type == "cpu" and (
+        native_quant.available())
+    _attach_int_matmuls(model, packed, scheme, ops, native)
     if gguf_reader is not None:
         gguf_weights.attach(model, ops.gguf_linear, targets, kept)
     model.quantization = quantization or (scheme.name if scheme is not None else None)
@@ -305,6 +311,8 @@ def load_model(
         from pagedserve.model.gguf import open_quantized
 
         attach_quantized(model, open_quantized(path, config))
+        model.fast_decode = FastDecode.for_model(model)
+    elif native and packed:
         model.fast_decode = FastDecode.for_model(model)
     return model.eval().requires_grad_(False), config, str(path)
 
@@ -387,7 +395,11 @@ def _pack_linears(model: Decoder, scheme: int_weights.IntScheme, path: Path) -> 
 
 
 def _attach_int_matmuls(model: Decoder, packed: list[str],
-                        scheme: int_weights.IntScheme | None, ops: Ops) -> None:
+                        scheme: int_weights.IntScheme | None, ops: Ops, native: bool) -> None:
+    """The packed layers' matmuls: `ops.int_linear` on their weights, or with `native` (the
+    CPU's fast mode) the native int8-activation kernels where a layer's weight fits them
+    (`model.int_native`)."""
+    dense = {}
     for target in packed:
         module = model.get_submodule(target)
         if isinstance(module, SparseMoE):
@@ -397,7 +409,12 @@ def _attach_int_matmuls(model: Decoder, packed: list[str],
                     int_weights.expert_weights(module, scheme, "w13"),
                     int_weights.expert_weights(module, scheme, "w2"))])
             continue
-        matmul = int_weights.IntMatmul(ops.int_linear, int_weights.int_weight(module, scheme))
+        dense[target] = int_weights.int_weight(module, scheme)
+    reference = partial(int_weights.IntMatmul, ops.int_linear)
+    matmuls = (int_native.int_matmuls(dense, reference) if native
+               else {target: reference(weight) for target, weight in dense.items()})
+    for target, matmul in matmuls.items():
+        module = model.get_submodule(target)
         if target == "lm_head":
             model.lm_head_matmul = matmul
         else:

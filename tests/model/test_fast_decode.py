@@ -1,7 +1,8 @@
 """The fast mode's whole-step decode (`model/fast_decode.py`, `decode.c`) on the default
-GGUF: the same kernels on the same values as the per-op fast mode, so every step it takes must
-give the per-op path's hidden states and KV cache writes bit for bit; the steps it does not
-take (prefills, other backends, other models) must fall through to the layers.
+GGUF (and an integer checkpoint converted to the same blocks): the same kernels on the same
+values as the per-op fast mode, so every step it takes must give the per-op path's hidden
+states and KV cache writes bit for bit; the steps it does not take (prefills, other
+backends, other models) must fall through to the layers.
 
 The kernels it composes are held to float64 references on the dequantized blocks in
 tests/native (test_quant, test_ops, test_attention), and the fast mode's quality against
@@ -10,9 +11,14 @@ float32 in test_gguf_fast_mode.py.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
+from benchmarks.make_checkpoint import make_checkpoint
+from benchmarks.quantize_int import quantize_folder
 from pagedserve.attention.backend import set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.selector import get_attention_backend
@@ -26,6 +32,7 @@ from pagedserve.sampling_params import SamplingParams
 pytestmark = pytest.mark.skipif(not decode.available(),
                                 reason="native kernels unavailable")
 
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 PROMPTS = ["Hi", "Write a haiku about the sea.", "List three uses of copper and say why each "
            "one matters for the electrical grid, in plain words.", "Why is the sky blue?",
            "Count to ten.", "What does a CPU cache do? Answer briefly.", "Name a prime."]
@@ -170,3 +177,31 @@ def test_bad_indices_raise_and_write_nothing(fast):
         result, caches = _one_decode(model, **kwargs)
         assert isinstance(result, error), kwargs
         assert not any(c.any() for c in caches), kwargs
+
+
+@pytest.fixture(scope="module")
+def int4_fast(tmp_path_factory):
+    """A tiny Llama's W4A16 checkpoint (compressed-tensors, group 32) in the fast mode: its
+    layers converted to the native blocks (`model/int_native.py`)."""
+    root = tmp_path_factory.mktemp("int4-fast")
+    config = json.loads((CONFIGS / "tiny-llama3.json").read_text())
+    # every projection's input a whole number of 32-blocks (688 is not)
+    config.update(vocab_size=2001, num_hidden_layers=2, intermediate_size=704)
+    (root / "config.json").write_text(json.dumps(config))
+    make_checkpoint(root / "config.json", root / "float", torch.float32, seed=0,
+                    tokenizer="bytes")
+    quantize_folder(root / "float", root / "w4", "compressed-tensors", bits=4, group=32)
+    return LoadedModel.load(EngineConfig(model=str(root / "w4"), device="cpu"))
+
+
+def test_an_int4_checkpoint_decodes_in_one_call_as_its_layers_do(int4_fast):
+    model = int4_fast.model
+    assert model.quantization == "w4a16" and isinstance(model.fast_decode, FastDecode)
+    checked = Checked(model)
+    model.fast_decode = checked
+    try:
+        engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory=16 << 20), int4_fast)
+        _generate(engine, PROMPTS[:3], 6)
+    finally:
+        model.fast_decode = checked.fast
+    assert 3 in checked.batches, checked.batches

@@ -1,0 +1,201 @@
+"""Integer checkpoints on the CPU's native int8-activation kernels (model/int_native.py).
+
+- A packed weight converted to the kernels' blocks holds the checkpoint's weights exactly
+  ((code - zero) * scale, compared in float64), in group order where g_idx reorders the
+  columns; weights the blocks cannot hold exactly are refused with the reason.
+- The matmul on those blocks equals the float64 product of the int8-quantized activations
+  with the dequantized weight (tight: float32 sums only), as the GGUF blocks' kernel test
+  holds it.
+- Loaded in the fast mode, a checkpoint's logits are those of the float model on the
+  dequantized weights whose linears' inputs are int8-quantized as the kernels do it
+  (float64), and within that rounding of the float model itself, whose greedy tokens they
+  give; a layer that does not fit keeps the exact reference, with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from benchmarks.quantize_int import quantize_folder
+from pagedserve.kernels.native import quant
+from pagedserve.kernels.weight_formats import IntWeight, groups_of, pack_codes, unpack_codes
+from pagedserve.model import load_model
+from pagedserve.model.decoder import Linear
+from pagedserve.model.int_native import NoFit, native_matmul, to_blocks
+from pagedserve.model.int_weights import IntMatmul
+from pagedserve.model.ops import select_ops
+from pagedserve.model.packed import QuantizedMatmul
+from tests.model.paged import PagedDriver
+from tests.model.test_decoder import TINY, make_checkpoint
+from tests.model.test_int_weights import qwen3
+from tests.native.test_quant import quantize_rows
+
+pytestmark = pytest.mark.skipif(not quant.available(), reason="native kernels unavailable")
+
+
+def int_weight(n: int, k: int, bits: int, group: int, *, zeros: bool = False,
+               g_idx: bool = False, scale_dtype=torch.float16, seed: int = 0) -> IntWeight:
+    """A random packed weight; g_idx: each group's columns scattered (GPTQ's desc_act)."""
+    gen = torch.Generator().manual_seed(seed)
+    top = (1 << bits) - 1
+    groups = -(-k // group)
+    codes = torch.randint(0, top + 1, (n, k), generator=gen)
+    scales = (torch.rand(n, groups, generator=gen) * 0.02 + 1e-3).to(scale_dtype).float()
+    z = torch.randint(0, top + 1, (n, groups), generator=gen).float() if zeros else None
+    order = torch.randperm(k, generator=gen) if g_idx else None
+    idx = None
+    if g_idx:
+        idx = torch.empty(k, dtype=torch.int32)
+        idx[order] = (torch.arange(k) // group).to(torch.int32)
+    return IntWeight(pack_codes(codes, bits), scales, z, idx, bits, group, k)
+
+
+def exact_weight(w: IntWeight) -> torch.Tensor:
+    """(code - zero) * scale in float64: the checkpoint's weight before any rounding."""
+    g = groups_of(w)
+    codes = unpack_codes(w.qweight, w.bits, w.in_features).double()
+    zeros = w.zeros.double()[:, g] if w.zeros is not None else float(1 << (w.bits - 1))
+    return (codes - zeros) * w.scales.double()[:, g]
+
+
+def blocks_weight(w: IntWeight) -> torch.Tensor:
+    """The converted blocks' weight (scale * q + min) in float64, in the checkpoint's
+    column order."""
+    blocks = to_blocks(w)
+    b = blocks.weight
+    wide = quant.QuantizedWeight(b.kind, b.qs, b.scales.double(),
+                                 None if b.mins is None else b.mins.double()).dequantize()
+    if blocks.columns is None:
+        return wide
+    out = torch.empty_like(wide)
+    out[:, blocks.columns] = wide
+    return out
+
+
+FITS = {
+    "w4-g32-sym-f32": dict(bits=4, group=32, scale_dtype=torch.float32),
+    "w4-g64-asym": dict(bits=4, group=64, zeros=True),
+    "w4-g128-asym-bf16": dict(bits=4, group=128, zeros=True, scale_dtype=torch.bfloat16),
+    "w4-channel": dict(bits=4, group=160),
+    "w4-g32-g_idx": dict(bits=4, group=32, zeros=True, g_idx=True),
+    "w8-g16-sym": dict(bits=8, group=16, scale_dtype=torch.float32),
+    "w8-g64-g_idx": dict(bits=8, group=64, g_idx=True),
+}
+
+
+@pytest.mark.parametrize("case", FITS)
+def test_blocks_hold_the_checkpoints_weights_exactly(case):
+    w = int_weight(24, 160, **FITS[case])
+    assert torch.equal(blocks_weight(w), exact_weight(w))
+
+
+@pytest.mark.parametrize("k,options,reason", [
+    (48, dict(bits=4, group=16), "not whole blocks of 32"),
+    (64, dict(bits=4, group=16), "group ends inside a block of 32"),
+    (96, dict(bits=4, group=48, g_idx=True), "group ends inside a block of 32"),
+    (64, dict(bits=4, group=32, zeros=True, scale_dtype=torch.float32),
+     "not a float32"),
+    (64, dict(bits=8, group=32, zeros=True), "outside int8"),
+])
+def test_weights_the_blocks_cannot_hold_are_refused_with_the_reason(k, options, reason):
+    with pytest.raises(NoFit, match=reason):
+        to_blocks(int_weight(16, k, **options))
+
+
+@pytest.mark.parametrize("case", ["w4-g64-asym", "w4-g32-g_idx", "w8-g64-g_idx"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_matmul_is_the_quantized_activations_times_the_weight(case, rows):
+    w = int_weight(40, 160, **FITS[case], seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(40)
+    out = native_matmul(w)(x, None, bias).double()
+    # the kernel quantizes the activations in the blocks' column order
+    columns = to_blocks(w).columns
+    order = torch.arange(160) if columns is None else columns
+    xq = torch.from_numpy(quantize_rows(x[:, order].numpy()))
+    want = xq @ exact_weight(w)[:, order].T + bias.double()
+    scale = xq.abs() @ exact_weight(w).abs()[:, order].T + bias.abs().double()
+    assert ((out - want).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+def int8_activations_linear(x: torch.Tensor, weight: IntWeight,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' arithmetic in float64: x int8-quantized per 32 columns in the blocks'
+    column order, times the exact weight."""
+    columns = to_blocks(weight).columns
+    order = torch.arange(weight.in_features) if columns is None else columns
+    rows = x.reshape(-1, x.shape[-1])[:, order]
+    y = torch.from_numpy(quantize_rows(rows.numpy())) @ exact_weight(weight)[:, order].T
+    y = y if bias is None else y + bias.double()
+    return y.float().view(*x.shape[:-1], -1)
+
+
+def llama(folder):
+    return make_checkpoint(LlamaConfig(**TINY), folder)
+
+
+def greedy(model, prompt: list[int], steps: int) -> list[int]:
+    driver = PagedDriver(model, block_size=4)
+    logits, tokens = driver.step({"s": prompt})["s"][-1:], []
+    for _ in range(steps):
+        tokens.append(int(logits[0].argmax()))
+        logits = driver.step({"s": tokens[-1:]})["s"]
+    return tokens
+
+
+# (checkpoint, format, options)
+NATIVE = {
+    "ct-w4-g32-sym": (qwen3, "compressed-tensors", dict(bits=4, group=32)),
+    "gptq-w4-g32-desc_act": (llama, "gptq", dict(bits=4, group=32, act_order=True)),
+    "awq-w4-g32-bf16": (llama, "awq", dict(bits=4, group=32, symmetric=False,
+                                          dtype=torch.bfloat16)),
+    "ct-w8-channel": (qwen3, "compressed-tensors", dict(bits=8, group=0)),
+}
+
+
+@pytest.mark.parametrize("case", NATIVE)
+def test_fast_mode_logits_and_greedy_tokens_follow_the_dequantized_model(case, tmp_path):
+    make, fmt, options = NATIVE[case]
+    make(tmp_path / "float")
+    quantize_folder(tmp_path / "float", tmp_path / case, fmt, **options)
+    exact, _, _ = load_model(tmp_path / case, torch.float32, "cpu")  # the reference path
+    fast, _, _ = load_model(tmp_path / case, torch.float32, "cpu", quantized=True)
+    layers = [m for m in fast.modules() if isinstance(m, Linear) and m.weight is None]
+    assert len(layers) == 4 * TINY["num_hidden_layers"]
+    assert all(isinstance(m.matmul, QuantizedMatmul) for m in layers)
+    prompt = torch.randint(0, TINY["vocab_size"], (13,),
+                           generator=torch.Generator().manual_seed(2)).tolist()
+    want = PagedDriver(exact).step({"s": prompt})["s"]
+    got = PagedDriver(fast).step({"s": prompt})["s"]
+    rounded, _, _ = load_model(tmp_path / case, torch.float32, "cpu", ops=replace(
+        select_ops("cpu", torch.float32), int_linear=int8_activations_linear))
+    sim = PagedDriver(rounded).step({"s": prompt})["s"]
+    top = want.abs().max()
+    # the kernels' own arithmetic: float32 sums against float64 (an activation whose
+    # rounding that flips moves a logit by ~1e-3 of the largest)
+    assert (got - sim).abs().max() < 2e-3 * top
+    # the activations' int8 rounding (a wrong nibble, scale or column order is of the
+    # logits' own size)
+    assert (got - want).abs().max() < 0.05 * top
+    assert greedy(fast, prompt, 8) == greedy(exact, prompt, 8)
+
+
+def test_a_layer_that_does_not_fit_keeps_the_exact_reference(tmp_path, caplog):
+    """Asymmetric float32 scales: zero x scale is no float32, so no q4 min holds it."""
+    llama(tmp_path / "float")
+    quantize_folder(tmp_path / "float", tmp_path / "awq", "awq", bits=4, group=32,
+                    symmetric=False)
+    exact, _, _ = load_model(tmp_path / "awq", torch.float32, "cpu")
+    with caplog.at_level(logging.INFO, logger="pagedserve.model.int_native"):
+        fast, _, _ = load_model(tmp_path / "awq", torch.float32, "cpu", quantized=True)
+    assert "8 layers keep the reference (dequantizing) matmul: zero point x scale" in caplog.text
+    layers = [m for m in fast.modules() if isinstance(m, Linear) and m.weight is None]
+    assert layers and all(isinstance(m.matmul, IntMatmul) for m in layers)
+    prompt = list(range(3, 16))
+    assert torch.equal(PagedDriver(fast).step({"s": prompt})["s"],
+                       PagedDriver(exact).step({"s": prompt})["s"])
