@@ -21,6 +21,11 @@ tensor: its zero point is 2^(bits - 1). Scales (and zeros, integers held exactly
 activation dtype; the product is rounded to it before the multiply, as a float model built
 from the dequantized weight would hold it.
 
+An MoE layer's experts are one `Stacked` per projection: each expert's weight, all of one
+format and shape, as views of tensors stacked along a leading expert dim, so the fused MoE
+kernel (`kernels/triton/moe.py`) reaches expert e's tensors e strides past expert 0's and
+unpacks them with the same `dequant_tile`.
+
 Adding a format (GGUF's blocks): a new `WeightFormat` id, its reference dequantization
 beside `dequantize_int`, its branch in `dequant_tile`, and a dataclass of its tensors with
 the same `format`, `kernel_args`, `shape` and `dequantize` members as `IntWeight`.
@@ -139,3 +144,49 @@ def dequantize_int(weight: IntWeight, dtype: torch.dtype | None = None) -> Tenso
     zeros = (weight.zeros.float()[:, groups] if weight.zeros is not None
              else float(1 << (weight.bits - 1)))
     return ((codes - zeros) * scales).to(dtype)
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Weights of one format and shape, one per expert, whose tensors are evenly spaced
+    (views of stacked tensors): expert e's data, scales (and zeros) and g_idx start e times
+    `strides` elements past expert 0's. Build with `stacked`."""
+
+    experts: tuple
+    strides: tuple[int, int, int]  # data, scales (zeros alike), g_idx
+
+    @property
+    def format(self) -> WeightFormat:
+        return self.experts[0].format
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (len(self.experts), *self.experts[0].shape)
+
+    def kernel_args(self) -> KernelArgs:
+        """Expert 0's (the others: `strides` on)."""
+        return self.experts[0].kernel_args()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The reference: [E, N, K]."""
+        return torch.stack([w.dequantize(dtype) for w in self.experts])
+
+
+def stacked(experts) -> Stacked:
+    """`Stacked` over per-expert weights of one format and shape; a ValueError when their
+    tensors are not evenly spaced in memory (not views of stacked tensors)."""
+    experts = tuple(experts)
+    if len({(w.format, w.shape) for w in experts}) != 1:
+        raise ValueError("stacked experts must share one format and shape")
+    args = [w.kernel_args() for w in experts]
+    strides = []
+    for field in ("data", "scales", "zeros", "g_idx"):
+        tensors = [getattr(a, field) for a in args]
+        base = tensors[0].data_ptr()
+        step = tensors[1].data_ptr() - base if len(tensors) > 1 else 0
+        if any(t.data_ptr() != base + e * step for e, t in enumerate(tensors)):
+            raise ValueError(f"the experts' {field} tensors are not evenly spaced")
+        strides.append(step // tensors[0].element_size())
+    if args[0].has_zeros and strides[2] != strides[1]:
+        raise ValueError("the experts' zeros and scales are spaced apart differently")
+    return Stacked(experts, (strides[0], strides[1], strides[3]))

@@ -22,9 +22,10 @@ format:
 Which layers are quantized is what the checkpoint holds: a layer whose tensors come packed
 is made packed (so an ignored LM head, or an embedding, stays as the checkpoint has it). A
 fused layer's parts (q/k/v, gate/up) must agree. MoE experts (Mixtral, Qwen3-MoE) are packed
-per expert in stacked parameters and run expert by expert (`moe.PackedExperts`). Variants the
-kernels do not read (3-bit,
-2-bit, GPTQ's marlin / bitblas layouts, AWQ's GEMV / exllama / marlin versions, activation
+per expert in stacked parameters ([E, ...] first) and run by the fused MoE kernel, which
+unpacks them in registers (`moe.QuantizedExperts`, where the model's `Ops` has one: CUDA), or
+else expert by expert (`moe.PackedExperts`). Variants the kernels do not read (3-bit, 2-bit,
+GPTQ's marlin / bitblas layouts, AWQ's GEMV / exllama / marlin versions, activation
 quantization) are refused by name at load.
 """
 
@@ -38,7 +39,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pagedserve.kernels.weight_formats import IntWeight, pack_codes, unpack_codes
+from pagedserve.kernels.weight_formats import (IntWeight, Stacked, pack_codes, stacked,
+                                               unpack_codes)
 from pagedserve.model import parallel
 
 BITS = (4, 8)
@@ -268,15 +270,27 @@ def to_int_experts(moe: nn.Module, scheme: IntScheme, act_order: bool, full_k2: 
         setattr(moe, f"{base}_in_features", k)
 
 
-def expert_weights(moe: nn.Module, scheme: IntScheme, base: str) -> list[IntWeight]:
-    """Each expert's `IntWeight` of `base` ("w13" or "w2"), over the loaded parameters."""
+def expert_weights(moe: nn.Module, scheme: IntScheme, base: str,
+                   rows: tuple[int, int] | None = None) -> list[IntWeight]:
+    """Each expert's `IntWeight` of `base` ("w13" or "w2"), over the loaded parameters
+    (`rows`: only output rows lo:hi, views, as the fused kernel takes gate and up)."""
     qweight = getattr(moe, f"{base}_qweight")
     k = getattr(moe, f"{base}_in_features")
     zeros, g_idx = getattr(moe, f"{base}_zeros", None), getattr(moe, f"{base}_g_idx", None)
-    return [IntWeight(qweight[e], getattr(moe, f"{base}_scales")[e],
-                      None if zeros is None else zeros[e], None if g_idx is None else g_idx[e],
+    lo, hi = rows or (0, qweight.shape[1])
+    return [IntWeight(qweight[e, lo:hi], getattr(moe, f"{base}_scales")[e, lo:hi],
+                      None if zeros is None else zeros[e, lo:hi],
+                      None if g_idx is None else g_idx[e],
                       scheme.bits, scheme.group_size or k, k)
             for e in range(qweight.shape[0])]
+
+
+def stacked_experts(moe: nn.Module, scheme: IntScheme) -> tuple[Stacked, Stacked, Stacked]:
+    """The experts' gate, up and down projections as the fused MoE kernel takes them."""
+    inter = moe.w13_qweight.shape[1] // 2
+    return (stacked(expert_weights(moe, scheme, "w13", (0, inter))),
+            stacked(expert_weights(moe, scheme, "w13", (inter, 2 * inter))),
+            stacked(expert_weights(moe, scheme, "w2")))
 
 
 def int_weight(linear: nn.Module, scheme: IntScheme) -> IntWeight:

@@ -40,7 +40,7 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder, Linear, RowParallelLinear
 from pagedserve.model.fast_decode import FastDecode
 from pagedserve.model.gguf_weights import GgufBlocks
-from pagedserve.model.moe import PackedExperts, SparseMoE
+from pagedserve.model.moe import PackedExperts, QuantizedExperts, SparseMoE
 from pagedserve.model.ops import Ops, select_ops
 from pagedserve.model.packed import QuantizedMatmul
 
@@ -402,6 +402,10 @@ def _attach_int_matmuls(model: Decoder, packed: list[str],
     dense = {}
     for target in packed:
         module = model.get_submodule(target)
+        if isinstance(module, SparseMoE) and ops.fused_moe is not None:
+            module.experts = QuantizedExperts(ops.fused_moe,
+                                              *int_weights.stacked_experts(module, scheme))
+            continue
         if isinstance(module, SparseMoE):
             module.experts = PackedExperts([
                 (int_weights.IntMatmul(ops.int_linear, w13), int_weights.IntMatmul(

@@ -9,8 +9,9 @@ the activation dtype, Mixtral keeps them in float32.
 The experts' weights are stacked, `w13` [E, 2I, H] (gate rows first, then up) and `w2`
 [E, H, I], so one kernel launch can reach all of them. On CUDA the fused Triton kernels
 (`kernels/triton/moe.py`) do gate/up and down as one grouped GEMM launch each over the tokens
-sorted by expert; elsewhere each expert that received tokens runs its two matmuls on just those
-tokens (`ExpertByExpert`, through the model's float matmul: the native kernel on the CPU),
+sorted by expert (experts kept quantized too: `QuantizedExperts`); elsewhere each expert that
+received tokens runs its two matmuls on just those tokens (`ExpertByExpert`, through the
+model's float matmul: the native kernel on the CPU),
 accumulated in expert order as transformers does. Under tensor parallelism each rank runs
 every expert on its slice of the intermediate features, the router whole, and the partial
 outputs are added by one all-reduce. Which of the two is the model's `Ops`'
@@ -88,6 +89,19 @@ class PackedExperts:
 
     def __call__(self, x: Tensor, w13: None, w2: None, weights: Tensor, ids: Tensor) -> Tensor:
         return run_experts(x, self.experts, weights, ids)
+
+
+class QuantizedExperts:
+    """Experts whose weights stay quantized (an integer checkpoint's, a GGUF's blocks), run by
+    the fused kernel (`Ops.fused_moe`), which unpacks each tile in registers: gate, up and
+    down are each a `weight_formats.Stacked`; the stacked float weights the layer passes are
+    None."""
+
+    def __init__(self, fused_moe, gate, up, down) -> None:
+        self.fused_moe, self.gate_up, self.down = fused_moe, (gate, up), down
+
+    def __call__(self, x: Tensor, w13: None, w2: None, weights: Tensor, ids: Tensor) -> Tensor:
+        return self.fused_moe(x, self.gate_up, self.down, weights, ids)
 
 
 class SparseMoE(nn.Module):

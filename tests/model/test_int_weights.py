@@ -7,7 +7,9 @@ written by benchmarks/quantize_int.py as each format's tool writes them:
   no longer reads), AutoGPTQ's dequantization formula (scales[g_idx] * (w - (z + 1)));
 - logits and greedy tokens equal transformers' on the float model built from those
   dequantized weights (float32);
-- MoE experts (Mixtral, Qwen3-MoE) likewise, against the float model written from them;
+- MoE experts (Mixtral, Qwen3-MoE) likewise, against the float model written from the
+  formats' reference dequantization, both expert by expert (the CPU) and through the fused
+  MoE kernel that unpacks them in registers (CUDA's path, under TRITON_INTERPRET=1);
 - unsupported variants are refused by name.
 """
 
@@ -17,6 +19,8 @@ import json
 import shutil
 from pathlib import Path
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,6 +29,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen
 
 from benchmarks.quantize_int import quantize_folder
 from pagedserve.model import load_model
+from pagedserve.model.ops import select_ops
 from tests.model.test_decoder import TINY, make_checkpoint
 from tests.model.test_families import check_greedy_generation, check_paged_logits
 
@@ -170,22 +175,13 @@ def test_logits_and_greedy_tokens_equal_the_dequantized_float_model(case, make, 
     check_greedy_generation(case, reference, model, config.max_model_len)
 
 
-def moe_float_folder(model, source: Path, folder: Path, names: tuple[str, str, str, str]):
-    """`source`'s checkpoint with every projection (attention and each expert) replaced by
-    our dequantized weight: the float model our packed one should equal."""
-    moe, gate, up, down = names
+def moe_float_folder(source: Path, quantized: Path, case: str, folder: Path):
+    """`source`'s checkpoint with every packed projection (attention and each expert)
+    replaced by the format's reference dequantization of `quantized`'s: the float model our
+    packed one should equal."""
     tensors = load_file(source / "model.safetensors")
-    for i, layer in enumerate(model.layers):
-        qkv = layer.self_attn.qkv_proj.matmul.weight.dequantize().float()
-        for proj, w in zip(("q_proj", "k_proj", "v_proj"), qkv.split([64, 32, 32])):
-            tensors[f"model.layers.{i}.self_attn.{proj}.weight"] = w
-        tensors[f"model.layers.{i}.self_attn.o_proj.weight"] = (
-            layer.self_attn.o_proj.matmul.weight.dequantize().float())
-        for e, (_, _, m13, m2) in enumerate(layer.mlp.experts.experts):
-            prefix = f"model.layers.{i}.{moe}.experts.{e}"
-            w1, w3 = m13.weight.dequantize().float().chunk(2)
-            tensors[f"{prefix}.{gate}.weight"], tensors[f"{prefix}.{up}.weight"] = w1, w3
-            tensors[f"{prefix}.{down}.weight"] = m2.weight.dequantize().float()
+    for module, w in reference_weights(quantized, case).items():
+        tensors[f"{module}.weight"] = w.float()
     folder.mkdir()
     for f in source.iterdir():
         if f.suffix != ".safetensors":
@@ -196,25 +192,47 @@ def moe_float_folder(model, source: Path, folder: Path, names: tuple[str, str, s
                                                 attn_implementation="eager").eval()
 
 
-MOE = {
-    "mixtral-gptq-desc_act": ("gptq-w4-g32-desc_act", lambda f: make_checkpoint(
-        MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2), f),
-        ("block_sparse_moe", "w1", "w3", "w2")),
-    "qwen3moe-ct-asym-actorder": ("ct-w4-g64-asym-actorder", lambda f: make_checkpoint(
-        Qwen3MoeConfig(**TINY, head_dim=16, moe_intermediate_size=64, num_experts=4,
-                       num_experts_per_tok=2, norm_topk_prob=True), f),
-        ("mlp", "gate_proj", "up_proj", "down_proj")),
+def mixtral(folder):
+    return make_checkpoint(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+                           folder)
+
+
+def qwen3_moe(folder):
+    return make_checkpoint(Qwen3MoeConfig(**TINY, head_dim=16, moe_intermediate_size=64,
+                                          num_experts=4, num_experts_per_tok=2,
+                                          norm_topk_prob=True), folder)
+
+
+def fused_ops():
+    """The CPU's ops with the fused MoE kernel (under TRITON_INTERPRET=1): CUDA's path for
+    the experts."""
+    from pagedserve.kernels.triton.moe import fused_moe
+
+    return replace(select_ops("cpu", torch.float32), fused_moe=fused_moe)
+
+
+MOE = {  # model, format: each family (compressed-tensors W4 and W8, GPTQ, AWQ) once
+    "mixtral-gptq-desc_act": (mixtral, "gptq-w4-g32-desc_act"),
+    "mixtral-awq": (mixtral, "awq-w4-g32"),
+    "qwen3moe-ct-asym-actorder": (qwen3_moe, "ct-w4-g64-asym-actorder"),
+    "qwen3moe-ct-w8-channel": (qwen3_moe, "ct-w8-channel-asym"),
 }
 
 
-@pytest.mark.parametrize("case", MOE)
-def test_packed_moe_experts_give_the_dequantized_float_models_logits(case, tmp_path):
-    fmt_case, make, names = MOE[case]
+@pytest.mark.parametrize("case,experts", [
+    ("mixtral-gptq-desc_act", "expert by expert"), ("qwen3moe-ct-asym-actorder",
+                                                     "expert by expert"),
+    *((case, "fused") for case in MOE)])
+def test_packed_moe_experts_give_the_dequantized_float_models_logits(case, experts, tmp_path):
+    make, fmt_case = MOE[case]
     _, folder = quantized(tmp_path, fmt_case, make)
-    model, config, _ = load_model(folder, torch.float32, "cpu")
-    reference = moe_float_folder(model, tmp_path / "float", tmp_path / "dequantized", names)
+    model, config, _ = load_model(folder, torch.float32, "cpu",
+                                  ops=fused_ops() if experts == "fused" else None)
+    reference = moe_float_folder(tmp_path / "float", folder, fmt_case,
+                                 tmp_path / "dequantized")
     check_paged_logits(case, reference, model)
-    check_greedy_generation(case, reference, model, config.max_model_len)
+    if experts != "fused":  # the interpreter's kernels are slow; the logits cover decodes
+        check_greedy_generation(case, reference, model, config.max_model_len)
 
 
 @pytest.mark.parametrize("change,message", [

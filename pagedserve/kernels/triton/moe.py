@@ -11,6 +11,12 @@ ascending expert order in the activation dtype, the order transformers adds them
 
 Rounding follows transformers where it rounds: the projections to the activation dtype, then
 silu(gate) * up, then the down projection before its routing weight.
+
+The experts' weights may be kept quantized (an integer checkpoint's or a GGUF's experts):
+each projection (gate, up, down) is an operand of its own, either stacked floats or a
+`weight_formats.Stacked` whose tiles `dequant.dequant_tile` unpacks in registers, the same
+description the dense int matmuls use, so the weights stay packed on the device. Gate and up
+are separate operands because a GGUF may store them in different block types.
 """
 
 from __future__ import annotations
@@ -20,14 +26,47 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.kernels.triton.dequant import dequant_tile
 from pagedserve.kernels.triton.precision import dot_precision, round_to
+from pagedserve.kernels.weight_formats import Stacked
 
 BLOCK_M = 16  # pairs per tile (tl.dot needs 16 rows)
+_FLOAT = tl.constexpr(-1)  # an operand's FORMAT for plain weights in the activation dtype
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, order_ptr, tile_expert_ptr, tile_start_ptr,
+def _expert_tile(data, scales, zeros, g_idx, data_stride, scales_stride, data_e, scales_e,
+                 g_idx_e, expert, offs_n, n_mask, k0, K, dtype: tl.constexpr,
+                 FORMAT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Expert `expert`'s weight, rows offs_n and columns k0 + arange(BLOCK_K), as tl.dot's
+    B operand [BLOCK_K, BLOCK_N] in `dtype`: loaded as it is (_FLOAT), or unpacked in
+    registers by `dequant_tile` (a `weight_formats` format; its tensors e * *_e elements
+    past expert 0's)."""
+    e = expert.to(tl.int64)
+    if FORMAT == _FLOAT:
+        k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(data + e * data_e + offs_n[None, :].to(tl.int64) * data_stride
+                       + k[:, None], mask=(k < K)[:, None] & n_mask[None, :], other=0.0)
+    else:
+        w = dequant_tile(data + e * data_e, scales + e * scales_e, zeros + e * scales_e,
+                         g_idx + e * g_idx_e, data_stride, scales_stride, offs_n, n_mask, k0,
+                         K, FORMAT, BITS, GROUP, HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
+        return tl.trans(w.to(dtype))
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, inter_ptr, order_ptr, tile_expert_ptr, tile_start_ptr,
                     tile_end_ptr, hidden, inter_size,
+                    g_data, g_scales, g_zeros, g_gidx, g_data_stride, g_scales_stride,
+                    g_data_e, g_scales_e, g_gidx_e,
+                    u_data, u_scales, u_zeros, u_gidx, u_data_stride, u_scales_stride,
+                    u_data_e, u_scales_e, u_gidx_e,
+                    G_FORMAT: tl.constexpr, G_BITS: tl.constexpr, G_GROUP: tl.constexpr,
+                    G_HAS_ZEROS: tl.constexpr, G_HAS_G_IDX: tl.constexpr,
+                    U_FORMAT: tl.constexpr, U_BITS: tl.constexpr, U_GROUP: tl.constexpr,
+                    U_HAS_ZEROS: tl.constexpr, U_HAS_G_IDX: tl.constexpr,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
@@ -42,22 +81,23 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, order_ptr, tile_expert_ptr, tile_
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter_size
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w13_ptr + expert.to(tl.int64) * 2 * inter_size * hidden
+    dtype = inter_ptr.dtype.element_ty
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + offs_k
-        k_mask = k < hidden
         a = tl.load(x_ptr + token[:, None] * hidden + k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        gate = tl.load(w_base + offs_n[None, :].to(tl.int64) * hidden + k[:, None],
-                       mask=w_mask, other=0.0)
-        up = tl.load(w_base + (inter_size + offs_n[None, :]).to(tl.int64) * hidden + k[:, None],
-                     mask=w_mask, other=0.0)
+                    mask=m_mask[:, None] & (k < hidden)[None, :], other=0.0)
+        gate = _expert_tile(g_data, g_scales, g_zeros, g_gidx, g_data_stride, g_scales_stride,
+                            g_data_e, g_scales_e, g_gidx_e, expert, offs_n, n_mask, k0, hidden,
+                            dtype, G_FORMAT, G_BITS, G_GROUP, G_HAS_ZEROS, G_HAS_G_IDX,
+                            BLOCK_N, BLOCK_K)
+        up = _expert_tile(u_data, u_scales, u_zeros, u_gidx, u_data_stride, u_scales_stride,
+                          u_data_e, u_scales_e, u_gidx_e, expert, offs_n, n_mask, k0, hidden,
+                          dtype, U_FORMAT, U_BITS, U_GROUP, U_HAS_ZEROS, U_HAS_G_IDX,
+                          BLOCK_N, BLOCK_K)
         acc_gate += tl.dot(a, gate, input_precision=DOT_PRECISION)
         acc_up += tl.dot(a, up, input_precision=DOT_PRECISION)
-    dtype = inter_ptr.dtype.element_ty
     g = round_to(acc_gate, dtype)
     act = (g * tl.sigmoid(g)).to(dtype)
     h = act * acc_up.to(dtype)
@@ -66,8 +106,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, order_ptr, tile_expert_ptr, tile_
 
 
 @triton.jit
-def _down_kernel(inter_ptr, w2_ptr, out_ptr, weights_ptr, order_ptr, tile_expert_ptr,
+def _down_kernel(inter_ptr, out_ptr, weights_ptr, order_ptr, tile_expert_ptr,
                  tile_start_ptr, tile_end_ptr, hidden, inter_size,
+                 d_data, d_scales, d_zeros, d_gidx, d_data_stride, d_scales_stride,
+                 d_data_e, d_scales_e, d_gidx_e,
+                 D_FORMAT: tl.constexpr, D_BITS: tl.constexpr, D_GROUP: tl.constexpr,
+                 D_HAS_ZEROS: tl.constexpr, D_HAS_G_IDX: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
@@ -81,21 +125,34 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, weights_ptr, order_ptr, tile_expert
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w2_ptr + expert.to(tl.int64) * hidden * inter_size
+    dtype = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         k = k0 + offs_k
-        k_mask = k < inter_size
         a = tl.load(inter_ptr + rows[:, None].to(tl.int64) * inter_size + k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_base + offs_n[None, :].to(tl.int64) * inter_size + k[:, None],
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    mask=m_mask[:, None] & (k < inter_size)[None, :], other=0.0)
+        w = _expert_tile(d_data, d_scales, d_zeros, d_gidx, d_data_stride, d_scales_stride,
+                         d_data_e, d_scales_e, d_gidx_e, expert, offs_n, n_mask, k0,
+                         inter_size, dtype, D_FORMAT, D_BITS, D_GROUP, D_HAS_ZEROS,
+                         D_HAS_G_IDX, BLOCK_N, BLOCK_K)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
-    dtype = out_ptr.dtype.element_ty
     routed = tl.load(weights_ptr + pair, mask=m_mask, other=0.0)
     y = round_to(acc, dtype) * routed.to(tl.float32)[:, None]
     tl.store(out_ptr + pair[:, None] * hidden + offs_n[None, :], y.to(dtype),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _operand(w, prefix: str) -> tuple[list, dict]:
+    """A projection's kernel arguments: (tensors and strides, constexprs named PREFIX_*)."""
+    if isinstance(w, Tensor):
+        args = [w, w, w, w, w.stride(1), 0, w.stride(0), 0, 0]
+        const = (int(_FLOAT), 0, 1, False, False)
+    else:
+        a = w.kernel_args()
+        args = [a.data, a.scales, a.zeros, a.g_idx, a.data_stride, a.scales_stride, *w.strides]
+        const = (a.format, a.bits, a.group_size, a.has_zeros, a.has_g_idx)
+    names = ("FORMAT", "BITS", "GROUP", "HAS_ZEROS", "HAS_G_IDX")
+    return args, {f"{prefix}_{n}": v for n, v in zip(names, const)}
 
 
 def group_by_expert(ids: Tensor, num_experts: int,
@@ -126,28 +183,40 @@ def group_by_expert(ids: Tensor, num_experts: int,
             torch.where(used, ends[expert], -1).to(torch.int32))
 
 
-def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-    """x [T, H]; w13 [E, 2I, H] (gate rows, then up); w2 [E, H, I]; weights and ids
-    [T, top_k] from `moe.route` -> sum over each token's choices of weight * expert(x)."""
+def fused_moe(x: Tensor, w13: Tensor | tuple[Stacked, Stacked], w2: Tensor | Stacked,
+              weights: Tensor, ids: Tensor) -> Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows, then up) or the pair (gate, up) of `Stacked`
+    [E, I, H] weights; w2 [E, H, I] or a `Stacked` of them; weights and ids [T, top_k] from
+    `moe.route` -> sum over each token's choices of weight * expert(x)."""
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
-    inter_size = two_inter // 2
+    if isinstance(w13, Tensor):
+        w13 = w13.contiguous()
+        inter_size = w13.shape[1] // 2
+        gate, up = w13[:, :inter_size], w13[:, inter_size:]
+    else:
+        gate, up = w13
+        inter_size = gate.shape[1]
+    if isinstance(w2, Tensor):
+        w2 = w2.contiguous()
+    num_experts = w2.shape[0]
     top_k = ids.shape[1]
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    x = x.contiguous()
     order, tile_expert, tile_start, tile_end = group_by_expert(ids, num_experts)
     grid_m = tile_expert.numel()
     inter = torch.empty(num_tokens * top_k, inter_size, dtype=x.dtype, device=x.device)
     pairs_out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
     block_n, block_k = 64, 64
+    (g_args, g_const), (u_args, u_const) = _operand(gate, "G"), _operand(up, "U")
     _gate_up_kernel[(grid_m, triton.cdiv(inter_size, block_n))](
-        x, w13, inter, order, tile_expert, tile_start, tile_end, hidden, inter_size,
-        TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=precision)
+        x, inter, order, tile_expert, tile_start, tile_end, hidden, inter_size,
+        *g_args, *u_args, **g_const, **u_const, TOP_K=top_k, BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision)
+    d_args, d_const = _operand(w2, "D")
     _down_kernel[(grid_m, triton.cdiv(hidden, block_n))](
-        inter, w2, pairs_out, weights.contiguous().flatten(), order, tile_expert, tile_start,
-        tile_end, hidden, inter_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=precision)
+        inter, pairs_out, weights.contiguous().flatten(), order, tile_expert, tile_start,
+        tile_end, hidden, inter_size, *d_args, **d_const, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BLOCK_K=block_k, DOT_PRECISION=precision)
     # each token's rows in ascending expert order, added as transformers adds them
     by_expert = ids.argsort(dim=1)
     rows = pairs_out.view(num_tokens, top_k, hidden).gather(
