@@ -181,6 +181,12 @@ class EngineConfig:
             raise ValueError("speculative_config runs with synchronous scheduling: the next "
                              "step depends on how many drafts are accepted; leave "
                              "async_scheduling unset or False")
+        spec = self.speculative_config
+        if spec.on_device and (self.preemption_mode == "swap" or self.kv_offload_memory
+                               or self.kv_offload_path):
+            raise ValueError(f"speculative_config method {spec.method!r} does not run with "
+                             "preemption_mode='swap' or the KV offload tiers yet: their "
+                             "copies carry the target's KV, not the draft's")
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         if getattr(self, name) not in choices:

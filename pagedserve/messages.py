@@ -219,6 +219,9 @@ class SchedulerOutput(Message):
     # speculative decoding: a verified request's chunk is its last known token then these
     # drafts (its last scheduled tokens); the step samples its k + 1 positions
     draft_token_ids: dict[str, list[int]] = {}
+    # a proposer on the device (draft_model, eagle3): the requests it drafts for once this
+    # step's tokens are known, each with how many drafts; their blocks reach that far ahead
+    num_lookahead_tokens: dict[str, int] = {}
     # requests whose rejected drafts' blocks went back to the pool: each keeps this many
     # leading entries of its block-table row (applied before this step's new blocks)
     truncated_block_rows: dict[str, int] = {}
@@ -255,6 +258,9 @@ class ModelRunnerOutput(Message, array_like=True):
     # indices into the step's blocks_to_load whose file did not read back whole on some rank
     failed_loads: list[int] = []
     tier_copy_seconds: float = 0.0  # this step's tier copies and file I/O (rank 0's)
+    # a proposer on the device: the drafts for each request of num_lookahead_tokens, to
+    # follow its tokens as they stand after this step (the next step verifies them)
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 # -- engine-core process start-up (core_proc.py -> core_client.py) ----------------------------

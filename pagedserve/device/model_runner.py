@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
@@ -50,6 +51,7 @@ from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.device.cuda_graphs import DecodeGraphs
 from pagedserve.device.disk_tier import DiskBlocks
+from pagedserve.device.drafter import DraftStep, make_drafter
 from pagedserve.device.input_batch import BlockTableRows, CachedRequestState, StepBuffers
 from pagedserve.device.lora_slots import LoRASlots
 from pagedserve.device.penalties import PenaltyState
@@ -93,10 +95,14 @@ class PendingRunnerOutput:
     def __init__(self, states: list[CachedRequestState], sampled: SamplerOutput | None,
                  prompt_logprobs: dict[str, LogprobsLists] | None = None,
                  accepted: list[list[int]] | None = None,
-                 tiers: TierReport = NO_TIER_WORK) -> None:
+                 tiers: TierReport = NO_TIER_WORK,
+                 propose: Callable[[], dict[str, list[int]]] | None = None) -> None:
         """`accepted`: speculative decoding's accepted drafts per row (on the host: the
-        verify has waited for the step), placed before each row's sampled token."""
+        verify has waited for the step), placed before each row's sampled token.
+        `propose`: a proposer on the device, run once the tokens are placed (it reads
+        them): its drafts go out with them."""
         self.states = states
+        self._propose = propose
         self._accepted = accepted
         self.tiers = tiers
         self.req_ids = [state.req_id for state in states]
@@ -117,8 +123,9 @@ class PendingRunnerOutput:
     def result(self) -> ModelRunnerOutput:
         """Wait for the copies (the engine's only wait on the GPU) and return the tokens."""
         if self._tokens is None:
+            drafts = self._propose() if self._propose is not None else None
             return ModelRunnerOutput([], [], None, self._prompt_logprobs, None,
-                                     *self.tiers)
+                                     *self.tiers, draft_token_ids=drafts)
         if self._ready is not None:
             self._ready.synchronize()
         tokens = self._tokens.tolist()
@@ -133,8 +140,9 @@ class PendingRunnerOutput:
             lp = self._logprobs
             logprobs = LogprobsLists(lp.top_token_ids.tolist(), lp.top_logprobs.tolist(),
                                      lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist())
+        drafts = self._propose() if self._propose is not None else None
         return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs,
-                                 accepted, *self.tiers)
+                                 accepted, *self.tiers, draft_token_ids=drafts)
 
 
 def _to_host(tensor: Tensor) -> Tensor:
@@ -183,6 +191,7 @@ class StepHandle:
     verify: VerifyRows | None = None
     ordinary: list[int] | None = None
     tiers: TierReport = NO_TIER_WORK
+    draft: DraftStep | None = None  # a proposer on the device: what it drafts from
 
 
 class ModelRunner:
@@ -213,6 +222,8 @@ class ModelRunner:
         self.loras = None if not config.enable_lora else LoRASlots(
             model, model_config, config.max_loras, config.max_lora_rank,
             config.max_cpu_loras or config.max_loras, device)
+        # speculative decoding's draft model or EAGLE-3 heads (device/drafter.py)
+        self.drafter = make_drafter(config, model, model_config, device, self.backend)
 
     # -- KV cache sizing and allocation ---------------------------------------------------
 
@@ -222,7 +233,9 @@ class ModelRunner:
         this rank."""
         mc = self.model_config
         element = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * element
+        draft = self.drafter.block_bytes if self.drafter is not None else 0
+        return (2 * mc.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * element
+                + draft)
 
     def determine_num_blocks(self) -> int:
         budget = self.config.kv_cache_memory
@@ -286,6 +299,8 @@ class ModelRunner:
         self.kv_scales = [self._layer_kv_scales(layer)
                           for layer in self.model.attention_layers()]
         self._bind_kv_cache()
+        if self.drafter is not None:  # the same blocks in the draft's layers
+            self.drafter.allocate(num_blocks)
 
     def _layer_kv_scales(self, layer) -> tuple[Tensor, Tensor] | None:
         if self.kv_cache_dtype != fp8_format.FP8_DTYPE:
@@ -393,8 +408,9 @@ class ModelRunner:
         seq_lens = num_computed + num_new
         num_tokens = int(num_new.sum())
         graph_size = None
-        if self.graphs is not None and output.num_decodes == num_seqs:
-            graph_size = self.graphs.padded_size(num_seqs)
+        if (self.graphs is not None and output.num_decodes == num_seqs
+                and not (self.drafter is not None and self.drafter.capture)):
+            graph_size = self.graphs.padded_size(num_seqs)  # (no graph captures EAGLE's rows)
         rows = num_seqs if graph_size is None else graph_size  # padded rows for a graph
         token_rows = num_tokens if graph_size is None else rows  # a graph's rows: 1 token each
 
@@ -619,7 +635,17 @@ class ModelRunner:
         if inputs.placeholder_ids:
             self._copy_last_sampled(inputs, previous)
         self.buffers.mark_uploaded()
-        hidden = self._forward(inputs)
+        hidden, aux = self._forward(inputs)
+        handle = self._handle(output, inputs, hidden, tiers)
+        if self.drafter is not None:
+            handle.draft = DraftStep(output.req_ids, output.num_computed_tokens,
+                                     output.num_scheduled_tokens, output.num_lookahead_tokens,
+                                     aux)
+        return handle
+
+    def _handle(self, output: SchedulerOutput, inputs: StepInputs, hidden: Tensor,
+                tiers: TierReport) -> StepHandle:
+        """The launched step's sampling inputs: the LM head on its sampled rows."""
         prompt_logprobs = self._compute_prompt_logprobs(output, hidden)
         states = inputs.sampling_states
         if not states:
@@ -673,7 +699,15 @@ class ModelRunner:
                 self._attach_bitmask(step.sampling, step.states, grammar)
             sampled = self._sample(step.logits, step.sampling)
         return PendingRunnerOutput(step.states, sampled, step.prompt_logprobs,
-                                   tiers=step.tiers)
+                                   tiers=step.tiers, propose=self._proposal(step.draft))
+
+    def _proposal(self, draft: DraftStep | None) -> Callable[[], dict[str, list[int]]] | None:
+        """The drafter's run over a step, for its output to make once its tokens are placed
+        (the block-table rows are read now, as the step ran)."""
+        if draft is None:
+            return None
+        table, rows = self.block_rows.table, self.block_rows.rows(draft.req_ids)
+        return lambda: self.drafter.propose(draft, self.requests, table, rows)
 
     def _sample_verified(self, step: StepHandle,
                          grammar: GrammarOutput | None) -> PendingRunnerOutput:
@@ -701,7 +735,8 @@ class ModelRunner:
         for i, drafts in zip(rows.index, accepted_rows):
             accepted[i] = drafts
         return PendingRunnerOutput(states, SamplerOutput(tokens, logprobs),
-                                   step.prompt_logprobs, accepted, step.tiers)
+                                   step.prompt_logprobs, accepted, step.tiers,
+                                   self._proposal(step.draft))
 
     def _compute_prompt_logprobs(self, output: SchedulerOutput, hidden: Tensor
                                  ) -> dict[str, LogprobsLists] | None:
@@ -780,12 +815,18 @@ class ModelRunner:
             self.penalties.update(meta.penalties.rows, sampled.sampled_token_ids)
         return sampled
 
-    def _forward(self, inputs: StepInputs) -> Tensor:
+    def _forward(self, inputs: StepInputs) -> tuple[Tensor, Tensor | None]:
+        """The final hidden states, and those of the layers an EAGLE-3 drafter reads (else
+        None)."""
         self._bind_kv_cache()
         if inputs.graph_size is not None:
-            return self.graphs.replay(inputs.graph_size)
+            return self.graphs.replay(inputs.graph_size), None
+        capture = self.drafter.capture if self.drafter is not None else ()
         with set_forward_context(inputs.meta, self.backend), lora_context(inputs.lora):
-            return self.model(inputs.input_ids, inputs.positions)
+            if capture:
+                return self.model.forward_capturing(inputs.input_ids, inputs.positions,
+                                                    capture)
+            return self.model(inputs.input_ids, inputs.positions), None
 
 
 def _sample_rows(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:

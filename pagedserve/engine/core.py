@@ -405,8 +405,9 @@ class EngineCore:
 
 
 def _proposer(config: SpeculativeConfig | None) -> Proposer | None:
-    """The drafts of the configured method (None: no speculation)."""
-    if config is None:
+    """The host's drafts of the configured method (None: no speculation, or a proposer on
+    the device, which the runner runs: device/drafter.py)."""
+    if config is None or config.on_device:
         return None
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 

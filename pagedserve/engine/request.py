@@ -79,6 +79,9 @@ class Request(TokenSequence):
         self.stop_reason: int | None = None  # the stop token id that finished it
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         # (on the device or recalled from its host / disk tiers)
+        # a proposer on the device: its drafts to follow the tokens as they stand (from the
+        # step that last sampled for this request; the next verify takes them)
+        self.spec_token_ids: list[int] = []
 
     @property
     def is_finished(self) -> bool:

@@ -123,7 +123,11 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._steps_in_flight: deque[list[Request]] = deque()  # sampling requests per step
         self.proposer = proposer
-        self.spec: SpeculativeConfig | None = config.speculative_config if proposer else None
+        spec = config.speculative_config
+        on_device = spec is not None and spec.on_device
+        self.spec: SpeculativeConfig | None = spec if proposer or on_device else None
+        # a proposer on the device drafts after the step: its slots are allocated with it
+        self.lookahead = spec.num_speculative_tokens if on_device else 0
         self._truncated: dict[str, int] = {}  # rows cut since the last step (trim)
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
 
@@ -155,7 +159,11 @@ class Scheduler:
             if drafts:
                 out.draft_token_ids[request.request_id] = drafts
                 num_new += len(drafts)
-            if not self._holds_its_slot(request, num_new) and not self._allocate_or_preempt(
+            ahead = self._lookahead(request, request.num_computed_tokens + num_new,
+                                    num_pending + len(drafts or ()))
+            if ahead and self._allocate(request, num_new + ahead, out):
+                out.num_lookahead_tokens[request.request_id] = ahead
+            elif not self._holds_its_slot(request, num_new) and not self._allocate_or_preempt(
                     request, num_new, out):
                 out.draft_token_ids.pop(request.request_id, None)  # preempted itself
                 break
@@ -191,7 +199,8 @@ class Scheduler:
     def _drafts(self, request: Request, budget: int) -> list[int] | None:
         """Up to k drafts for a request whose only uncomputed token is its last (none while
         the batch is large, or for sampling a verify cannot keep exact); never past
-        max_tokens, max_model_len or the step's budget."""
+        max_tokens, max_model_len or the step's budget. A proposer on the device drafted
+        them after the step that sampled the last token (`spec_token_ids`)."""
         spec = self.spec
         if (request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1
@@ -201,7 +210,36 @@ class Scheduler:
         k = min(spec.num_speculative_tokens, budget - 1,
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens - 1)
-        return self.proposer.propose(request.all_token_ids, k) if k > 0 else None
+        if k <= 0:
+            return None
+        if self.proposer is None:
+            return request.spec_token_ids[:k]
+        return self.proposer.propose(request.all_token_ids, k)
+
+    def _lookahead(self, request: Request, end: int, num_unknown: int) -> int:
+        """How many drafts a proposer on the device makes for the request after this step,
+        whose chunk ends at `end`: none unless it ends where the request samples, it may
+        speculate and the batch is small; never past max_model_len (the draft writes KV
+        that far ahead)."""
+        if not self.lookahead:
+            return 0
+        if (end != len(request.all_token_ids) + num_unknown
+                or len(self.running) > self.spec.disable_by_batch_size
+                or not speculates(request.sampling_params)):
+            return 0
+        return max(0, min(self.lookahead, self.max_model_len - end))
+
+    def _allocate(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocate without preempting (a draft's lookahead is not worth a preemption)."""
+        blocks = self.kv_cache_manager.allocate_slots(request, num_tokens)
+        if blocks is None:
+            return False
+        windowed = self.kv_cache_manager.sliding_window is not None
+        if blocks or windowed:
+            out.scheduled_cached_reqs.append(
+                request.request_id, False, [block.block_id for block in blocks],
+                self._num_nulled_blocks(request) if windowed else 0)
+        return True
 
     def _ends_in_flight(self, request: Request, num_tokens: int, num_pending: int) -> bool:
         """Its tokens in flight take it to max_tokens or max_model_len: no step can use it."""
@@ -335,7 +373,11 @@ class Scheduler:
             num_ready = (max(num_hit, swapped.num_computed_tokens) if swapped
                          else num_hit + len(slots) * self.block_size)
             num_new = min(request.num_tokens - num_ready, budget)
-            if self.kv_cache_manager.allocate_slots(
+            ahead = self._lookahead(request, num_ready + num_new, 0)
+            if ahead and self.kv_cache_manager.allocate_slots(
+                    request, num_ready - num_hit + num_new + ahead, blocks, num_hit) is not None:
+                out.num_lookahead_tokens[request.request_id] = ahead
+            elif self.kv_cache_manager.allocate_slots(
                     request, num_ready - num_hit + num_new, blocks, num_hit) is None:
                 break
             del self.waiting[skipped]
@@ -474,10 +516,13 @@ class Scheduler:
         progressed = []
         block_size, max_model_len = self.block_size, self.max_model_len
         drafts, accepted = output.draft_token_ids, runner_output.accepted_token_ids
+        proposed = runner_output.draft_token_ids or {}
         for row, (request, token) in enumerate(zip(sampling, tokens)):
             if request.is_finished:
                 continue
             request.num_output_placeholders -= 1
+            if self.lookahead:
+                request.spec_token_ids = proposed.get(request.request_id, [])
             if drafts and request.request_id in drafts:
                 progressed.append((request, self._place_verified(
                     request, drafts[request.request_id], accepted[row], token)))
@@ -487,6 +532,8 @@ class Scheduler:
             num_tokens = len(request.all_token_ids)
             if request.check_stop(max_model_len):
                 self._finish(request)
+            elif request.request_id in output.num_lookahead_tokens:
+                self._trim(request)
             elif (num_tokens % block_size == 0 and request.num_computed_tokens >= num_tokens
                   and request.status == RequestStatus.RUNNING):
                 # the token completes a block that a step already in flight computes: it
@@ -507,12 +554,16 @@ class Scheduler:
             if request.check_stop(self.max_model_len):
                 self._finish(request)
                 return placed
-        manager = self.kv_cache_manager
-        kept = manager.trim(request, request.num_computed_tokens + 1)
+        self._trim(request)
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        return placed
+
+    def _trim(self, request: Request) -> None:
+        """Give back the blocks past the request's known tokens (rejected drafts', a
+        proposer's lookahead); the runner cuts its row before the next step."""
+        kept = self.kv_cache_manager.trim(request, request.num_computed_tokens + 1)
         if kept is not None:
             self._truncated[request.request_id] = kept
-        manager.cache_blocks(request, request.num_computed_tokens)
-        return placed
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish (e.g. stop string, abort) requests wherever they are; frees their blocks."""

@@ -156,8 +156,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("speculative_config", "speculative decoding as JSON, vLLM's keys: "
               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} '
               "(prompt lookup: drafts copied from the prompt and output, verified exactly; "
-              "also prompt_lookup_min, disable_by_batch_size); synchronous scheduling, one "
-              "rank", parse=str, metavar="JSON", default_text="off"),
+              "also prompt_lookup_min, disable_by_batch_size), "
+              '{"model": PATH, "num_speculative_tokens": 4} (a draft model of the same '
+              'vocabulary) or {"method": "eagle3", "model": PATH, ...} (EAGLE-3 heads); '
+              "synchronous scheduling, one rank", parse=str, metavar="JSON",
+              default_text="off"),
 )
 
 NOT_FLAGS = {

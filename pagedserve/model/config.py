@@ -156,17 +156,19 @@ class ModelConfig:
         return cls(**fields)
 
     @classmethod
-    def from_hf_folder(cls, folder: str | Path) -> ModelConfig:
+    def from_hf_folder(cls, folder: str | Path, architecture: str | None = None) -> ModelConfig:
         """Read config.json (and generation_config.json for stop tokens) through transformers.
 
         AutoConfig normalises old and new config layouts (rope_scaling vs rope_parameters,
         missing head_dim), so we read its attributes rather than the raw JSON.
+        `architecture`: read it as this one, not the one it names (an EAGLE-3 head's folder
+        names its own, over a Llama layer's config).
         """
         from transformers import AutoConfig
 
         folder = Path(folder)
         raw = json.loads((folder / "config.json").read_text())
-        arch = (raw.get("architectures") or [None])[0]
+        arch = architecture or (raw.get("architectures") or [None])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r} in {folder / 'config.json'}; "

@@ -312,14 +312,28 @@ class Decoder(nn.Module):
             hidden = self.fast_decode(input_ids, positions)
             if hidden is not None:
                 return hidden
+        return self.forward_capturing(input_ids, positions, ())[0]
+
+    def forward_capturing(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final hidden states, and the residual stream entering each layer of `capture`
+        ([T, len(capture) * H], in that order; index num_layers: the last layer's output
+        before the final norm; None when `capture` is empty): EAGLE-3 heads read three of
+        them (`model/eagle3.py`)."""
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # rounded to the model dtype first, as Gemma does
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         tables = {t: rotary.tables(h.device, h.dtype) for t, rotary in self.rotary.items()}
         residual = None
-        for layer in self.layers:
+        streams: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture:  # the layer adds h into residual in place: a copy first
+                streams[i] = h.clone() if residual is None else h + residual
             h, residual = layer(h, residual, positions, *tables[layer.self_attn.layer_type])
-        return self.norm(h, residual)[0]
+        if len(self.layers) in capture:
+            streams[len(self.layers)] = h + residual
+        captured = torch.cat([streams[i] for i in capture], -1) if capture else None
+        return self.norm(h, residual)[0], captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] (usually one row per sequence) -> logits [S, vocab] in the model's

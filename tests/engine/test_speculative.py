@@ -144,8 +144,8 @@ def test_metrics_report_acceptance(loaded, free_run):
     ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "speculative_tokens": 4}, "unknown key"),
-    ({"model": "/some/draft"}, "not built yet"),
-    ({"method": "eagle3", "model": "/some/heads"}, "not built yet"),
+    ({"method": "medusa", "model": "/some/heads"}, "not built yet"),
+    ({"method": "eagle3"}, 'needs "model"'),
     ('{"method": "ngram",', "not valid JSON"),
     ([4], "JSON object"),
 ])

@@ -1,0 +1,263 @@
+"""The proposers that run on the device: a smaller model with the target's vocabulary
+(`draft_model`) or EAGLE-3 heads over the target's hidden states (`eagle3`). Once a step's
+tokens are known, the drafter drafts greedily up to k tokens ahead for the requests the
+scheduler asked (`SchedulerOutput.num_lookahead_tokens`); the next step verifies them.
+
+Its KV lives in the target's pool: caches of its own layers with as many blocks as the
+target's, addressed by the same block ids through the same block tables. One allocator then
+serves both, so the pool's invariants, prefix caching, chunked prefill and preemption need
+nothing of their own, and a block that the prefix cache hands to another request holds the
+draft's KV of the same tokens. That holds because the draft runs over every chunk the target
+computes, in the same step (`propose`): the tokens the target kept (a verify's accepted part
+only), so the positions past them are written again when their tokens are known, as the
+target's are. The cost: each block is larger by the draft's share (`block_bytes`) and the
+draft prefills every prompt. A pool of its own would have needed a second allocator, prefix
+index and preemption policy kept in step with the first. (EAGLE-3's row at a position reads
+the token after it, so the last position of a prefix hit keeps the row of the token that
+followed it where it was cached: a stale neighbour can only lower acceptance.)
+
+A drafting request's positions past its known tokens are allocated with its step (the
+scheduler's lookahead) and given back after it. Drafts are the draft's argmax: a
+deterministic proposer, which the verify treats as one-hot (`rejection.py`), exact for any
+sampling of the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from pagedserve.attention.backend import AttentionBackend, set_forward_context
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.config import EngineConfig
+from pagedserve.device.input_batch import CachedRequestState
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.decoder import Decoder
+from pagedserve.model.eagle3 import Eagle3Head, load_eagle3
+from pagedserve.model.loader import load_model
+from pagedserve.model.ops import select_ops
+
+
+@dataclass
+class DraftStep:
+    """A launched step as the drafter reads it once the step's tokens are known."""
+
+    req_ids: list[str]
+    starts: list[int]  # each request's first computed position (its num_computed_tokens)
+    num_scheduled: list[int]
+    num_lookahead: dict[str, int]  # the requests to draft for, each with how many drafts
+    aux: Tensor | None  # eagle3: the target's captured hidden states, a row per token
+
+
+@dataclass
+class _Chunk:
+    """One sequence of a draft forward: its block-table row, first position, token ids
+    and (EAGLE-3) the hidden rows it reads; `count`: the drafts it makes (0: none)."""
+
+    req_id: str
+    row: int
+    start: int
+    token_ids: list[int]
+    hidden: slice | None
+    count: int
+
+
+class Drafter:
+    """What the runner calls: the draft's KV size and allocation, and `propose`."""
+
+    capture: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads
+
+    def __init__(self, layers: list[nn.Module], config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, block_size: int, backend: AttentionBackend) -> None:
+        self.layers, self.config, self.dtype = layers, config, dtype
+        self.device, self.block_size, self.backend = device, block_size, backend
+        self.kv_caches: list[tuple[Tensor, Tensor]] = []
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of the draft's K and V over its layers (kept in the activation dtype:
+        the draft's KV is not quantized)."""
+        mc = self.config
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return (2 * len(self.layers) * self.block_size * mc.num_kv_heads * mc.head_dim
+                * element)
+
+    def allocate(self, num_blocks: int) -> None:
+        """Caches of `num_blocks` blocks (the target pool's count), bound to the draft's
+        layers; the null block zeroed as the target's is."""
+        mc = self.config
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = []
+        for attention in self.layers:
+            k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k_cache[0].zero_()
+            v_cache[0].zero_()
+            attention.k_cache, attention.v_cache, attention.kv_scales = k_cache, v_cache, None
+            self.kv_caches.append((k_cache, v_cache))
+
+    @torch.inference_mode()
+    def propose(self, step: DraftStep, requests: dict[str, CachedRequestState],
+                table: np.ndarray, rows: np.ndarray) -> dict[str, list[int]]:
+        """Run the draft over what the step's target kept (writing its KV), then draft.
+        `requests`: the runner's states, the step's tokens appended; `table`, `rows`: the
+        block-table rows of the step's requests, as the step ran."""
+        chunks, first = [], 0
+        for req_id, row, start, num in zip(step.req_ids, rows.tolist(), step.starts,
+                                           step.num_scheduled):
+            state = requests[req_id]
+            # the chunk's tokens the target kept (a verify's accepted part): every token but
+            # the last known one, which a sampling row has just appended
+            kept = min(num, len(state.all_token_ids) - start - 1)
+            chunks.append(self._chunk(state, row, start, kept, first,
+                                      step.num_lookahead.get(req_id, 0)))
+            first += num
+        chunks.sort(key=lambda c: len(c.token_ids) != 1)  # single-token sequences first
+        drafting = [c for c in chunks if c.count]
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
+        hidden = None
+        if step.aux is not None:
+            hidden = torch.cat([step.aux[c.hidden] for c in chunks])
+        positions, meta = self._batch(table, chunks, [len(c.token_ids) for c in chunks])
+        last = np.cumsum([len(c.token_ids) for c in chunks]) - 1
+        last_rows = torch.tensor([last[i] for i, c in enumerate(chunks) if c.count],
+                                 device=self.device)
+        tokens, hidden = self._draft(ids, positions, meta, hidden, last_rows)
+        if not drafting:
+            return {}
+        drafts, before = [tokens], drafting  # `tokens` has a row for each of `before`
+        for j in range(1, max(c.count for c in drafting)):
+            still = [i for i, c in enumerate(before) if c.count > j]
+            if len(still) < len(before):  # fewer drafts were asked of some: they stop
+                index = torch.tensor(still, device=self.device)
+                tokens = tokens.index_select(0, index)
+                hidden = hidden.index_select(0, index) if hidden is not None else None
+            before = [before[i] for i in still]
+            step_chunks = [_Chunk(c.req_id, c.row, self._next_position(c, j), [], None, 0)
+                           for c in before]
+            positions, meta = self._batch(table, step_chunks, [1] * len(before))
+            every = torch.arange(len(before), device=self.device)
+            tokens, hidden = self._draft(tokens, positions, meta, hidden, every)
+            drafts.append(tokens)
+        return self._collect(drafting, drafts)
+
+    @staticmethod
+    def _collect(drafting: list[_Chunk], drafts: list[Tensor]) -> dict[str, list[int]]:
+        """Each drafting request's drafts in order (the j-th step's tensor holds a row for
+        each request still drafting then, in `drafting` order)."""
+        rows = [d.tolist() for d in drafts]
+        result: dict[str, list[int]] = {c.req_id: [] for c in drafting}
+        for j, row in enumerate(rows):
+            for c, token in zip([c for c in drafting if c.count > j], row):
+                result[c.req_id].append(token)
+        return result
+
+    def _batch(self, table: np.ndarray, chunks: list[_Chunk], lengths: list[int]
+               ) -> tuple[Tensor, AttentionMetadata]:
+        """Positions and attention metadata of a draft forward over `chunks`, each its
+        `lengths` tokens from its start (single-token sequences first, as backends want)."""
+        bs = self.block_size
+        num = np.array(lengths, dtype=np.int64)
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(num, out=query_start[1:])
+        seq = np.repeat(np.arange(len(chunks)), num)
+        positions = np.arange(int(num.sum())) - query_start[seq] + starts[seq]
+        seq_lens = starts + num
+        width = -(-int(seq_lens.max()) // bs)
+        tables = table[np.array([c.row for c in chunks]), :width]
+        slots = tables[seq, positions // bs].astype(np.int64) * bs + positions % bs
+        num_decodes = int(np.argmax(num != 1)) if (num != 1).any() else len(chunks)
+
+        def upload(values: np.ndarray, dtype: torch.dtype) -> Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, dtype)
+
+        meta = AttentionMetadata(
+            num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            slot_mapping=upload(slots, torch.int64), block_tables=upload(tables, torch.int32),
+            seq_lens=upload(seq_lens, torch.int32),
+            query_start_loc=upload(query_start, torch.int32),
+            max_query_len=int(num.max()), max_seq_len=int(seq_lens.max()))
+        return upload(positions, torch.int64), meta
+
+    def _chunk(self, state: CachedRequestState, row: int, start: int, kept: int,
+               first_row: int, count: int) -> _Chunk:
+        raise NotImplementedError
+
+    @staticmethod
+    def _next_position(chunk: _Chunk, j: int) -> int:
+        """Where the j-th draft sits when it is read (j >= 1): past the chunk's last row."""
+        return chunk.start + len(chunk.token_ids) - 1 + j
+
+    def _draft(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+               hidden: Tensor | None, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        """A draft forward: the greedy next token at `rows`, and what the next draft step
+        reads at those rows (EAGLE-3: the head's pre-norm output; a draft model: None)."""
+        raise NotImplementedError
+
+
+class DraftModel(Drafter):
+    """A smaller decoder of the target's vocabulary, through the same decoder code: its row
+    at a position is that position's token, as the target's."""
+
+    def __init__(self, model: Decoder, device: torch.device, block_size: int,
+                 backend: AttentionBackend) -> None:
+        super().__init__(model.attention_layers(), model.config,
+                         model.embed_tokens.weight.dtype, device, block_size, backend)
+        self.model = model
+
+    def _chunk(self, state, row, start, kept, first_row, count):
+        # a drafting request's new token too: the first draft follows it
+        end = start + kept + (1 if count else 0)
+        return _Chunk(state.req_id, row, start, state.all_token_ids[start:end], None, count)
+
+    def _draft(self, ids, positions, meta, hidden, rows):
+        with set_forward_context(meta, self.backend):
+            out = self.model(ids, positions)
+        return self.model.compute_logits(out[rows]).argmax(-1), None
+
+
+class Eagle3Drafter(Drafter):
+    """EAGLE-3 heads: the row at position p reads the target's hidden states there and the
+    token after p, and predicts the one after that."""
+
+    def __init__(self, head: Eagle3Head, capture: tuple[int, ...], device: torch.device,
+                 block_size: int, backend: AttentionBackend) -> None:
+        super().__init__(head.attention_layers(), head.config, head.fc.weight.dtype, device,
+                         block_size, backend)
+        self.head, self.capture = head, capture
+
+    def _chunk(self, state, row, start, kept, first_row, count):
+        tokens = state.all_token_ids[start + 1:start + kept + 1]
+        return _Chunk(state.req_id, row, start, tokens, slice(first_row, first_row + kept),
+                      count)
+
+    def _draft(self, ids, positions, meta, hidden, rows):
+        with set_forward_context(meta, self.backend):
+            normed, prenorm = self.head(ids, positions, hidden)
+        return self.head.draft_tokens(normed[rows]), prenorm[rows]
+
+
+def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConfig,
+                 device: torch.device, backend: AttentionBackend) -> Drafter | None:
+    """The configured proposer on the device, loaded; None for none or a host proposer. A
+    draft of another vocabulary, or heads made for another target, is a ValueError here,
+    at start-up."""
+    spec = config.speculative_config
+    if spec is None or not spec.on_device:
+        return None
+    dtype = target.embed_tokens.weight.dtype
+    if spec.method == "eagle3":
+        head, capture = load_eagle3(spec.model, target_config, target.embed_tokens, dtype,
+                                    device, select_ops(device, dtype))
+        return Eagle3Drafter(head, capture, device, config.block_size, backend)
+    model, draft_config, _ = load_model(spec.model, dtype, device)
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocabulary "
+                         f"({draft_config.vocab_size} tokens) is not the target's "
+                         f"({target_config.vocab_size}); a draft model must share the "
+                         "target's tokenizer")
+    return DraftModel(model, device, config.block_size, backend)

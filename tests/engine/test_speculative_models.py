@@ -1,0 +1,122 @@
+"""Speculative decoding with proposers on the device (issue 30): a draft model and EAGLE-3
+heads, on the tiny random float32 Qwen3 of test_async_scheduling. Greedy tokens are those of
+the engine without speculation, across chunked prefill, a prefix hit and preemption. A draft
+that is the target itself must have every draft accepted: that holds only while the draft's
+KV (in the target's blocks) stays that of the tokens it belongs to, through rejected drafts,
+prefix hits and preemption. Bad configs are refused when the engine starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.make_checkpoint import make_checkpoint
+from pagedserve.config import EngineConfig
+from pagedserve.frontend.llm_engine import LLMEngine
+from tests.engine.test_async_scheduling import (  # noqa: F401 (the module's model fixture)
+    BLOCK, CONFIG, VOCAB, Arrival, greedy, loaded, prompts, run, summary)
+from tests.spec.heads import write_eagle3_head
+
+# K and V, 2 layers, 2 KV heads of 32, fp32: the target's block; a draft's share is added
+TARGET_BLOCK = 2 * 2 * BLOCK * 2 * 32 * 4
+
+
+def make(loaded, speculative_config, num_blocks: int = 256, draft_layers: int = 0,
+         **options) -> LLMEngine:
+    block_bytes = TARGET_BLOCK * (2 + draft_layers) // 2
+    options.setdefault("max_num_batched_tokens", 64)  # prompts longer than this are chunked
+    engine = LLMEngine(EngineConfig(
+        model="tiny", device="cpu", dtype="float32", block_size=BLOCK,
+        kv_cache_memory=num_blocks * block_bytes, async_scheduling=False,
+        speculative_config=speculative_config, **options), loaded)
+    assert engine.engine_core.num_blocks == num_blocks
+    return engine
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, loaded) -> dict[str, str]:
+    """Draft folders: another random model of the target's vocabulary (one layer), one of
+    another vocabulary, and EAGLE-3 heads."""
+    root = tmp_path_factory.mktemp("drafts")
+    folders = {"self": loaded.tokenizer_source}
+    for name, vocab in (("draft", VOCAB), ("other_vocab", VOCAB + 41)):
+        config = dict(CONFIG, num_hidden_layers=1, vocab_size=vocab)
+        (root / f"{name}.json").write_text(json.dumps(config))
+        make_checkpoint(root / f"{name}.json", root / name, torch.float32, seed=3,
+                        tokenizer="bytes")
+        folders[name] = str(root / name)
+    folders["eagle3"] = str(write_eagle3_head(root / "eagle3", CONFIG, [0, 0, 1], 200))
+    folders["eagle3_vocab"] = str(write_eagle3_head(root / "eagle3_vocab", CONFIG, None, 200,
+                                                    vocab_size=VOCAB + 1))
+    return folders
+
+
+def arrivals() -> list[Arrival]:
+    ps = prompts(7, [9, 90, 30])
+    return [
+        Arrival(0, "short", ps[0], greedy(28)),
+        Arrival(0, "chunked", ps[1], greedy(24)),  # 90 tokens over a 64-token budget
+        Arrival(1, "other", ps[2], greedy(28)),
+        Arrival(4, "prefix-hit", ps[1][:64] + ps[0], greedy(20)),
+    ]
+
+
+def spec(models, name: str, method: str | None = None, k: int = 3) -> dict:
+    config = {"model": models[name], "num_speculative_tokens": k}
+    return config if method is None else config | {"method": method}
+
+
+@pytest.fixture(scope="module")
+def plain(loaded) -> dict:
+    return summary(run(make(loaded, None), arrivals()))
+
+
+@pytest.mark.parametrize("name, method, layers", [
+    ("self", None, 2), ("draft", "draft_model", 1), ("eagle3", "eagle3", 1)])
+def test_greedy_tokens_match_the_engine_without_speculation(loaded, models, plain, name,
+                                                            method, layers):
+    engine = make(loaded, spec(models, name, method), draft_layers=layers)
+    assert summary(run(engine, arrivals())) == plain
+    stats = engine.get_stats()
+    assert stats.prefix_cache_hits >= 64 and stats.spec_num_draft_tokens > 0
+    if name == "self":  # the target drafting for itself: every draft is its next token
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("name, method, layers", [("self", None, 2), ("eagle3", "eagle3", 1)])
+def test_greedy_tokens_match_across_preemption(loaded, models, name, method, layers):
+    ps = prompts(11, [40, 33, 50, 21])
+    batch = [Arrival(i % 2, f"r{i}", p, greedy(40)) for i, p in enumerate(ps)]
+    results = []
+    for config in (None, spec(models, name, method)):
+        engine = make(loaded, config, num_blocks=14, draft_layers=layers if config else 0)
+        results.append(summary(run(engine, batch)))
+        stats = engine.get_stats()
+        assert stats.num_preemptions > 0
+    assert results[1] == results[0]
+    if name == "self":
+        assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("name, config, message", [
+    ("other_vocab", {}, "vocabulary"),
+    ("eagle3_vocab", {"method": "eagle3"}, "vocabulary"),
+    ("draft", {"num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ("draft", {"method": "medusa"}, "not built yet"),
+    ("draft", {"method": "lookahead"}, "method must be one of"),
+    ("draft", {"method": "ngram"}, "speculative_config.model is for"),
+])
+def test_bad_configs_are_refused_at_start(loaded, models, name, config, message):
+    with pytest.raises(ValueError, match=message):
+        make(loaded, {"model": models[name]} | config)
+
+
+def test_combinations_not_built_are_refused(models):
+    with pytest.raises(ValueError, match="needs \"model\""):
+        EngineConfig(speculative_config={"method": "eagle3"})
+    with pytest.raises(ValueError, match="preemption_mode='swap'"):
+        EngineConfig(speculative_config={"model": models["draft"]}, preemption_mode="swap")
+    parsed = EngineConfig(speculative_config={"model": models["draft"]}).speculative_config
+    assert parsed.method == "draft_model" and parsed.on_device
