@@ -384,18 +384,30 @@ def tensor_types(reader: GGUFReader, config: ModelConfig) -> dict[str, int]:
             and _expert_names(t.name, config.num_experts) is None}
 
 
+def expert_types(reader: GGUFReader, config: ModelConfig) -> dict[str, int]:
+    """HF name of each expert's projection -> the GGML type of its stacked tensor."""
+    return {name: int(t.tensor_type) for t in reader.tensors
+            for name in _expert_names(t.name, config.num_experts) or ()}
+
+
 def iter_tensors(reader: GGUFReader, config: ModelConfig,
                  keep: set[str]) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
     """`iter_weights`, except that the tensors named in `keep` come as their blocks (rows
-    unpermuted like the float ones'; blocks run along K, so rows move whole).
-    The types of the linear weights (and experts) dequantized instead are logged."""
+    unpermuted like the float ones'; blocks run along K, so rows move whole), a stacked
+    expert tensor as each expert's (views of one copy). The types of the linear weights
+    (and experts) dequantized instead are logged."""
     dequantized: dict[str, int] = {}
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
         name = hf_name(tensor.name, config.family) if len(tensor.shape) == 2 else None
+        experts = name is None and _expert_names(tensor.name, config.num_experts)
+        if experts and keep.issuperset(experts):
+            blocks = torch.from_numpy(np.array(tensor.data))  # [E, rows, row bytes]
+            yield from ((n, GgufBlocks(int(tensor.tensor_type), b, int(tensor.shape[0])))
+                        for n, b in zip(experts, blocks, strict=True))
+            continue
         if name not in keep:
-            experts = name is None and _expert_names(tensor.name, config.num_experts)
             if experts or (name is not None and is_linear_weight(name)):
                 kind = tensor.tensor_type.name + (" (MoE experts)" if experts else "")
                 dequantized[kind] = dequantized.get(kind, 0) + 1
@@ -406,9 +418,10 @@ def iter_tensors(reader: GGUFReader, config: ModelConfig,
         blocks = torch.from_numpy(np.array(blocks if order is None else blocks[order]))
         yield name, GgufBlocks(int(tensor.tensor_type), blocks, int(tensor.shape[0]))
     if dequantized:
-        logger.warning("GGUF linear weights dequantized at load (no kernel on the blocks of "
-                       "their type or of MoE experts, or a layer they are fused with has "
-                       "another type): %s",
+        logger.warning("GGUF linear weights dequantized at load (a type without a kernel "
+                       "on its blocks, in them or in a layer they are fused with or in their "
+                       "MoE layer's other expert projections; or experts without a fused MoE "
+                       "kernel): %s",
                        ", ".join(f"{n} of {kind}" for kind, n in sorted(dequantized.items())))
 
 

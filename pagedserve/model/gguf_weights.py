@@ -8,9 +8,12 @@ whose float weight would never be read gets none (`drop_float`).
 
 A fused layer (q/k/v, gate/up) is kept when every one of its checkpoint tensors is of a kept
 type; its shards may differ in type (a Q4_K_M file stores some layers' v in Q6_K and q, k in
-Q4_K): each run of one type is one launch, the outputs side by side. Anything else (other
-types, the embedding, MoE experts, routers) is dequantized at load as before, and the loader
-logs which types that hit.
+Q4_K): each run of one type is one launch, the outputs side by side. An MoE layer's experts
+(the file's 3-D `ffn_{gate,up,down}_exps`, [E, rows, row bytes]) are kept when all three are
+of kept types and the model has a fused MoE kernel (`Ops.fused_moe`): each projection becomes
+a `weight_formats.Stacked` the kernel unpacks in registers (`moe.QuantizedExperts`); gate and
+up may differ in type. Anything else (other types, the embedding, routers) is dequantized at
+load as before, and the loader logs which types that hit.
 
 Tensor parallelism takes this rank's rows of a column-parallel weight (whole rows of blocks),
 and of a row-parallel one (o_proj, down_proj: a range of input features) the bytes of its
@@ -27,7 +30,12 @@ import torch
 from torch import Tensor
 
 from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight, row_bytes
+from pagedserve.kernels.weight_formats import stacked
+from pagedserve.model import parallel
+from pagedserve.model.moe import QuantizedExperts
 
+# an expert's projection, as `gguf._expert_names` names each expert's slice of a stacked one
+_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # the HF names of the weights our `Linear` layers (and the untied LM head) multiply by
 _LINEAR = re.compile(r"(\.self_attn\.(q|k|v|qkv|o)_proj|\.mlp\.(gate|up|down|gate_up)_proj)"
                      r"\.weight$|^lm_head\.weight$")
@@ -147,3 +155,54 @@ def attach(model: torch.nn.Module, linear: GgufLinear, targets: dict[str, set[st
             model.lm_head_matmul = matmul
         else:
             module.matmul = matmul
+
+
+# An MoE layer's kept experts: projection ("gate", "up", "down") -> each expert's HF name
+ExpertNames = dict[str, list[str]]
+
+
+def kept_experts(shard_range: Callable, types: dict[str, int]) -> dict[str, ExpertNames]:
+    """MoE module ("layers.N.mlp") -> its experts' HF names, for each MoE layer whose three
+    expert projections are all stored in kept types. `types`: each expert projection's HF name
+    -> GGML type (`gguf.expert_types`)."""
+    layers: dict[str, dict[str, dict[int, str]]] = {}
+    refused = set()
+    for name, qtype in types.items():
+        match = _EXPERT.match(name)
+        target = shard_range(name.removeprefix("model."))[0]
+        module = target.rsplit(".", 1)[0]
+        layers.setdefault(module, {}).setdefault(match[2], {})[int(match[1])] = name
+        if qtype not in BLOCKS:
+            refused.add(module)
+    return {module: {proj: [names[e] for e in sorted(names)] for proj, names in projs.items()}
+            for module, projs in layers.items() if module not in refused and len(projs) == 3}
+
+
+def drop_float_experts(model: torch.nn.Module, layers: dict[str, ExpertNames]) -> None:
+    """`drop_float` for the kept MoE layers' stacked w13 and w2."""
+    for module in layers:
+        moe = model.get_submodule(module)
+        moe.register_parameter("w13", None)
+        moe.register_parameter("w2", None)
+
+
+def attach_experts(model: torch.nn.Module, fused_moe: Callable,
+                   layers: dict[str, ExpertNames], kept: dict[str, GgufBlocks]) -> None:
+    """Give each kept MoE layer its `QuantizedExperts`: each projection's experts' blocks
+    (this rank's slices) stacked into one tensor, checked against the layer's shape."""
+    config = model.config
+    hidden, inter = config.hidden_size, parallel.local_moe_intermediate(config)
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    for module, projections in layers.items():
+        operands = []
+        for proj in ("gate", "up", "down"):
+            shards = [kept.pop(name) for name in projections[proj]]
+            if len(shards) != config.num_experts or any(
+                    s.shape != shapes[proj] or s.qtype != shards[0].qtype for s in shards):
+                raise ValueError(f"GGUF blocks of {module}'s {proj} experts make "
+                                 f"{[s.shape for s in shards[:1]]} x {len(shards)}, expected "
+                                 f"{shapes[proj]} x {config.num_experts}")
+            blocks = torch.stack([s.blocks for s in shards])
+            operands.append(stacked(GgufWeight(b, shards[0].qtype, shards[0].in_features)
+                                    for b in blocks))
+        model.get_submodule(module).experts = QuantizedExperts(fused_moe, *operands)

@@ -293,7 +293,8 @@ def load_model(
     packed = _pack_linears(model, scheme, path) if scheme is not None else []
     kept: dict[str, GgufBlocks] = {}
     if gguf_reader is not None:
-        targets, weights = _gguf_blocks(model, gguf_reader, config, kept, device)
+        targets, experts, weights = _gguf_blocks(model, gguf_reader, config, kept, device,
+                                                 ops)
     model = model.to_empty(device=device)
     if quantization is not None:
         for linear in model.dense_linears():  # their scales are on the device now
@@ -304,6 +305,7 @@ def load_model(
     _attach_int_matmuls(model, packed, scheme, ops, native)
     if gguf_reader is not None:
         gguf_weights.attach(model, ops.gguf_linear, targets, kept)
+        gguf_weights.attach_experts(model, ops.fused_moe, experts, kept)
     model.quantization = quantization or (scheme.name if scheme is not None else None)
     if quantized and quantization is None and path.suffix == ".gguf" and (
             dtype == torch.float32 and device.type == "cpu") and (
@@ -318,19 +320,24 @@ def load_model(
 
 
 def _gguf_blocks(model: Decoder, reader, config: ModelConfig, kept: dict[str, GgufBlocks],
-                 device: torch.device) -> tuple[dict[str, set[str]], Iterator]:
+                 device: torch.device, ops: Ops) -> tuple[dict, dict, Iterator]:
     """For a GGUF whose linears keep their blocks (`model.gguf_weights`), on the model still
-    on the meta device: take the float weight off the layers that keep blocks and return
-    (those layers' HF names by parameter, the float tensors to load); the blocks land in
+    on the meta device: take the float weight off the layers (and MoE experts, where `ops`
+    has a fused MoE) that keep blocks and return (those layers' HF names by parameter, the
+    kept experts' HF names by MoE layer, the float tensors to load); the blocks land in
     `kept` as the tensors are read."""
-    from pagedserve.model.gguf import iter_tensors, tensor_types
+    from pagedserve.model.gguf import expert_types, iter_tensors, tensor_types
 
     targets = gguf_weights.kept_targets(model.shard_range, model.num_shards,
                                         tensor_types(reader, config))
     gguf_weights.drop_float(model, targets)
-    names = set().union(*targets.values())
+    experts = (gguf_weights.kept_experts(model.shard_range, expert_types(reader, config))
+               if ops.fused_moe is not None else {})
+    gguf_weights.drop_float_experts(model, experts)
+    names = set().union(*targets.values(), *(n for projs in experts.values()
+                                             for n in projs.values()))
     tensors = _shard(iter_tensors(reader, config, names), config)
-    return targets, gguf_weights.split_blocks(tensors, kept, device)
+    return targets, experts, gguf_weights.split_blocks(tensors, kept, device)
 
 
 def model_path(path: str | Path | None) -> Path:

@@ -3,7 +3,8 @@ under TRITON_INTERPRET=1) against the float model the same file loads as on the 
 `gguf` package's dequantization): the same logits over a prefill (the tiled kernel) and decode
 steps (the one-row kernel). The file mixes every kept type, a fused q/k/v whose shards differ in
 type, and a layer whose v is stored in a type without a kernel (its q/k/v are dequantized at
-load, and the log says so)."""
+load, and the log says so). Likewise a tiny Mixtral and Qwen3-MoE whose experts keep their
+blocks in one layer (the fused MoE kernel unpacking them) and are dequantized in the other."""
 
 import logging
 from dataclasses import replace
@@ -14,10 +15,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig, LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 from benchmarks.gguf_quantize import quantize
 from pagedserve.kernels.triton import int_linear
+from pagedserve.kernels.triton.moe import fused_moe
 from pagedserve.model import load_model
 from pagedserve.model.ops import TORCH_OPS
 from tests.model.gguf_files import gguf_tensors, write_metadata
@@ -89,5 +91,67 @@ def test_blocks_model_matches_dequantized_model(tmp_path, caplog):
     feeds = [prompt, [5], [17]]  # a prefill, then decode steps
     with torch.no_grad():
         for feed in feeds:
+            expected, ours = (d.step({"a": feed})["a"] for d in drivers)
+            torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+# -- MoE experts kept in their blocks: the fused MoE kernel unpacks them -------------------
+
+MOE_CONFIG = dict(CONFIG, intermediate_size=64, num_hidden_layers=2)
+# layer 0 keeps its experts' blocks (gate and up of different types); layer 1's down is in a
+# type without a kernel, so all its experts are dequantized (and logged)
+MOE_TYPES = {"blk.0.ffn_gate_exps.weight": T.Q4_K, "blk.0.ffn_up_exps.weight": T.Q6_K,
+             "blk.0.ffn_down_exps.weight": T.Q8_0, "blk.1.ffn_gate_exps.weight": T.Q5_K,
+             "blk.1.ffn_up_exps.weight": T.Q5_K, "blk.1.ffn_down_exps.weight": T.F16}
+MOE_MODELS = {
+    "mixtral": ("llama", lambda: MixtralConfig(**MOE_CONFIG, num_local_experts=4,
+                                              num_experts_per_tok=2)),
+    "qwen3moe": ("qwen3moe", lambda: Qwen3MoeConfig(**MOE_CONFIG, moe_intermediate_size=64,
+                                                   num_experts=4, num_experts_per_tok=2,
+                                                   norm_topk_prob=True)),
+}
+
+
+def write_moe_gguf(case, folder, path):
+    arch, make = MOE_MODELS[case]
+    make_checkpoint(make(), folder)
+    config = AutoConfig.from_pretrained(folder)
+    writer = GGUFWriter(str(path), arch)
+    write_metadata(writer, config, arch)
+    for name, tensor in gguf_tensors(load_file(folder / "model.safetensors"), config, arch):
+        x = np.ascontiguousarray(tensor.numpy())
+        qtype = MOE_TYPES.get(name)
+        if qtype is None:
+            writer.add_tensor(name, x)
+        elif qtype == T.F16:
+            writer.add_tensor(name, x.astype(np.float16))
+        else:  # [E, rows, K] -> [E, rows, row bytes]
+            blocks = quantize(x.reshape(-1, x.shape[-1]), qtype).reshape(*x.shape[:2], -1)
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("case", MOE_MODELS)
+def test_moe_experts_in_blocks_match_dequantized_model(case, tmp_path, caplog):
+    path = write_moe_gguf(case, tmp_path, tmp_path / "model.gguf")
+    reference, _, _ = load_model(path, torch.float32, "cpu", ops=TORCH_OPS)
+    with caplog.at_level(logging.INFO, logger="pagedserve.model.gguf"):
+        blocks, _, _ = load_model(path, torch.float32, "cpu", ops=replace(
+            TORCH_OPS, gguf_linear=partial(int_linear.linear, config=TILES),
+            fused_moe=fused_moe))
+    assert "1 of F16 (MoE experts)" in caplog.text and "2 of Q5_K (MoE experts)" in caplog.text
+    # layer 0's experts take no float memory; layer 1's are floats
+    names = {name for name, _ in blocks.named_parameters()}
+    assert {"layers.1.mlp.w13", "layers.1.mlp.w2"} <= names
+    assert not {"layers.0.mlp.w13", "layers.0.mlp.w2"} & names
+    prompt = torch.randint(0, CONFIG["vocab_size"], (9,),
+                           generator=torch.Generator().manual_seed(4)).tolist()
+    drivers = [PagedDriver(model, block_size=4) for model in (reference, blocks)]
+    with torch.no_grad():
+        for feed in [prompt, [5], [17]]:  # a prefill, then decode steps
             expected, ours = (d.step({"a": feed})["a"] for d in drivers)
             torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
