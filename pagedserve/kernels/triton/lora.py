@@ -4,24 +4,33 @@ launch per stage (Punica's SGMV / BGMV idea).
 Two stages per projection: the shrink (x [T, K] -> xa [T, R], R the stacked rank, in
 float32) and the expand (xa -> y [T, N], added in place). Each comes in two forms:
 
-- tiles (prefill chunks, and decode batches over `model.lora.ONE_ROW_MAX` rows): the step's rows sorted by
-  adapter (`sorted_rows`) are cut into tiles of up to `tile_rows` of one adapter each; a
-  program gathers a tile's rows and multiplies them with `tl.dot` against its slot's A or B,
-  read once per tile rather than once per row (with many rows per adapter, the weights'
-  reads would otherwise dominate the step);
-- rows (small decode batches: batch-1 latency): each row on its own, a GEMV; the shrink
-  splits K over programs (float32 atomic adds) so that a single row still spreads over
-  the GPU.
+- tiles (prefill chunks, and decode batches over `model.lora.ONE_ROW_MAX` rows): the step's
+  rows sorted by adapter (`sorted_rows`) are cut into tiles of up to `tile_rows` of one
+  adapter each; a program gathers a tile's rows and multiplies them with `tl.dot` against
+  its slot's A or B, read once per tile rather than once per row (with many rows per
+  adapter, the weights' reads would otherwise dominate the step). A decode batch makes few
+  tiles (about one per adapter), and a tile's shrink is a loop over all of K: so the shrink
+  also splits K over programs, enough of them to fill the GPU, summed with float32 atomic
+  adds into a zeroed xa; a prefill chunk has tiles enough and runs K whole (no zero-fill,
+  no atomics);
+- rows (small decode batches: batch-1 latency): each row on its own, a GEMV. The shrink
+  splits K over programs that each write their partial sums, and the expand adds a row's
+  partials up as it reads them: two launches, no zero-fill and no atomics, since at this
+  size a step's LoRA cost is its launches. Both are launched with PDL (`pdl.py`): each
+  starts while the kernel before it ends, the shrink reading its block of A before it
+  waits.
 
 Both are graph-safe: a CUDA graph replays a fixed grid (the tile count for its size is
-rows / tile_rows + slots), and unused tiles, rows of the base model (slot -1) and padding rows
-exit at once, so a graph captured with nothing to do serves any mix of adapters: the tiles
-and each row's slot are read from their input buffers at replay. The shrink's result is rounded to the weights' dtype before the expand,
+rows / tile_rows + slots; the splits follow from the grid's size), and unused tiles, rows
+of the base model (slot -1) and padding rows exit at once, so a graph captured with nothing
+to do serves any mix of adapters: the tiles and each row's slot are read from their input
+buffers at replay. The shrink's result is rounded to the weights' dtype before the expand,
 as PEFT's `lora_B(lora_A(x))` stores it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,28 +38,37 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pagedserve.kernels.triton.precision import dot_precision
+from pagedserve.kernels.triton import pdl
+from pagedserve.kernels.triton.precision import dot_precision, round_to
 
 
 @triton.jit
-def _shrink_tiles(x_ptr, a_ptr, out_ptr, rows_ptr, tile_starts, tile_lens, tile_slots,
-                  stride_x, stride_as, stride_ar, stride_out, K, R, BLOCK_M: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                  UPCAST: tl.constexpr):
-    tile, rblk = tl.program_id(0), tl.program_id(1)
+def _tile(rows_ptr, tile_starts, tile_lens, tile_slots, tile, BLOCK_M: tl.constexpr):
+    """A tile's slot (-1: unused), its rows (gathered from `rows_ptr`) and their mask."""
     slot = tl.load(tile_slots + tile).to(tl.int64)
     length = tl.load(tile_lens + tile)
-    if slot < 0:
-        return
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < length
     rows = tl.load(rows_ptr + tl.load(tile_starts + tile) + offs_m, mask=mask_m,
                    other=0).to(tl.int64)
+    return slot, rows, mask_m
+
+
+@triton.jit
+def _shrink_tiles(x_ptr, a_ptr, out_ptr, rows_ptr, tile_starts, tile_lens, tile_slots,
+                  stride_x, stride_as, stride_ar, stride_out, K, R, K_PER_SPLIT,
+                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, ATOMIC: tl.constexpr):
+    tile, rblk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot, rows, mask_m = _tile(rows_ptr, tile_starts, tile_lens, tile_slots, tile, BLOCK_M)
+    if slot < 0:
+        return
     offs_r = rblk * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_start = split * K_PER_SPLIT  # K_PER_SPLIT: a multiple of BLOCK_K
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        offs_k = k_start + k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -59,8 +77,12 @@ def _shrink_tiles(x_ptr, a_ptr, out_ptr, rows_ptr, tile_starts, tile_lens, tile_
         if UPCAST:
             x, a = x.to(tl.float32), a.to(tl.float32)
         acc += tl.dot(x, a, input_precision=PRECISION)
-    tl.store(out_ptr + rows[:, None] * stride_out + offs_r[None, :], acc,
-             mask=mask_m[:, None] & mask_r[None, :])
+    out = out_ptr + rows[:, None] * stride_out + offs_r[None, :]
+    mask = mask_m[:, None] & mask_r[None, :]
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc, mask=mask)
 
 
 @triton.jit
@@ -69,14 +91,9 @@ def _expand_tiles(xa_ptr, b_ptr, y_ptr, rows_ptr, tile_starts, tile_lens, tile_s
                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr):
     tile, nblk = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(tile_slots + tile).to(tl.int64)
-    length = tl.load(tile_lens + tile)
+    slot, rows, mask_m = _tile(rows_ptr, tile_starts, tile_lens, tile_slots, tile, BLOCK_M)
     if slot < 0:
         return
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < length
-    rows = tl.load(rows_ptr + tl.load(tile_starts + tile) + offs_m, mask=mask_m,
-                   other=0).to(tl.int64)
     offs_n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     dtype = b_ptr.dtype.element_ty
@@ -99,41 +116,54 @@ def _expand_tiles(xa_ptr, b_ptr, y_ptr, rows_ptr, tile_starts, tile_lens, tile_s
 
 
 @triton.jit
-def _shrink_rows(x_ptr, a_ptr, out_ptr, token_slots, stride_x, stride_as, stride_ar,
-                 stride_out, K, R, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    row, rblk, kblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _shrink_rows(x_ptr, a_ptr, part_ptr, token_slots, stride_x, stride_as, stride_ar,
+                 stride_ps, stride_pt, K, R, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row's sums over one K block: part[split, row, r]. Launched with PDL: A (written
+    before the step) is read before the wait, x (the previous kernel's output) after."""
+    pdl.allow_dependents()
+    row, rblk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(token_slots + row).to(tl.int64)
+    offs_r = rblk * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < tl.where(slot >= 0, K, 0)  # a base row's program reads no A
+    a = tl.load(a_ptr + tl.maximum(slot, 0) * stride_as + offs_r[:, None] * stride_ar
+                + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :],
+                other=0.0).to(tl.float32)
+    pdl.wait_for_previous()  # every program waits, those of base rows too (pdl.py)
     if slot < 0:
         return
     row = row.to(tl.int64)
-    offs_r = rblk * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    offs_k = kblk * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
     x = tl.load(x_ptr + row * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :],
-                mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-    tl.atomic_add(out_ptr + row * stride_out + offs_r, tl.sum(a * x[None, :], axis=1),
-                  mask=mask_r)
+    tl.store(part_ptr + split * stride_ps + row * stride_pt + offs_r,
+             tl.sum(a * x[None, :], axis=1), mask=mask_r)
 
 
 @triton.jit
-def _expand_rows(xa_ptr, b_ptr, y_ptr, token_slots, stride_xa, stride_bs, stride_bn, stride_y,
-                 N, R, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _expand_rows(part_ptr, b_ptr, y_ptr, token_slots, stride_ps, stride_pt, stride_bs,
+                 stride_bn, stride_y, N, R, SPLITS, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One row's N block: its shrink's partial sums added up, rounded, expanded. Launched
+    with PDL, like the shrink."""
+    pdl.allow_dependents()
     row, nblk = tl.program_id(0), tl.program_id(1)
     slot = tl.load(token_slots + row).to(tl.int64)
+    pdl.wait_for_previous()
     if slot < 0:
         return
     row = row.to(tl.int64)
     offs_n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    dtype = b_ptr.dtype.element_ty
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < SPLITS
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        xa = tl.load(xa_ptr + row * stride_xa + offs_r, mask=mask_r, other=0.0)
-        xa = xa.to(dtype).to(tl.float32)  # rounded as the segments' expand rounds it
+        part = tl.load(part_ptr + offs_s[:, None] * stride_ps + row * stride_pt
+                       + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :], other=0.0)
+        # rounded as the tiles' expand rounds it
+        xa = round_to(tl.sum(part, axis=0), b_ptr.dtype.element_ty)
         b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
                     mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(b * xa[None, :], axis=1)
@@ -144,35 +174,84 @@ def _expand_rows(xa_ptr, b_ptr, y_ptr, token_slots, stride_xa, stride_bs, stride
 
 # the interpreter's half-precision tl.dot returns garbage: there the tiles are upcast first
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+TILE_BLOCK_K = 64
+ROW_ELEMENTS = 8192  # a one-row shrink program's block of A: [BLOCK_R, BLOCK_K]
+MAX_ROW_SPLITS = 64  # the most K blocks a one-row shrink is cut into
+
+
+@functools.lru_cache(maxsize=None)
+def _num_programs(device: torch.device) -> int:
+    """How many shrink programs keep the GPU busy: two per multiprocessor (on the CPU, where
+    the interpreter runs, an H100's count, so tests cut K as a GPU would)."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * 132
+
+
+def tile_splits(tiles: int, r_blocks: int, K: int, device: torch.device) -> tuple[int, int]:
+    """(splits, K per split) for the tiled shrink: enough programs to fill the GPU, each
+    over whole BLOCK_K blocks of K."""
+    k_blocks = triton.cdiv(K, TILE_BLOCK_K)
+    wanted = max(1, min(k_blocks, triton.cdiv(_num_programs(device), tiles * r_blocks)))
+    per_split = triton.cdiv(k_blocks, wanted)
+    return triton.cdiv(k_blocks, per_split), per_split * TILE_BLOCK_K
+
+
+def row_blocks(K: int, R: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_K) of the one-row shrink: blocks of A of about ROW_ELEMENTS, K cut
+    into at most MAX_ROW_SPLITS blocks."""
+    block_r = max(16, min(64, triton.next_power_of_2(R)))
+    block_k = max(ROW_ELEMENTS // block_r,
+                  triton.next_power_of_2(triton.cdiv(K, MAX_ROW_SPLITS)))
+    return block_r, min(block_k, max(16, triton.next_power_of_2(K)))
 
 
 def lora_shrink_expand(x: Tensor, y: Tensor, a: Tensor, b: Tensor, batch) -> None:
     """y [T, N] += each row's x [T, K] @ a[slot].T @ b[slot].T, in place, for the rows of
     `batch` (a `model.lora.LoRABatch`): a [slots, R, K], b [slots, N, R], both contiguous."""
-    T, K = x.shape
-    N, R = b.shape[1], a.shape[1]
+    T = x.shape[0]
     if T == 0:
         return
     assert x.stride(-1) == 1 and y.stride(-1) == 1 and a.is_contiguous() and b.is_contiguous()
-    block_r = max(16, min(64, triton.next_power_of_2(R)))
     if batch.one_row_kernels:
-        xa = torch.zeros(T, R, dtype=torch.float32, device=x.device)
-        block_k = min(512, triton.next_power_of_2(K))
-        _shrink_rows[(T, triton.cdiv(R, 16), triton.cdiv(K, block_k))](
-            x, a, xa, batch.token_slots, x.stride(0), a.stride(0), a.stride(1), xa.stride(0),
-            K, R, BLOCK_R=16, BLOCK_K=block_k)
-        _expand_rows[(T, triton.cdiv(N, 64))](
-            xa, b, y, batch.token_slots, xa.stride(0), b.stride(0), b.stride(1), y.stride(0),
-            N, R, BLOCK_N=64, BLOCK_R=block_r)
+        _rows(x, y, a, b, batch.token_slots)
+    else:
+        _tiles(x, y, a, b, batch)
+
+
+def _rows(x: Tensor, y: Tensor, a: Tensor, b: Tensor, token_slots: Tensor) -> None:
+    (T, K), N, R = x.shape, b.shape[1], a.shape[1]
+    block_r, block_k = row_blocks(K, R)
+    splits = triton.cdiv(K, block_k)
+    part = torch.empty(splits, T, R, dtype=torch.float32, device=x.device)  # all written
+    _shrink_rows[(T, triton.cdiv(R, block_r), splits)](
+        x, a, part, token_slots, x.stride(0), a.stride(0), a.stride(1), part.stride(0),
+        part.stride(1), K, R, BLOCK_R=block_r, BLOCK_K=block_k, **pdl.launch_options())
+    block_n = max(32, min(128, triton.next_power_of_2(triton.cdiv(N, 128))))
+    _expand_rows[(T, triton.cdiv(N, block_n))](
+        part, b, y, token_slots, part.stride(0), part.stride(1), b.stride(0), b.stride(1),
+        y.stride(0), N, R, splits, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_S=triton.next_power_of_2(splits), **pdl.launch_options())
+
+
+def _tiles(x: Tensor, y: Tensor, a: Tensor, b: Tensor, batch) -> None:
+    (T, K), N, R = x.shape, b.shape[1], a.shape[1]
+    block_r = max(16, min(64, triton.next_power_of_2(R)))
+    tiles, r_blocks = batch.tile_slots.shape[0], triton.cdiv(R, block_r)
+    if tiles == 0:
         return
-    xa = torch.empty(T, R, dtype=torch.float32, device=x.device)  # base rows: never read
-    tiles = batch.tile_slots.shape[0]
+    splits, per_split = tile_splits(tiles, r_blocks, K, x.device)
+    # base rows are never read; split K's partial sums are added to zeros
+    xa = (torch.zeros if splits > 1 else torch.empty)(T, R, dtype=torch.float32,
+                                                      device=x.device)
     precision = "ieee" if _INTERPRET else dot_precision(x.dtype)
-    _shrink_tiles[(tiles, triton.cdiv(R, block_r))](
+    _shrink_tiles[(tiles, r_blocks, splits)](
         x, a, xa, batch.sorted_rows, batch.tile_starts, batch.tile_lens, batch.tile_slots,
-        x.stride(0), a.stride(0), a.stride(1), xa.stride(0), K, R, BLOCK_M=batch.tile_rows,
-        BLOCK_R=block_r, BLOCK_K=64, PRECISION=precision, UPCAST=_INTERPRET)
-    _expand_tiles[(tiles, triton.cdiv(N, 64))](
+        x.stride(0), a.stride(0), a.stride(1), xa.stride(0), K, R, per_split,
+        BLOCK_M=batch.tile_rows, BLOCK_R=block_r, BLOCK_K=TILE_BLOCK_K, PRECISION=precision,
+        UPCAST=_INTERPRET, ATOMIC=splits > 1)
+    block_n = 128 if N >= 8192 else 64
+    _expand_tiles[(tiles, triton.cdiv(N, block_n))](
         xa, b, y, batch.sorted_rows, batch.tile_starts, batch.tile_lens, batch.tile_slots,
         xa.stride(0), b.stride(0), b.stride(1), y.stride(0), N, R, BLOCK_M=batch.tile_rows,
-        BLOCK_N=64, BLOCK_R=block_r, PRECISION=precision, UPCAST=_INTERPRET)
+        BLOCK_N=block_n, BLOCK_R=block_r, PRECISION=precision, UPCAST=_INTERPRET)
