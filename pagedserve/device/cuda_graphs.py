@@ -14,8 +14,11 @@ grids, so:
   length exit at once while the reduce only reads the partitions that the sequence has
   (see kernels/triton/attention/decode.py), so one graph serves every context length.
 
-With LoRA on, the graphs run the adapters' kernels over every row, each row's slot read
-from its buffer (-1, the base model, for padding), so one graph serves any mix of adapters.
+With LoRA on, each size is captured twice (as vLLM's `cudagraph_specialize_lora`): with the
+adapters' kernels, which read each row's slot from its buffer (-1, the base model, for
+padding), so one graph serves any mix of adapters; and without them, for steps whose rows
+are all the base model's, which then cost what they cost without LoRA. The runner picks by
+whether the step has a `LoRABatch`.
 
 Only decode-only steps replay a graph; steps with a prefill chunk run eagerly.
 """
@@ -52,8 +55,9 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.sizes = batch_size_ladder(max_batch)
         self.lora = lora
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._hidden: dict[int, Tensor] = {}
+        # (size, with LoRA) -> the graph and its output
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._hidden: dict[tuple[int, bool], Tensor] = {}
 
     def padded_size(self, batch: int) -> int | None:
         """The captured size that runs `batch` decodes, or None when it is too large."""
@@ -68,9 +72,9 @@ class DecodeGraphs:
             seq_lens=b.seq_lens.device[:size], query_start_loc=b.query_start_loc.device[:size + 1],
             max_query_len=1, max_seq_len=self.max_model_len)
 
-    def _forward(self, size: int) -> Tensor:
+    def _forward(self, size: int, with_lora: bool) -> Tensor:
         b = self.buffers
-        lora = self.lora.graph_batch(size) if self.lora is not None else None
+        lora = self.lora.graph_batch(size) if with_lora else None
         with set_forward_context(self._meta(size), self.backend), lora_context(lora):
             return self.model(b.input_ids.device[:size], b.positions.device[:size])
 
@@ -87,16 +91,20 @@ class DecodeGraphs:
         b.query_start_loc.device.copy_(torch.arange(b.query_start_loc.device.numel(),
                                                     dtype=torch.int32))
         pool = torch.cuda.graph_pool_handle()
+        variants = (True, False) if self.lora is not None else (False,)
         for size in reversed(self.sizes):
-            self._forward(size)  # compiles the Triton kernels' variants outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._hidden[size] = self._forward(size)
-            self._graphs[size] = graph
+            for with_lora in variants:
+                self._forward(size, with_lora)  # compiles the Triton kernels' variants
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._hidden[size, with_lora] = self._forward(size, with_lora)
+                self._graphs[size, with_lora] = graph
         torch.cuda.synchronize()
 
-    def replay(self, size: int) -> Tensor:
-        """Run the captured step over the current buffers; returns hidden states [size, H]."""
-        self._graphs[size].replay()
-        return self._hidden[size]
+    def replay(self, size: int, with_lora: bool = False) -> Tensor:
+        """Run the captured step over the current buffers, with the adapters' kernels or
+        without (only steps with an adapter row need them); returns hidden states
+        [size, H]."""
+        self._graphs[size, with_lora and self.lora is not None].replay()
+        return self._hidden[size, with_lora and self.lora is not None]

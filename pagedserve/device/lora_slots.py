@@ -103,9 +103,10 @@ class LoRASlots:
     def batch(self, request_slots: np.ndarray, num_new: np.ndarray, token_rows: int,
               graph: bool) -> lora.LoRABatch | None:
         """The step's `LoRABatch` from each request's slot, written into the buffers
-        (padding rows are the base model's); None for an eager step with no adapter. A
+        (padding rows are the base model's); None for a step with no adapter, which then
+        launches no LoRA kernel (a graph step replays the graph captured without them). A
         graph's tile count is fixed by its size, unused tiles marked -1."""
-        if not graph and not (request_slots >= 0).any():
+        if not (request_slots >= 0).any():
             return None
         num_tokens = int(num_new.sum())
         slots = self._token_slots.np[:token_rows]

@@ -820,7 +820,7 @@ class ModelRunner:
         None)."""
         self._bind_kv_cache()
         if inputs.graph_size is not None:
-            return self.graphs.replay(inputs.graph_size), None
+            return self.graphs.replay(inputs.graph_size, inputs.lora is not None), None
         capture = self.drafter.capture if self.drafter is not None else ()
         with set_forward_context(inputs.meta, self.backend), lora_context(inputs.lora):
             if capture:

@@ -1,6 +1,7 @@
 """LoRA on CUDA: the Triton kernels (segments for prefills, rows for decodes) under CUDA graphs,
 float32, against PEFT's model on the GPU; and a batch mixing adapters and the base model gives
-each request what it gets alone (the decode graphs read each row's slot from its buffer)."""
+each request what it gets alone (the decode graphs read each row's slot from its buffer), also
+when the step switches between the graphs captured with and without the adapters' kernels."""
 
 from __future__ import annotations
 
@@ -66,3 +67,24 @@ def test_mixed_batch_under_graphs_matches_alone(family):
              for rid, req in requests.items()}
     together = run(engine(family, max_num_batched_tokens=16), requests, PARAMS)
     assert {rid: out.outputs[0].token_ids for rid, out in together.items()} == alone
+
+
+def test_switching_between_graphs_with_and_without_lora_matches_alone(family):
+    """The adapters' requests finish first: the base request's later steps have no adapter
+    row and replay the graphs captured without LoRA, its earlier ones those with it."""
+    _, adapters, _ = family
+    requests = {"base": (PROMPT, None)}
+    params = {"base": PARAMS}
+    for i, (name, lora) in enumerate(adapters.items()):
+        requests[name] = (PROMPT[i:] + [i + 7] * 5, lora)
+        params[name] = SamplingParams(temperature=0.0, max_tokens=3 + i, ignore_eos=True)
+    alone = {rid: run(engine(family), {rid: req}, params[rid])[rid].outputs[0].token_ids
+             for rid, req in requests.items()}
+    eng = engine(family)
+    for rid, (prompt, lora) in requests.items():
+        eng.add_request(rid, None, params[rid], prompt_token_ids=prompt, lora_request=lora)
+    together = {}
+    while eng.has_unfinished_requests():
+        together.update({o.request_id: o.outputs[0].token_ids for o in eng.step()
+                         if o.finished})
+    assert together == alone
