@@ -17,8 +17,7 @@ float32) and the expand (xa -> y [T, N], added in place). Each comes in two form
   splits K over programs that each write their partial sums, and the expand adds a row's
   partials up as it reads them: two launches, no zero-fill and no atomics, since at this
   size a step's LoRA cost is its launches. Both are launched with PDL (`pdl.py`): each
-  starts while the kernel before it ends, the shrink reading its block of A before it
-  waits.
+  starts while the kernel before it ends, and reads its block of A (B) before it waits.
 
 Both are graph-safe: a CUDA graph replays a fixed grid (the tile count for its size is
 rows / tile_rows + slots; the splits follow from the grid's size), and unused tiles, rows
@@ -140,33 +139,47 @@ def _shrink_rows(x_ptr, a_ptr, part_ptr, token_slots, stride_x, stride_as, strid
 
 
 @triton.jit
+def _summed_partials(part_ptr, row, stride_ps, stride_pt, offs_r, mask_r, SPLITS,
+                     dtype: tl.constexpr, BLOCK_S: tl.constexpr):
+    """xa[row, offs_r]: the shrink's partial sums added up, rounded to `dtype` (as the
+    tiles' expand rounds it), in float32."""
+    offs_s = tl.arange(0, BLOCK_S)
+    part = tl.load(part_ptr + offs_s[:, None] * stride_ps + row * stride_pt + offs_r[None, :],
+                   mask=(offs_s < SPLITS)[:, None] & mask_r[None, :], other=0.0)
+    return round_to(tl.sum(part, axis=0), dtype)
+
+
+@triton.jit
 def _expand_rows(part_ptr, b_ptr, y_ptr, token_slots, stride_ps, stride_pt, stride_bs,
                  stride_bn, stride_y, N, R, SPLITS, BLOCK_N: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """One row's N block: its shrink's partial sums added up, rounded, expanded. Launched
-    with PDL, like the shrink."""
+    with PDL, like the shrink: B's first rank block is read before the wait."""
     pdl.allow_dependents()
     row, nblk = tl.program_id(0), tl.program_id(1)
     slot = tl.load(token_slots + row).to(tl.int64)
-    pdl.wait_for_previous()
+    offs_n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < tl.where(slot >= 0, N, 0)  # a base row's program reads no B
+    b_ptrs = b_ptr + tl.maximum(slot, 0) * stride_bs + offs_n[:, None] * stride_bn
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    b = tl.load(b_ptrs + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+    pdl.wait_for_previous()  # every program waits, those of base rows too (pdl.py)
     if slot < 0:
         return
     row = row.to(tl.int64)
-    offs_n = nblk * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < SPLITS
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    dtype = b_ptr.dtype.element_ty
+    xa = _summed_partials(part_ptr, row, stride_ps, stride_pt, offs_r, mask_r, SPLITS, dtype,
+                          BLOCK_S)
+    acc = tl.sum(b.to(tl.float32) * xa[None, :], axis=1)
+    for r0 in range(BLOCK_R, R, BLOCK_R):  # stacked ranks over one block
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        part = tl.load(part_ptr + offs_s[:, None] * stride_ps + row * stride_pt
-                       + offs_r[None, :], mask=mask_s[:, None] & mask_r[None, :], other=0.0)
-        # rounded as the tiles' expand rounds it
-        xa = round_to(tl.sum(part, axis=0), b_ptr.dtype.element_ty)
-        b = tl.load(b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
-                    mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(b * xa[None, :], axis=1)
+        b = tl.load(b_ptrs + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
+                    other=0.0)
+        xa = _summed_partials(part_ptr, row, stride_ps, stride_pt, offs_r, mask_r, SPLITS,
+                              dtype, BLOCK_S)
+        acc += tl.sum(b.to(tl.float32) * xa[None, :], axis=1)
     out = y_ptr + row * stride_y + offs_n
     y = tl.load(out, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(out, (y + acc).to(y_ptr.dtype.element_ty), mask=mask_n)
@@ -227,7 +240,10 @@ def _rows(x: Tensor, y: Tensor, a: Tensor, b: Tensor, token_slots: Tensor) -> No
     _shrink_rows[(T, triton.cdiv(R, block_r), splits)](
         x, a, part, token_slots, x.stride(0), a.stride(0), a.stride(1), part.stride(0),
         part.stride(1), K, R, BLOCK_R=block_r, BLOCK_K=block_k, **pdl.launch_options())
-    block_n = max(32, min(128, triton.next_power_of_2(triton.cdiv(N, 128))))
+    # about 128 programs a row; B's block at most 4096 elements (registers: it is held
+    # across the wait)
+    block_n = max(16, min(128, 4096 // block_r,
+                          max(32, triton.next_power_of_2(triton.cdiv(N, 128)))))
     _expand_rows[(T, triton.cdiv(N, block_n))](
         part, b, y, token_slots, part.stride(0), part.stride(1), b.stride(0), b.stride(1),
         y.stride(0), N, R, splits, BLOCK_N=block_n, BLOCK_R=block_r,
@@ -250,7 +266,7 @@ def _tiles(x: Tensor, y: Tensor, a: Tensor, b: Tensor, batch) -> None:
         x.stride(0), a.stride(0), a.stride(1), xa.stride(0), K, R, per_split,
         BLOCK_M=batch.tile_rows, BLOCK_R=block_r, BLOCK_K=TILE_BLOCK_K, PRECISION=precision,
         UPCAST=_INTERPRET, ATOMIC=splits > 1)
-    block_n = 128 if N >= 8192 else 64
+    block_n = 64
     _expand_tiles[(tiles, triton.cdiv(N, block_n))](
         xa, b, y, batch.sorted_rows, batch.tile_starts, batch.tile_lens, batch.tile_slots,
         xa.stride(0), b.stride(0), b.stride(1), y.stride(0), N, R, BLOCK_M=batch.tile_rows,
