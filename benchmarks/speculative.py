@@ -9,7 +9,9 @@ Parts (each a key of the JSON written to --out, merged into what is there):
             batch 1, k = 4: TPOT without speculation against a verify of the target's own
             greedy continuation (recorded first) corrupted so that each draft token is
             accepted with probability --acceptance: the engine's own cost of a verify with a
-            drafter that costs nothing
+            drafter that costs nothing; then the same with a draft model of --draft-shape
+            (default Llama-3.2-1B, dummy weights) running as it would, its proposals
+            overridden by the same oracle: what running a draft model costs
   load      (GPU) workload A (benchmarks/throughput.py's 256 requests) with ngram against
             without, same run: output tokens/s (speculation switches itself off at this
             batch; with it on the engine schedules synchronously, so the async engine is
@@ -209,22 +211,28 @@ def oracle(args: argparse.Namespace) -> dict:
             tokens, decode_s, _ = run_one(none, p, params)
             recorded[tuple(p)] = p + tokens
             none_tpot.append(decode_s / (len(tokens) - 1))
-        spec = engine_over(loaded, base, {"method": "ngram", "num_speculative_tokens": 4})
-        spec.engine_core.scheduler.proposer = OracleProposer(
-            recorded, args.acceptance, vocab)
-        run_one(spec, prompts[0][:16], SamplingParams(max_tokens=8, ignore_eos=True))
-        spec_tpot, identical = [], True
-        for p in prompts:
-            tokens, decode_s, _ = run_one(spec, p, params)
-            identical &= recorded[tuple(p)] == p + tokens
-            spec_tpot.append(decode_s / (len(tokens) - 1))
+        release(none)
+        draft = shape_folder(Path(root), args.draft_shape)
         result = {"shape": args.shape, "k": 4, "acceptance_set": args.acceptance,
                   "output_tokens": args.oracle_tokens,
-                  "tpot_ms_none": round(1e3 * statistics.median(none_tpot), 3),
-                  "tpot_ms_oracle": round(1e3 * statistics.median(spec_tpot), 3),
-                  "identical": identical, "spec": spec_stats(spec),
-                  "draft_model": "not built (issue 30, part 2)"}
-        result["ratio"] = round(result["tpot_ms_oracle"] / result["tpot_ms_none"], 3)
+                  "tpot_ms_none": round(1e3 * statistics.median(none_tpot), 3)}
+        for name, config in (("oracle", {"method": "ngram"}),
+                             ("draft_model_oracle", {"model": str(draft)})):
+            spec = engine_over(loaded, base, config | {"num_speculative_tokens": 4})
+            # the oracle's drafts replace the proposer's (a draft model still runs)
+            spec.engine_core.scheduler.proposer = OracleProposer(
+                recorded, args.acceptance, vocab)
+            run_one(spec, prompts[0][:16], SamplingParams(max_tokens=8, ignore_eos=True))
+            spec_tpot, identical = [], True
+            for p in prompts:
+                tokens, decode_s, _ = run_one(spec, p, params)
+                identical &= recorded[tuple(p)] == p + tokens
+                spec_tpot.append(decode_s / (len(tokens) - 1))
+            tpot = round(1e3 * statistics.median(spec_tpot), 3)
+            result[name] = {"tpot_ms": tpot, "ratio": round(tpot / result["tpot_ms_none"], 3),
+                            "identical": identical, "spec": spec_stats(spec)}
+            release(spec)
+        result["draft_model_oracle"]["draft_shape"] = args.draft_shape
         return result
 
 
@@ -272,6 +280,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--shape", default="llama3-8b")
     parser.add_argument("--load-shape", default="qwen3-0.6b")
+    parser.add_argument("--draft-shape", default="llama3.2-1b",
+                        help="oracle: the draft model's shape (the target's vocabulary)")
     parser.add_argument("--acceptance", type=float, default=0.8)
     parser.add_argument("--oracle-tokens", type=int, default=128)
     parser.add_argument("--num-requests", type=int, default=256,

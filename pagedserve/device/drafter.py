@@ -254,7 +254,9 @@ def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConf
         head, capture = load_eagle3(spec.model, target_config, target.embed_tokens, dtype,
                                     device, select_ops(device, dtype))
         return Eagle3Drafter(head, capture, device, config.block_size, backend)
-    model, draft_config, _ = load_model(spec.model, dtype, device)
+    # the engine's load_format holds for its draft ("dummy": random weights for both)
+    model, draft_config, _ = load_model(spec.model, dtype, device,
+                                        load_format=config.load_format)
     if draft_config.vocab_size != target_config.vocab_size:
         raise ValueError(f"speculative_config.model: the draft's vocabulary "
                          f"({draft_config.vocab_size} tokens) is not the target's "
