@@ -15,6 +15,7 @@ import torch
 from benchmarks.make_checkpoint import make_checkpoint
 from pagedserve.config import EngineConfig
 from pagedserve.frontend.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams
 from tests.engine.test_async_scheduling import (  # noqa: F401 (the module's model fixture)
     BLOCK, CONFIG, VOCAB, Arrival, greedy, loaded, prompts, run, summary)
 from tests.spec.heads import write_eagle3_head
@@ -98,6 +99,18 @@ def test_greedy_tokens_match_across_preemption(loaded, models, name, method, lay
     assert results[1] == results[0]
     if name == "self":
         assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+def test_seeded_sampling_repeats_with_a_draft_model(loaded, models):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24,
+                            ignore_eos=True)
+    batch = [Arrival(0, "s", prompts(13, [20])[0], params)]
+    outs = []
+    for _ in range(2):
+        engine = make(loaded, spec(models, "self"), draft_layers=2)
+        outs.append(summary(run(engine, batch)))
+        assert engine.get_stats().spec_num_accepted_tokens > 0
+    assert outs[0] == outs[1]
 
 
 @pytest.mark.parametrize("name, config, message", [

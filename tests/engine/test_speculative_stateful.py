@@ -5,7 +5,10 @@ allocations preempt), and each verify accepts a drawn number of its drafts. Afte
 the pool's invariants hold, no request holds a block past what its computed tokens and next
 token need (rejected drafts' lookahead went back), every computed position's KV is that of
 the request's own known tokens (a rejected draft never counts as computed), and no block is
-hashed past the computed tokens."""
+hashed past the computed tokens. With a proposer on the device (a draft model, simulated),
+each request the runner drafts for holds real blocks for its lookahead during the step, and
+gives them back after it; its drafts come back with the step's output and are verified next.
+"""
 
 from __future__ import annotations
 
@@ -27,14 +30,16 @@ MAX_LEN = 48
 
 class SpecMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(5, 14),
-                k=st.integers(1, 4), budget=st.sampled_from([6, 32]))
-    def setup(self, block_size: int, num_blocks: int, k: int, budget: int) -> None:
+                k=st.integers(1, 4), budget=st.sampled_from([6, 32]),
+                on_device=st.booleans())
+    def setup(self, block_size: int, num_blocks: int, k: int, budget: int,
+              on_device: bool) -> None:
+        spec = {"num_speculative_tokens": k} | ({"model": "/a/draft"} if on_device else {})
         config = EngineConfig(block_size=block_size, max_num_seqs=4,
-                              max_num_batched_tokens=budget,
-                              speculative_config={"num_speculative_tokens": k})
+                              max_num_batched_tokens=budget, speculative_config=spec)
         self.manager = KVCacheManager(num_blocks, block_size)
         self.scheduler = Scheduler(config, self.manager, MAX_LEN,
-                                   proposer=NgramProposer(1, 3))
+                                   proposer=None if on_device else NgramProposer(1, 3))
         self.block_size = block_size
         self.device: dict[int, tuple] = {}  # slot -> the token prefix its KV came from
         self.next_id = 0
@@ -73,6 +78,10 @@ class SpecMachine(RuleBasedStateMachine):
         for request, _, end, tokens in chunks:  # ... then attends to each context
             for pos, slot in enumerate(self.slots(request, 0, end)):
                 assert self.device.get(slot) == tuple(tokens[:pos + 1])
+        for req_id, ahead in out.num_lookahead_tokens.items():  # the drafter's positions
+            request, start, end, _ = next(c for c in chunks if c[0].request_id == req_id)
+            assert end + ahead <= MAX_LEN and 0 not in self.manager.get_block_ids(req_id)
+            assert len(self.manager.get_block_ids(req_id)) * self.block_size >= end + ahead
         sampled = [r for r, s in zip(out.req_ids, out.samples) if s]
         tokens, accepted = [], []
         for req_id in sampled:
@@ -81,8 +90,11 @@ class SpecMachine(RuleBasedStateMachine):
             accepted.append(drafts[:num])
             rejected = drafts[num] if num < len(drafts) else None
             tokens.append(next(t for t in range(5) if t != rejected))
+        proposed = {req_id: [data.draw(st.integers(0, 4)) for _ in range(ahead)]
+                    for req_id, ahead in out.num_lookahead_tokens.items()}
         self.scheduler.update_from_output(out, ModelRunnerOutput(
-            sampled, tokens, accepted_token_ids=accepted if out.draft_token_ids else None))
+            sampled, tokens, accepted_token_ids=accepted if out.draft_token_ids else None,
+            draft_token_ids=proposed or None))
 
     def slots(self, request: Request, start: int, end: int) -> list[int]:
         block_ids = self.manager.get_block_ids(request.request_id)

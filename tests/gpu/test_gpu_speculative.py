@@ -1,7 +1,10 @@
-"""Speculative decoding on CUDA (issue 30): the ngram engine against the default (async,
-CUDA graphs) engine, same weights. A verify runs eagerly through the paged prefill kernel
-while plain decodes replay graphs, so bf16 near-ties of random weights may flip a token:
-most requests must agree, drafts must be accepted, and every block comes back."""
+"""Speculative decoding on CUDA (issue 30): the ngram, draft-model and EAGLE-3 engines against
+the default (async, CUDA graphs) engine, same weights. A verify runs eagerly through the paged
+prefill kernel while plain decodes replay graphs, so bf16 near-ties of random weights may flip
+a token: most requests must agree, drafts must be accepted, and every block comes back. The
+draft model is the target's own checkpoint (so nearly every draft is accepted, which needs
+the draft's KV in the target's blocks to be right); the EAGLE-3 heads are random, in the
+published layout (tests/spec/heads.py), reading the target's default three layers."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from tests.gpu.test_gpu_async_scheduling import run
-from tests.gpu.test_gpu_engine import make_engine
+from tests.gpu.test_gpu_engine import make_engine, prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -55,3 +58,40 @@ def test_sampled_rows_and_a_mixed_batch_end_clean(loaded):
     outs = [run(make_engine(loaded, speculative_config=NGRAM), prompt_list, params)
             for _ in range(2)]
     assert outs[0] == outs[1]  # seeded rows repeat under speculation
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_draft_model_gives_the_default_engines_greedy_tokens(loaded, checkpoint, batch):
+    from pagedserve.sampling_params import SamplingParams
+
+    prompt_list = prompts(batch, seed=20 + batch)
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * batch
+    plain = run(make_engine(loaded), prompt_list, params)
+    engine = make_engine(loaded, speculative_config={"model": checkpoint,
+                                                     "num_speculative_tokens": 4})
+    speculative = run(engine, prompt_list, params)
+    assert sum(a == b for a, b in zip(plain, speculative)) >= max(1, batch - 1)
+    stats = engine.get_stats()
+    assert stats.spec_num_accepted_tokens >= 0.8 * stats.spec_num_draft_tokens > 0
+    assert stats.kv_cache_usage == 0.0
+
+
+@torch.inference_mode()
+def test_eagle3_heads_give_the_default_engines_greedy_tokens(loaded, tmp_path):
+    from pagedserve.sampling_params import SamplingParams
+    from tests.spec.heads import write_eagle3_head
+
+    mc = loaded.model_config
+    head = write_eagle3_head(tmp_path / "eagle3", {
+        "hidden_size": mc.hidden_size, "vocab_size": mc.vocab_size,
+        "max_position_embeddings": mc.max_position_embeddings}, None, 4096)
+    prompt_list = prompts(4, seed=31)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 4
+    plain = run(make_engine(loaded), prompt_list, params)
+    engine = make_engine(loaded, speculative_config={
+        "method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    speculative = run(engine, prompt_list, params)
+    assert sum(a == b for a, b in zip(plain, speculative)) >= 3
+    stats = engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.kv_cache_usage == 0.0
