@@ -5,21 +5,28 @@ slot, padding rows the base model's."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
-import pytest
 import torch
 
+from benchmarks.make_checkpoint import make_checkpoint
 from pagedserve.device.lora_slots import LoRASlots
 from pagedserve.model.loader import load_model
 from pagedserve.model.ops import triton_ops
-from tests.engine.test_lora import base_checkpoint
 
-pytest.importorskip("peft")
+CONFIG = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "tiny-llama3.json"
 
 
 def test_only_steps_with_an_adapter_row_run_lora(tmp_path):
-    model, config, _ = load_model(base_checkpoint(tmp_path, "tiny-llama3"), torch.float32,
-                                  "cpu", ops=triton_ops())
+    config = json.loads(CONFIG.read_text())
+    config.update(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    make_checkpoint(tmp_path / "config.json", tmp_path / "base", torch.float32, seed=0,
+                    tokenizer="bytes")
+    model, config, _ = load_model(tmp_path / "base", torch.float32, "cpu", ops=triton_ops())
     slots = LoRASlots(model, config, 2, 8, 2, torch.device("cpu"))
     slots.allocate(16)
     decodes = np.ones(3, dtype=np.int64)
