@@ -14,7 +14,9 @@ target's are. The cost: each block is larger by the draft's share (`block_bytes`
 draft prefills every prompt. A pool of its own would have needed a second allocator, prefix
 index and preemption policy kept in step with the first. (EAGLE-3's row at a position reads
 the token after it, so the last position of a prefix hit keeps the row of the token that
-followed it where it was cached: a stale neighbour can only lower acceptance.)
+followed it where it was cached; and a target with a sliding window nulls the table entries
+of blocks out of its window, which a draft without one would read as zeros. Either can only
+lower acceptance, never change the output.)
 
 A drafting request's positions past its known tokens are allocated with its step (the
 scheduler's lookahead) and given back after it. Drafts are the draft's argmax: a
@@ -253,6 +255,7 @@ def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConf
     if spec.method == "eagle3":
         head, capture = load_eagle3(spec.model, target_config, target.embed_tokens, dtype,
                                     device, select_ops(device, dtype))
+        _check_context(head.config, config, target_config, "the EAGLE-3 head's")
         return Eagle3Drafter(head, capture, device, config.block_size, backend)
     # the engine's load_format holds for its draft ("dummy": random weights for both)
     model, draft_config, _ = load_model(spec.model, dtype, device,
@@ -262,4 +265,16 @@ def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConf
                          f"({draft_config.vocab_size} tokens) is not the target's "
                          f"({target_config.vocab_size}); a draft model must share the "
                          "target's tokenizer")
+    _check_context(draft_config, config, target_config, "the draft's")
     return DraftModel(model, device, config.block_size, backend)
+
+
+def _check_context(draft: ModelConfig, config: EngineConfig, target: ModelConfig,
+                   whose: str) -> None:
+    """The draft runs at every position the target does: its RoPE table must reach the
+    engine's max_model_len."""
+    wanted = min(config.max_model_len or target.max_model_len, target.max_model_len)
+    if draft.max_model_len < wanted:
+        raise ValueError(f"speculative_config.model: {whose} context ({draft.max_model_len} "
+                         f"positions) is shorter than max_model_len ({wanted}); lower "
+                         "max_model_len")

@@ -39,11 +39,13 @@ def make(loaded, speculative_config, num_blocks: int = 256, draft_layers: int = 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, loaded) -> dict[str, str]:
     """Draft folders: another random model of the target's vocabulary (one layer), one of
-    another vocabulary, and EAGLE-3 heads."""
+    another vocabulary, one of a shorter context, and EAGLE-3 heads."""
     root = tmp_path_factory.mktemp("drafts")
     folders = {"self": loaded.tokenizer_source}
-    for name, vocab in (("draft", VOCAB), ("other_vocab", VOCAB + 41)):
-        config = dict(CONFIG, num_hidden_layers=1, vocab_size=vocab)
+    for name, vocab, positions in (("draft", VOCAB, 512), ("other_vocab", VOCAB + 41, 512),
+                                   ("short", VOCAB, 256)):
+        config = dict(CONFIG, num_hidden_layers=1, vocab_size=vocab,
+                      max_position_embeddings=positions)
         (root / f"{name}.json").write_text(json.dumps(config))
         make_checkpoint(root / f"{name}.json", root / name, torch.float32, seed=3,
                         tokenizer="bytes")
@@ -116,6 +118,7 @@ def test_seeded_sampling_repeats_with_a_draft_model(loaded, models):
 @pytest.mark.parametrize("name, config, message", [
     ("other_vocab", {}, "vocabulary"),
     ("eagle3_vocab", {"method": "eagle3"}, "vocabulary"),
+    ("short", {}, "shorter than max_model_len"),
     ("draft", {"num_speculative_tokens": 17}, "num_speculative_tokens"),
     ("draft", {"method": "medusa"}, "not built yet"),
     ("draft", {"method": "lookahead"}, "method must be one of"),
