@@ -39,17 +39,18 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from pagedserve.kernels import int4pack  # noqa: E402
 from pagedserve.kernels.triton import int_linear  # noqa: E402
 from pagedserve.kernels.weight_formats import IntWeight, pack_codes  # noqa: E402
 from pagedserve.model.int_weights import IntMatmul  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096)}
-ROWS = (1, 16, 256)
-GEMV_CANDIDATES = {f"gemv n{n} k{k} w{w}": replace(int_linear.DEFAULT, gemv_block_n=n,
-                                                   gemv_block_k=k, gemv_warps=w)
-                   for n, k, w in [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 512, 4),
-                                   (16, 1024, 8), (32, 256, 4), (32, 512, 8), (64, 256, 8)]}
+ROWS = (1, 4, 16, 256)
+GEMV_CANDIDATES = {f"gemv n{n} k{k} w{w}": replace(int_linear.DEFAULT, int_gemv_block_n=n,
+                                                   int_gemv_block_k=k, int_gemv_warps=w)
+                   for n, k, w in [(4, 256, 2), (4, 512, 2), (8, 256, 4), (8, 512, 4),
+                                   (4, 1024, 4), (16, 512, 8)]}
 
 
 def _module(name: str):
@@ -119,6 +120,8 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
                                                 None if one.zeros is None else one.zeros.clone(),
                                                 None, bits, group, k_dim)
                                       for _ in range(copies - 1)]
+        prepared = {label: [int_linear.prepare(w) for w in ws] for label, ws in weights.items()
+                    if int4pack.fits(ws[0])}
         copies = max(2, math.ceil((1 << 30) / (n_dim * k_dim * 2)))
         bf16 = torch.randn(copies, n_dim, k_dim, device="cuda", dtype=torch.bfloat16) * 0.02
         for rows in ROWS:
@@ -128,6 +131,10 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
             for label, ws in weights.items():
                 methods[label] = ([lambda w=w: int_linear.linear(x, w) for w in ws],
                                   weight_bytes(ws[0]), int_linear.DEFAULT)
+            for label, ws in prepared.items():  # as the engine loads them (`prepare`)
+                methods[f"{label} prepared"] = (
+                    [lambda w=w: int_linear.linear(x, w) for w in ws], weight_bytes(ws[0]),
+                    int_linear.DEFAULT)
             if sweep and rows == 1:
                 ws = weights["w4a16 g128"]
                 for label, cfg in GEMV_CANDIDATES.items():
@@ -167,6 +174,11 @@ def part_memory(res: Results) -> None:
         total = float_bytes + per_layer * layers
         res.add("memory", format=label, weight_gb=round(total / 1e9, 3),
                 ratio_vs_bf16=round(total / (float_bytes + 2 * dense), 3))
+        if bits == 4 and group in int4pack.GROUP_SIZES:  # + the copy in torch's int4 layout
+            copy = sum(n * k // 2 + (k // group) * n * 4 for k, n in projections) * layers
+            res.add("memory", format=f"{label} prepared (engine)",
+                    weight_gb=round((total + copy) / 1e9, 3),
+                    ratio_vs_bf16=round((total + copy) / (float_bytes + 2 * dense), 3))
 
 
 def pack_model(model, bits: int = 4, group: int = 128) -> None:
@@ -177,7 +189,7 @@ def pack_model(model, bits: int = 4, group: int = 128) -> None:
         linear.weight = None
         linear.qweight = nn.Parameter(w.qweight, requires_grad=False)
         linear.scales = nn.Parameter(w.scales, requires_grad=False)
-        linear.matmul = IntMatmul(int_linear.linear, w)
+        linear.matmul = IntMatmul(int_linear.linear, int_linear.prepare(w))
     model.quantization = f"w{bits}a16"
     torch.cuda.empty_cache()
 

@@ -1171,17 +1171,18 @@ def w_quant(ctx: Ctx) -> None:
     import torch
 
     from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight
-    from pagedserve.kernels.triton.int_linear import linear
+    from pagedserve.kernels.triton.int_linear import linear, prepare
     from pagedserve.kernels.weight_formats import IntWeight, pack_codes
 
     dev = ctx.device
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
     tol = 2e-2 if ctx.gpu else 1e-4
-    rows_cases = (1, 5, 19, 256) if ctx.gpu and not ctx.small else (1, 5)
+    rows_cases = (1, 3, 5, 19, 256) if ctx.gpu and not ctx.small else (1, 5)
     gen = torch.Generator().manual_seed(3)
     n = 200 if ctx.gpu else 40
     int_cases = [(4, 128, True, False, 1000), (4, 32, False, True, 264),
-                 (8, 64, False, False, 328), (4, 1 << 20, True, False, 136)]
+                 (8, 64, False, False, 328), (4, 1 << 20, True, False, 136),
+                 (4, 128, False, False, 1024)]  # the last two rows: torch's int4 kernel
     for bits, group, zeros, g_idx, k in int_cases:
         groups = -(-k // group)
         codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
@@ -1189,8 +1190,9 @@ def w_quant(ctx: Ctx) -> None:
         zero = (torch.randint(0, 1 << bits, (n, groups), generator=gen).to(dtype) if zeros
                 else None)
         order = (torch.randperm(k, generator=gen) // group).to(torch.int32) if g_idx else None
-        weight = IntWeight(*(None if t is None else t.to(dev) for t in
-                             (pack_codes(codes, bits), scales, zero, order)), bits, group, k)
+        weight = prepare(IntWeight(*(None if t is None else t.to(dev) for t in
+                                     (pack_codes(codes, bits), scales, zero, order)),
+                                   bits, group, k))
         w = weight.dequantize().double().cpu()
         for rows in rows_cases:
             x = torch.randn(rows, k, generator=gen).to(dtype)

@@ -420,7 +420,7 @@ def _attach_int_matmuls(model: Decoder, packed: list[str],
                     int_weights.expert_weights(module, scheme, "w13"),
                     int_weights.expert_weights(module, scheme, "w2"))])
             continue
-        dense[target] = int_weights.int_weight(module, scheme)
+        dense[target] = ops.int_prepare(int_weights.int_weight(module, scheme))
     reference = partial(int_weights.IntMatmul, ops.int_linear)
     matmuls = (int_native.int_matmuls(dense, reference) if native
                else {target: reference(weight) for target, weight in dense.items()})

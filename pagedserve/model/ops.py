@@ -58,6 +58,9 @@ class Ops:
     # x, a packed weight (`kernels.weight_formats`), bias -> y (`int_weights.reference_linear`)
     int_linear: Callable[[Tensor, object, Tensor | None], Tensor] = (
         int_weights.reference_linear)
+    # a packed weight -> what `int_linear` takes for it, once at load (CUDA: a copy in the
+    # layout of torch's int4 kernel where it fits, `kernels/triton/int_linear.prepare`)
+    int_prepare: Callable[[object], object] = lambda weight: weight  # noqa: E731
     # x, w13, w2, routing weights, expert ids -> the MoE output; None: expert by expert
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     # x, y, stacked A, stacked B, the step's LoRABatch -> None (y += the adapters' output)
@@ -98,6 +101,7 @@ def triton_ops() -> Ops:
 
     return Ops(add_rms_norm, model_ops.rotate_qk_, model_ops.silu_and_mul,
                fp8_linear=fp8_linear.linear, int_linear=int_linear.linear,
+               int_prepare=int_linear.prepare,
                fused_moe=moe.fused_moe, lora=lora.lora_shrink_expand,
                gguf_linear=int_linear.linear)
 

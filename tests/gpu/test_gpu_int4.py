@@ -60,3 +60,33 @@ def test_quantized_checkpoints_on_cuda_give_the_cpu_logits(fmt, options, tmp_pat
     expected = PagedDriver(cpu).step(prompt)["a"]
     got = PagedDriver(gpu).step(prompt)["a"].cpu()
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 64])
+@pytest.mark.parametrize("group,zeros", [(128, False), (32, True), (256, False)])
+def test_prepared_weights_take_torchs_int4_kernel_for_a_few_rows(rows, group, zeros):
+    """`prepare` gives a 4-bit weight in column order its copy in torch's int4 layout; up to
+    `int4pack_max_rows` rows run there, more on the Triton kernels, all within bf16's noise
+    of the reference. A weight it cannot read (g_idx, 8 bits, float16 scales) is unchanged."""
+    from pagedserve.kernels.triton.int_linear import linear, prepare
+    from tests.kernels.test_int_linear import random_weight
+
+    gen = torch.Generator().manual_seed(rows + group)
+    k, n = 4096, 1024 + 8
+    w = random_weight(n, k, 4, group, zeros, False, torch.bfloat16, gen)
+    w = type(w)(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v)
+                   for f, v in vars(w).items()})
+    prepared = prepare(w)
+    assert prepared.int4pack is not None
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
+    expected = x.float() @ w.dequantize().float().t() + bias.float()
+    got = linear(x, prepared, bias).float()
+    bound = (x.float().abs() @ w.dequantize().float().abs().t()) * 2**-7 + 1e-2
+    assert ((got - expected).abs() <= bound).all()
+    for other in (random_weight(n, k, 4, 128, True, True, torch.bfloat16, gen),
+                  random_weight(n, k, 8, 128, False, False, torch.bfloat16, gen),
+                  random_weight(n, k, 4, 128, False, False, torch.float16, gen)):
+        other = type(other)(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v)
+                               for f, v in vars(other).items()})
+        assert prepare(other).int4pack is None

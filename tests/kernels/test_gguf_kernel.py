@@ -5,6 +5,8 @@ package's `dequantize` of the same bytes, bit for bit; the GEMV (one row) and th
 (several) of `int_linear` against x @ that weight^T on ragged shapes (N not a multiple of the
 tile, K not a multiple of the K tile); tensor-parallel slices of the blocks."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -20,9 +22,12 @@ TYPES = sorted(BLOCKS)
 IDS = [GGMLQuantizationType(t).name for t in TYPES]
 # where each type keeps its float16 scales in a block: (offset, count)
 F16_FIELDS = {2: (0, 1), 3: (0, 2), 8: (0, 1), 12: (0, 2), 13: (0, 2), 14: (208, 1)}
-# K tiles of 512: the shapes below take two, the second ragged
+# K tiles of 512: the shapes below take two, the second ragged; from 16 rows the weight is
+# dequantized into a float tensor first
 SMALL = IntLinearConfig(gemv_block_n=16, gemv_block_k=512, gemm_block_m=16, gemm_block_n=16,
-                        gemm_block_k=512)
+                        gemm_block_k=512, dequant_min_rows=16, dequant_block_n=16,
+                        dequant_block_k=512)
+GEMM_ONLY = replace(SMALL, dequant_min_rows=1 << 30)
 
 
 def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -41,8 +46,9 @@ def reference(blocks: np.ndarray, qtype: int) -> torch.Tensor:
     return torch.from_numpy(gguf_dequantize(blocks, GGMLQuantizationType(qtype)).copy())
 
 
+@pytest.mark.parametrize("config", [GEMM_ONLY, SMALL], ids=["gemm", "dequantized"])
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
-def test_unpacking_equals_gguf_dequantize(qtype):
+def test_unpacking_equals_gguf_dequantize(qtype, config):
     seed = fresh_seed()
     k = 2 * BLOCKS[qtype][0]
     blocks = random_blocks(qtype, 21, k, np.random.default_rng(seed))
@@ -50,7 +56,7 @@ def test_unpacking_equals_gguf_dequantize(qtype):
     expected = reference(blocks, qtype)
     assert torch.equal(weight.dequantize(), expected), f"seed {seed}"
     # I @ W^T = W^T exactly: float32 products by 1 and sums with 0
-    unpacked = linear(torch.eye(k), weight, config=SMALL).T
+    unpacked = linear(torch.eye(k), weight, config=config).T
     assert torch.equal(unpacked, expected), f"seed {seed}"
 
 

@@ -1,25 +1,39 @@
 """Matmuls on weights kept quantized (`kernels/weight_formats.py`): y = x @ W^T + b with W
-unpacked in registers by `dequant.dequant_tile`, never written out.
+unpacked in registers by `dequant.dequant_tile`.
 
-Why two kernels: a decode step at batch 1 reads each weight once and does two flops per
-weight, so its time is the packed bytes over memory bandwidth: `_gemv_kernel` gives each
-program a few output rows and streams their packed words along K with FMAs (no tl.dot, whose
-smallest tile would waste 15 of 16 rows). Larger batches reuse each unpacked tile across many
-rows: `_gemm_kernel` is a tiled GEMM whose B operand is dequantized per tile, through tl.dot.
-Which one runs is the call's row count (`linear`).
+Why several kernels, chosen by the call's row count: a decode step at batch 1 reads each
+weight once and does two flops per weight, so its time is the packed bytes over memory
+bandwidth, and the unpacking must cost less than the bytes take to arrive. Up to
+`int4pack_max_rows` rows a 4-bit weight that torch's own int4 kernel reads runs there (its
+copy made once, at load: `prepare`, `kernels/int4pack.py`). One row otherwise takes a GEMV
+(no tl.dot, whose smallest tile would waste 15 of 16 rows): `_int_gemv_kernel` for integer
+codes in column order, which turns codes into floats with an OR of the float32 exponent
+instead of a conversion and applies each group's scale per word, and `_gemv_kernel` for
+the rest (g_idx, GGUF blocks). A few rows take `_gemm_kernel`, a tiled GEMM whose B operand
+is dequantized per tile through tl.dot. From `dequant_min_rows` rows the GEMM is
+compute-bound and cuBLAS is far faster than a Triton GEMM unpacking in its inner loop, so
+the weight is dequantized once into a scratch tensor (`_dequant_kernel`) and multiplied by
+cuBLAS.
+
+Rounding: the GEMMs round each dequantized weight to the activation dtype (the tl.dot
+operand; cuBLAS's input), as a float model built from the dequantized weights holds it; the
+one-row kernels keep it in float32, within that dtype's noise of the float model (float32
+activations: the same to the last bits).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.kernels import int4pack
 from pagedserve.kernels.triton.dequant import dequant_tile
 from pagedserve.kernels.triton.precision import dot_precision, round_to
+from pagedserve.kernels.weight_formats import IntWeight, WeightFormat
 
 @dataclass(frozen=True)
 class IntLinearConfig:
@@ -41,6 +55,13 @@ class IntLinearConfig:
     small_block_n: int = 32
     small_block_k: int = 128
     small_max_rows: int = 16
+    int_gemv_block_n: int = 4
+    int_gemv_block_k: int = 512
+    int_gemv_warps: int = 2
+    int4pack_max_rows: int = 4
+    dequant_min_rows: int = 64
+    dequant_block_n: int = 32
+    dequant_block_k: int = 256
 
 
 DEFAULT = IntLinearConfig()
@@ -97,6 +118,71 @@ def _gemm_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_
              acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _int_gemv_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, N, K,
+                     data_stride, scales_stride, stride_x, stride_y, HAS_BIAS: tl.constexpr,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row of x against an `INT` weight in column order: the tile is [rows, words,
+    codes per word], each word read once; a code c becomes the float 2^23 + c by OR-ing the
+    exponent of 2^23 into its bits (exact, and cheaper than an int-to-float conversion), and
+    2^23 + zero is subtracted; scales and zeros are per word (a group holds whole words)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER_WORD
+    pid_n, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    shifts = tl.arange(0, PER_WORD) * BITS
+    data_rows = data_ptr + offs_n[:, None].to(tl.int64) * data_stride
+    scale_rows = offs_n[:, None].to(tl.int64) * scales_stride
+    acc = tl.zeros((BLOCK_N, WORDS, PER_WORD), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_w = k0 // PER_WORD + tl.arange(0, WORDS)
+        mask = n_mask[:, None] & (offs_w * PER_WORD < K)[None, :]
+        words = tl.load(data_rows + offs_w[None, :], mask=mask, other=0)
+        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        f = (codes | 0x4B000000).to(tl.float32, bitcast=True)
+        groups = scale_rows + ((offs_w * PER_WORD) // GROUP)[None, :]
+        s = tl.load(scales_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        offs_k = offs_w[:, None] * PER_WORD + tl.arange(0, PER_WORD)[None, :]
+        x = tl.load(x_ptr + row * stride_x + offs_k, mask=offs_k < K, other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + groups, mask=mask, other=0.0).to(tl.float32) + 8388608.0
+            q = f - z[:, :, None]
+        else:
+            q = f - (8388608.0 + (1 << (BITS - 1)))
+        acc += q * (s[:, :, None] * x.to(tl.float32)[None, :, :])
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride,
+                    scales_stride, N, K, FORMAT: tl.constexpr, BITS: tl.constexpr,
+                    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight [N, K] written out in w's dtype, a tile per program."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_mask = offs_n < N
+    w = dequant_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride, scales_stride,
+                     offs_n, n_mask, k0, K, FORMAT, BITS, GROUP, HAS_ZEROS, HAS_G_IDX,
+                     BLOCK_N, BLOCK_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+             w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
+
+
+def prepare(weight):
+    """At load, once per layer: an `IntWeight` that torch's int4 kernel reads gets its copy
+    in that kernel's layout (`kernels/int4pack.py`); other weights are returned as they are."""
+    if isinstance(weight, IntWeight) and int4pack.fits(weight):
+        return replace(weight, int4pack=int4pack.pack(weight))
+    return weight
+
+
 def linear(x: Tensor, weight, bias: Tensor | None = None,
            config: IntLinearConfig = DEFAULT) -> Tensor:
     """x [..., K] (float16, bfloat16 or float32) @ weight^T (+ bias) -> [..., N] in x's
@@ -106,15 +192,54 @@ def linear(x: Tensor, weight, bias: Tensor | None = None,
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    pack = getattr(weight, "int4pack", None)
+    if m == 0:
+        y = torch.empty((0, n), dtype=x.dtype, device=x.device)
+    elif pack is not None and m <= config.int4pack_max_rows and x.dtype == torch.bfloat16:
+        y = int4pack.matmul(rows, pack)
+        if bias is not None:
+            y += bias
+    elif m >= config.dequant_min_rows:
+        y = torch.nn.functional.linear(rows, dequantize(weight, x.dtype, config), bias)
+    else:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        _launch(rows, y, weight, bias, config)
+    return y.view(*x.shape[:-1], n)
+
+
+def dequantize(weight, dtype: torch.dtype, config: IntLinearConfig = DEFAULT) -> Tensor:
+    """The weight [N, K] in `dtype`, by `_dequant_kernel`."""
+    n, k = weight.shape
+    w = torch.empty((n, k), dtype=dtype, device=weight.kernel_args().data.device)
     a = weight.kernel_args()
+    grid = (triton.cdiv(n, config.dequant_block_n), triton.cdiv(k, config.dequant_block_k))
+    _dequant_kernel[grid](w, a.data, a.scales, a.zeros, a.g_idx, a.data_stride,
+                          a.scales_stride, n, k, FORMAT=a.format, BITS=a.bits,
+                          GROUP=a.group_size, HAS_ZEROS=a.has_zeros, HAS_G_IDX=a.has_g_idx,
+                          BLOCK_N=config.dequant_block_n, BLOCK_K=config.dequant_block_k)
+    return w
+
+
+def _launch(rows: Tensor, y: Tensor, weight, bias: Tensor | None,
+            config: IntLinearConfig) -> None:
+    """The GEMV (one row) or the tiled GEMM into y."""
+    (m, k), n = rows.shape, y.shape[1]
+    a = weight.kernel_args()
+    bias_arg = y if bias is None else bias
+    if m <= config.gemv_max_rows and a.format == WeightFormat.INT and not a.has_g_idx:
+        grid = (triton.cdiv(n, config.int_gemv_block_n), m)
+        _int_gemv_kernel[grid](rows, y, bias_arg, a.data, a.scales, a.zeros, n, k,
+                               a.data_stride, a.scales_stride, rows.stride(0), y.stride(0),
+                               HAS_BIAS=bias is not None, BITS=a.bits, GROUP=a.group_size,
+                               HAS_ZEROS=a.has_zeros, BLOCK_N=config.int_gemv_block_n,
+                               BLOCK_K=config.int_gemv_block_k,
+                               num_warps=config.int_gemv_warps)
+        return
     common = dict(HAS_BIAS=bias is not None, FORMAT=a.format, BITS=a.bits,
                   GROUP=a.group_size, HAS_ZEROS=a.has_zeros, HAS_G_IDX=a.has_g_idx)
-    args = (rows, y, y if bias is None else bias, a.data, a.scales, a.zeros, a.g_idx,
-            a.data_stride, a.scales_stride)
-    if m == 0:
-        pass
-    elif m <= config.gemv_max_rows:
+    args = (rows, y, bias_arg, a.data, a.scales, a.zeros, a.g_idx, a.data_stride,
+            a.scales_stride)
+    if m <= config.gemv_max_rows:
         grid = (triton.cdiv(n, config.gemv_block_n), m)
         _gemv_kernel[grid](*args, n, k, rows.stride(0), y.stride(0), **common,
                            BLOCK_N=config.gemv_block_n, BLOCK_K=config.gemv_block_k,
@@ -127,6 +252,5 @@ def linear(x: Tensor, weight, bias: Tensor | None = None,
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _gemm_kernel[grid](*args, m, n, k, rows.stride(0), y.stride(0), **common,
                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                           PRECISION=dot_precision(x.dtype), num_warps=config.gemm_warps,
+                           PRECISION=dot_precision(rows.dtype), num_warps=config.gemm_warps,
                            num_stages=config.gemm_stages)
-    return y.view(*x.shape[:-1], n)
