@@ -182,6 +182,9 @@ class EngineConfig:
                              "step depends on how many drafts are accepted; leave "
                              "async_scheduling unset or False")
         spec = self.speculative_config
+        if spec.on_device and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config method {spec.method!r} runs on one rank: "
+                             "the draft model and EAGLE-3 heads are not sharded yet")
         if spec.on_device and (self.preemption_mode == "swap" or self.kv_offload_memory
                                or self.kv_offload_path):
             raise ValueError(f"speculative_config method {spec.method!r} does not run with "

@@ -132,6 +132,8 @@ def test_bad_configs_are_refused_at_start(loaded, models, name, config, message)
 def test_combinations_not_built_are_refused(models):
     with pytest.raises(ValueError, match="needs \"model\""):
         EngineConfig(speculative_config={"method": "eagle3"})
+    with pytest.raises(ValueError, match="runs on one rank"):
+        EngineConfig(speculative_config={"model": models["draft"]}, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="preemption_mode='swap'"):
         EngineConfig(speculative_config={"model": models["draft"]}, preemption_mode="swap")
     parsed = EngineConfig(speculative_config={"model": models["draft"]}).speculative_config
