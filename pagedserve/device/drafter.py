@@ -146,6 +146,17 @@ class Drafter:
             drafts.append(tokens)
         return self._collect(drafting, drafts)
 
+    def profile(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                aux: Tensor | None, max_num_seqs: int) -> None:
+        """The memory-profiling batch through the draft (its peak counts against the KV
+        budget as the target's does): the target's batch as one chunk, drafting from its
+        last max_num_seqs rows."""
+        rows = torch.arange(max(0, ids.shape[0] - max_num_seqs), ids.shape[0],
+                            device=ids.device)
+        # the batch may reach the target's whole context: within the draft's RoPE table
+        positions = positions.clamp(max=self.config.max_model_len - 1)
+        self._draft(ids, positions, meta, aux, rows)
+
     @staticmethod
     def _collect(drafting: list[_Chunk], drafts: list[Tensor]) -> dict[str, list[int]]:
         """Each drafting request's drafts in order (the j-th step's tensor holds a row for

@@ -273,10 +273,14 @@ class ModelRunner:
         ids, positions, meta = profile_batch(self.config.max_num_batched_tokens,
                                              self.model_config.max_model_len, self.block_size,
                                              self.device)
+        capture = self.drafter.capture if self.drafter is not None else ()
         with torch.inference_mode(), set_forward_context(meta, self.backend):
-            hidden = self.model(ids, positions)
+            hidden, aux = (self.model.forward_capturing(ids, positions, capture) if capture
+                           else (self.model(ids, positions), None))
             logits = self.model.compute_logits(hidden[-self.config.max_num_seqs:])
             self.sampler(logits, _random_sampling_meta(logits))  # its temporaries count too
+            if self.drafter is not None:  # the draft's run over the same chunk, after it
+                self.drafter.profile(ids, positions, meta, aux, self.config.max_num_seqs)
         self.kv_caches = []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
