@@ -85,7 +85,8 @@ def test_eagle3_heads_give_the_default_engines_greedy_tokens(loaded, tmp_path):
     mc = loaded.model_config
     head = write_eagle3_head(tmp_path / "eagle3", {
         "hidden_size": mc.hidden_size, "vocab_size": mc.vocab_size,
-        "max_position_embeddings": mc.max_position_embeddings}, None, 4096)
+        "max_position_embeddings": mc.max_position_embeddings}, None, 4096, heads=16,
+        kv_heads=8, head_dim=64)
     prompt_list = prompts(4, seed=31)
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 4
     plain = run(make_engine(loaded), prompt_list, params)

@@ -13,11 +13,12 @@ from safetensors.torch import save_file
 
 
 def write_eagle3_head(folder: Path, target: dict, layer_ids: list[int] | None,
-                      draft_vocab: int, seed: int = 0, **overrides) -> Path:
+                      draft_vocab: int, seed: int = 0, heads: int = 4, kv_heads: int = 2,
+                      head_dim: int = 32, **overrides) -> Path:
     """A head for the target whose HF config is `target`: one Llama layer of the target's
     hidden size. `overrides` change config.json's fields (another vocabulary, say)."""
     gen = torch.Generator().manual_seed(seed)
-    hidden, heads, kv_heads, head_dim = (target["hidden_size"], 4, 2, 32)
+    hidden = target["hidden_size"]
     inter = 2 * hidden
     vocab = target["vocab_size"]
 
