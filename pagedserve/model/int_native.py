@@ -10,28 +10,26 @@ float matmul on the dequantized weight by the activations' rounding only (the sa
 tolerance as the GGUF fast mode's), which is why the exact path (`--dtype float32`) keeps
 the reference, as it does for a GGUF.
 
-The kernels' two block kinds and when a layer's `IntWeight` fits one exactly:
+The blocks: q4 (4-bit codes) has a float32 scale and min per 32 weights, weight = scale * q
++ min; q8 (8-bit codes) signed int8 q and a float32 scale per 16 weights, no min. A block
+takes one scale, so each quantization group is laid out as whole blocks: the columns put in
+group order (a stable sort of g_idx, for GPTQ's desc_act and compressed-tensors' actorder),
+each group padded to a multiple of the block with columns that read a zero activation. The
+activations are gathered into that layout on each call (one copy of the step's rows, and
+only where the layout is not the checkpoint's own: a group size that is not a multiple of
+the block, a g_idx, K not a multiple of 32, or a tensor-parallel rank's share of desc_act
+groups).
+What is exact and what is not:
 
-- q4 (4-bit codes): a float32 scale and min per 32 weights, weight = scale * q + min. A 4-bit
-  code q with zero point z and scale s is s * q + (-z * s): exact when every block of 32
-  columns lies inside one quantization group (group size a multiple of 32, or one per
-  channel) and -z * s is a float32 (always for a symmetric checkpoint, z = 8, and for scales
-  stored in float16 or bfloat16; not for asymmetric float32 scales, which keep the
-  reference).
-- q8 (8-bit codes): signed int8 q and a float32 scale per 16 weights, no min. Exact when
-  every code minus its zero point fits int8 (symmetric checkpoints, z = 128; an asymmetric
-  one only where its codes happen to) and groups hold whole blocks of 16 columns.
-- K (this rank's input columns) a multiple of 32, as the kernels need.
+- 4-bit: code q with zero point z and scale s is s * q + (-z * s). Exact when -z * s is a
+  float32: always for a symmetric checkpoint (z = 8) and for scales stored in float16 or
+  bfloat16 (the tools' default); asymmetric float32 scales generally are not, and keep the
+  reference.
+- 8-bit: exact when every code minus its zero point fits int8 (symmetric checkpoints, z =
+  128); an asymmetric one generally does not, and keeps the reference.
 
-Columns grouped out of order (`g_idx`: GPTQ's desc_act, compressed-tensors' actorder) are
-put in group order once (a stable sort of g_idx); the activations' columns are then taken in
-that order on each call (one gather of the step's rows), so each group's columns are
-contiguous and the test above applies to them: a checkpoint whose groups hold whole blocks
-(every group of GPTQ's desc_act has exactly group-size columns) runs natively, one whose
-groups are cut mid-block (a tensor-parallel rank's share of a group, say) keeps the
-reference. The whole-step decode (`fast_decode`) takes only layers without that gather.
-
-Which path each layer took is logged once per reason at load.
+The whole-step decode (`fast_decode`) takes only layers without a gather. Which path each
+layer took is logged once per reason at load.
 """
 
 from __future__ import annotations
@@ -52,9 +50,6 @@ Matmul = Callable[[Tensor, "Tensor | None", "Tensor | None"], Tensor]
 
 logger = logging.getLogger(__name__)
 
-# columns per scale in each block kind (quant.c: q4 one per 32, q8 one per 16)
-_UNIT = {4: BLOCK, 8: BLOCK // 2}
-
 
 class NoFit(ValueError):
     """The weight has no exact form in the native blocks; the message says why."""
@@ -62,41 +57,54 @@ class NoFit(ValueError):
 
 @dataclass(frozen=True)
 class Blocks:
-    """A layer's weight in the native kernels' blocks, with the column order it takes."""
+    """A layer's weight in the native kernels' blocks, with the column layout it takes."""
 
     weight: QuantizedWeight
-    columns: Tensor | None  # int64 [K]: x's columns in the blocks' order; None: as they are
+    # int64 [K']: the columns of [x, 0] (x with a zero column appended) each weight column
+    # multiplies; None: x as it is
+    columns: Tensor | None
+
+
+def block_layout(groups: Tensor, unit: int) -> tuple[Tensor, Tensor]:
+    """Each column's group [K] -> (the columns of [x, 0] in block order [K'], each block's
+    group [K' / unit]): groups in order, each padded to whole blocks of `unit` with index K
+    (the zero column)."""
+    k = groups.numel()
+    order = torch.argsort(groups, stable=True)
+    counts = torch.bincount(groups, minlength=1)
+    padded = -(-counts // unit) * unit
+    starts, padded_starts = counts.cumsum(0) - counts, padded.cumsum(0) - padded
+    sorted_groups = groups[order]
+    columns = torch.full((int(padded.sum()),), k, dtype=torch.int64)
+    columns[padded_starts[sorted_groups] + torch.arange(k) - starts[sorted_groups]] = order
+    return columns, torch.repeat_interleave(torch.arange(counts.numel()), padded // unit)
 
 
 def to_blocks(weight: IntWeight) -> Blocks:
     """`weight` as the native kernels' q4 (4-bit) or q8 (8-bit) blocks, exactly; NoFit
-    otherwise (see the module docstring)."""
+    where the blocks cannot hold it (see the module docstring)."""
     n, k = weight.shape
-    if k % BLOCK:
-        raise NoFit(f"{k} input columns are not whole blocks of {BLOCK}")
-    unit = _UNIT[weight.bits]
-    groups, columns = groups_of(weight), None
-    if weight.g_idx is not None:
-        order = torch.argsort(groups, stable=True)
-        if not torch.equal(order, torch.arange(k)):
-            groups, columns = groups[order], order
-    per_block = groups.view(-1, unit)
-    if not (per_block == per_block[:, :1]).all():
-        raise NoFit(f"a quantization group ends inside a block of {unit} columns")
-    block_groups = per_block[:, 0]
+    unit = BLOCK if weight.bits == 4 else BLOCK // 2
+    columns, block_groups = block_layout(groups_of(weight), unit)
+    if columns.numel() % BLOCK:  # q8 groups of 16: the kernel's blocks are 32 all the same
+        extra = BLOCK - columns.numel() % BLOCK
+        columns = torch.cat([columns, torch.full((extra,), k)])
+        block_groups = torch.cat([block_groups, block_groups[-1:].expand(extra // unit)])
+    pad = columns == k
     codes = unpack_codes(weight.qweight, weight.bits, k).to(torch.int16)
-    if columns is not None:
-        codes = codes[:, columns]
+    codes = torch.cat([codes, codes.new_zeros(n, 1)], dim=1)[:, columns]
     scales = weight.scales.float()[:, block_groups].contiguous()
     zeros = (weight.zeros.float()[:, block_groups] if weight.zeros is not None
              else torch.full_like(scales, 1 << (weight.bits - 1)))
+    if torch.equal(columns, torch.arange(k)):
+        columns = None
     if weight.bits == 4:
         return Blocks(_q4(codes, scales, zeros), columns)
-    return Blocks(_q8(codes, scales, zeros), columns)
+    return Blocks(_q8(codes, scales, zeros, pad), columns)
 
 
 def _q4(codes: Tensor, scales: Tensor, zeros: Tensor) -> QuantizedWeight:
-    """4-bit codes [N, K] with a scale and zero point per 32 columns -> q4 blocks: byte j of
+    """4-bit codes [N, K'] with a scale and zero point per 32 columns -> q4 blocks: byte j of
     a block's 16 holds weight j (low nibble) and j + 16 (high)."""
     exact = -(zeros.double() * scales.double())
     mins = exact.float()
@@ -108,26 +116,28 @@ def _q4(codes: Tensor, scales: Tensor, zeros: Tensor) -> QuantizedWeight:
     return QuantizedWeight("q4", qs.contiguous(), scales, mins)
 
 
-def _q8(codes: Tensor, scales: Tensor, zeros: Tensor) -> QuantizedWeight:
-    """8-bit codes [N, K] with a scale and zero point per 16 columns -> q8 blocks: the
-    codes less their zero points as int8."""
+def _q8(codes: Tensor, scales: Tensor, zeros: Tensor, pad: Tensor) -> QuantizedWeight:
+    """8-bit codes [N, K'] with a scale and zero point per 16 columns -> q8 blocks: the
+    codes less their zero points as int8 (0 in the padding columns)."""
     n, k = codes.shape
-    q = codes.view(n, -1, BLOCK // 2) - zeros.to(torch.int16)[..., None]
+    q = (codes.view(n, -1, BLOCK // 2) - zeros.to(torch.int16)[..., None]).view(n, k)
+    q[:, pad] = 0
     if q.min() < -128 or q.max() > 127:
         raise NoFit("a code minus its zero point is outside int8 (asymmetric 8-bit)")
-    return QuantizedWeight("q8", q.to(torch.int8).view(n, k), scales, None)
+    return QuantizedWeight("q8", q.to(torch.int8), scales, None)
 
 
 class PermutedMatmul(QuantizedMatmul):
-    """`QuantizedMatmul` on blocks whose columns are in group order: x's columns gathered
-    into that order first."""
+    """`QuantizedMatmul` on blocks in a layout of their own (`Blocks.columns`): x's columns
+    (and zeros) gathered into it first."""
 
     def __init__(self, quantized: QuantizedLinear, columns: Tensor) -> None:
         super().__init__(quantized)
         self.columns = columns
 
     def __call__(self, x: Tensor, weight: Tensor | None, bias: Tensor | None = None) -> Tensor:
-        return self.quantized(x.index_select(-1, self.columns), bias)
+        padded = torch.nn.functional.pad(x, (0, 1))
+        return self.quantized(padded.index_select(-1, self.columns), bias)
 
 
 def native_matmul(weight: IntWeight) -> QuantizedMatmul:

@@ -39,19 +39,22 @@ pytestmark = pytest.mark.skipif(not quant.available(), reason="native kernels un
 
 
 def int_weight(n: int, k: int, bits: int, group: int, *, zeros: bool = False,
-               g_idx: bool = False, scale_dtype=torch.float16, seed: int = 0) -> IntWeight:
-    """A random packed weight; g_idx: each group's columns scattered (GPTQ's desc_act)."""
+               g_idx: str | None = None, scale_dtype=torch.float16, seed: int = 0) -> IntWeight:
+    """A random packed weight. g_idx "desc_act": each group's columns scattered (GPTQ's
+    desc_act, each group `group` columns); "uneven": any column any group (what a
+    tensor-parallel rank keeps of desc_act groups)."""
     gen = torch.Generator().manual_seed(seed)
     top = (1 << bits) - 1
     groups = -(-k // group)
     codes = torch.randint(0, top + 1, (n, k), generator=gen)
     scales = (torch.rand(n, groups, generator=gen) * 0.02 + 1e-3).to(scale_dtype).float()
     z = torch.randint(0, top + 1, (n, groups), generator=gen).float() if zeros else None
-    order = torch.randperm(k, generator=gen) if g_idx else None
     idx = None
-    if g_idx:
+    if g_idx == "desc_act":
         idx = torch.empty(k, dtype=torch.int32)
-        idx[order] = (torch.arange(k) // group).to(torch.int32)
+        idx[torch.randperm(k, generator=gen)] = (torch.arange(k) // group).to(torch.int32)
+    elif g_idx == "uneven":
+        idx = torch.randint(0, groups, (k,), generator=gen, dtype=torch.int32)
     return IntWeight(pack_codes(codes, bits), scales, z, idx, bits, group, k)
 
 
@@ -65,16 +68,16 @@ def exact_weight(w: IntWeight) -> torch.Tensor:
 
 def blocks_weight(w: IntWeight) -> torch.Tensor:
     """The converted blocks' weight (scale * q + min) in float64, in the checkpoint's
-    column order."""
+    columns (the padding columns dropped)."""
     blocks = to_blocks(w)
     b = blocks.weight
     wide = quant.QuantizedWeight(b.kind, b.qs, b.scales.double(),
                                  None if b.mins is None else b.mins.double()).dequantize()
     if blocks.columns is None:
         return wide
-    out = torch.empty_like(wide)
+    out = torch.empty(wide.shape[0], w.in_features + 1, dtype=wide.dtype)
     out[:, blocks.columns] = wide
-    return out
+    return out[:, :-1]
 
 
 FITS = {
@@ -82,55 +85,64 @@ FITS = {
     "w4-g64-asym": dict(bits=4, group=64, zeros=True),
     "w4-g128-asym-bf16": dict(bits=4, group=128, zeros=True, scale_dtype=torch.bfloat16),
     "w4-channel": dict(bits=4, group=160),
-    "w4-g32-g_idx": dict(bits=4, group=32, zeros=True, g_idx=True),
+    "w4-g16": dict(bits=4, group=16, zeros=True),
+    "w4-g32-desc_act": dict(bits=4, group=32, zeros=True, g_idx="desc_act"),
+    "w4-g32-uneven": dict(bits=4, group=32, g_idx="uneven"),
     "w8-g16-sym": dict(bits=8, group=16, scale_dtype=torch.float32),
-    "w8-g64-g_idx": dict(bits=8, group=64, g_idx=True),
+    "w8-g48-uneven": dict(bits=8, group=48, g_idx="uneven"),
 }
 
 
+@pytest.mark.parametrize("k", [160, 72])
 @pytest.mark.parametrize("case", FITS)
-def test_blocks_hold_the_checkpoints_weights_exactly(case):
-    w = int_weight(24, 160, **FITS[case])
+def test_blocks_hold_the_checkpoints_weights_exactly(case, k):
+    w = int_weight(24, k, **FITS[case])
+    blocks = to_blocks(w)
     assert torch.equal(blocks_weight(w), exact_weight(w))
+    # the checkpoint's own columns where they are whole blocks of one group each
+    assert (blocks.columns is None) == (k == 160 and case in (
+        "w4-g32-sym-f32", "w4-g64-asym", "w4-g128-asym-bf16", "w4-channel", "w8-g16-sym"))
 
 
-@pytest.mark.parametrize("k,options,reason", [
-    (48, dict(bits=4, group=16), "not whole blocks of 32"),
-    (64, dict(bits=4, group=16), "group ends inside a block of 32"),
-    (96, dict(bits=4, group=48, g_idx=True), "group ends inside a block of 32"),
-    (64, dict(bits=4, group=32, zeros=True, scale_dtype=torch.float32),
-     "not a float32"),
-    (64, dict(bits=8, group=32, zeros=True), "outside int8"),
+@pytest.mark.parametrize("options,reason", [
+    (dict(bits=4, group=32, zeros=True, scale_dtype=torch.float32), "not a float32"),
+    (dict(bits=8, group=32, zeros=True), "outside int8"),
 ])
-def test_weights_the_blocks_cannot_hold_are_refused_with_the_reason(k, options, reason):
+def test_weights_the_blocks_cannot_hold_are_refused_with_the_reason(options, reason):
     with pytest.raises(NoFit, match=reason):
-        to_blocks(int_weight(16, k, **options))
+        to_blocks(int_weight(16, 64, **options))
 
 
-@pytest.mark.parametrize("case", ["w4-g64-asym", "w4-g32-g_idx", "w8-g64-g_idx"])
+@pytest.mark.parametrize("case", ["w4-g64-asym", "w4-g32-desc_act", "w4-g32-uneven",
+                                  "w8-g48-uneven"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_matmul_is_the_quantized_activations_times_the_weight(case, rows):
-    w = int_weight(40, 160, **FITS[case], seed=rows)
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    w = int_weight(40, 168, **FITS[case], seed=rows)
+    x = torch.randn(rows, 168, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(40)
     out = native_matmul(w)(x, None, bias).double()
-    # the kernel quantizes the activations in the blocks' column order
-    columns = to_blocks(w).columns
-    order = torch.arange(160) if columns is None else columns
-    xq = torch.from_numpy(quantize_rows(x[:, order].numpy()))
-    want = xq @ exact_weight(w)[:, order].T + bias.double()
-    scale = xq.abs() @ exact_weight(w).abs()[:, order].T + bias.abs().double()
+    want, scale = int8_product(x, w)
+    want, scale = want + bias.double(), scale + bias.abs().double()
     assert ((out - want).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+def int8_product(x: torch.Tensor, w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' arithmetic in float64: x [T, K] laid out as the blocks take it and
+    int8-quantized per 32 columns, times the exact weight; and the sum of the products'
+    magnitudes (the bound's scale)."""
+    columns = to_blocks(w).columns
+    weight = exact_weight(w)
+    if columns is not None:
+        x = torch.nn.functional.pad(x, (0, 1))[:, columns]
+        weight = torch.nn.functional.pad(weight, (0, 1))[:, columns]
+    xq = torch.from_numpy(quantize_rows(x.numpy()))
+    return xq @ weight.T, xq.abs() @ weight.abs().T
 
 
 def int8_activations_linear(x: torch.Tensor, weight: IntWeight,
                             bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernels' arithmetic in float64: x int8-quantized per 32 columns in the blocks'
-    column order, times the exact weight."""
-    columns = to_blocks(weight).columns
-    order = torch.arange(weight.in_features) if columns is None else columns
-    rows = x.reshape(-1, x.shape[-1])[:, order]
-    y = torch.from_numpy(quantize_rows(rows.numpy())) @ exact_weight(weight)[:, order].T
+    """`Ops.int_linear` as the kernels compute it, in float64 (`int8_product`)."""
+    y = int8_product(x.reshape(-1, x.shape[-1]), weight)[0]
     y = y if bias is None else y + bias.double()
     return y.float().view(*x.shape[:-1], -1)
 
