@@ -3,24 +3,9 @@ by the engine-level tensor-parallel tests."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
-from benchmarks.make_checkpoint import make_checkpoint
-
-CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
-
-
-def tiny_checkpoint(root: Path, case: str) -> str:
-    config = json.loads((CONFIGS / f"{case}.json").read_text())
-    config.update(vocab_size=2001, num_hidden_layers=2, initializer_range=0.1)
-    (root / f"{case}.json").write_text(json.dumps(config))
-    make_checkpoint(root / f"{case}.json", root / case, torch.float32, seed=0,
-                    tokenizer="bytes")
-    return str(root / case)
+from tests.distributed.harness import tiny_checkpoint
 
 
 @pytest.fixture(scope="package")

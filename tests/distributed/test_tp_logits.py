@@ -10,19 +10,17 @@ prefix; every fed token's logits are compared.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.make_checkpoint import make_checkpoint
-from pagedserve.model import load_model, parallel
+from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.parallel import TensorParallel
+from tests.distributed.harness import (CONFIGS, assert_ranks_equal_reference, paged_logits,
+                                       tiny_checkpoint, tp_logits, tp_logits_mixed)
 from tests.distributed.ranks import run_on_ranks
-from tests.model.paged import PagedDriver
 
-CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 CASES = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-llama-kv3"]
 # Mixtral with a 6-token sliding window (the prompts are longer), Qwen3-MoE top-3 of 8
 MOE_CASES = ["tiny-mixtral", "tiny-qwen3-moe"]
@@ -31,68 +29,14 @@ MOE_CASES = ["tiny-mixtral", "tiny-qwen3-moe"]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp-logits")
-    folders = {}
-    for case in CASES + MOE_CASES:
-        config = json.loads((CONFIGS / f"{case}.json").read_text())
-        # a smaller, odd vocabulary (the last rank's rows padded) and two layers keep it
-        # quick; logits far enough apart to tell the ranks' errors
-        config.update(vocab_size=2001, num_hidden_layers=2, initializer_range=0.1)
-        (root / f"{case}.json").write_text(json.dumps(config))
-        make_checkpoint(root / f"{case}.json", root / case, torch.float32, seed=0,
-                        tokenizer="bytes")
-        folders[case] = str(root / case)
-    return folders
-
-
-def paged_logits(folder: str, load_format: str = "auto",
-                 quantization: str | None = None) -> list[torch.Tensor]:
-    """Every fed token's logits through a fixed mix of prefill, chunked prefill and decode."""
-    model, config, _ = load_model(folder, torch.float32, "cpu", load_format=load_format,
-                                  quantization=quantization)
-    gen = torch.Generator().manual_seed(1)
-    a, b = (torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (11, 14))
-    driver = PagedDriver(model)
-    out = []
-    schedule = [{"a": a, "b": b[:5]}, {"a": [7], "b": b[5:10]}, {"a": [9], "b": b[10:]},
-                {"a": [3], "b": [5]}]
-    for feeds in schedule:
-        logits = driver.step(feeds)
-        out += [logits["a"], logits["b"]]
-    return out
-
-
-def tp_logits(folders: list[str], load_format: str = "auto",
-              quantization: str | None = None) -> list[list[torch.Tensor]]:
-    return [paged_logits(folder, load_format, quantization) for folder in folders]
-
-
-def tp_logits_mixed(runs: list[tuple[str, str | None]]) -> list[list[torch.Tensor]]:
-    """paged_logits of each (folder, quantization), one group for all."""
-    return [paged_logits(folder, quantization=q) for folder, q in runs]
-
-
-def assert_ranks_equal_reference(case: str, ranks: list[list[torch.Tensor]],
-                                 want: list[torch.Tensor]) -> None:
-    for step, (w, *got) in enumerate(zip(want, *ranks)):
-        assert not w.isnan().any()
-        for g in got[1:]:
-            assert torch.equal(got[0], g), f"{case}: ranks disagree on the gathered logits"
-        torch.testing.assert_close(got[0], w, rtol=1e-4, atol=1e-4,
-                                   msg=lambda m: f"{case} output {step}: {m}")
-        assert torch.equal(got[0].argmax(-1), w.argmax(-1))
+    return {case: tiny_checkpoint(root, case) for case in CASES + MOE_CASES}
 
 
 def test_tp2_logits_equal_tp1(checkpoints):
     folders = [checkpoints[c] for c in CASES]
-    rank0, rank1 = run_on_ranks(tp_logits, folders, size=2)
-    for case, folder, got0, got1 in zip(CASES, folders, rank0, rank1):
-        want = paged_logits(folder)
-        for step, (w, g0, g1) in enumerate(zip(want, got0, got1)):
-            assert not w.isnan().any()
-            assert torch.equal(g0, g1), f"{case}: ranks disagree on the gathered logits"
-            torch.testing.assert_close(g0, w, rtol=1e-4, atol=1e-4,
-                                       msg=lambda m: f"{case} output {step}: {m}")
-            assert torch.equal(g0.argmax(-1), w.argmax(-1))
+    ranks = run_on_ranks(tp_logits, folders, size=2)
+    for i, case in enumerate(CASES):
+        assert_ranks_equal_reference(case, [r[i] for r in ranks], paged_logits(folders[i]))
 
 
 def test_tp2_dummy_weights_equal_tp1(tmp_path):
