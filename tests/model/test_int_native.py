@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 
 from benchmarks.quantize_int import quantize_folder
 from pagedserve.kernels.native import quant
@@ -32,8 +32,6 @@ from pagedserve.model.ops import select_ops
 from pagedserve.model.packed import QuantizedMatmul
 from tests.model.paged import PagedDriver
 from tests.model.test_decoder import TINY, make_checkpoint
-from tests.model.test_int_weights import qwen3
-from tests.native.test_quant import quantize_rows
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="native kernels unavailable")
 
@@ -126,6 +124,15 @@ def test_matmul_is_the_quantized_activations_times_the_weight(case, rows):
     assert ((out - want).abs() <= 1e-5 * scale + 1e-6).all()
 
 
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x float32 [T, K] as the kernel quantizes it, dequantized in float64: per 32 columns
+    d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) in float32."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv).double() * (amax / 127).double()).view(x.shape)
+
+
 def int8_product(x: torch.Tensor, w: IntWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' arithmetic in float64: x [T, K] laid out as the blocks take it and
     int8-quantized per 32 columns, times the exact weight; and the sum of the products'
@@ -135,7 +142,7 @@ def int8_product(x: torch.Tensor, w: IntWeight) -> tuple[torch.Tensor, torch.Ten
     if columns is not None:
         x = torch.nn.functional.pad(x, (0, 1))[:, columns]
         weight = torch.nn.functional.pad(weight, (0, 1))[:, columns]
-    xq = torch.from_numpy(quantize_rows(x.numpy()))
+    xq = quantize_rows(x.contiguous())
     return xq @ weight.T, xq.abs() @ weight.abs().T
 
 
@@ -149,6 +156,10 @@ def int8_activations_linear(x: torch.Tensor, weight: IntWeight,
 
 def llama(folder):
     return make_checkpoint(LlamaConfig(**TINY), folder)
+
+
+def qwen3(folder):
+    return make_checkpoint(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False), folder)
 
 
 def greedy(model, prompt: list[int], steps: int) -> list[int]:
