@@ -160,20 +160,12 @@ class Stacked:
     strides: tuple[int, int, int]  # data, scales (zeros alike), g_idx
 
     @property
-    def format(self) -> WeightFormat:
-        return self.experts[0].format
-
-    @property
     def shape(self) -> tuple[int, int, int]:
         return (len(self.experts), *self.experts[0].shape)
 
     def kernel_args(self) -> KernelArgs:
         """Expert 0's (the others: `strides` on)."""
         return self.experts[0].kernel_args()
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
-        """The reference: [E, N, K]."""
-        return torch.stack([w.dequantize(dtype) for w in self.experts])
 
 
 def stacked(experts) -> Stacked:

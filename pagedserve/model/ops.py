@@ -61,7 +61,8 @@ class Ops:
     # a packed weight -> what `int_linear` takes for it, once at load (CUDA: a copy in the
     # layout of torch's int4 kernel where it fits, `kernels/triton/int_linear.prepare`)
     int_prepare: Callable[[object], object] = lambda weight: weight  # noqa: E731
-    # x, w13, w2, routing weights, expert ids -> the MoE output; None: expert by expert
+    # x, w13 (or the experts' (gate, up) kept quantized), w2, routing weights, expert ids ->
+    # the MoE output (`kernels/triton/moe.fused_moe`); None: expert by expert
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     # x, y, stacked A, stacked B, the step's LoRABatch -> None (y += the adapters' output)
     lora: LoRAFn = reference_lora

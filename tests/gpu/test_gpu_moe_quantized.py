@@ -18,10 +18,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 E, TOP_K = 8, 2
 
 
+def dequantized(experts, dtype):
+    return torch.stack([w.dequantize(dtype) for w in experts.experts])
+
+
 def reference(x, gate, up, down, weights, ids):
     """Each token through its experts in float32 on the weights the kernel multiplies (the
     dequantized values rounded to x's dtype), weighted and summed."""
-    g, u, d = (w.dequantize(x.dtype).float() for w in (gate, up, down))
+    g, u, d = (dequantized(w, x.dtype).float() for w in (gate, up, down))
     xf, out = x.float(), torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(g.shape[0]):
         token, slot = (ids == e).nonzero(as_tuple=True)

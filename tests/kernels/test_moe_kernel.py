@@ -92,6 +92,11 @@ def stacked_gguf(num_experts, n, k, qtype, rng):
     return stacked(GgufWeight(blocks[e], qtype, k) for e in range(num_experts))
 
 
+def dequantized(experts, dtype=torch.float32):
+    """A `Stacked`'s experts [E, N, K] by each one's torch reference (`dequantize`)."""
+    return torch.stack([w.dequantize(dtype) for w in experts.experts])
+
+
 def check_packed(gate, up, down, num_tokens, top_k, seed):
     gen = torch.Generator().manual_seed(seed)
     num_experts, _, hidden = gate.shape
@@ -103,8 +108,8 @@ def check_packed(gate, up, down, num_tokens, top_k, seed):
     counts = torch.bincount(ids.flatten(), minlength=num_experts)
     assert counts[-1] == 0 and counts.max() > BLOCK_M and counts.max() % BLOCK_M
     out = fused_moe(x, (gate, up), down, weights, ids)
-    w13 = torch.cat([gate.dequantize(torch.float32), up.dequantize(torch.float32)], 1)
-    expected = dense_reference(x, w13, down.dequantize(torch.float32), weights, ids)
+    w13 = torch.cat([dequantized(gate), dequantized(up)], 1)
+    expected = dense_reference(x, w13, dequantized(down), weights, ids)
     # float32 sums in another order; the random weights' magnitudes vary by format
     scale = float(expected.abs().max())
     torch.testing.assert_close(out.double(), expected, atol=1e-5 * max(scale, 1.0),
