@@ -5,6 +5,8 @@ config and tokenizer loaded there (`LoadedModel`, shareable by engines in one pr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -12,7 +14,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.kernels.native.build import cpu_flags, has_bf16_compute
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
-from pagedserve.model.loader import load_model, load_tokenizer
+from pagedserve.model.loader import load_model, load_tokenizer, tokenizer_source
 
 
 def resolve_device(name: str) -> torch.device:
@@ -58,11 +60,16 @@ class LoadedModel:
     tokenizer_source: str | None = None  # what `tokenizer` was loaded from, for another process
 
     @classmethod
-    def load(cls, config: EngineConfig) -> LoadedModel:
-        device = resolve_device(config.device)
-        model, model_config, tokenizer_source = load_on_device(config, device)
-        tokenizer_source = config.tokenizer or tokenizer_source
-        return cls(model, model_config, load_tokenizer(tokenizer_source), tokenizer_source)
+    def load(cls, config: EngineConfig,
+             timed: Callable[[str], AbstractContextManager] = lambda _: nullcontext()
+             ) -> LoadedModel:
+        """`timed(phase)`: a context that times each part ("weights", "tokenizer")."""
+        with timed("weights"):
+            model, model_config, _ = load_on_device(config, resolve_device(config.device))
+        source = tokenizer_source(config.model, config.tokenizer)
+        with timed("tokenizer"):
+            tokenizer = load_tokenizer(source)
+        return cls(model, model_config, tokenizer, source)
 
 
 def load_on_device(config: EngineConfig,

@@ -63,7 +63,7 @@ from pagedserve.messages import (
     EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVCacheSpec, LogprobsLists,
     ModelRunnerOutput, SchedulerOutput, SchedulerStats, TokenLogprobs)
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.loader import load_tokenizer, model_path, read_model_config
+from pagedserve.model.loader import load_tokenizer, read_model_config, tokenizer_source
 from pagedserve.spec.config import SpeculativeConfig
 from pagedserve.spec.ngram import NgramProposer, Proposer
 from pagedserve.structured.grammar import GrammarCache
@@ -102,10 +102,10 @@ class EngineCore:
                              "yet: each rank would draw its own rejections")
         torch.manual_seed(config.seed)
         phases = StartupPhases()
-        with phases.timed("weights"):
-            if loaded is None and config.tensor_parallel_size == 1:
-                loaded = LoadedModel.load(config)  # its tokenizer serves this core too
-            self.loaded = loaded
+        if loaded is None and config.tensor_parallel_size == 1:
+            loaded = LoadedModel.load(config, phases.timed)  # its tokenizer serves this core
+        self.loaded = loaded
+        with phases.timed("weights"):  # the ranks' (tensor parallelism)
             self.executor = executor = _make_executor(config, loaded)
         try:
             self._setup(config, executor, phases)
@@ -123,7 +123,7 @@ class EngineCore:
             self.tokenizer_source = self.loaded.tokenizer_source
         else:  # the workers load the weights
             with phases.timed("tokenizer"):
-                self.tokenizer_source = config.tokenizer or str(model_path(config.model))
+                self.tokenizer_source = tokenizer_source(config.model, config.tokenizer)
                 self.tokenizer = load_tokenizer(self.tokenizer_source)
         self.config = config = _resolve_limits(config, executor)
         with phases.timed("memory profile"):

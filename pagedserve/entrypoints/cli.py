@@ -270,9 +270,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # -- serve and the parser -------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagedserve.entrypoints.server.api_server import run_server
+    """The engine-core process starts first, before this process imports the server (FastAPI,
+    the frontend, torch): both processes import side by side, and the tokenizer loads while
+    the core loads the weights, instead of one after the other."""
+    import logging
 
-    run_server(args)
+    from pagedserve.config import EngineConfig
+    from pagedserve.entrypoints.server.options import server_limits
+    from pagedserve.frontend.core_client import EngineCoreClient
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    limits = server_limits(args)  # bad limits are refused before anything starts
+    client = EngineCoreClient(EngineConfig.from_options(**engine_options(args), seed=args.seed))
+    try:
+        from pagedserve.entrypoints.server.api_server import run_server
+
+        run_server(args, client, limits)
+    finally:
+        client.shutdown()
     return 0
 
 
@@ -340,8 +355,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    if len(argv) > 0 and argv[0] == "serve":  # the server's imports only when serving
-        from pagedserve.entrypoints.server.api_server import add_serve_args
+    if len(argv) > 0 and argv[0] == "serve":  # the server's options only when serving
+        from pagedserve.entrypoints.server.options import add_serve_args
 
         add_serve_args(serve)
     add_engine_args(serve)

@@ -1,11 +1,16 @@
 """EngineCoreClient: the API process's handle on the engine-core process (`core_proc.py`).
 
-It binds the two sockets (input PUSH, output PULL; ipc:// in a private temporary folder),
+It binds the two sockets (input PUSH, output PULL; ipc:// in a private temporary folder) and
 spawns the core with the `spawn` start method (a fresh interpreter: CUDA cannot be used in a
 forked child of a process that touched it, and the core must not inherit the server's
-threads), and waits for its READY, which carries what the frontend needs to know (the resolved
-max_model_len, vocabulary size, KV blocks, batch limits). A start-up failure comes back as the
-core's own error message (raised as RuntimeError).
+threads); `wait_ready` then waits for its READY, which carries what the frontend needs to know
+(the resolved max_model_len, vocabulary size, KV blocks, batch limits). A start-up failure
+comes back as the core's own error message (raised as RuntimeError).
+
+Start-up overlaps: the core is started before the caller's own heavy work (the server's
+imports, the tokenizer), which runs while the core imports torch and loads the weights
+(`wait_ready(beside=...)`). So this module imports nothing heavy itself: the server starts
+the core from here before it imports its own code.
 
 Outputs are read on an event loop (`get_outputs`, the server) or blocking (`next_outputs`,
 the offline `LLM` through `RemoteEngineCore`, which gives the client the interface of an
@@ -31,8 +36,8 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -43,15 +48,18 @@ from pagedserve.engine.core_proc import (ABORT, ADD, FAILED, OUTPUTS, READY, SHU
                                          run_engine_core)
 from pagedserve.messages import (EngineCoreFailed, EngineCoreOutputs, EngineCoreReady,
                                         EngineCoreRequest, SchedulerStats, decode, encode)
-from pagedserve.model.config import ModelConfig
-from pagedserve.model.loader import load_tokenizer, read_model_config
 from pagedserve.structured.grammar import GrammarCache
+
+if TYPE_CHECKING:
+    from pagedserve.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_POLL_MS = 500  # how often the start-up wait checks that the core is still alive
 _POLL_MS = 500  # how often a blocking read checks that the core is still alive
 _SHUTDOWN_TIMEOUT_S = 10.0  # for the core to leave its loop before it is terminated
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -60,7 +68,8 @@ class EngineDeadError(RuntimeError):
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig) -> None:
-        """Start the core process and wait until its model is loaded (`ready`)."""
+        """Start the core process; `wait_ready` waits until its model is loaded."""
+        self.config = config  # the options it was started with
         self._folder = tempfile.mkdtemp(prefix="pagedserve-")
         self._context = zmq.Context()
         self._inputs = self._bind(zmq.PUSH, "input")
@@ -77,11 +86,24 @@ class EngineCoreClient:
         self._stop = multiprocessing.util.Finalize(
             self, _stop_core, (self.process, self._context, self._inputs, self._folder),
             exitpriority=10)
+        self.ready: EngineCoreReady | None = None  # what the core said once it was ready
+
+    def wait_ready(self, beside: Callable[[], T] | None = None) -> tuple[EngineCoreReady, T]:
+        """Run `beside` (this process's own start-up work) while the core starts, then wait
+        for the core's READY: (the ready message, what `beside` returned). The core's start-up
+        error (RuntimeError) comes first where both fail: a missing model is the core's to
+        name. Shuts the core down on any failure."""
         try:
+            try:
+                value = beside() if beside is not None else None
+            except Exception:
+                self._wait_ready()  # the core's own error, if it has one, is the story
+                raise
             self.ready = self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
+        return self.ready, value
 
     def _address(self, name: str) -> str:
         return f"ipc://{os.path.join(self._folder, name)}"
@@ -230,17 +252,19 @@ class RemoteEngineCore:
     loaded = None  # the weights are the core process's
 
     def __init__(self, config: EngineConfig) -> None:
+        # the model code (torch) only for the offline engine: the server's start-up imports
+        # this module before it has started the core
+        from pagedserve.model.loader import load_tokenizer, read_model_config, tokenizer_source
+
+        def tokenizer_and_config() -> tuple[Any, ModelConfig]:
+            return (load_tokenizer(tokenizer_source(config.model, config.tokenizer)),
+                    read_model_config(config.model))
+
         self.client = client = EngineCoreClient(config)
-        ready = client.ready
+        ready, (self.tokenizer, self.model_config) = client.wait_ready(tokenizer_and_config)
         self.config = dataclasses.replace(config, max_num_seqs=ready.max_num_seqs,
                                           max_num_batched_tokens=ready.max_num_batched_tokens)
         self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_gpu_blocks
-        try:
-            self.tokenizer: Any = load_tokenizer(ready.tokenizer)
-            self.model_config: ModelConfig = read_model_config(config.model)
-        except BaseException:
-            client.shutdown()
-            raise
         self._grammars: GrammarCache | None = None
         self._unfinished: set[str] = set()
         self._stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, ready.num_gpu_blocks)

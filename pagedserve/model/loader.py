@@ -345,6 +345,13 @@ def model_path(path: str | Path | None) -> Path:
     return default_model_path() if path is None else Path(path).expanduser()
 
 
+def tokenizer_source(model: str | Path | None, tokenizer: str | None = None) -> str:
+    """What the tokenizer loads from: `tokenizer` if given, else the checkpoint itself (a
+    folder, or a GGUF's vocabulary). Each process computes it from the options alone, so
+    the API process loads its tokenizer while the engine core loads the weights."""
+    return tokenizer or str(model_path(model))
+
+
 def read_model_config(path: str | Path | None) -> ModelConfig:
     """A checkpoint's config without its weights: what a tensor-parallel engine core needs,
     whose workers load the weights."""

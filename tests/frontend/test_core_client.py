@@ -22,6 +22,7 @@ MAX_TOKENS = 8
 def client():
     client = EngineCoreClient(EngineConfig(device="cpu", dtype="float32",
                                            kv_cache_memory=128 << 20))
+    client.wait_ready()
     yield client
     client.shutdown()
     assert not client.process.is_alive()
@@ -95,4 +96,15 @@ def test_abort_frees_the_request_in_the_core(client):
 def test_start_up_failure_reports_the_core_error(tmp_path):
     missing = tmp_path / "missing.gguf"
     with pytest.raises(RuntimeError, match=f"model path {missing} does not exist"):
-        EngineCoreClient(EngineConfig(model=str(missing), device="cpu"))
+        EngineCoreClient(EngineConfig(model=str(missing), device="cpu")).wait_ready()
+
+
+def test_start_up_failure_wins_over_the_work_beside_it(tmp_path):
+    """The API process's own start-up work (its tokenizer) runs while the core starts; when
+    both fail, the core's error names the cause (here the missing model), and the core is
+    stopped."""
+    missing = tmp_path / "missing.gguf"
+    client = EngineCoreClient(EngineConfig(model=str(missing), device="cpu"))
+    with pytest.raises(RuntimeError, match=f"model path {missing} does not exist"):
+        client.wait_ready(lambda: 1 / 0)
+    assert not client.process.is_alive()

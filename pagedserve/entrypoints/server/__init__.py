@@ -1,5 +1,3 @@
-"""OpenAI-compatible HTTP server: `build_app`, plus `add_serve_args`/`run_server` for the CLI."""
-
-from pagedserve.entrypoints.server.api_server import add_serve_args, build_app, run_server
-
-__all__ = ["add_serve_args", "build_app", "run_server"]
+"""OpenAI-compatible HTTP server: the app and `run_server` (api_server.py), the `serve`
+command's options (options.py, light: the CLI parses them and starts the engine core before it
+imports the rest)."""

@@ -1,4 +1,4 @@
-"""The FastAPI app, its routes, and the `serve` command line (`add_serve_args`, `run_server`).
+"""The FastAPI app, its routes, and `run_server` (the `serve` command; its options: options.py).
 
 Shutdown on SIGINT/SIGTERM: uvicorn stops accepting connections and waits for in-flight
 requests; after `--graceful-timeout` seconds we abort the ones still running in the engine, so
@@ -17,7 +17,7 @@ On a network (issue 29):
 - `--header-timeout`: a connection must finish each request's headers within it, or is
   closed (slow-loris; uvicorn has no such timer of its own, `_HeaderTimeoutProtocol`);
   `--body-timeout`: then its body within that, or gets 408 and is closed (`body.py`);
-- the queue bound, the request deadline and the grammar limits (async_engine.Limits);
+- the queue bound, the request deadline and the grammar limits (options.Limits);
 - /health answers 503 when the engine is gone or when the threads that tokenize and apply
   chat templates do not take a no-op within `--health-timeout` (a server whose requests
   would wait that long cannot serve).
@@ -46,33 +46,30 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from pagedserve.entrypoints.engine_args import engine_options, parse_size
-from pagedserve.entrypoints.chat_template import RESERVED_TEMPLATE_KWARGS
-from pagedserve.entrypoints.server.async_engine import AsyncEngine, Limits
+from pagedserve.entrypoints.server.async_engine import AsyncEngine
 from pagedserve.entrypoints.server.body import BodyLimits
 from pagedserve.entrypoints.server.errors import APIError, install_error_handlers
 from pagedserve.entrypoints.server.messages import AnthropicErrors, MessagesServing
 from pagedserve.entrypoints.server.messages_protocol import MessagesRequest, MessageTokensRequest
 from pagedserve.entrypoints.server.metrics import ServerMetrics
+from pagedserve.entrypoints.server.options import (
+    API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, Limits)
 from pagedserve.entrypoints.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, SamplingRequest, TokenizeRequest,
     TokenizeResponse)
-from pagedserve.entrypoints.server.reasoning import REASONING_PARSERS
 from pagedserve.entrypoints.server.response_store import ResponseStore
 from pagedserve.entrypoints.server.responses import ResponsesServing
 from pagedserve.entrypoints.server.responses_protocol import ResponsesRequest
 from pagedserve.entrypoints.server.serving import ChatSettings, OpenAIServing
-from pagedserve.entrypoints.server.tool_parsers import PARSERS
 from pagedserve.errors import RequestError
+from pagedserve.frontend.core_client import EngineCoreClient
+from pagedserve.model.loader import load_tokenizer, tokenizer_source
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MAX_BODY_BYTES = 2 << 20
-DEFAULT_BODY_TIMEOUT_S = 30.0  # the default body limit over a slow link; slower ones need more
-API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -356,108 +353,6 @@ def _header_timeout_protocol(seconds: float) -> type[_HeaderTimeoutProtocol]:
     return type("HeaderTimeoutProtocol", (_HeaderTimeoutProtocol,), {"header_timeout": seconds})
 
 
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The server's own options; the engine's come from `engine_args.add_engine_args`."""
-    group = parser.add_argument_group("server options")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on "
-                       "(default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on "
-                       "(default: %(default)s)")
-    group.add_argument("--served-model-name", default=None, help="name clients pass as "
-                       "`model` (default: the model file's or folder's name)")
-    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                       type=_lora_module, help="LoRA adapters (PEFT folders) served as "
-                       "`model` NAME on top of the base model (needs --enable-lora)")
-    group.add_argument("--allow-runtime-lora-updating", action="store_true",
-                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
-    group.add_argument("--seed", type=int, default=0, help="seeds the engine's generator for "
-                       "requests without a seed (default: %(default)s)")
-    group.add_argument("--graceful-timeout", type=float, default=5.0, help="seconds in-flight "
-                       "requests get to finish on SIGINT/SIGTERM (default: %(default)s)")
-    group.add_argument("--tool-call-parser", choices=PARSERS, default=None,
-                       help="how the model writes tool calls (default: from its chat "
-                       "template; hermes for a template without tools, which the server then "
-                       "teaches hermes; needed for a template in no known format)")
-    group.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                       help="split the model's <think> text into reasoning_content (default: "
-                       "from its chat template when it is Qwen3's or DeepSeek-R1's)")
-    group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
-                       help="a Jinja chat template (a file, or the template itself) used "
-                       "instead of the model's")
-    group.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default={},
-                       metavar="JSON", help="variables every request's chat template gets, "
-                       "as a JSON object, e.g. '{\"enable_thinking\": false}'; a request's "
-                       "chat_template_kwargs override them")
-    group.add_argument("--log-level", default="info", choices=["critical", "error", "warning",
-                       "info", "debug"], help="server log verbosity (default: %(default)s)")
-    group.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                       help="largest request body in bytes; a larger one gets 413 "
-                       "(default: %(default)s)")
-    group.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
-                       help="/v1/responses keeps at most this many responses in memory (for "
-                       "previous_response_id and retrieval), the oldest evicted first "
-                       "(default: %(default)s)")
-    group.add_argument("--max-stored-bytes", type=parse_size, default="64M", metavar="SIZE",
-                       help="the stored responses hold at most this much JSON in all, the "
-                       "oldest evicted first (default: 64M)")
-    net = parser.add_argument_group("on a network")
-    net.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                     help="requests need 'Authorization: Bearer KEY' (401 otherwise); give it "
-                     f"several times or as a comma list for several keys (default: "
-                     f"${API_KEY_ENV}, else no key needed)")
-    net.add_argument("--auth-health-and-metrics", action="store_true",
-                     help="/health and /metrics need the key too (default: open, for probes "
-                     "and scrapers)")
-    net.add_argument("--cache-salt-from-api-key", action="store_true",
-                     help="each API key gets a prefix cache of its own (its requests' "
-                     "cache_salt starts with one derived from the key): for several tenants")
-    net.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
-                     help="engine requests (prompts x n) that may wait for a running slot; "
-                     "past it 429 with Retry-After (default: unbounded)")
-    net.add_argument("--request-timeout", type=_positive(float), default=None,
-                     metavar="SECONDS", help="a request still unfinished this long after it "
-                     "arrived is aborted (408, or an error event); the request's `timeout` "
-                     "field may set less (default: none)")
-    net.add_argument("--header-timeout", type=_positive(float), default=10.0,
-                     metavar="SECONDS", help="a connection that has not sent a request's "
-                     "headers within this is closed (default: %(default)s)")
-    net.add_argument("--body-timeout", type=_positive(float), default=DEFAULT_BODY_TIMEOUT_S,
-                     metavar="SECONDS", help="a request's body must arrive within this of its "
-                     "headers, or it gets 408 and the connection is closed (default: "
-                     "%(default)s)")
-    net.add_argument("--health-timeout", type=_positive(float), default=5.0, metavar="SECONDS",
-                     help="/health answers 503 when the tokenizer threads do not take a no-op "
-                     "within this (default: %(default)s)")
-    net.add_argument("--max-grammar-bytes", type=parse_size, default=Limits.max_grammar_bytes,
-                     metavar="SIZE", help="largest structured-output spec (JSON schema, regex, "
-                     "grammar, choices); a larger one gets 400 (default: 256K)")
-    net.add_argument("--grammar-compile-timeout", type=_positive(float),
-                     default=Limits.grammar_compile_timeout, metavar="SECONDS",
-                     help="a grammar not compiled within this gets 400 and is refused at once "
-                     "afterwards (default: %(default)s)")
-    net.add_argument("--grammar-compile-threads", type=int,
-                     default=Limits.grammar_compile_threads, metavar="N",
-                     help="threads that compile grammars, apart from the ones that tokenize "
-                     "(default: %(default)s)")
-    return parser
-
-
-def _lora_module(text: str) -> tuple[str, str]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"not NAME=PATH: {text!r}")
-    return name, path
-
-
 def load_lora_modules(engine: AsyncEngine, modules: list[tuple[str, str]]) -> None:
     """The --lora-modules adapters, checked before the server listens (ValueError: why not)."""
     if modules and engine.loras is None:
@@ -467,19 +362,6 @@ def load_lora_modules(engine: AsyncEngine, modules: list[tuple[str, str]]) -> No
             engine.loras.add(name, path)
         except RequestError as exc:
             raise ValueError(f"--lora-modules {name}: {exc}") from None
-
-
-def _template_kwargs(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value))
-    if reserved:
-        raise argparse.ArgumentTypeError(f"may not set {', '.join(reserved)}")
-    return value
 
 
 def chat_settings(args: argparse.Namespace) -> ChatSettings:
@@ -493,30 +375,18 @@ def chat_settings(args: argparse.Namespace) -> ChatSettings:
                         args.default_chat_template_kwargs)
 
 
-def server_limits(args: argparse.Namespace) -> Limits:
-    return Limits(max_queued_requests=args.max_queued_requests,
-                  request_timeout=args.request_timeout,
-                  max_grammar_bytes=args.max_grammar_bytes,
-                  grammar_compile_timeout=args.grammar_compile_timeout,
-                  grammar_compile_threads=args.grammar_compile_threads)
-
-
-def run_server(args: argparse.Namespace) -> None:
-    """Start the engine-core process, then serve until SIGINT/SIGTERM, or until the core
-    dies: then every in-flight request gets an error and the server exits non-zero (a
-    RuntimeError, which the CLI reports and turns into exit code 1)."""
-    from pagedserve.config import EngineConfig
-    from pagedserve.frontend.core_client import EngineCoreClient
-    from pagedserve.model.loader import load_tokenizer
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    limits = server_limits(args)  # checked, as the access below, before the model loads
-    chat = chat_settings(args)
-    access = Access(api_keys(args.api_key), args.auth_health_and_metrics,
-                    args.cache_salt_from_api_key)
-    client = EngineCoreClient(EngineConfig.from_options(**engine_options(args), seed=args.seed))
+def run_server(args: argparse.Namespace, client: EngineCoreClient, limits: Limits) -> None:
+    """Serve with the engine core `client` has started (`pagedserve serve` starts it before
+    it imports this module), until SIGINT/SIGTERM, or until the core dies: then every
+    in-flight request gets an error and the server exits non-zero (a RuntimeError, which the
+    CLI reports and turns into exit code 1). The tokenizer loads while the core starts."""
     try:
-        engine = AsyncEngine(client, load_tokenizer(client.ready.tokenizer), limits=limits,
+        chat = chat_settings(args)
+        access = Access(api_keys(args.api_key), args.auth_health_and_metrics,
+                        args.cache_salt_from_api_key)
+        source = tokenizer_source(client.config.model, client.config.tokenizer)
+        _, tokenizer = client.wait_ready(lambda: load_tokenizer(source))
+        engine = AsyncEngine(client, tokenizer, limits=limits,
                              scheduling_policy=args.scheduling_policy)
         name = args.served_model_name or (Path(args.model).stem if args.model
                                           else DEFAULT_MODEL_NAME)

@@ -48,6 +48,7 @@ from fastapi.responses import JSONResponse
 from pagedserve.entrypoints.server.drain import DrainRate
 from pagedserve.entrypoints.server.errors import APIError, bad_request
 from pagedserve.entrypoints.server.metrics import RequestTiming, ServerMetrics
+from pagedserve.entrypoints.server.options import Limits
 from pagedserve.errors import RequestError
 from pagedserve.frontend.core_client import EngineCoreClient, EngineDeadError
 from pagedserve.frontend.output_processor import OutputProcessor
@@ -61,28 +62,7 @@ from pagedserve.structured.compiles import GrammarBusy, GrammarCompiles
 from pagedserve.structured.grammar import GrammarCache
 from pagedserve.structured.params import StructuredOutputsParams
 
-__all__ = ["AsyncEngine", "EngineDeadError", "Limits", "QueueFull", "RequestTimeout"]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The server's bounds on what requests may cost (None: unbounded)."""
-
-    max_queued_requests: int | None = None  # engine requests waiting in the core
-    request_timeout: float | None = None  # seconds from submission to the last token
-    max_grammar_bytes: int = 256 << 10  # a structured-output spec, as its cache key spells it
-    grammar_compile_timeout: float = 5.0  # seconds, waiting for a compile thread included
-    grammar_compile_threads: int = 2
-
-    def __post_init__(self) -> None:
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ValueError("max_queued_requests must be >= 0")
-        if self.request_timeout is not None and not self.request_timeout > 0:
-            raise ValueError("request_timeout must be > 0 seconds")
-        if self.max_grammar_bytes < 1 or self.grammar_compile_threads < 1:
-            raise ValueError("max_grammar_bytes and grammar_compile_threads must be >= 1")
-        if not self.grammar_compile_timeout > 0:
-            raise ValueError("grammar_compile_timeout must be > 0 seconds")
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFull", "RequestTimeout"]
 
 
 class QueueFull(APIError):
