@@ -20,6 +20,19 @@ from pagedserve.kernels.fp8_format import FP8_DTYPE
 from pagedserve.attention.metadata import AttentionMetadata
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a model's attention layers hand a backend, known at load: the selector picks a
+    backend (a kernel) that takes it, so no backend decides per call."""
+
+    dtype: torch.dtype  # q's (the activations')
+    cache_dtype: torch.dtype
+    num_heads: int  # this rank's query heads
+    num_kv_heads: int
+    head_dim: int
+    softcap: float | None = None  # a score cap (Gemma 2)
+
+
 class AttentionBackend(ABC):
     """Stores new K/V into the paged cache and attends through block tables.
 

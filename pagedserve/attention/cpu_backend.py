@@ -19,7 +19,8 @@ kernel. A bfloat16 model (`--dtype bfloat16` on a CPU with bf16 compute) keeps b
 which the kernel reads and writes as they are, with q widened to float32 and the output
 rounded back (exact widening, float32 arithmetic: closer to float32 than the reference's
 bfloat16 SDPA). Other dtypes (an FP8 cache), a head shape the kernel does not handle, or a
-score cap run the whole layer through the reference backend. A sliding window is the kernel's: a
+score cap are not this backend's: the selector picks the reference for such a model at load
+(`unsupported`), so `forward` never decides per call. A sliding window is the kernel's: a
 token attends to its last `window` positions, decode or prefill token alike.
 """
 
@@ -28,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.backend import AttentionBackend, AttentionShape
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.torch_ref import TorchRefBackend, paged_prefills
+from pagedserve.attention.torch_ref import paged_prefills
 from pagedserve.kernels.native import attention as native
 
 
@@ -70,22 +71,29 @@ def _per_token(meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
     return tables, meta.seq_lens.long().repeat_interleave(query_lens) - tokens_after
 
 
+def unsupported(shape: AttentionShape) -> str | None:
+    """Why the kernel does not take a model's attention (None: it does)."""
+    if shape.dtype != shape.cache_dtype or shape.dtype not in native.CACHE_DTYPES:
+        return (f"the native attention kernel takes float32 or bfloat16 activations and KV "
+                f"cache of one dtype, not {shape.dtype} with a {shape.cache_dtype} cache")
+    if not native.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim):
+        return (f"the native attention kernel does not take {shape.num_heads} query heads, "
+                f"{shape.num_kv_heads} KV heads of dimension {shape.head_dim}")
+    if shape.softcap is not None:
+        return "the native attention kernel has no score cap (attn_logit_softcapping)"
+    return None
+
+
 class CpuBackend(AttentionBackend):
-    """Native store and decode attention (float32 or bfloat16 caches); the reference for
-    everything else."""
+    """Native store and decode attention (float32 or bfloat16 caches), for the models that
+    `unsupported` passes."""
 
     name = "cpu"
-
-    def __init__(self) -> None:
-        self._reference = TorchRefBackend()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None,
                 kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        if not self._native(q, k_cache) or softcap is not None:  # an FP8 cache included
-            return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, window,
-                                           softcap, kv_scales)
         wide = q.dtype == torch.float32
         out = torch.empty(q.shape, dtype=torch.float32)
         indices = step_indices(meta, k_cache)
@@ -96,10 +104,3 @@ class CpuBackend(AttentionBackend):
         if indices.seq_lens.shape[0] < q.shape[0]:  # prefills left to the reference
             paged_prefills(q, k_cache, v_cache, meta, scale, out, window)
         return out
-
-    @staticmethod
-    def _native(q: Tensor, k_cache: Tensor) -> bool:
-        """Whether the kernel takes this layer: float32 or bfloat16 q and caches of one dtype on
-        the CPU, a supported head shape."""
-        return (q.dtype == k_cache.dtype and q.dtype in native.CACHE_DTYPES and q.is_cpu
-                and native.supports(q.shape[1], k_cache.shape[2], k_cache.shape[3]))

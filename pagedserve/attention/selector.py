@@ -8,23 +8,26 @@ import sys
 
 import torch
 
-from pagedserve.attention.backend import AttentionBackend
-from pagedserve.attention.cpu_backend import CpuBackend
+from pagedserve.attention import cpu_backend
+from pagedserve.attention.backend import AttentionBackend, AttentionShape
 from pagedserve.attention.torch_ref import TorchRefBackend
 from pagedserve.kernels.native import attention as native_attention
 
 
-def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
+def get_attention_backend(name: str | None, device: torch.device | str,
+                          shape: AttentionShape | None = None) -> AttentionBackend:
     """None/"auto" picks "triton" on CUDA, "cpu" on the CPU when the native kernels can be
-    built, and "torch" elsewhere.
+    built and take the model's attention (`shape`; None: a shape they take), and "torch"
+    elsewhere. "cpu" asked for a model the kernel does not take is a ValueError saying why.
 
     "triton" on a CPU device runs the kernels under the Triton interpreter; TRITON_INTERPRET
     must be set before triton compiles the kernels, so it is set here when the kernels have
     not been imported yet.
     """
     device = torch.device(device)
+    reason = None if shape is None else cpu_backend.unsupported(shape)
     if name in (None, "auto"):
-        cpu_kernels = device.type == "cpu" and native_attention.available()
+        cpu_kernels = device.type == "cpu" and native_attention.available() and reason is None
         name = "triton" if device.type == "cuda" else "cpu" if cpu_kernels else "torch"
     if name == "torch":
         return TorchRefBackend()
@@ -33,7 +36,9 @@ def get_attention_backend(name: str | None, device: torch.device | str) -> Atten
             raise ValueError(f"the cpu attention backend needs a CPU device and the native "
                              f"kernels (device {device.type}; see "
                              "pagedserve.kernels.native.build)")
-        return CpuBackend()
+        if reason is not None:
+            raise ValueError(f"attention_backend cpu: {reason}; use auto or torch")
+        return cpu_backend.CpuBackend()
     if name == "triton":
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"the triton attention backend does not run on {device.type}")

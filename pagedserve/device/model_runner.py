@@ -45,7 +45,7 @@ from torch import Tensor
 
 from pagedserve.attention import kv_quant
 from pagedserve.kernels import fp8_format
-from pagedserve.attention.backend import set_forward_context
+from pagedserve.attention.backend import AttentionShape, set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
@@ -206,7 +206,9 @@ class ModelRunner:
         self.block_size = config.block_size
         # this rank's KV heads (tensor parallelism shards the cache by KV head)
         self.num_kv_heads = len(parallel.local_kv_heads(model_config))
-        self.backend = get_attention_backend(config.attention_backend, device)
+        self.backend = get_attention_backend(config.attention_backend, device, AttentionShape(
+            self.dtype, self.kv_cache_dtype, len(parallel.local_q_heads(model_config)),
+            self.num_kv_heads, model_config.head_dim, model_config.attn_softcap))
         self.sampler = Sampler(select_sampling_kernels(device))
         self.penalties = PenaltyState(model_config.vocab_size, device)
         self.kv_caches: list[tuple[Tensor, Tensor]] = []

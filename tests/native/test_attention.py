@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedserve.attention import cpu_backend
+from pagedserve.attention.backend import AttentionShape
 from pagedserve.attention.cpu_backend import CpuBackend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.selector import get_attention_backend
@@ -175,13 +176,6 @@ def test_same_result_for_one_and_two_threads(num_seqs):
     assert torch.equal(outs[0], outs[1]), f"seed {seed}"
 
 
-def test_float16_runs_the_reference():
-    case = make_case([(30, 1), (0, 17), (17, 5)], 8, 2, 64, 16, dtype=torch.float16, seed=2)
-    out, ref = run_backends(case)
-    assert out.dtype == torch.float16
-    assert torch.equal(out, ref)
-
-
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (16, 2)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_bfloat16_caches_match_dense(num_heads, num_kv_heads, head_dim):
@@ -219,13 +213,6 @@ def test_bfloat16_backend_runs_the_kernel(monkeypatch):
     assert calls and out.dtype == torch.bfloat16
     err, ref_err = ((x.double() - case.expected).abs().max() for x in (out, ref))
     assert err <= 2 ** -8 * case.expected.abs().max() and err <= ref_err
-
-
-def test_unsupported_head_dim_runs_the_reference():
-    case = make_case([(30, 1), (3, 1), (0, 6)], 4, 2, 12, 16, seed=5)
-    assert not native.supports(4, 2, 12)
-    out, ref = run_backends(case)
-    assert torch.equal(out, ref)
 
 
 def test_wrapper_rejects_what_the_kernel_cannot_take():
@@ -290,3 +277,20 @@ def test_auto_picks_the_cpu_backend():
     assert get_attention_backend("cpu", "cpu").name == "cpu"
     with pytest.raises(ValueError, match="cpu attention backend"):
         get_attention_backend("cpu", "meta")
+
+
+@pytest.mark.parametrize("shape, reason", [
+    (AttentionShape(torch.float16, torch.float16, 8, 2, 64), "float32 or bfloat16"),
+    (AttentionShape(torch.float32, torch.float8_e4m3fn, 8, 2, 64), "KV cache of one dtype"),
+    (AttentionShape(torch.float32, torch.float32, 8, 3, 64), "does not take 8 query heads"),
+    (AttentionShape(torch.float32, torch.float32, 4, 2, 12), "KV heads of dimension 12"),
+    (AttentionShape(torch.float32, torch.float32, 8, 2, 64, softcap=50.0), "score cap"),
+])
+def test_a_model_the_kernel_does_not_take_gets_the_reference_at_load(shape, reason):
+    """The choice is made once, from the model's attention shape: auto falls back to the
+    reference; the cpu backend asked for by name is refused, saying why."""
+    assert get_attention_backend("auto", "cpu", shape).name == "torch"
+    with pytest.raises(ValueError, match=reason):
+        get_attention_backend("cpu", "cpu", shape)
+    fits = AttentionShape(torch.float32, torch.float32, 8, 2, 64)
+    assert isinstance(get_attention_backend("auto", "cpu", fits), CpuBackend)
