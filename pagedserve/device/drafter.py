@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from pagedserve.attention.backend import AttentionBackend, set_forward_context
+from pagedserve.attention.backend import AttentionBackend, AttentionShape, set_forward_context
+from pagedserve.attention.selector import get_attention_backend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineConfig
 from pagedserve.device.input_batch import CachedRequestState
@@ -255,10 +256,10 @@ class Eagle3Drafter(Drafter):
 
 
 def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConfig,
-                 device: torch.device, backend: AttentionBackend) -> Drafter | None:
+                 device: torch.device) -> Drafter | None:
     """The configured proposer on the device, loaded; None for none or a host proposer. A
     draft of another vocabulary, or heads made for another target, is a ValueError here,
-    at start-up."""
+    at start-up. Its attention backend is chosen for its own heads (`attention_backend`)."""
     spec = config.speculative_config
     if spec is None or not spec.on_device:
         return None
@@ -267,7 +268,8 @@ def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConf
         head, capture = load_eagle3(spec.model, target_config, target.embed_tokens, dtype,
                                     device, select_ops(device, dtype))
         _check_context(head.config, config, target_config, "the EAGLE-3 head's")
-        return Eagle3Drafter(head, capture, device, config.block_size, backend)
+        return Eagle3Drafter(head, capture, device, config.block_size, attention_backend(
+            config.attention_backend, device, head.config, head.fc.weight.dtype))
     # the engine's load_format holds for its draft ("dummy": random weights for both)
     model, draft_config, _ = load_model(spec.model, dtype, device,
                                         load_format=config.load_format)
@@ -277,7 +279,17 @@ def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConf
                          f"({target_config.vocab_size}); a draft model must share the "
                          "target's tokenizer")
     _check_context(draft_config, config, target_config, "the draft's")
-    return DraftModel(model, device, config.block_size, backend)
+    return DraftModel(model, device, config.block_size, attention_backend(
+        config.attention_backend, device, draft_config, dtype))
+
+
+def attention_backend(name: str, device: torch.device, config: ModelConfig,
+                      dtype: torch.dtype) -> AttentionBackend:
+    """The backend for a draft's attention, whose heads may be shaped unlike the target's
+    (its KV cache is in the activation dtype)."""
+    return get_attention_backend(name, device, AttentionShape(
+        dtype, dtype, config.num_heads, config.num_kv_heads, config.head_dim,
+        config.attn_softcap))
 
 
 def _check_context(draft: ModelConfig, config: EngineConfig, target: ModelConfig,

@@ -225,7 +225,7 @@ class ModelRunner:
             model, model_config, config.max_loras, config.max_lora_rank,
             config.max_cpu_loras or config.max_loras, device)
         # speculative decoding's draft model or EAGLE-3 heads (device/drafter.py)
-        self.drafter = make_drafter(config, model, model_config, device, self.backend)
+        self.drafter = make_drafter(config, model, model_config, device)
 
     # -- KV cache sizing and allocation ---------------------------------------------------
 
