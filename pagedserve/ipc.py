@@ -120,19 +120,25 @@ def parent_gone(parent_pid: int | None) -> bool:
 
 class Channel:
     """Typed messages over one ZeroMQ socket: `send` encodes a Struct, `receive` decodes one
-    of `incoming` (a Struct type or a union of tagged ones)."""
+    of `incoming` (a Struct type or a union of tagged ones; None for a socket that only
+    sends). `decode` serves a frame read elsewhere (an asyncio view of the same socket)."""
 
-    def __init__(self, socket: zmq.Socket, incoming: Any) -> None:
+    def __init__(self, socket: zmq.Socket, incoming: Any = None) -> None:
         self.socket = socket
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(incoming)
+        self._decoder = None if incoming is None else msgspec.msgpack.Decoder(incoming)
 
-    def send(self, message: msgspec.Struct) -> None:
-        self.socket.send(self._encoder.encode(message), copy=False)
+    def send(self, message: msgspec.Struct, block: bool = True) -> None:
+        """zmq.Again when not `block`ing and the message cannot be queued now."""
+        self.socket.send(self._encoder.encode(message), 0 if block else zmq.NOBLOCK,
+                         copy=False)
 
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.socket.poll(timeout_ms))
 
-    def receive(self) -> Any:
-        """The next message (blocking)."""
-        return self._decoder.decode(self.socket.recv(copy=False).buffer)
+    def receive(self, block: bool = True) -> Any:
+        """The next message; zmq.Again when not `block`ing and none is waiting."""
+        return self.decode(self.socket.recv(0 if block else zmq.NOBLOCK, copy=False))
+
+    def decode(self, frame: zmq.Frame) -> Any:
+        return self._decoder.decode(frame.buffer)

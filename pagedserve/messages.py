@@ -63,7 +63,7 @@ class LoRARequest(Message, array_like=True, frozen=True):
     lora_path: str
 
 
-class EngineCoreRequest(Message):
+class EngineCoreRequest(Message, tag="add"):
     """One sample to generate; the prompt is already tokenized and validated."""
 
     request_id: str
@@ -142,7 +142,7 @@ class SchedulerStats(Message):
     tier_copy_seconds: float = 0.0  # the runner's time in tier copies and file I/O, since start
 
 
-class EngineCoreOutputs(Message):
+class EngineCoreOutputs(Message, tag="outputs"):
     """One step's outputs for every request that received a token."""
 
     outputs: list[EngineCoreOutput]
@@ -265,7 +265,7 @@ class ModelRunnerOutput(Message, array_like=True):
 
 # -- engine-core process start-up (core_proc.py -> core_client.py) ----------------------------
 
-class EngineCoreReady(Message):
+class EngineCoreReady(Message, tag="ready"):
     """The core's answer once its model is loaded and its KV cache sized: what the frontend
     process needs and cannot know before (the limits resolved from the device and the model)."""
 
@@ -285,10 +285,25 @@ class EngineCoreReady(Message):
     model_config: str = ""
 
 
-class EngineCoreFailed(Message):
+class EngineCoreFailed(Message, tag="failed"):
     """Why the core could not start, or why it stopped: sent before the process exits."""
 
     error: str
+
+
+class AbortRequests(Message, tag="abort"):
+    """Requests the frontend has stopped (a stop string, a client gone)."""
+
+    request_ids: list[str]
+
+
+class ShutdownCore(Message, tag="shutdown"):
+    """Leave the loop and exit: the frontend is shutting down."""
+
+
+# what each side of the engine-core channel may send (ipc.Channel: tagged, one frame each)
+ToEngineCore = EngineCoreRequest | AbortRequests | ShutdownCore
+FromEngineCore = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed
 
 
 # -- engine core <-> tensor-parallel workers (executor.py, worker.py) -------------------------

@@ -6,15 +6,15 @@ device waits for Python work that has nothing to do with the step. Here the proc
 nothing but scheduling and launching steps; the API process (`core_client.py`) keeps
 tokenization, detokenization, stop strings, logprob formatting and HTTP.
 
-Wire protocol (`encode` / `decode` of `messages.py`, msgpack): every message is two frames,
-a one-byte kind and its payload.
+Wire protocol: `ipc.Channel` over each socket, every message one frame, a tagged msgspec
+Struct of `messages.py`.
 
-    frontend -> core (PUSH -> PULL)   ADD       EngineCoreRequest
-                                      ABORT     list of request ids
-                                      SHUTDOWN  (empty)
-    core -> frontend (PUSH -> PULL)   READY     EngineCoreReady, once, when the model is loaded
-                                      OUTPUTS   EngineCoreOutputs, once per step for the batch
-                                      FAILED    EngineCoreFailed, then the process exits 1
+    frontend -> core (PUSH -> PULL)   EngineCoreRequest
+                                      AbortRequests
+                                      ShutdownCore
+    core -> frontend (PUSH -> PULL)   EngineCoreReady, once, when the model is loaded
+                                      EngineCoreOutputs, once per step for the batch
+                                      EngineCoreFailed, then the process exits 1
 
 The loop drains every queued input without blocking, runs one step when there is work and
 sends that step's outputs in one message; with no work it blocks on the input socket (with
@@ -38,17 +38,13 @@ import zmq
 
 from pagedserve import ipc
 from pagedserve.config import EngineConfig
-from pagedserve.messages import (EngineCoreFailed, EngineCoreOutputs, EngineCoreReady,
-                                 EngineCoreRequest, decode, encode)
+from pagedserve.messages import (AbortRequests, EngineCoreFailed, EngineCoreOutputs,
+                                 EngineCoreReady, EngineCoreRequest, ToEngineCore)
 
 if TYPE_CHECKING:
     from pagedserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
-
-# frame kinds (the first frame of every message)
-ADD, ABORT, SHUTDOWN = b"a", b"x", b"q"
-READY, OUTPUTS, FAILED = b"r", b"o", b"f"
 
 _IDLE_POLL_MS = 1000  # an idle core wakes this often to check that its parent is alive
 _GRAMMAR_POLL_MS = 5  # a core whose requests all wait for a grammar looks this often
@@ -65,10 +61,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     ipc.die_with_parent()  # started from the client's main thread
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.connect(output_address)
+    inputs = ipc.Channel(context.socket(zmq.PULL), ToEngineCore)
+    inputs.socket.connect(input_address)
+    outputs = ipc.Channel(context.socket(zmq.PUSH))
+    outputs.socket.connect(output_address)
     try:
         # imported here, in the child: the API process, which imports this module for its
         # wire names, then never loads the model code, torch's kernels or the sampler
@@ -77,7 +73,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         core = EngineCore(config)
     except Exception as exc:  # noqa: BLE001 - every start-up failure reaches the parent
         _fail(outputs, exc, "the engine core failed to start")
-    outputs.send_multipart([READY, encode(ready_message(core))])
+    outputs.send(ready_message(core))
     try:
         EngineCoreProc(core, inputs, outputs, parent_pid).run()
     except Exception as exc:  # noqa: BLE001 - a failed step: say why, then exit 1
@@ -103,7 +99,7 @@ def ready_message(core: EngineCore) -> EngineCoreReady:
 class EngineCoreProc:
     """The busy loop: inputs, a step when there is work, that step's outputs."""
 
-    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket,
+    def __init__(self, core: EngineCore, inputs: ipc.Channel, outputs: ipc.Channel,
                  parent_pid: int) -> None:
         self.core, self.inputs, self.outputs = core, inputs, outputs
         self.parent_pid = parent_pid
@@ -111,7 +107,7 @@ class EngineCoreProc:
 
     def run(self) -> None:
         core, poller = self.core, zmq.Poller()
-        poller.register(self.inputs, zmq.POLLIN)
+        poller.register(self.inputs.socket, zmq.POLLIN)
         while True:
             if not core.has_unfinished_requests():
                 self._send_idle_stats()
@@ -124,21 +120,21 @@ class EngineCoreProc:
                 if not self._drain_inputs():
                     return
             if core.has_unfinished_requests():
-                self.outputs.send_multipart([OUTPUTS, encode(core.step())], copy=False)
+                self.outputs.send(core.step())
                 self._stats_sent = True  # a step's message carries its stats
 
     def _drain_inputs(self) -> bool:
         """Apply every queued message; False once told to shut down."""
         while True:
             try:
-                kind, payload = self.inputs.recv_multipart(zmq.NOBLOCK, copy=False)
+                message = self.inputs.receive(block=False)
             except zmq.Again:
                 return True
-            if kind.bytes == ADD:
-                self.core.add_request(decode(payload.buffer, EngineCoreRequest))
-            elif kind.bytes == ABORT:
-                self.core.abort_requests(decode(payload.buffer, list[str]))
-            elif kind.bytes == SHUTDOWN:
+            if isinstance(message, EngineCoreRequest):
+                self.core.add_request(message)
+            elif isinstance(message, AbortRequests):
+                self.core.abort_requests(message.request_ids)
+            else:  # ShutdownCore
                 return False
             self._stats_sent = False
 
@@ -147,16 +143,16 @@ class EngineCoreProc:
         changes them without a step), so the frontend's metrics do not show stale counts."""
         if not self._stats_sent:
             message = EngineCoreOutputs([], self.core.make_stats(), time.time())
-            self.outputs.send_multipart([OUTPUTS, encode(message)])
+            self.outputs.send(message)
             self._stats_sent = True
 
 
-def _fail(outputs: zmq.Socket, exc: Exception, what: str) -> None:
+def _fail(outputs: ipc.Channel, exc: Exception, what: str) -> None:
     """Report `exc` to the parent and exit 1. A user error's message is the whole story; any
     other failure is also logged here with its traceback."""
     if not isinstance(exc, _USER_ERRORS):
         logger.exception(what)
-    outputs.send_multipart([FAILED, encode(EngineCoreFailed(str(exc) or type(exc).__name__))])
-    outputs.close(linger=5000)  # the message must leave before the process does
+    outputs.send(EngineCoreFailed(str(exc) or type(exc).__name__))
+    outputs.socket.close(linger=5000)  # the message must leave before the process does
     sys.exit(1)
 

@@ -44,10 +44,10 @@ import zmq.asyncio
 
 from pagedserve import ipc
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core_proc import (ABORT, ADD, FAILED, OUTPUTS, READY, SHUTDOWN,
-                                         run_engine_core)
-from pagedserve.messages import (EngineCoreFailed, EngineCoreOutputs, EngineCoreReady,
-                                        EngineCoreRequest, SchedulerStats, decode, encode)
+from pagedserve.engine.core_proc import run_engine_core
+from pagedserve.messages import (AbortRequests, EngineCoreFailed, EngineCoreOutputs,
+                                 EngineCoreReady, EngineCoreRequest, FromEngineCore,
+                                 SchedulerStats, ShutdownCore)
 from pagedserve.structured.grammar import GrammarCache
 
 if TYPE_CHECKING:
@@ -72,8 +72,8 @@ class EngineCoreClient:
         self.config = config  # the options it was started with
         self._folder = tempfile.mkdtemp(prefix="pagedserve-")
         self._context = zmq.Context()
-        self._inputs = self._bind(zmq.PUSH, "input")
-        self._outputs = self._bind(zmq.PULL, "output")
+        self._inputs = ipc.Channel(self._bind(zmq.PUSH, "input"))
+        self._outputs = ipc.Channel(self._bind(zmq.PULL, "output"), FromEngineCore)
         self._async_outputs: zmq.asyncio.Socket | None = None
         self._failure: EngineDeadError | None = None  # reported by the core, not yet raised
         self.process = multiprocessing.get_context("spawn").Process(
@@ -119,24 +119,22 @@ class EngineCoreClient:
             if not self.process.is_alive():
                 raise RuntimeError(f"the engine core process exited with code "
                                    f"{self.process.exitcode} while starting")
-        kind, payload = self._outputs.recv_multipart()
-        if kind == FAILED:
+        message = self._outputs.receive()
+        if isinstance(message, EngineCoreFailed):
             self.process.join()
-            raise RuntimeError(decode(payload, EngineCoreFailed).error)
-        if kind != READY:
-            raise RuntimeError(f"the engine core sent {kind!r} before it was ready")
-        return decode(payload, EngineCoreReady)
+            raise RuntimeError(message.error)
+        if not isinstance(message, EngineCoreReady):
+            raise RuntimeError(f"the engine core sent {type(message).__name__} before it was "
+                               "ready")
+        return message
 
     # -- requests -----------------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(ADD, encode(request))
+        _send(self._inputs, request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self._send(ABORT, encode(list(request_ids)))
-
-    def _send(self, kind: bytes, payload: bytes) -> None:
-        _send(self._inputs, kind, payload)
+        _send(self._inputs, AbortRequests(list(request_ids)))
 
     def next_outputs(self) -> EngineCoreOutputs:
         """`get_outputs`, blocking: the next step's outputs merged with those already waiting.
@@ -147,10 +145,10 @@ class EngineCoreClient:
             if not self.process.is_alive():
                 raise EngineDeadError(f"the engine core process exited with code "
                                       f"{self.process.exitcode}")
-        merged = self._decode(*self._outputs.recv_multipart(copy=False))
+        merged = _step_outputs(self._outputs.receive())
         while self._outputs.poll(0):
             try:
-                message = self._decode(*self._outputs.recv_multipart(copy=False))
+                message = _step_outputs(self._outputs.receive())
             except EngineDeadError as exc:  # deliver what came before it first
                 self._failure = exc
                 break
@@ -181,20 +179,11 @@ class EngineCoreClient:
         if self._failure is not None:
             raise self._failure
         if self._async_outputs is None:  # bound to the running loop on first use
-            self._async_outputs = zmq.asyncio.Socket.from_socket(self._outputs)
+            self._async_outputs = zmq.asyncio.Socket.from_socket(self._outputs.socket)
         return self._async_outputs
 
-    @classmethod
-    async def _next(cls, socket: zmq.asyncio.Socket, flags: int = 0) -> EngineCoreOutputs:
-        return cls._decode(*await socket.recv_multipart(flags, copy=False))
-
-    @staticmethod
-    def _decode(kind: zmq.Frame, payload: zmq.Frame) -> EngineCoreOutputs:
-        if kind.bytes == OUTPUTS:
-            return decode(payload.buffer, EngineCoreOutputs)
-        if kind.bytes == FAILED:
-            raise EngineDeadError(decode(payload.buffer, EngineCoreFailed).error)
-        raise EngineDeadError(f"the engine core sent an unexpected {kind.bytes!r} message")
+    async def _next(self, socket: zmq.asyncio.Socket, flags: int = 0) -> EngineCoreOutputs:
+        return _step_outputs(self._outputs.decode(await socket.recv(flags, copy=False)))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -224,16 +213,27 @@ def _without_main_module() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def _send(inputs: zmq.Socket, kind: bytes, payload: bytes) -> None:
+def _step_outputs(message: EngineCoreOutputs | EngineCoreFailed | EngineCoreReady
+                  ) -> EngineCoreOutputs:
+    if isinstance(message, EngineCoreOutputs):
+        return message
+    if isinstance(message, EngineCoreFailed):
+        raise EngineDeadError(message.error)
+    raise EngineDeadError(f"the engine core sent an unexpected {type(message).__name__}")
+
+
+def _send(inputs: ipc.Channel, message: EngineCoreRequest | AbortRequests | ShutdownCore
+          ) -> None:
     try:
-        inputs.send_multipart([kind, payload], zmq.NOBLOCK, copy=False)
+        inputs.send(message, block=False)
     except (zmq.Again, zmq.ZMQError) as exc:  # no core to take it, or sockets closed
         raise EngineDeadError("the engine core is not running") from exc
 
 
-def _stop_core(process: multiprocessing.Process, context: zmq.Context, inputs: zmq.Socket,
+def _stop_core(process: multiprocessing.Process, context: zmq.Context, inputs: ipc.Channel,
                folder: str) -> None:
-    if not ipc.stop_process(process, lambda: _send(inputs, SHUTDOWN, b""), _SHUTDOWN_TIMEOUT_S):
+    if not ipc.stop_process(process, lambda: _send(inputs, ShutdownCore()),
+                            _SHUTDOWN_TIMEOUT_S):
         logger.warning("the engine core did not stop in %.0f s; killed it", _SHUTDOWN_TIMEOUT_S)
     if not context.closed:
         context.destroy(linger=0)
