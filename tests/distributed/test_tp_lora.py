@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve.frontend.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
-from tests.engine.test_lora import ADAPTERS, PROMPT, base_checkpoint, make_adapter
+from tests.lora_adapters import ADAPTERS, PROMPT, base_checkpoint, make_adapter
 
 pytest.importorskip("peft")
 from pagedserve.messages import LoRARequest  # noqa: E402

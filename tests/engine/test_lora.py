@@ -8,62 +8,29 @@ prefix cache keeps adapters apart.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.make_checkpoint import make_checkpoint
 from pagedserve.config import EngineConfig
 from pagedserve.errors import RequestError
 from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
 from pagedserve.messages import LoRARequest
 from pagedserve.sampling_params import SamplingParams
+from tests.lora_adapters import ADAPTERS, PROMPT, base_checkpoint, make_adapters, run
 
 peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
-SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
-ADAPTERS = {  # name -> LoraConfig options
-    "all-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                        "gate_proj", "up_proj", "down_proj"]),
-    "qv-r4-rslora": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
-    "mlp-o-r16": dict(r=16, lora_alpha=8, target_modules=["o_proj", "gate_proj", "down_proj"]),
-}
-PROMPT = [5, 77, 200, 13, 9, 250, 31, 64, 101, 3, 17, 288, 40]
 NEW_TOKENS = 6
-
-
-def base_checkpoint(root: Path, case: str) -> Path:
-    config = json.loads((CONFIGS / f"{case}.json").read_text())
-    config.update(SMALL, head_dim=16) if case == "tiny-qwen3" else config.update(SMALL)
-    (root / "config.json").write_text(json.dumps(config))
-    make_checkpoint(root / "config.json", root / case, torch.float32, seed=0, tokenizer="bytes")
-    return root / case
-
-
-def make_adapter(base: Path, folder: Path, options: dict, seed: int) -> None:
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **options))
-    with torch.no_grad():  # PEFT's random init leaves B small: make every adapter matter
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.2)
-    model.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module", params=["tiny-llama3", "tiny-qwen3"])
 def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     base = base_checkpoint(root, request.param)
-    adapters = {}
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, root / name, options, seed)
-        adapters[name] = LoRARequest(name, seed + 1, str(root / name))
+    adapters = make_adapters(base, root)
     loaded = LoadedModel.load(EngineConfig(model=str(base), device="cpu", dtype="float32"))
     return base, adapters, loaded
 
@@ -74,20 +41,6 @@ def engine_for(family, **options) -> LLMEngine:
                "block_size": 4, **options}
     return LLMEngine(EngineConfig(model=str(base), device="cpu", dtype="float32",
                                   enable_lora=True, **options), loaded)
-
-
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], LoRARequest | None]],
-        params: SamplingParams) -> dict[str, object]:
-    for request_id, (prompt, lora) in requests.items():
-        engine.add_request(request_id, None, params, prompt_token_ids=prompt,
-                           lora_request=lora)
-    finished = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    assert engine.kv_cache_manager.usage == 0.0  # every block freed
-    return finished
 
 
 def peft_reference(base: Path, lora: LoRARequest | None, merged: bool):

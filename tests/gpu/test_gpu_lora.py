@@ -10,9 +10,8 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
-from pagedserve.messages import LoRARequest
 from pagedserve.sampling_params import SamplingParams
-from tests.engine.test_lora import ADAPTERS, PROMPT, base_checkpoint, make_adapter, run
+from tests.lora_adapters import ADAPTERS, PROMPT, base_checkpoint, make_adapters, run
 
 peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -24,10 +23,7 @@ NEW_TOKENS = 12
 def family(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-lora")
     base = base_checkpoint(root, "tiny-llama3")
-    adapters = {}
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, root / name, options, seed)
-        adapters[name] = LoRARequest(name, seed + 1, str(root / name))
+    adapters = make_adapters(base, root)
     loaded = LoadedModel.load(EngineConfig(model=str(base), device="cuda", dtype="float32"))
     return base, adapters, loaded
 

@@ -9,22 +9,18 @@ import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
-from pagedserve.messages import LoRARequest
 from pagedserve.model.loader import load_model, load_tokenizer
 from pagedserve.model.lora import ONE_ROW_MAX
 from pagedserve.model.ops import triton_ops
 from pagedserve.sampling_params import SamplingParams
-from tests.engine.test_lora import ADAPTERS, base_checkpoint, make_adapter
+from tests.lora_adapters import base_checkpoint, make_adapters
 
 pytest.importorskip("peft")
 
 
 def test_triton_lora_matches_the_reference(tmp_path):
     base = base_checkpoint(tmp_path, "tiny-llama3")
-    loras = [None]
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, tmp_path / name, options, seed)
-        loras.append(LoRARequest(name, seed + 1, str(tmp_path / name)))
+    loras = [None, *make_adapters(base, tmp_path).values()]
     num = ONE_ROW_MAX + 2
     requests = {f"r{i}": ([3 + i, 40 + 2 * i, 7, 90 + i] * (1 + i % 2), loras[i % 4])
                 for i in range(num)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.engine.test_lora import ADAPTERS, base_checkpoint, make_adapter
+from tests.lora_adapters import base_checkpoint, make_adapters
 from tests.server.conftest import start_server, stop_server
 
 pytest.importorskip("peft")
@@ -20,8 +20,7 @@ BASE = "tiny-base"
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-server")
     base = base_checkpoint(root, "tiny-llama3")
-    for seed, (name, options) in enumerate(ADAPTERS.items()):
-        make_adapter(base, root / name, options, seed)
+    make_adapters(base, root)
     return base, root
 
 
