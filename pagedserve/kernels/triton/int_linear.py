@@ -68,6 +68,24 @@ DEFAULT = IntLinearConfig()
 
 
 @triton.jit
+def _k_step(x_ptr, x_rows, x_rows_mask, k0, K, data_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
+            data_stride, scales_stride, offs_n, n_mask, FORMAT: tl.constexpr,
+            BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+            HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One step along K of both kernels: the weight tile of rows offs_n, columns k0 +
+    arange(BLOCK_K), dequantized (float32 [BLOCK_N, BLOCK_K]), and x's tile of the same
+    columns (x_rows: the offsets of x's rows, one row's or a column of several; x_rows_mask:
+    which of them are real, True for the GEMV's one row). The GEMV and the GEMM differ only
+    in how they multiply the two."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    w = dequant_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride, scales_stride,
+                     offs_n, n_mask, k0, K, FORMAT, BITS, GROUP, HAS_ZEROS, HAS_G_IDX,
+                     BLOCK_N, BLOCK_K)
+    x = tl.load(x_ptr + x_rows + offs_k, mask=x_rows_mask & (offs_k < K), other=0.0)
+    return w, x
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
                  data_stride, scales_stride, N, K, stride_x, stride_y,
                  HAS_BIAS: tl.constexpr, FORMAT: tl.constexpr, BITS: tl.constexpr,
@@ -79,11 +97,9 @@ def _gemv_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = dequant_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride,
-                         scales_stride, offs_n, n_mask, k0, K, FORMAT, BITS, GROUP,
-                         HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_x + offs_k, mask=offs_k < K, other=0.0)
+        w, x = _k_step(x_ptr, row * stride_x, True, k0, K, data_ptr, scales_ptr, zeros_ptr,
+                       g_idx_ptr, data_stride, scales_stride, offs_n, n_mask, FORMAT, BITS,
+                       GROUP, HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
         acc += round_to(w, dtype) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -103,14 +119,12 @@ def _gemm_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     dtype = x_ptr.dtype.element_ty
+    x_rows = offs_m[:, None].to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = dequant_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride,
-                         scales_stride, offs_n, n_mask, k0, K, FORMAT, BITS, GROUP,
-                         HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :],
-                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        w, x = _k_step(x_ptr, x_rows, m_mask[:, None], k0, K, data_ptr, scales_ptr,
+                       zeros_ptr, g_idx_ptr, data_stride, scales_stride, offs_n, n_mask,
+                       FORMAT, BITS, GROUP, HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
         acc = tl.dot(x, tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
