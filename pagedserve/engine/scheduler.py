@@ -63,6 +63,12 @@ are hashed. No drafting while more than `disable_by_batch_size` requests run, no
 request whose sampling a verify could not keep exact (penalties, bad words, thinking budgets
 and grammars depend on the tokens before each position) or that wants logprobs.
 
+A proposer on the device (a draft model, EAGLE-3 heads: `device/drafter.py`) drafts in the
+runner after the step instead: a request that may be drafted for gets its blocks that many
+positions past its chunk (`num_lookahead_tokens`; only where they fit without preempting),
+given back when the tokens come back; the drafts wait on the request (`spec_token_ids`)
+for the next schedule.
+
 What the runner gets is plain data (`messages.SchedulerOutput`): the batch's request ids,
 positions and token counts, the prompt and parameters of requests new to it, and the block
 ids `allocate_slots` handed out this step. The scheduler keeps its own list of each launched
@@ -234,11 +240,7 @@ class Scheduler:
         blocks = self.kv_cache_manager.allocate_slots(request, num_tokens)
         if blocks is None:
             return False
-        windowed = self.kv_cache_manager.sliding_window is not None
-        if blocks or windowed:
-            out.scheduled_cached_reqs.append(
-                request.request_id, False, [block.block_id for block in blocks],
-                self._num_nulled_blocks(request) if windowed else 0)
+        self._send_blocks(request, blocks, out)
         return True
 
     def _ends_in_flight(self, request: Request, num_tokens: int, num_pending: int) -> bool:
@@ -284,12 +286,16 @@ class Scheduler:
             out.preempted_req_ids.append(victim.request_id)
             if victim is request:
                 return False
+        self._send_blocks(request, blocks, out)
+        return True
+
+    def _send_blocks(self, request: Request, blocks: list, out: SchedulerOutput) -> None:
+        """Tell the runner of a running request's new blocks."""
         windowed = self.kv_cache_manager.sliding_window is not None
         if blocks or windowed:  # a window may have nulled leading blocks
             out.scheduled_cached_reqs.append(
                 request.request_id, False, [block.block_id for block in blocks],
                 self._num_nulled_blocks(request) if windowed else 0)
-        return True
 
     def _num_nulled_blocks(self, request: Request) -> int:
         """Leading entries of the request's table that are the null block (out of its
@@ -532,9 +538,10 @@ class Scheduler:
             num_tokens = len(request.all_token_ids)
             if request.check_stop(max_model_len):
                 self._finish(request)
-            elif request.request_id in output.num_lookahead_tokens:
-                self._trim(request)
-            elif (num_tokens % block_size == 0 and request.num_computed_tokens >= num_tokens
+                continue
+            if request.request_id in output.num_lookahead_tokens:
+                self._trim(request)  # the drafter's positions past the known tokens
+            if (num_tokens % block_size == 0 and request.num_computed_tokens >= num_tokens
                   and request.status == RequestStatus.RUNNING):
                 # the token completes a block that a step already in flight computes: it
                 # could not be cached at scheduling, as its last token was unknown
