@@ -1,6 +1,7 @@
 """Integer weight-only checkpoints (`model/int_weights.py`) on the CPU's int8-activation
-kernels (`kernels/native/quant.c`, the GGUF fast mode's): each packed layer converted once,
-at load, to the kernels' blocks where they hold its weight exactly, the reference
+kernels (`kernels/native/quant.c`, the GGUF fast mode's): each packed layer (and MoE expert,
+run expert by expert on the CPU) converted once, at load, to the kernels' blocks where they
+hold its weight exactly, the reference
 (`int_weights.reference_linear`: dequantize, then a float matmul) elsewhere.
 
 Why: a float32 matmul on a weight dequantized per call reads eight times the 4-bit bytes

@@ -411,26 +411,31 @@ def _pack_linears(model: Decoder, scheme: int_weights.IntScheme, path: Path) -> 
 def _attach_int_matmuls(model: Decoder, packed: list[str],
                         scheme: int_weights.IntScheme | None, ops: Ops, native: bool) -> None:
     """The packed layers' matmuls: `ops.int_linear` on their weights, or with `native` (the
-    CPU's fast mode) the native int8-activation kernels where a layer's weight fits them
-    (`model.int_native`)."""
-    dense = {}
+    CPU's fast mode) the native int8-activation kernels where a layer's (or an expert's)
+    weight fits them (`model.int_native`); MoE experts through the fused kernel where the ops
+    have one."""
+    weights, by_expert = {}, {}  # each matmul's weight by name; MoE layers' expert count
     for target in packed:
         module = model.get_submodule(target)
         if isinstance(module, SparseMoE) and ops.fused_moe is not None:
             module.experts = QuantizedExperts(ops.fused_moe,
                                               *int_weights.stacked_experts(module, scheme))
             continue
-        if isinstance(module, SparseMoE):
-            module.experts = PackedExperts([
-                (int_weights.IntMatmul(ops.int_linear, w13), int_weights.IntMatmul(
-                    ops.int_linear, w2)) for w13, w2 in zip(
-                    int_weights.expert_weights(module, scheme, "w13"),
-                    int_weights.expert_weights(module, scheme, "w2"))])
+        if isinstance(module, SparseMoE):  # expert by expert (`PackedExperts`)
+            for base in ("w13", "w2"):
+                experts = int_weights.expert_weights(module, scheme, base)
+                for e, weight in enumerate(experts):
+                    weights[f"{target}.experts.{e}.{base}"] = weight
+            by_expert[target] = len(experts)
             continue
-        dense[target] = ops.int_prepare(int_weights.int_weight(module, scheme))
+        weights[target] = ops.int_prepare(int_weights.int_weight(module, scheme))
     reference = partial(int_weights.IntMatmul, ops.int_linear)
-    matmuls = (int_native.int_matmuls(dense, reference) if native
-               else {target: reference(weight) for target, weight in dense.items()})
+    matmuls = (int_native.int_matmuls(weights, reference) if native
+               else {name: reference(weight) for name, weight in weights.items()})
+    for target, count in by_expert.items():
+        model.get_submodule(target).experts = PackedExperts([
+            (matmuls.pop(f"{target}.experts.{e}.w13"), matmuls.pop(f"{target}.experts.{e}.w2"))
+            for e in range(count)])
     for target, matmul in matmuls.items():
         module = model.get_submodule(target)
         if target == "lm_head":

@@ -6,10 +6,11 @@
 - The matmul on those blocks equals the float64 product of the int8-quantized activations
   with the dequantized weight (tight: float32 sums only), as the GGUF blocks' kernel test
   holds it.
-- Loaded in the fast mode, a checkpoint's logits are those of the float model on the
-  dequantized weights whose linears' inputs are int8-quantized as the kernels do it
-  (float64), and within that rounding of the float model itself, whose greedy tokens they
-  give; a layer that does not fit keeps the exact reference, with a log line.
+- Loaded in the fast mode (dense models, and Mixtral's experts), a checkpoint's logits are
+  those of the float model on the dequantized weights whose linears' inputs are
+  int8-quantized as the kernels do it (float64), and within that rounding of the float
+  model itself, whose greedy tokens they give; a layer that does not fit keeps the exact
+  reference, with a log line.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, MixtralConfig, Qwen3Config
 
 from benchmarks.quantize_int import quantize_folder
 from pagedserve.kernels.native import quant
 from pagedserve.kernels.weight_formats import IntWeight, groups_of, pack_codes, unpack_codes
 from pagedserve.model import load_model
 from pagedserve.model.decoder import Linear
+from pagedserve.model.moe import SparseMoE
 from pagedserve.model.int_native import NoFit, native_matmul, to_blocks
 from pagedserve.model.int_weights import IntMatmul
 from pagedserve.model.ops import select_ops
@@ -171,6 +173,19 @@ def greedy(model, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
+def mixtral(folder):
+    return make_checkpoint(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+                           folder)
+
+
+def packed_matmuls(model) -> list:
+    """The matmul of every layer and expert the checkpoint holds packed."""
+    matmuls = [m.matmul for m in model.modules() if isinstance(m, Linear) and m.weight is None]
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+        matmuls += [mm for _, _, m13, m2 in moe.experts.experts for mm in (m13, m2)]
+    return matmuls
+
+
 # (checkpoint, format, options)
 NATIVE = {
     "ct-w4-g32-sym": (qwen3, "compressed-tensors", dict(bits=4, group=32)),
@@ -178,6 +193,7 @@ NATIVE = {
     "awq-w4-g32-bf16": (llama, "awq", dict(bits=4, group=32, symmetric=False,
                                           dtype=torch.bfloat16)),
     "ct-w8-channel": (qwen3, "compressed-tensors", dict(bits=8, group=0)),
+    "mixtral-gptq-w4-g32-desc_act": (mixtral, "gptq", dict(bits=4, group=32, act_order=True)),
 }
 
 
@@ -188,9 +204,10 @@ def test_fast_mode_logits_and_greedy_tokens_follow_the_dequantized_model(case, t
     quantize_folder(tmp_path / "float", tmp_path / case, fmt, **options)
     exact, _, _ = load_model(tmp_path / case, torch.float32, "cpu")  # the reference path
     fast, _, _ = load_model(tmp_path / case, torch.float32, "cpu", quantized=True)
-    layers = [m for m in fast.modules() if isinstance(m, Linear) and m.weight is None]
-    assert len(layers) == 4 * TINY["num_hidden_layers"]
-    assert all(isinstance(m.matmul, QuantizedMatmul) for m in layers)
+    matmuls = packed_matmuls(fast)
+    # q/k/v, o, gate/up and down, or q/k/v, o and each of 4 experts' w13 and w2
+    assert len(matmuls) == (10 if case.startswith("mixtral") else 4) * TINY["num_hidden_layers"]
+    assert all(isinstance(m, QuantizedMatmul) for m in matmuls)
     prompt = torch.randint(0, TINY["vocab_size"], (13,),
                            generator=torch.Generator().manual_seed(2)).tolist()
     want = PagedDriver(exact).step({"s": prompt})["s"]
@@ -217,8 +234,8 @@ def test_a_layer_that_does_not_fit_keeps_the_exact_reference(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.model.int_native"):
         fast, _, _ = load_model(tmp_path / "awq", torch.float32, "cpu", quantized=True)
     assert "8 layers keep the reference (dequantizing) matmul: zero point x scale" in caplog.text
-    layers = [m for m in fast.modules() if isinstance(m, Linear) and m.weight is None]
-    assert layers and all(isinstance(m.matmul, IntMatmul) for m in layers)
+    matmuls = packed_matmuls(fast)
+    assert matmuls and all(isinstance(m, IntMatmul) for m in matmuls)
     prompt = list(range(3, 16))
     assert torch.equal(PagedDriver(fast).step({"s": prompt})["s"],
                        PagedDriver(exact).step({"s": prompt})["s"])
