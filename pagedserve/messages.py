@@ -249,6 +249,7 @@ class SchedulerOutput(Message):
 class ModelRunnerOutput(Message, array_like=True):
     req_ids: list[str]  # the requests that sampled this step, in batch order
     sampled_token_ids: list[int]
+    # a row per token: with accepted_token_ids, a row's accepted drafts then its sampled token
     logprobs: LogprobsLists | None = None
     # requests with prompt_logprobs whose prompt positions this step computed
     prompt_logprobs: dict[str, LogprobsLists] | None = None

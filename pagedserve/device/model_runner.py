@@ -58,7 +58,7 @@ from pagedserve.device.penalties import PenaltyState
 from pagedserve.kernels.penalties import to_device
 from pagedserve.kv_cache.disk_format import rank_dir
 from pagedserve.device.profile_run import profile_batch
-from pagedserve.device.rejection import VerifyRows, verify
+from pagedserve.device.rejection import Verified, VerifyRows, verify
 from pagedserve.device.sampler import (
     LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs,
     select_sampling_kernels, warm_up_sampler)
@@ -677,10 +677,14 @@ class ModelRunner:
         verify_rows = torch.from_numpy(np.concatenate(
             [np.arange(ends[i] - len(drafts[i]) - 1, ends[i]) for i in verified]))
         expanded = [states[i] for i in verified for _ in range(len(drafts[i]) + 1)]
+        _, slots = self._penalty_slots([states[i] for i in verified])
+        at_drafts, positions = self.penalties.through_drafts(slots,
+                                                             [drafts[i] for i in verified])
         rows = VerifyRows(verified, [drafts[i] for i in verified],
                           logits[verify_rows.to(logits.device)],
-                          SamplingMetadata.from_requests(expanded, logits.shape[1],
-                                                         self.device))
+                          SamplingMetadata.from_requests(
+                              expanded, logits.shape[1], self.device,
+                              penalty_state=at_drafts, penalty_slots=positions))
         if not ordinary:
             return StepHandle(states, None, None, prompt_logprobs, rows, ordinary, tiers)
         ordinary_states = [states[i] for i in ordinary]
@@ -718,28 +722,38 @@ class ModelRunner:
     def _sample_verified(self, step: StepHandle,
                          grammar: GrammarOutput | None) -> PendingRunnerOutput:
         """The verified requests' accepted drafts and next tokens (`rejection.verify`), the
-        other rows sampled as usual; both merged into the step's rows."""
+        other rows sampled as usual; both merged into the step's rows. `grammar` has a row
+        per logits row: a verified request's k + 1 in a row."""
         states, ordinary, rows = step.states, step.ordinary, step.verify
+        num_rows = [1] * len(states)
+        for i, drafts in zip(rows.index, rows.drafts):
+            num_rows[i] = len(drafts) + 1
+        firsts = np.cumsum([0] + num_rows[:-1])
+        if grammar is not None:
+            verify_rows = np.concatenate([np.arange(firsts[i], firsts[i] + num_rows[i])
+                                          for i in rows.index])
+            rows.sampling.allowed_token_bitmask = to_device(
+                torch.from_numpy(grammar.bitmask[verify_rows]), self.device)
         tokens = torch.empty(len(states), dtype=torch.int64, device=self.device)
-        logprobs = None
+        ordinary_logprobs = None
         if step.logits is not None:
-            if grammar is not None:  # verified rows are never constrained (scheduler.py)
-                grammar = GrammarOutput([states[i].req_id for i in ordinary],
-                                        grammar.bitmask[ordinary])
-                self._attach_bitmask(step.sampling, [states[i] for i in ordinary], grammar)
+            if grammar is not None:
+                self._attach_bitmask(step.sampling, [states[i] for i in ordinary],
+                                     GrammarOutput([states[i].req_id for i in ordinary],
+                                                   grammar.bitmask[firsts[ordinary]]))
             sampled = self._sample(step.logits, step.sampling)
             tokens[ordinary] = sampled.sampled_token_ids
-            if sampled.logprobs is not None:  # verified rows want none: left empty
-                lp = sampled.logprobs
-                logprobs = LogprobsTensors(*(
-                    _scatter_rows(t, ordinary, len(states)) for t in (
-                        lp.top_token_ids, lp.top_logprobs, lp.sampled_logprobs,
-                        lp.sampled_ranks)))
-        accepted_rows, verified_tokens = verify(rows, [states[i] for i in rows.index])
-        tokens[rows.index] = torch.tensor(verified_tokens, device=self.device)
+            ordinary_logprobs = sampled.logprobs
+        verified = _rank0_outcome(verify(rows, [states[i] for i in rows.index]), rows.drafts,
+                                  self.device)
+        tokens[rows.index] = torch.tensor(verified.tokens, device=self.device)
         accepted: list[list[int]] = [[] for _ in states]
-        for i, drafts in zip(rows.index, accepted_rows):
+        for i, drafts, token in zip(rows.index, verified.accepted, verified.tokens):
             accepted[i] = drafts
+            if states[i].sampling_params.needs_penalties:
+                self.penalties.count(states[i].req_id, [*drafts, token])
+        logprobs = _emitted_logprobs([len(a) + 1 for a in accepted],
+                                     (ordinary_logprobs, ordinary), (verified.logprobs, rows.index))
         return PendingRunnerOutput(states, SamplerOutput(tokens, logprobs),
                                    step.prompt_logprobs, accepted, step.tiers,
                                    self._proposal(step.draft))
@@ -789,20 +803,23 @@ class ModelRunner:
 
     def sampling_metadata(self, states: list[CachedRequestState], logits: Tensor,
                           last_token_ids: Tensor | None = None) -> SamplingMetadata:
-        """The one place a step's sampling inputs are built from the runner's state. A
-        request with penalties gets its slot in `penalties` when it first samples (its
-        outputs so far are all known then) and keeps it across preemption until it finishes.
+        """The one place a step's sampling inputs are built from the runner's state.
         `last_token_ids`: the step's input tokens at the sampled positions (for bad words and
         thinking budgets)."""
+        penalties, slots = self._penalty_slots(states)
+        return SamplingMetadata.from_requests(
+            states, logits.shape[1], self.device, fused=self.sampler.fused,
+            penalty_state=penalties, penalty_slots=slots, last_token_ids=last_token_ids)
+
+    def _penalty_slots(self, states: list[CachedRequestState]) -> tuple[PenaltyState, list[int]]:
+        """Each state's slot in `penalties` (-1: none), given to a request with penalties
+        when it first samples (its outputs so far are all known then); it keeps it across
+        preemption until it finishes."""
         penalties = self.penalties
         for state in states:
             if state.sampling_params.needs_penalties and state.req_id not in penalties:
                 penalties.add(state.req_id, state.prompt_token_ids, state.output_token_ids)
-        return SamplingMetadata.from_requests(
-            states, logits.shape[1], self.device, fused=self.sampler.fused,
-            penalty_state=penalties,
-            penalty_slots=penalties.slots([state.req_id for state in states]),
-            last_token_ids=last_token_ids)
+        return penalties, penalties.slots([state.req_id for state in states])
 
     def _attach_bitmask(self, meta: SamplingMetadata, states: list[CachedRequestState],
                         grammar: GrammarOutput) -> None:
@@ -846,11 +863,45 @@ def _sample_rows(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
     return firsts + offsets
 
 
-def _scatter_rows(values: Tensor, rows: list[int], num_rows: int) -> Tensor:
-    """`values`' rows placed at `rows` of a zero tensor of `num_rows` rows."""
-    full = values.new_zeros((num_rows, *values.shape[1:]))
-    full[rows] = values
-    return full
+def _rank0_outcome(verified: Verified, drafts: list[list[int]],
+                   device: torch.device) -> Verified:
+    """Rank 0's accepted counts and tokens on every tensor-parallel rank (each rank verifies
+    the same gathered logits with the same generators, but feeds the outcome to its next
+    step, so the ranks must agree to the bit, as `_sample` makes them for sampled tokens);
+    the outcome itself with one rank. Logprobs are rank 0's alone to report."""
+    if parallel.get_tp().size == 1:
+        return verified
+    outcome = torch.tensor([[len(a) for a in verified.accepted], verified.tokens],
+                           dtype=torch.int64, device=device)
+    counts, tokens = parallel.broadcast_(outcome).tolist()
+    return Verified([d[:n] for d, n in zip(drafts, counts)], tokens, verified.logprobs)
+
+
+def _emitted_logprobs(num_emitted: list[int],
+                      *parts: tuple[LogprobsTensors | None, list[int]]) -> LogprobsTensors | None:
+    """A verify step's logprobs, one row per token emitted (each row's accepted drafts,
+    then its sampled token), from `parts`: (logprobs, the step rows they cover), a row
+    each of the ordinary rows' and `num_emitted` each of the verified rows'. The top
+    columns are padded to the widest part (past a request's own k, never read)."""
+    parts = [(lp, index) for lp, index in parts if lp is not None]
+    if not parts:
+        return None
+    firsts = np.cumsum([0] + num_emitted[:-1])
+    total, width = sum(num_emitted), max(lp.top_token_ids.shape[1] for lp, _ in parts)
+    device = parts[0][0].sampled_logprobs.device
+    out = LogprobsTensors(torch.zeros(total, width, dtype=torch.int64, device=device),
+                          torch.zeros(total, width, dtype=torch.float32, device=device),
+                          torch.zeros(total, dtype=torch.float32, device=device),
+                          torch.ones(total, dtype=torch.int64, device=device))
+    for lp, index in parts:
+        dest = torch.from_numpy(np.concatenate(
+            [np.arange(firsts[i], firsts[i] + num_emitted[i]) for i in index])).to(device)
+        columns = lp.top_token_ids.shape[1]
+        out.top_token_ids[dest, :columns] = lp.top_token_ids
+        out.top_logprobs[dest, :columns] = lp.top_logprobs
+        out.sampled_logprobs[dest] = lp.sampled_logprobs
+        out.sampled_ranks[dest] = lp.sampled_ranks
+    return out
 
 
 def _unbind_kv_cache(layers: list, first_k_cache: Tensor) -> None:

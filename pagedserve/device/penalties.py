@@ -80,6 +80,46 @@ class PenaltyState:
         self.output_counts.view(-1).scatter_add_(
             0, flat, torch.ones_like(flat, dtype=torch.int32))
 
+    def through_drafts(self, slots: Sequence[int], drafts: Sequence[Sequence[int]]
+                       ) -> tuple[PenaltyState, list[int]]:
+        """The counts at each position of speculative verifies, as a throwaway state with a
+        slot per position: a request's position j counts its outputs and its first j drafts
+        (those accepted before it, if it is reached at all), so each position is penalized
+        as it would be one token a step. `slots`: each verified request's slot here (-1:
+        no penalties), `drafts` its drafts; returns the state and each position's slot in
+        it (k + 1 per request, -1 where its request has none)."""
+        view = PenaltyState(self.vocab_size, self.device, initial_slots=0)
+        sources, positions, rows, tokens = [], [], [], []
+        for slot, request_drafts in zip(slots, drafts):
+            num = len(request_drafts) + 1
+            if slot < 0:
+                positions += [-1] * num
+                continue
+            first = len(sources)
+            sources += [slot] * num
+            positions += range(first, first + num)
+            for j in range(1, num):  # position j: drafts 0 .. j - 1 counted
+                rows += [first + j] * j
+                tokens += request_drafts[:j]
+        if not sources:
+            return view, positions
+        index = self._upload(sources)
+        view.output_counts = self.output_counts.index_select(0, index)
+        view.prompt_mask = self.prompt_mask.index_select(0, index)
+        if rows:
+            view.output_counts.index_put_(
+                (self._upload(rows), self._upload(tokens)),
+                torch.ones(len(rows), dtype=torch.int32, device=self.device), accumulate=True)
+        return view, positions
+
+    def count(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Count tokens a request received outside the sampler (a verify's accepted
+        drafts and the token after them)."""
+        slot = self._slots[request_id]
+        ids = self._upload(token_ids)
+        self.output_counts[slot].index_put_(
+            (ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+
     def _new_slot(self) -> int:
         used = 1 + len(self._slots) + len(self._free)  # the spare slot included
         capacity = self.output_counts.shape[0]

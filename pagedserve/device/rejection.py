@@ -17,6 +17,11 @@ known token and after each draft). Its sampling must stay exactly the target's:
 
 The draws come from the request's generator when it is seeded (so a seed repeats its output
 under speculation, as it does without), else from the device's default one.
+
+Each position is processed as the sampler would process it one token a step: its own rows
+of the token restrictions (a grammar's bitmask as of the drafts before it), penalties from
+counts that include those drafts (`PenaltyState.through_drafts`), and logprobs of the raw
+(restricted, unpenalized) distribution for every token emitted.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import torch
 from torch import Tensor
 
 from pagedserve.device.input_batch import CachedRequestState
-from pagedserve.device.sampler import SamplingMetadata, random_probs, restrict
+from pagedserve.device.sampler import (
+    LogprobsTensors, SamplingMetadata, gather_logprobs, random_probs, restrict)
+from pagedserve.kernels.penalties import apply_penalties
 
 
 @dataclass
@@ -42,13 +49,26 @@ class VerifyRows:
     sampling: SamplingMetadata
 
 
-def verify(rows: VerifyRows, states: Sequence[CachedRequestState]
-           ) -> tuple[list[list[int]], list[int]]:
+@dataclass
+class Verified:
+    """A verify's outcome per verified request: its accepted drafts and the token after
+    them; with logprobs, one row per emitted token (accepted drafts, then the token), in
+    request order."""
+
+    accepted: list[list[int]]
+    tokens: list[int]
+    logprobs: LogprobsTensors | None
+
+
+def verify(rows: VerifyRows, states: Sequence[CachedRequestState]) -> Verified:
     """Each verified request's accepted drafts and the token sampled after them."""
-    logits = restrict(rows.logits, rows.sampling).float()
+    meta = rows.sampling
+    restricted = restrict(rows.logits, meta).float()
+    logits = (apply_penalties(restricted, meta.penalties) if meta.penalties is not None
+              else restricted)
     greedy = logits.argmax(-1).tolist()
-    probs = random_probs(logits, rows.sampling) if not rows.sampling.all_greedy else None
-    accepted, tokens = [], []
+    probs = random_probs(logits, meta) if not meta.all_greedy else None
+    accepted, tokens, emitted = [], [], []
     start = 0
     for drafts, state in zip(rows.drafts, states):
         k = len(drafts)
@@ -60,8 +80,15 @@ def verify(rows: VerifyRows, states: Sequence[CachedRequestState]
                                           state.generator_for(logits.device))
         accepted.append(drafts[:num])
         tokens.append(token)
+        emitted += [(start + j, t) for j, t in enumerate((*drafts[:num], token))]
         start += k + 1
-    return accepted, tokens
+    logprobs = None
+    if meta.max_num_logprobs is not None:
+        positions, ids = (torch.tensor(column, device=logits.device)
+                          for column in zip(*emitted))
+        logprobs = gather_logprobs(restricted[positions].log_softmax(-1), ids,
+                                   meta.max_num_logprobs)
+    return Verified(accepted, tokens, logprobs)
 
 
 def _greedy(drafts: list[int], targets: list[int]) -> tuple[int, int]:

@@ -84,12 +84,15 @@ def _structured_outputs(config: EngineConfig, executor: Executor, tokenizer: Any
     # pinned for an in-process runner on CUDA to upload
     pin = isinstance(executor, UniprocExecutor) and on_gpu
     separate = on_gpu if config.grammar_process is None else config.grammar_process
+    rows = config.max_num_seqs  # bitmask rows: a verify's k + 1 each (speculation)
+    spec = config.speculative_config
+    if spec is not None:
+        rows += min(rows, spec.disable_by_batch_size) * spec.num_speculative_tokens
     if separate:
         return GrammarProcess(tokenizer, tokenizer_source, model_config.vocab_size,
-                              eos_token_ids, config.max_num_seqs, pin_memory=pin)
+                              eos_token_ids, rows, pin_memory=pin)
     return StructuredOutputManager(tokenizer, model_config.vocab_size, eos_token_ids,
-                                   config.max_num_seqs, pin_memory=pin,
-                                   device_type=executor.device_type)
+                                   rows, pin_memory=pin, device_type=executor.device_type)
 
 
 class EngineCore:
@@ -97,9 +100,6 @@ class EngineCore:
         """`loaded` lets tests and benchmarks build engines with other KV budgets or
         scheduling options over one copy of the weights instead of reloading them (one
         process only: tensor-parallel workers load their own shards)."""
-        if config.speculative_config is not None and config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config does not run with tensor_parallel_size > 1 "
-                             "yet: each rank would draw its own rejections")
         torch.manual_seed(config.seed)
         phases = StartupPhases()
         if loaded is None and config.tensor_parallel_size == 1:
@@ -159,11 +159,7 @@ class EngineCore:
             self.structured = _structured_outputs(config, executor, self.tokenizer,
                                                   self.tokenizer_source, self.model_config,
                                                   self.eos_token_ids)
-        # speculation needs each step's accepted count before the next is scheduled
-        self.async_scheduling = (executor.device_type == "cuda"
-                                 and config.speculative_config is None
-                                 if config.async_scheduling is None
-                                 else config.async_scheduling)
+        self.async_scheduling = _async_scheduling(config, executor.device_type)
         self._prompt_logprobs: dict[str, LogprobsLists] = {}  # until each request's first token
 
     @property
@@ -255,7 +251,8 @@ class EngineCore:
         if not scheduler_output.is_empty:  # finished ids alone still reach the runner
             step, _ = self.executor.execute_model(scheduler_output)
             rows = self._grammar_rows(scheduler_output, 0)
-            grammar = self.structured.grammar_bitmask(rows) if rows is not None else None
+            grammar = (self.structured.grammar_bitmask(rows, scheduler_output.draft_token_ids)
+                       if rows is not None else None)
             tokens = self.executor.sample_tokens(step, grammar)
             outputs = self._update(scheduler_output, tokens.result())
         return self._step_outputs(failed + outputs)
@@ -340,19 +337,20 @@ class EngineCore:
             self._collect_prompt_logprobs(runner_output.prompt_logprobs)
         progressed = self.scheduler.update_from_output(scheduler_output, runner_output)
         structured = self.structured
-        if next_rows is not None:
-            structured.submit([request for request, _ in progressed], next_rows)
-        elif structured.has_requests():
-            structured.submit([request for request, _ in progressed])
-        rows = (dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
-                if runner_output.logprobs is not None else None)
+        if next_rows is not None or structured.has_requests():
+            num_new = ([n for _, n in progressed] if runner_output.accepted_token_ids
+                       else None)
+            structured.submit([request for request, _ in progressed], next_rows,
+                              num_new=num_new)
+        rows = _logprobs_rows(runner_output) if runner_output.logprobs is not None else None
         outputs = []
         append = outputs.append
         for request, num_new in progressed:  # per request at every step: attribute reads
             logprobs = None
             if rows is not None and request.sampling_params.logprobs is not None:
-                logprobs = [_token_logprobs(runner_output, rows[request.request_id],
-                                            request.sampling_params.logprobs)]
+                first, k = rows[request.request_id], request.sampling_params.logprobs
+                logprobs = [_token_logprobs(runner_output, first + j, k)
+                            for j in range(num_new)]
             finish_reason = FINISH_REASON_VALUES.get(request.status)
             if finish_reason is not None and structured.has_requests():
                 structured.remove_request(request.request_id)
@@ -404,6 +402,21 @@ class EngineCore:
             **_tier_stats(scheduler))
 
 
+def _async_scheduling(config: EngineConfig, device_type: str) -> bool:
+    """The user's choice, else on for CUDA. Speculative decoding keeps it off (the config
+    refuses both asked for): the next step's drafts and slots depend on how many drafts
+    this step accepts, so it cannot be scheduled before this one's tokens are back."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    if device_type != "cuda":
+        return False
+    if config.speculative_config is not None:
+        logger.info("async scheduling is off: speculative decoding schedules each step "
+                    "after the previous one's accepted tokens are known")
+        return False
+    return True
+
+
 def _proposer(config: SpeculativeConfig | None) -> Proposer | None:
     """The host's drafts of the configured method (None: no speculation, or a proposer on
     the device, which the runner runs: device/drafter.py)."""
@@ -424,6 +437,19 @@ def _tier_stats(scheduler: Scheduler) -> dict[str, int | float]:
                      disk_tier_stores=disk.stats.stores, disk_tier_evictions=disk.stats.evictions,
                      disk_tier_load_failures=scheduler.num_failed_loads)
     return stats
+
+
+def _logprobs_rows(runner_output: ModelRunnerOutput) -> dict[str, int]:
+    """Each request's first row of the step's logprobs: one row per token it received (a
+    verified request's accepted drafts, then its sampled token)."""
+    accepted = runner_output.accepted_token_ids
+    if accepted is None:
+        return dict(zip(runner_output.req_ids, range(len(runner_output.req_ids))))
+    rows, first = {}, 0
+    for req_id, drafts in zip(runner_output.req_ids, accepted):
+        rows[req_id] = first
+        first += len(drafts) + 1
+    return rows
 
 
 def _token_logprobs(runner_output: ModelRunnerOutput, row: int, k: int) -> TokenLogprobs:

@@ -60,8 +60,9 @@ placed one by one (a stop ends the run), the rejected drafts are taken off
 `num_computed_tokens`, the blocks only they needed go back to the pool (`trim`; the runner
 cuts its row to match, `truncated_block_rows`), and the blocks the accepted tokens complete
 are hashed. No drafting while more than `disable_by_batch_size` requests run, nor for a
-request whose sampling a verify could not keep exact (penalties, bad words, thinking budgets
-and grammars depend on the tokens before each position) or that wants logprobs.
+request whose sampling a verify could not keep exact (bad words, thinking budgets and a
+grammar that starts after a marker are decided on the host from the tokens before each
+position); penalties and grammars are applied per position (`speculates`).
 
 A proposer on the device (a draft model, EAGLE-3 heads: `device/drafter.py`) drafts in the
 runner after the step instead: a request that may be drafted for gets its blocks that many
@@ -603,12 +604,14 @@ def _priority_order(request: Request) -> tuple[int, float]:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a verify keeps this sampling exact: penalties, bad words, thinking budgets and
-    grammars change each position's distribution with the tokens before it, and logprobs
-    are reported one row per step."""
-    return not (params.needs_penalties or params.bad_words_token_ids
-                or params.thinking_budget is not None
-                or params.structured_outputs is not None or params.logprobs is not None)
+    """Whether a verify keeps this sampling exact. Penalties and grammars are applied per
+    position as of the drafts before it (the runner's penalty counts, the grammar's masks);
+    bad words, thinking budgets and a grammar that starts after a marker are decided by the
+    host between steps from the tokens before each position, which a verify does not
+    have."""
+    structured = params.structured_outputs
+    return not (params.bad_words_token_ids or params.thinking_budget is not None
+                or (structured is not None and structured.starts_after is not None))
 
 
 class SpecStats:

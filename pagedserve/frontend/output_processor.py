@@ -197,6 +197,10 @@ class OutputProcessor:
         if stop is None:
             return
         if end is not None and end < len(sample.token_ids):  # before the step's last token
+            if sample.logprobs is not None:  # the dropped tokens' logprobs go with them
+                for token, entry in zip(sample.token_ids[end:], sample.logprobs[end:]):
+                    sample.cumulative_logprob -= entry[token].logprob
+                del sample.logprobs[end:]
             del sample.token_ids[end:]
             sample.finish_reason, sample.stop_reason = "stop", stop
             to_abort.append(sample.request_id)  # ignored by the core if it finished there

@@ -50,13 +50,18 @@ class GrammarBackend(Protocol):
         """The request's next token is masked by its grammar, or (a grammar that starts after
         a marker) may be once its `num_unseen` tokens in flight are submitted."""
 
-    def grammar_bitmask(self, req_ids: Sequence[str]) -> GrammarOutput | None:
+    def grammar_bitmask(self, req_ids: Sequence[str],
+                        drafts: dict[str, list[int]] | None = None) -> GrammarOutput | None:
         """The bitmask of a step's sampling rows, now (`submit` then `take_bitmask`)."""
 
     def submit(self, requests: Iterable[Any] = (),
-               sampling_ids: Sequence[str] | None = None) -> None:
-        """Advance the matchers of `requests` by their last output token, then, if
-        `sampling_ids` is given, fill those rows' bitmask. Returns at once."""
+               sampling_ids: Sequence[str] | None = None,
+               drafts: dict[str, list[int]] | None = None,
+               num_new: Sequence[int] | None = None) -> None:
+        """Advance the matchers of `requests` by the tokens each received (its last
+        `num_new` output tokens; None: its last one), then, if `sampling_ids` is given, fill
+        those rows' bitmask: k + 1 rows for a row verifying k `drafts` (speculative
+        decoding), the masks of the states its drafts lead to. Returns at once."""
 
     def take_bitmask(self) -> GrammarOutput | None:
         """The bitmask of the last `submit` with rows; None if none of them is constrained."""

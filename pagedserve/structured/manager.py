@@ -145,6 +145,8 @@ class _Task:
     accept_tokens: list[int] = field(default_factory=list)
     fill_handles: list[Any] = field(default_factory=list)
     fill_rows: list[int] = field(default_factory=list)
+    # speculative verifies: (entry, its drafts, its first row), k + 1 rows each
+    draft_fills: list[tuple[_Entry, list[int], int]] = field(default_factory=list)
 
     def run(self, filler: Any, bitmask: np.ndarray | None) -> Any:
         """The accept's results (an FFI array of 0/1, one per token), or None."""
@@ -154,11 +156,34 @@ class _Task:
         if self.fill_handles:
             filler.batch_fill_next_token_bitmask(self.fill_handles, bitmask, self.fill_rows,
                                                  False)
+        for entry, drafts, first in self.draft_fills:
+            _fill_through_drafts(filler, bitmask, entry, drafts, first)
         return results
 
     @property
     def empty(self) -> bool:
-        return not (self.accept_handles or self.fill_handles)
+        return not (self.accept_handles or self.fill_handles or self.draft_fills)
+
+
+def _fill_through_drafts(filler: Any, bitmask: np.ndarray, entry: _Entry, drafts: list[int],
+                         first: int) -> None:
+    """A verify's rows: row j is the mask of the state the matcher reaches through the first
+    j drafts; the matcher is rolled back after, so the tokens the verify accepts are then
+    accepted as any step's are. Past a draft the grammar refuses (the row before masks it
+    out, so the verify never gets there) or a stop token (the grammar has ended: the
+    request stops, or goes free) the rows allow every token."""
+    matcher, num = entry.matcher, 0
+    for j in range(len(drafts) + 1):
+        if j and (matcher.is_terminated() or not matcher.accept_token(drafts[j - 1])):
+            bitmask[first + j:first + len(drafts) + 1] = -1
+            break
+        num = j
+        if matcher.is_terminated():
+            bitmask[first + j:first + len(drafts) + 1] = -1
+            break
+        filler.batch_fill_next_token_bitmask([entry.handle], bitmask, [first + j], False)
+    if num:
+        matcher.rollback(num)
 
 
 def _batch_accept() -> Any:
@@ -228,6 +253,23 @@ def _work(inbox: queue.SimpleQueue) -> None:
             report = (index, None, exc)
         _Switch.task_done(job)  # first: whoever waits for the report finds it restored
         job.done.put(report)
+
+
+def new_tokens(requests: Iterable[Any], num_new: Sequence[int] | None
+                ) -> Iterable[tuple[str, int]]:
+    """(request id, token) of each request's last `num_new` output tokens, in order."""
+    if num_new is None:
+        return ((r.request_id, r.output_token_ids[-1]) for r in requests)
+    return ((r.request_id, token) for r, n in zip(requests, num_new)
+            for token in r.output_token_ids[len(r.output_token_ids) - n:])
+
+
+def bitmask_rows(sampling_ids: Sequence[str], drafts: dict[str, list[int]] | None) -> list[str]:
+    """A step's bitmask rows: a sampling row each, k + 1 for a row verifying k drafts."""
+    if not drafts:
+        return list(sampling_ids)
+    return [req_id for req_id in sampling_ids
+            for _ in range(len(drafts.get(req_id, ())) + 1)]
 
 
 def _stop_workers(inboxes: list[queue.SimpleQueue]) -> None:
@@ -446,23 +488,28 @@ class StructuredOutputManager:
 
     # -- the step's work ----------------------------------------------------------------------
 
-    def grammar_bitmask(self, req_ids: Sequence[str]) -> GrammarOutput | None:
+    def grammar_bitmask(self, req_ids: Sequence[str],
+                        drafts: dict[str, list[int]] | None = None) -> GrammarOutput | None:
         """The bitmask of a step's sampling rows, now: `submit` then `take_bitmask`."""
-        self.submit((), req_ids)
+        self.submit((), req_ids, drafts)
         return self.take_bitmask()
 
     def submit(self, requests: Iterable[Any] = (),
-               sampling_ids: Sequence[str] | None = None) -> None:
-        """Queue a job and return: advance the matchers of `requests` (each just received
-        its last output token), then, if `sampling_ids` is given (a step's sampling rows,
-        in order), fill their bitmask rows, which `take_bitmask` returns."""
-        self.submit_tokens(((r.request_id, r.output_token_ids[-1]) for r in requests),
-                           sampling_ids)
+               sampling_ids: Sequence[str] | None = None,
+               drafts: dict[str, list[int]] | None = None,
+               num_new: Sequence[int] | None = None) -> None:
+        """Queue a job and return: advance the matchers of `requests` by the tokens each
+        just received (its last `num_new` output tokens; None: its last one), then, if
+        `sampling_ids` is given (a step's sampling rows, in order), fill their bitmask
+        rows, which `take_bitmask` returns: one per row, k + 1 for a row that verifies k
+        `drafts` (speculative decoding: the masks of the states its drafts lead to)."""
+        self.submit_tokens(new_tokens(requests, num_new), sampling_ids, drafts)
 
     def submit_tokens(self, tokens: Iterable[tuple[str, int]],
-                      sampling_ids: Sequence[str] | None = None) -> None:
-        """`submit` of (request id, its new token) pairs. A matcher is advanced and filled
-        by one worker, in the order of the calls.
+                      sampling_ids: Sequence[str] | None = None,
+                      drafts: dict[str, list[int]] | None = None) -> None:
+        """`submit` of (request id, its new token) pairs, in order. A matcher is advanced
+        and filled by one worker, in the order of the calls.
 
         A stop token is accepted here, on the calling thread (after the matcher's queued
         work): it ends the grammar, the request goes unconstrained (e.g. under ignore_eos),
@@ -483,16 +530,16 @@ class StructuredOutputManager:
                     if watched:
                         self._watch(request_id, token)
                     continue
-                if token in stop_set:
-                    self._accept_stop(entry, token)
-                    continue
                 task = tasks[entry.slot % workers]
+                if token in stop_set:
+                    self._accept_stop(entry, token, task)
+                    continue
                 task.accept_entries.append(entry)
                 task.accept_handles.append(entry.handle)
                 task.accept_tokens.append(token)
         if sampling_ids is not None:
-            job.req_ids = list(sampling_ids)
-            self._plan_fill(job, workers)
+            job.req_ids = bitmask_rows(sampling_ids, drafts)
+            self._plan_fill(job, workers, drafts)
         if all(task.empty for task in tasks):
             if job.req_ids is not None:
                 self._jobs.append(job)  # nothing to wait for: its rows are all free
@@ -525,17 +572,27 @@ class StructuredOutputManager:
             del self._watched[request_id]
             self._constrain(request_id, item.matcher, ())
 
-    def _accept_stop(self, entry: _Entry, token: int) -> None:
-        """A stop token ends the grammar if accepted; either way the request goes free."""
+    def _accept_stop(self, entry: _Entry, token: int, task: _Task) -> None:
+        """A stop token ends the grammar if accepted; either way the request goes free. The
+        tokens before it in this job (a verify's accepted drafts) are taken out of `task`
+        and accepted here first."""
         self.wait()  # its earlier tokens first (in the engine's order, nothing is queued)
-        if not entry.matcher.accept_token(token):
+        earlier = [t for e, t in zip(task.accept_entries, task.accept_tokens) if e is entry]
+        if earlier:
+            kept = [i for i, e in enumerate(task.accept_entries) if e is not entry]
+            task.accept_entries = [task.accept_entries[i] for i in kept]
+            task.accept_handles = [task.accept_handles[i] for i in kept]
+            task.accept_tokens = [task.accept_tokens[i] for i in kept]
+        if not all(entry.matcher.accept_token(t) for t in (*earlier, token)):
             logger.error("request %s: token %d does not match its grammar; its output is no "
                          "longer constrained", entry.request_id, token)
         self._release(entry.request_id)
 
-    def _plan_fill(self, job: _Job, workers: int) -> None:
-        """Give each constrained row to its matcher's worker. The rows left free are reset
-        to all ones where this buffer last held a grammar's row."""
+    def _plan_fill(self, job: _Job, workers: int,
+                   drafts: dict[str, list[int]] | None = None) -> None:
+        """Give each constrained row to its matcher's worker (a verify's k + 1 rows
+        together). The rows left free are reset to all ones where this buffer last held a
+        grammar's row."""
         index = self._next_buffer
         self._next_buffer ^= 1
         buffer, dirty = self._buffers[index], self._dirty[index]
@@ -543,13 +600,21 @@ class StructuredOutputManager:
         filled = np.zeros(num_rows, dtype=bool)
         entries, tasks = self._entries, job.tasks
         if entries:
-            for row, req_id in enumerate(job.req_ids):
+            row = 0
+            while row < num_rows:
+                req_id = job.req_ids[row]
                 entry = entries.get(req_id)
+                verified = drafts.get(req_id) if drafts else None
                 if entry is not None:
                     task = tasks[entry.slot % workers]
-                    task.fill_handles.append(entry.handle)
-                    task.fill_rows.append(row)
-                    filled[row] = True
+                    if verified:
+                        task.draft_fills.append((entry, verified, row))
+                        filled[row:row + len(verified) + 1] = True
+                    else:
+                        task.fill_handles.append(entry.handle)
+                        task.fill_rows.append(row)
+                        filled[row] = True
+                row += len(verified) + 1 if verified else 1
         reset = np.flatnonzero(dirty[:num_rows] & ~filled)
         if len(reset):
             buffer[reset] = -1

@@ -57,7 +57,7 @@ import zmq
 from pagedserve import ipc
 from pagedserve.structured.grammar import GrammarCache, grammar_vocab_size
 from pagedserve.structured.manager import (
-    GrammarOutput, StructuredOutputManager, default_num_threads)
+    GrammarOutput, StructuredOutputManager, bitmask_rows, default_num_threads, new_tokens)
 from pagedserve.structured.marker import MarkerWatch, split_at_marker
 from pagedserve.structured.params import StructuredOutputsParams
 
@@ -81,6 +81,7 @@ class _Remove(msgspec.Struct, array_like=True, tag="r"):
 class _Submit(msgspec.Struct, array_like=True, tag="s"):
     tokens: list[tuple[str, int]]  # (request id, its new token)
     sampling_ids: list[str] | None  # the step's sampling rows to fill, in order
+    drafts: dict[str, list[int]] | None = None  # speculative verifies' drafts, by request
 
 
 class _Threads(msgspec.Struct, array_like=True, tag="n"):
@@ -219,19 +220,22 @@ class GrammarProcess:
 
     # -- the step's work ----------------------------------------------------------------------
 
-    def grammar_bitmask(self, req_ids: Sequence[str]) -> GrammarOutput | None:
-        self.submit((), req_ids)
+    def grammar_bitmask(self, req_ids: Sequence[str],
+                        drafts: dict[str, list[int]] | None = None) -> GrammarOutput | None:
+        self.submit((), req_ids, drafts)
         return self.take_bitmask()
 
     def submit(self, requests: Iterable[Any] = (),
-               sampling_ids: Sequence[str] | None = None) -> None:
+               sampling_ids: Sequence[str] | None = None,
+               drafts: dict[str, list[int]] | None = None,
+               num_new: Sequence[int] | None = None) -> None:
         """`StructuredOutputManager.submit`: only the constrained requests' tokens are sent,
         and nothing when there is nothing to do."""
         if sampling_ids is not None and self._filling is not None:
             raise RuntimeError("a bitmask is being filled: take it before the next one")
         constrained, watched = self._constrained, self._watched
-        tokens = [(r.request_id, r.output_token_ids[-1]) for r in requests
-                  if r.request_id in constrained or r.request_id in watched
+        tokens = [(request_id, token) for request_id, token in new_tokens(requests, num_new)
+                  if request_id in constrained or request_id in watched
                   ] if constrained or watched else []
         if watched:
             for request_id, token in tokens:
@@ -241,9 +245,10 @@ class GrammarProcess:
                     constrained.add(request_id)
         fill = None
         if sampling_ids is not None and any(i in constrained for i in sampling_ids):
-            fill = self._filling = list(sampling_ids)
+            fill = list(sampling_ids)
+            self._filling = bitmask_rows(fill, drafts)
         if tokens or fill is not None:
-            self._send(_Submit(tokens, fill))
+            self._send(_Submit(tokens, fill, drafts if fill is not None else None))
 
     def take_bitmask(self) -> GrammarOutput | None:
         """The bitmask of the last `submit` with constrained rows, as the child filled it in
@@ -403,7 +408,7 @@ def _apply(message: _Message, channel: ipc.Channel, manager: StructuredOutputMan
            buffers: list[np.ndarray], released: list[str]) -> bool:
     """One message of the engine's; False once told to stop."""
     if isinstance(message, _Submit):
-        manager.submit_tokens(message.tokens, message.sampling_ids)
+        manager.submit_tokens(message.tokens, message.sampling_ids, message.drafts)
         if message.sampling_ids is not None:
             channel.send(_take(manager, buffers, released))
     elif isinstance(message, _Remove):

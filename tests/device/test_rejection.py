@@ -80,11 +80,16 @@ def test_greedy_accepts_up_to_the_first_mismatch():
     logits = torch.full((7, vocab), -5.0)
     for row, best in enumerate([3, 1, 4, 2, 5, 0, 1]):
         logits[row, best] = 5.0
-    states = [CachedRequestState("a", [1], SamplingParams(temperature=0.0)),
+    states = [CachedRequestState("a", [1], SamplingParams(temperature=0.0, logprobs=1)),
               CachedRequestState("b", [1], SamplingParams(temperature=0.0))]
     drafts = [[3, 1, 0], [5, 0]]  # a: two accepted then a miss; b: all accepted
     expanded = [states[0]] * 4 + [states[1]] * 3
     rows = VerifyRows([0, 1], drafts, logits,
                       SamplingMetadata.from_requests(expanded, vocab, torch.device("cpu")))
-    accepted, tokens = verify(rows, states)
-    assert accepted == [[3, 1], [5, 0]] and tokens == [4, 1]
+    result = verify(rows, states)
+    assert result.accepted == [[3, 1], [5, 0]] and result.tokens == [4, 1]
+    # a row of logprobs per emitted token, at its own position: a's 0-2, b's 4-6
+    emitted = torch.tensor([3, 1, 4, 5, 0, 1])
+    positions = torch.tensor([0, 1, 2, 4, 5, 6])
+    want = logits.log_softmax(-1)[positions, emitted]
+    torch.testing.assert_close(result.logprobs.sampled_logprobs, want)

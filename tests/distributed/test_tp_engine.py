@@ -102,6 +102,34 @@ def test_tp2_tokens_equal_tp1(llama, async_scheduling):
         tp2.llm_engine.shutdown()
 
 
+def test_tp2_with_ngram_speculation_gives_tp1s_tokens(llama):
+    """A verify is an ordinary batch for the workers; the ranks take rank 0's acceptances.
+    Greedy rows (one with penalties and logprobs) and a grammar-constrained one, verified
+    under TP=2, give the tokens of TP=1 without speculation. Each prompt holds its own
+    greedy continuation, then its start again, so prompt lookup proposes it."""
+    gen = torch.Generator().manual_seed(5)
+    starts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (6, 9, 12)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    reference = engine(llama, 1)
+    continued = reference.generate(starts, greedy, use_tqdm=False)
+    prompts = [s + c.outputs[0].token_ids + s for s, c in zip(starts, continued)]
+    params = [greedy, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                     logprobs=2, frequency_penalty=0.5),
+              SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=(
+                  StructuredOutputsParams(choice=CHOICES)))]
+    want = reference.generate(prompts, params, use_tqdm=False)
+    tp2 = engine(llama, 2, speculative_config={"method": "ngram",
+                                               "num_speculative_tokens": 3})
+    try:
+        got = tp2.generate(prompts, params, use_tqdm=False)
+        assert stats(tp2).spec_num_accepted_tokens > 0
+    finally:
+        tp2.llm_engine.shutdown()
+    assert got[2].outputs[0].text in CHOICES
+    assert_same_outputs([[(c.token_ids, c.logprobs) for c in o.outputs] for o in got],
+                        [[(c.token_ids, c.logprobs) for c in o.outputs] for o in want])
+
+
 def test_tp2_tokens_equal_tp1_when_kv_heads_do_not_split(llama_kv3):
     want = run(engine(llama_kv3, 1))
     tp2 = engine(llama_kv3, 2)

@@ -1,7 +1,8 @@
 """Speculative decoding (issue 30) on a tiny random float32 Qwen3 checkpoint: greedy tokens
 identical to the engine without speculation across chunked prefill, prefix hits, n > 1, stop
-strings, stop token ids, EOS, a json_schema request and requests that do not speculate
-(penalties, logprobs) in the same batch, and across preemption; seeded sampling repeats;
+strings, stop token ids, EOS, a json_schema request, penalties and logprobs in the same
+batch, and across preemption; rows with penalties, logprobs or a JSON schema are verified
+(drafts accepted) with the same tokens and logprobs as without; seeded sampling repeats;
 every engine ends with its pool clean (`run` checks). The tiny model's greedy outputs loop,
 so prompt lookup finds drafts and some are accepted (checked through the engine's stats)."""
 
@@ -12,7 +13,6 @@ import json
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core import EngineCore
 from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.frontend.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ def mixed_batch(free_run) -> list[Arrival]:
         Arrival(0, "p0", ps[0], greedy(32)),
         Arrival(0, "p1-chunked", ps[1], greedy(30)),
         Arrival(1, "p0-stop-token", ps[0], greedy(32, stop_token_ids=[p0.token_ids[20]])),
-        Arrival(2, "p3-stop-string", ps[3], greedy(32, stop=[stop_text])),
+        Arrival(2, "p3-stop-string", ps[3], greedy(32, stop=[stop_text], logprobs=1)),
         Arrival(3, "p4-n2", ps[2] + ps[0], SamplingParams(n=2, temperature=0.0, max_tokens=20,
                                                           ignore_eos=True)),
         Arrival(5, "p5-prefix-hit", ps[1][:48] + ps[3][:20], greedy(24)),
@@ -89,6 +89,51 @@ def test_greedy_tokens_match_the_engine_without_speculation(loaded, free_run):
     assert plain["p9-eos"][0][2] == "stop"
     if plain["p8-json"][0][2] == "stop":  # else it ran out of max_tokens
         assert isinstance(json.loads(plain["p8-json"][0][1])["a"], int)
+
+
+def verified_and_plain(loaded, prompt: list[int], params: SamplingParams):
+    """The request's output with speculation and without, and the speculative engine's
+    stats."""
+    outs = []
+    for spec in (NGRAM, None):
+        engine = make(loaded, spec)
+        outs.append(run(engine, [Arrival(0, "r", prompt, params)])["r"][0])
+        if spec is not None:
+            stats = engine.get_stats()
+    return outs[0], outs[1], stats
+
+
+@pytest.mark.parametrize("period, params", [
+    # a penalty strong enough that a position penalized without the drafts before it
+    # picks another token here
+    (5, greedy(32, frequency_penalty=1.0, logprobs=2)),
+    (7, greedy(32, logprobs=3)),
+], ids=["penalties", "logprobs"])
+def test_penalty_and_logprobs_rows_are_verified_exactly(loaded, period, params):
+    """Each position penalized as of the drafts before it; the logprobs of every accepted
+    token are the target's."""
+    speculative, plain, stats = verified_and_plain(loaded, repeated(0, period, 30), params)
+    assert stats.spec_num_accepted_tokens > 0
+    assert speculative.token_ids == plain.token_ids
+    assert len(speculative.logprobs) == len(plain.logprobs) == 32
+    for got, want in zip(speculative.logprobs, plain.logprobs):
+        assert got.keys() == want.keys()
+        for token, logprob in want.items():
+            assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
+            assert got[token].rank == logprob.rank
+    assert speculative.cumulative_logprob == pytest.approx(plain.cumulative_logprob, abs=1e-4)
+
+
+def test_json_schema_row_is_verified_under_its_grammar(loaded):
+    """Each draft position masked by the grammar state its drafts lead to."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    params = SamplingParams(temperature=0.0, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    speculative, plain, stats = verified_and_plain(loaded, repeated(0, 7, 30), params)
+    assert stats.spec_num_accepted_tokens > 0
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.finish_reason == "stop"
+    assert isinstance(json.loads(speculative.text)["a"], str)
 
 
 def test_greedy_tokens_match_across_preemption(loaded, free_run):
@@ -154,10 +199,8 @@ def test_bad_configs_are_refused_at_start(config, message):
         EngineConfig(speculative_config=config)
 
 
-def test_combinations_not_built_are_refused_at_start():
+def test_async_scheduling_asked_for_is_refused_at_start():
     with pytest.raises(ValueError, match="synchronous scheduling"):
         EngineConfig(speculative_config=NGRAM, async_scheduling=True)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineCore(EngineConfig(speculative_config=NGRAM, tensor_parallel_size=2))
     parsed = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config
     assert parsed.num_speculative_tokens == 4 and parsed.prompt_lookup_max == 3

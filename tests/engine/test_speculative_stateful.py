@@ -1,5 +1,5 @@
 """The scheduler with speculative decoding, against a simulated runner whose KV slots record
-the token prefix that produced them: speculative (greedy) and ordinary (penalized, which
+the token prefix that produced them: speculative (greedy) and ordinary (with bad words, which
 never speculate) requests arrive, are aborted and stepped on a small pool (so lookahead
 allocations preempt), and each verify accepts a drawn number of its drafts. After every step:
 the pool's invariants hold, no request holds a block past what its computed tokens and next
@@ -49,7 +49,7 @@ class SpecMachine(RuleBasedStateMachine):
     def arrive(self, prompt, max_tokens, speculative) -> None:
         max_tokens = max(1, min(max_tokens, MAX_LEN - len(prompt)))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                repetition_penalty=1.0 if speculative else 1.2)
+                                bad_words_token_ids=None if speculative else [[3]])
         self.scheduler.add_request(Request(f"r{self.next_id}", prompt, params, max_tokens))
         self.next_id += 1
 
@@ -69,7 +69,7 @@ class SpecMachine(RuleBasedStateMachine):
                                              out.num_scheduled_tokens):
             request = requests[req_id]
             drafts = out.draft_token_ids.get(req_id, [])
-            assert not drafts or request.sampling_params.repetition_penalty == 1.0
+            assert not drafts or request.sampling_params.bad_words_token_ids is None
             chunks.append((request, computed, computed + num_new,
                            request.all_token_ids + drafts))
         for request, start, end, tokens in chunks:  # the forward pass writes every chunk

@@ -66,6 +66,16 @@ def test_rows_match_the_in_process_manager_and_shutdown_cleans_up(tokenizer_dir)
             row = want.bitmask[i]
             request.output_token_ids.append(
                 next(t for t in range(VOCAB) if t != EOS and row[t // 32] >> (t % 32) & 1))
+    # a speculative verify's rows (k + 1 for a row with k drafts), then its tokens at once
+    drafts = {"a": [requests[0].output_token_ids[-1]]}  # ROWS: 3 rows and one draft
+    got, want = remote.grammar_bitmask(ids, drafts), local.grammar_bitmask(ids, drafts)
+    assert got.req_ids == want.req_ids == ["a", "a", "free", "b"]
+    np.testing.assert_array_equal(got.bitmask, want.bitmask)
+    for request in requests:
+        request.output_token_ids += [request.output_token_ids[-1]] * 2
+    remote.submit(requests[::2], ids, num_new=[2, 2])
+    local.submit(requests[::2], ids, num_new=[2, 2])
+    np.testing.assert_array_equal(remote.take_bitmask().bitmask, local.take_bitmask().bitmask)
     child = grammar_child()
     name = child_argument(child, "--shm")
     remote.shutdown()
