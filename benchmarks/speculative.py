@@ -16,9 +16,17 @@ Parts (each a key of the JSON written to --out, merged into what is there):
             without, same run: output tokens/s (speculation switches itself off at this
             batch; with it on the engine schedules synchronously, so the async engine is
             measured too)
+  crossover (GPU) where speculation stops paying, for `disable_by_batch_size`: --shape
+            with dummy weights, B requests decoding together for B in --batches, output
+            tokens/s without speculation (synchronous, as a speculative engine runs once
+            the rule switches drafting off, and async) against the oracle at k and
+            --acceptance with drafting never switched off; `rule` is the largest B at which
+            the oracle still beats the synchronous engine
 
     python benchmarks/speculative.py --parts grounded --out docs/results/speculative.json
     python benchmarks/speculative.py --parts grounded,oracle,load --device cuda \
+        --out docs/results/speculative.json
+    python benchmarks/speculative.py --parts crossover --device cuda \
         --out docs/results/speculative.json
 """
 
@@ -270,6 +278,76 @@ def load(args: argparse.Namespace) -> dict:
         return result
 
 
+def decode_tok_s(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+                 ) -> tuple[float, list[list[int]]]:
+    """Output tokens/s of the prompts run together, from the first step that has every
+    prompt prefilled (decode only) to the end; and each prompt's output."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), None, params, prompt_token_ids=p)
+    outputs: dict[str, list[int]] = {}
+    start, before = None, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = list(output.outputs[0].token_ids)
+        if start is None and len(outputs) == len(prompts):
+            start, before = time.perf_counter(), sum(map(len, outputs.values()))
+    seconds = time.perf_counter() - start
+    tokens = [outputs[str(i)] for i in range(len(prompts))]
+    return (sum(map(len, tokens)) - before) / seconds, tokens
+
+
+def crossover(args: argparse.Namespace) -> dict:
+    """Tokens/s at each batch size: none (sync and async) against the oracle, drafting on at
+    every size (disable_by_batch_size past the largest batch)."""
+    batches = [int(b) for b in args.batches.split(",")]
+    with tempfile.TemporaryDirectory() as root:
+        folder = shape_folder(Path(root), args.shape)
+        base = dict(model=str(folder), load_format="dummy", device=args.device,
+                    max_model_len=1024, kv_cache_memory=8 << 30, max_num_seqs=max(batches))
+        loaded = LoadedModel.load(EngineConfig(**base))
+        rng = random.Random(0)
+        vocab = loaded.model_config.vocab_size
+        prompts = [[rng.randrange(3, min(vocab, 10_000)) for _ in range(128)]
+                   for _ in range(max(batches))]
+        params = SamplingParams(temperature=0.0, max_tokens=args.oracle_tokens,
+                                ignore_eos=True)
+        warm = SamplingParams(max_tokens=8, ignore_eos=True)
+        result = {"shape": args.shape, "k": args.k, "acceptance_set": args.acceptance,
+                  "output_tokens": args.oracle_tokens, "batches": {}}
+        recorded: dict[int, dict[tuple, list[int]]] = {}  # per batch: the greedy outputs
+        for name, spec, async_ in (("none_async", None, None), ("none_sync", None, False),
+                                   ("oracle", {"method": "ngram",
+                                               "num_speculative_tokens": args.k,
+                                               "disable_by_batch_size": max(batches)},
+                                    False)):
+            engine = engine_over(loaded, base, spec, async_)
+            scheduler = engine.engine_core.scheduler
+            decode_tok_s(engine, prompts[:2], warm)
+            for batch in batches:
+                before = None
+                if spec is not None:  # the greedy outputs of the same batch, drafted
+                    scheduler.proposer = OracleProposer(recorded[batch], args.acceptance,
+                                                        vocab)
+                    before = spec_stats(engine)
+                tok_s, outputs = decode_tok_s(engine, prompts[:batch], params)
+                if name == "none_sync":
+                    recorded[batch] = {tuple(p): p + o for p, o in zip(prompts, outputs)}
+                row = result["batches"].setdefault(str(batch), {})
+                row[name] = round(tok_s, 1)
+                if spec is not None:
+                    after = spec_stats(engine)
+                    drafted = after["draft_tokens"] - before["draft_tokens"]
+                    row["acceptance"] = round((after["accepted_tokens"]
+                                               - before["accepted_tokens"]) / drafted, 3) \
+                        if drafted else 0.0
+                    row["oracle_vs_none_sync"] = round(tok_s / row["none_sync"], 3)
+                print(json.dumps({name: batch, "tok_s": round(tok_s, 1)}), flush=True)
+            release(engine)
+        paying = [b for b in batches if result["batches"][str(b)]["oracle_vs_none_sync"] > 1.0]
+        result["rule"] = max(paying) if paying else 0
+        return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="grounded")
@@ -286,9 +364,11 @@ def main() -> None:
     parser.add_argument("--oracle-tokens", type=int, default=128)
     parser.add_argument("--num-requests", type=int, default=256,
                         help="load: the first N of workload A's requests")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64",
+                        help="crossover: the batch sizes")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    parts = {"grounded": grounded, "oracle": oracle, "load": load}
+    parts = {"grounded": grounded, "oracle": oracle, "load": load, "crossover": crossover}
     results = json.loads(args.out.read_text()) if args.out and args.out.exists() else {}
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     for part in args.parts.split(","):
