@@ -127,7 +127,7 @@ class Drafter:
         positions, meta = self._batch(table, chunks, [len(c.token_ids) for c in chunks])
         last = np.cumsum([len(c.token_ids) for c in chunks]) - 1
         last_rows = torch.tensor([last[i] for i, c in enumerate(chunks) if c.count],
-                                 device=self.device)
+                                 dtype=torch.long, device=self.device)
         tokens, hidden = self._draft(ids, positions, meta, hidden, last_rows)
         if not drafting:
             return {}
@@ -135,7 +135,7 @@ class Drafter:
         for j in range(1, max(c.count for c in drafting)):
             still = [i for i, c in enumerate(before) if c.count > j]
             if len(still) < len(before):  # fewer drafts were asked of some: they stop
-                index = torch.tensor(still, device=self.device)
+                index = torch.tensor(still, dtype=torch.long, device=self.device)
                 tokens = tokens.index_select(0, index)
                 hidden = hidden.index_select(0, index) if hidden is not None else None
             before = [before[i] for i in still]
