@@ -96,3 +96,52 @@ def test_eagle3_heads_give_the_default_engines_greedy_tokens(loaded, tmp_path):
     assert sum(a == b for a, b in zip(plain, speculative)) >= 3
     stats = engine.get_stats()
     assert stats.spec_num_draft_tokens > 0 and stats.kv_cache_usage == 0.0
+
+
+def run_outputs(engine, prompt_list, params_list) -> list:
+    """Each request's final CompletionOutput (tokens, text, logprobs, finish reason)."""
+    for i, (ids, params) in enumerate(zip(prompt_list, params_list)):
+        engine.add_request(f"c{i}", None, params, prompt_token_ids=ids)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+    assert not engine.kv_cache_manager.req_to_blocks
+    return [done[f"c{i}"] for i in range(len(prompt_list))]
+
+
+@torch.inference_mode()
+def test_penalty_logprobs_and_json_rows_are_verified(loaded):
+    """Rows with penalties and logprobs and a json_schema row (its k + 1 bitmask rows per
+    verify filled by the grammar process, CUDA's default) are drafted for: drafts are
+    accepted, the greedy tokens mostly match the default engine's (bf16 near-ties aside),
+    every token has its logprobs, close to the default engine's where the tokens agree, and
+    the JSON parses."""
+    import json
+
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.structured.params import StructuredOutputsParams
+
+    schema = {"type": "object", "required": ["a"],
+              "properties": {"a": {"type": "string", "pattern": "^[a-z]{1,12}$"}}}
+    prompt_list = repeating_prompts(3, seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2,
+                             frequency_penalty=0.3, repetition_penalty=1.05),
+              SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=48,
+                             structured_outputs=StructuredOutputsParams(json=schema))]
+    plain = run_outputs(make_engine(loaded), prompt_list, params)
+    engine = make_engine(loaded, speculative_config=NGRAM)
+    speculative = run_outputs(engine, prompt_list, params)
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+    assert sum(p.token_ids == s.token_ids for p, s in zip(plain, speculative)) >= 2
+    for p, s in zip(plain[:2], speculative[:2]):
+        assert len(s.logprobs) == len(s.token_ids)
+        for token, entry in zip(s.token_ids, s.logprobs):
+            assert token in entry
+        if p.token_ids == s.token_ids:
+            for token, got, want in zip(s.token_ids, s.logprobs, p.logprobs):
+                assert got[token].logprob == pytest.approx(want[token].logprob, abs=0.1)
+    assert speculative[2].finish_reason == "stop"
+    assert json.loads(speculative[2].text)["a"].isalpha()
