@@ -239,8 +239,10 @@ class SchedulerOutput(Message):
 
     @property
     def is_empty(self) -> bool:
-        """Nothing for the runner to do at all, not even to forget a finished request."""
-        return not (self.req_ids or self.finished_req_ids or self.preempted_req_ids
+        """Nothing for the runner to do at all, not even to forget a finished request or to
+        learn of one admitted while its recall lands (no tokens this step)."""
+        return not (self.req_ids or self.scheduled_new_reqs or self.scheduled_cached_reqs.req_ids
+                    or self.finished_req_ids or self.preempted_req_ids
                     or self.blocks_to_swap_out or self.blocks_to_swap_in
                     or self.blocks_to_offload or self.blocks_to_recall
                     or self.blocks_to_spill or self.blocks_to_load)

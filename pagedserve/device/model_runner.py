@@ -54,6 +54,7 @@ from pagedserve.device.disk_tier import DiskBlocks
 from pagedserve.device.drafter import DraftStep, make_drafter
 from pagedserve.device.input_batch import BlockTableRows, CachedRequestState, StepBuffers
 from pagedserve.device.lora_slots import LoRASlots
+from pagedserve.device.tier_copies import TierCopies
 from pagedserve.device.penalties import PenaltyState
 from pagedserve.kernels.penalties import to_device
 from pagedserve.kv_cache.disk_format import rank_dir
@@ -215,10 +216,9 @@ class ModelRunner:
         # an FP8 cache's (K, V) scales per layer (`attention.kv_quant`); None otherwise
         self.kv_scales: list[tuple[Tensor, Tensor] | None] = []
         self.cpu_kv_caches: list[tuple[Tensor, Tensor]] = []  # swap space
-        self.host_tier_caches: list[tuple[Tensor, Tensor]] = []  # kv_cache/host_tier.py's slots
-        self.disk_tier: DiskBlocks | None = None  # this rank's disk-tier files
+        # the host tier's slots, the disk tier's files and the copies to and from them
+        self.tiers: TierCopies | None = None
         self._swapped_out: torch.cuda.Event | None = None  # after the latest swap-out copies
-        self._copied_in: torch.cuda.Event | None = None  # after the latest copies from host
         self._unbind: weakref.finalize | None = None  # see _bind_kv_cache
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request seen
         self.loras = None if not config.enable_lora else LoRASlots(
@@ -340,12 +340,12 @@ class ModelRunner:
 
     def initialize_host_tier(self, num_slots: int) -> None:
         """The prefix cache's host tier: slots for evicted cached blocks (this rank's shard
-        of their KV heads)."""
-        self.host_tier_caches = self._host_caches(num_slots)
+        of their KV heads) and the copies to and from them (`tier_copies.py`)."""
+        self.tiers = TierCopies(self._host_caches(num_slots), self.device, self.backend)
 
     def initialize_disk_tier(self, run_dir: str, digest: bytes) -> None:
         """The disk tier below the host tier: this rank's files (`kv_cache.disk_format`)."""
-        self.disk_tier = DiskBlocks(rank_dir(Path(run_dir), parallel.get_tp().rank), digest)
+        self.tiers.disk = DiskBlocks(rank_dir(Path(run_dir), parallel.get_tp().rank), digest)
 
     def _host_caches(self, num_blocks: int) -> list[tuple[Tensor, Tensor]]:
         """Per-layer caches of `num_blocks` blocks in CPU memory; pinned on CUDA so the
@@ -565,30 +565,32 @@ class ModelRunner:
         inputs.input_ids.index_copy_(0, b.placeholder_rows.upload(count), tokens)
 
     def swap(self, output: SchedulerOutput) -> TierReport:
-        """Block copies the scheduler asked for, before this step's forward pass: host slots
-        to disk first (they read slots that later copies overwrite), then copies out to
-        host memory (swap space, host tier), disk to host slots, and copies in."""
+        """Block copies the scheduler asked for, before this step's forward pass: the
+        compute stream first waits for the step before's recalls; then host slots to disk
+        (they read slots that later copies overwrite), copies out to host memory (swap
+        space, host tier), disk to host slots, and copies in (a recall lands for the next
+        step: `tier_copies.py`)."""
         start = time.perf_counter()
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.await_recalls()
         if output.blocks_to_spill:
-            self._host_writes_done()
-            self.disk_tier.spill(self.host_tier_caches, output.blocks_to_spill)
+            tiers.spill(output.blocks_to_spill)
         self._copy_out(self.cpu_kv_caches, output.blocks_to_swap_out)
-        self._copy_out(self.host_tier_caches, output.blocks_to_offload)
+        if output.blocks_to_offload:
+            tiers.offload(self.kv_caches, output.blocks_to_offload)
         failed = self._load(output.blocks_to_load) if output.blocks_to_load else []
         self._copy_in(self.cpu_kv_caches, output.blocks_to_swap_in)
-        self._copy_in(self.host_tier_caches, output.blocks_to_recall)
+        if output.blocks_to_recall:
+            tiers.recall(self.kv_caches, output.blocks_to_recall)
         tier_work = (output.blocks_to_spill or output.blocks_to_offload
                      or output.blocks_to_load or output.blocks_to_recall)
         return TierReport(failed, time.perf_counter() - start) if tier_work else NO_TIER_WORK
 
     def _load(self, loads: list[tuple[int, int, bytes | int]]) -> list[int]:
-        """Read files into host slots (which earlier copies from host memory must have
-        finished reading); the loads that failed on any rank, so every rank and the
-        scheduler agree on what was found."""
-        self._host_writes_done()
-        if self._copied_in is not None:
-            self._copied_in.synchronize()
-        done = self.disk_tier.load(self.host_tier_caches, loads)
+        """Read files into host slots; the loads that failed on any rank, so every rank and
+        the scheduler agree on what was found."""
+        done = self.tiers.load(loads)
         failed = torch.tensor([not ok for ok in done], dtype=torch.int32, device=self.device)
         parallel.max_(failed)
         return [i for i, flag in enumerate(failed.tolist()) if flag]
@@ -613,9 +615,6 @@ class ModelRunner:
         if pairs:
             self._host_writes_done()  # a copy in reads host memory on the host
             self.backend.swap_blocks(host_caches, self.kv_caches, torch.tensor(pairs))
-            if self.device.type == "cuda":  # read asynchronously from pinned memory
-                self._copied_in = torch.cuda.Event()
-                self._copied_in.record()
 
     @torch.inference_mode()
     def prepare_step(self, output: SchedulerOutput) -> PreparedStep:

@@ -28,10 +28,13 @@ With a host tier (`kv_cache.host_tier`, --kv-offload-memory) the prefix cache re
 device pool: the cached blocks this step's allocations evicted are copied to host slots
 (`blocks_to_offload`), and a waiting request whose prefix misses on the device continues its
 hash chain in the host tier; the blocks found there count as computed, and they are copied
-back into the request's fresh device blocks (`blocks_to_recall`) before the step that
-attends to them, which the runner's copies precede on the device's stream, so no other
-request waits for a recall. The decision is the scheduler's alone, so every tensor-parallel
-rank copies the same blocks of its own shard.
+back into the request's fresh device blocks (`blocks_to_recall`). The copies run on a
+stream of their own and land for the next step (`device/tier_copies.py`), so the request is
+admitted (it holds its blocks and is running) but gets no tokens in the step that queues
+its recall, and a request whose device hit includes blocks recalled in this step is passed
+over until the next: no step's forward pass, and so no other request, waits for a recall.
+The decision is the scheduler's alone, so every tensor-parallel rank copies the same blocks
+of its own shard and waits for them in the same step.
 
 With a disk tier below it (--kv-offload-path) the blocks the host tier drops are written to
 files (`blocks_to_spill`), and a waiting request whose chain continues on disk past its
@@ -127,6 +130,7 @@ class Scheduler:
         self.num_failed_loads = 0
         self.tier_copy_seconds = 0.0
         self._loading: dict[str, list[int]] = {}  # request id -> host slots it waits for
+        self._landing: set[int] = set()  # device blocks whose recall this step queues
         self._finished_ids: list[str] = []
         self._steps_in_flight: deque[list[Request]] = deque()  # sampling requests per step
         self.proposer = proposer
@@ -152,6 +156,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids,
                               truncated_block_rows=self._truncated)
         self._finished_ids, self._truncated = [], {}
+        self._landing = set()
         scheduled: list[tuple[Request, int]] = []
         index = 0
         while index < len(self.running) and budget > 0:
@@ -369,6 +374,9 @@ class Scheduler:
             blocks, num_hit = [], 0
             if request.sampling_params.prompt_logprobs is None:  # else: every position's logits
                 blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            if self._landing and any(block.block_id in self._landing for block in blocks):
+                skipped += 1  # its hit is being recalled: it keeps its place until landed
+                continue
             swapped = self.swapped.get(request.request_id)
             slots = self._host_hits(request, num_hit) if swapped is None else []
             if swapped is None and self._waits_for_loads(request, num_hit + len(slots)
@@ -379,8 +387,9 @@ class Scheduler:
             # recalled blocks
             num_ready = (max(num_hit, swapped.num_computed_tokens) if swapped
                          else num_hit + len(slots) * self.block_size)
-            num_new = min(request.num_tokens - num_ready, budget)
-            ahead = self._lookahead(request, num_ready + num_new, 0)
+            # a recall lands for the next step: this one computes nothing of the request
+            num_new = 0 if slots else min(request.num_tokens - num_ready, budget)
+            ahead = self._lookahead(request, num_ready + num_new, 0) if num_new else 0
             if ahead and self.kv_cache_manager.allocate_slots(
                     request, num_ready - num_hit + num_new + ahead, blocks, num_hit) is not None:
                 out.num_lookahead_tokens[request.request_id] = ahead
@@ -401,8 +410,9 @@ class Scheduler:
                 bisect.insort_right(self.running, request, key=_priority_order)
             else:
                 self.running.append(request)
-            scheduled.append((request, num_new))
-            budget -= num_new
+            if num_new:
+                scheduled.append((request, num_new))
+                budget -= num_new
         return budget
 
     def _add_to_batch_data(self, request: Request, num_hit: int, num_ready: int,
@@ -495,6 +505,7 @@ class Scheduler:
                  for slot, block in zip(slots, blocks[first:first + len(slots)])
                  if not block.is_null]
         out.blocks_to_recall.extend(pairs)
+        self._landing.update(block_id for _, block_id in pairs)
         self.num_blocks_recalled += len(pairs)
 
     def _release_swap(self, request: Request) -> None:

@@ -47,6 +47,7 @@ class TierMachine(RuleBasedStateMachine):
         self.host: dict[int, tuple] = {}  # host slot * block size + offset -> label
         self.disk: dict[int, tuple] = {}  # disk slot * block size + offset -> label
         self.damaged: set[int] = set()  # disk slots whose file no longer reads back whole
+        self.landing: dict[int, tuple] = {}  # device slot -> label, recalled last step
         self.finished: list[Request] = []
         self.next_id = 0
 
@@ -119,9 +120,13 @@ class TierMachine(RuleBasedStateMachine):
         self.finished += [r for r in requests if r.is_finished and r.num_output_tokens]
 
     def copy(self, out: SchedulerOutput) -> list[int]:
-        """The runner's block copies, in its order: spills, offloads, loads, then recalls;
-        the loads whose file was damaged (they leave garbage in their host slot)."""
+        """The runner's block copies, in its order: the recalls the step before queued land,
+        then spills, offloads, loads, and recalls, which read their host slots now and land
+        for the next step (until then their blocks hold no KV); the loads whose file was
+        damaged (they leave garbage in their host slot)."""
         bs = self.block_size
+        self.device.update(self.landing)
+        self.landing = {}
         for slot, disk_slot, _ in out.blocks_to_spill:
             self.damaged.discard(disk_slot)  # the file is written anew
             for o in range(bs):
@@ -138,7 +143,8 @@ class TierMachine(RuleBasedStateMachine):
                                             else self.disk.get(disk_slot * bs + o))
         for slot, block_id in out.blocks_to_recall:
             for o in range(bs):
-                self.device[block_id * bs + o] = self.host.get(slot * bs + o)
+                self.landing[block_id * bs + o] = self.host.get(slot * bs + o)
+                self.device[block_id * bs + o] = ("landing",)
         return failed
 
     def slots(self, req_id: str, start: int, end: int) -> list[int]:
@@ -193,9 +199,10 @@ def run_to_end(scheduler: Scheduler, request: Request, failing: bool = False) ->
 @pytest.mark.parametrize("failing", [False, True])
 def test_a_request_waits_one_step_for_its_loads_and_a_failed_one_is_prefilled(failing):
     """A prompt pushed down to disk is loaded (the request is not scheduled in that step),
-    then recalled; when its files fail, it is admitted at once with the chain as far as the
-    host tier held it (prefilled from there) and the disk tier forgets the blocks (no
-    second load of them)."""
+    then recalled (admitted, but not scheduled while its recall lands), then prefilled;
+    when its files fail, it is admitted at once with the chain as far as the host tier held
+    it (prefilled from there) and the disk tier forgets the blocks (no second load of
+    them)."""
     config = EngineConfig(block_size=2, max_num_seqs=4, max_num_batched_tokens=64)
     manager = KVCacheManager(8, 2, record_evictions=True)
     host, disk = HostTier(6), HostTier(40, medium="DISK")
@@ -207,7 +214,7 @@ def test_a_request_waits_one_step_for_its_loads_and_a_failed_one_is_prefilled(fa
     outs = run_to_end(scheduler, again, failing)
     loading, admitted = outs[0], outs[1]
     assert loading.blocks_to_load and "again" not in loading.req_ids
-    assert "again" in admitted.req_ids
+    assert "again" not in admitted.req_ids and "again" in outs[2].req_ids
     if failing:
         assert again.num_cached_tokens == 2 * len(admitted.blocks_to_recall) < 8
         assert not run_to_end(scheduler, Request("third", list(range(10)), params, 1))[0] \
