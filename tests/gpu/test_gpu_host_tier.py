@@ -67,3 +67,107 @@ def test_conversations_recalled_from_disk_give_the_same_tokens(loaded, tmp_path)
     stats = engine.get_stats()
     assert stats.disk_tier_stores > 0 and stats.disk_tier_hits > 0
     assert stats.disk_tier_load_failures == 0
+
+
+def test_copies_on_the_copy_stream_keep_every_bit(loaded):
+    """One step offloads device blocks and recalls other host slots into those very blocks
+    (evicted and handed to a recalled request in the same step): the offload gathers them
+    before the recall overwrites them, and the recall has landed once the next step's
+    compute stream has waited for it. Bitwise, both ways."""
+    from pagedserve.messages import SchedulerOutput
+
+    engine = make_engine(loaded, kv_cache_memory=1 << 30, kv_offload_memory=256 << 20)
+    runner = engine.model_runner
+    host = runner.tiers.host_caches
+    k, v = runner.kv_caches[3]
+    host_k, host_v = host[3]
+    k[5:8].normal_()
+    v[5:8].normal_()
+    host_k[3:5].normal_()
+    host_v[3:5].normal_()
+    device_before = (k[5:8].clone(), v[5:8].clone())
+    host_before = (host_k[3:5].clone(), host_v[3:5].clone())
+    runner.swap(SchedulerOutput(blocks_to_offload=[(5, 0), (6, 1), (7, 2)],
+                                blocks_to_recall=[(3, 5), (4, 6)]))
+    runner.swap(SchedulerOutput())  # the next step: its stream waits for the recall
+    torch.cuda.synchronize()
+    assert torch.equal(host_k[0:3], device_before[0].cpu())
+    assert torch.equal(host_v[0:3], device_before[1].cpu())
+    assert torch.equal(k[5:7].cpu(), host_before[0]) and torch.equal(v[5:7].cpu(), host_before[1])
+    assert torch.equal(k[7], device_before[0][2])
+
+
+@pytest.fixture(scope="module")
+def float32_loaded(tmp_path_factory):
+    """A float32 random checkpoint (LM head x25): under load the batches differ between
+    the runs compared, and float32 leaves no near-tie for another batch shape to flip."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.frontend.llm_engine import LoadedModel
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path_factory.mktemp("qwen3-random-fp32")
+    subprocess.run([sys.executable, str(root / "benchmarks/make_checkpoint.py"),
+                    str(root / "benchmarks/configs/qwen3-0.6b.json"), str(out),
+                    "--dtype", "float32", "--tokenizer", "bytes", "--lm-head-scale", "25"],
+                   check=True)
+    return LoadedModel.load(EngineConfig(model=str(out), device="cuda", dtype="float32"))
+
+
+def under_load(engine, count: int = 8) -> dict[str, list[int]]:
+    """Turn 1 of every conversation, one arriving per step; then turn 2 of each, again
+    one per step and each followed by another user's fresh prompt, so recalls are queued
+    and land while other requests prefill and decode (and preempt one another)."""
+    from pagedserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    rng = random.Random(11)
+    firsts = [[rng.randrange(10_000) for _ in range(rng.randint(200, 320))]
+              for _ in range(count)]
+    others = [[rng.randrange(10_000) for _ in range(200)] for _ in range(count)]
+
+    def drive(arrivals):
+        done, arrivals = {}, list(arrivals)
+        while arrivals or engine.has_unfinished_requests():
+            if arrivals:
+                request_id, prompt = arrivals.pop(0)
+                engine.add_request(request_id, None, params, prompt_token_ids=prompt)
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = list(output.outputs[0].token_ids)
+        return done
+
+    answers = drive((f"a{i}", prompt) for i, prompt in enumerate(firsts))
+    seconds = [(f"b{i}", prompt + answers[f"a{i}"] + [5, 6, 7])
+               for i, prompt in enumerate(firsts)]
+    fresh = [(f"o{i}", prompt) for i, prompt in enumerate(others)]
+    return answers | drive(item for pair in zip(seconds, fresh) for item in pair)
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_recalls_under_load_give_the_same_tokens(float32_loaded, disk, tmp_path):
+    """Many requests at once on a small pool, with the host tier (and a disk tier below a
+    host tier too small for them): the recalled conversations answer as an engine that
+    never evicted them."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.frontend.llm_engine import LLMEngine
+
+    def engine(**options):
+        return LLMEngine(EngineConfig(device="cuda", dtype="float32", max_model_len=512,
+                                      max_num_seqs=16, **options), float32_loaded)
+
+    large = engine(kv_cache_memory=2 << 30)
+    reference = under_load(large)
+    block_bytes = large.model_runner.block_bytes
+    del large
+    tier = (dict(kv_offload_memory=40 * block_bytes, kv_offload_path=str(tmp_path)) if disk
+            else dict(kv_offload_memory=512 * block_bytes))
+    small = engine(kv_cache_memory=64 * block_bytes, **tier)
+    assert under_load(small) == reference
+    stats = small.get_stats()
+    assert stats.prefix_cache_evictions > 0 and stats.host_tier_hits > 0
+    if disk:
+        assert stats.disk_tier_hits > 0 and stats.disk_tier_load_failures == 0
