@@ -18,9 +18,10 @@ Per run: TTFT p50/p99 (from a turn's arrival to its first token, as the engine l
 them), output tokens per second over the run, the prefix-hit rate per tier (prompt tokens
 looked up that the device pool held, that were recalled from host memory, that were read
 from disk), the blocks each tier stored and the device pool evicted, the runner's seconds
-in tier copies. With --workload-a N, the first N requests of workload A
+queuing tier copies and in file I/O. With --workload-a N, the first N requests of workload A
 (benchmarks/throughput.py: nothing recalled, the pool large) with the tier off and on: the
-cost of the tier's bookkeeping when it does not help.
+cost of the tier's bookkeeping when it does not help. Last, one row per tier and one for
+workload A compare the run with the tier to the run without it (`comparisons`).
 
     # the lent H100, one device call each (docs/benchmarks.md):
     python benchmarks/multiturn.py --config benchmarks/configs/qwen3-0.6b.json \
@@ -190,6 +191,35 @@ def workload_a(engine: LLMEngine, count: int) -> dict:
             "output_tok_per_s": round(tokens / seconds, 1)}
 
 
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Each tier's run against the run without it, as the issue states its targets (TTFT
+    p50 at least 2x better with the tier; workload A with the tier on at least 0.98x the
+    throughput without): ratios above 1 favour the tier."""
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 3) if b else None
+
+    turns = {row["tier"]: row for row in rows if "ttft_p50_s" in row}
+    a_runs = {row["tier"]: row for row in rows if row.get("workload") == "A"}
+    out = []
+    off = turns.get("off")
+    for tier, row in turns.items():
+        if off is None or tier == "off":
+            continue
+        out.append({"config": row["config"], "device": row["device"],
+                    "compare": f"{tier} vs off",
+                    "ttft_p50_speedup": ratio(off["ttft_p50_s"], row["ttft_p50_s"]),
+                    "ttft_p99_speedup": ratio(off["ttft_p99_s"], row["ttft_p99_s"]),
+                    "throughput_ratio": ratio(row["output_tok_per_s"],
+                                              off["output_tok_per_s"])})
+    if len(a_runs) == 2:
+        (_, a_off), (on, a_on) = sorted(a_runs.items(), key=lambda item: item[0] != "off")
+        out.append({"config": a_on["config"], "device": a_on["device"],
+                    "compare": f"workload A, {on} vs off",
+                    "throughput_ratio": ratio(a_on["output_tok_per_s"],
+                                              a_off["output_tok_per_s"])})
+    return out
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -285,6 +315,9 @@ def main() -> None:
         rows.append(row)
         engine.shutdown()
         del engine
+    for row in comparisons(rows):
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     if args.out:
         old = json.loads(args.out.read_text()) if args.out.exists() else []
         args.out.parent.mkdir(parents=True, exist_ok=True)
