@@ -18,6 +18,7 @@ from pagedserve.frontend.llm_engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
 from tests.engine.test_async_scheduling import (  # noqa: F401 (the module's model fixture)
     BLOCK, CONFIG, VOCAB, Arrival, greedy, loaded, prompts, run, summary)
+from tests.engine.test_speculative import free_run, mixed_batch  # noqa: F401 (fixture)
 from tests.spec.heads import write_eagle3_head
 
 # K and V, 2 layers, 2 KV heads of 32, fp32: the target's block; a draft's share is added
@@ -86,6 +87,20 @@ def test_greedy_tokens_match_the_engine_without_speculation(loaded, models, plai
     assert stats.prefix_cache_hits >= 64 and stats.spec_num_draft_tokens > 0
     if name == "self":  # the target drafting for itself: every draft is its next token
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+def test_a_mixed_batch_matches_with_a_draft_model(loaded, models, free_run):
+    """Stops, n > 1, penalties, logprobs and a JSON schema in one batch, drafted for by the
+    target itself: the same outputs, logprobs included, as without speculation."""
+    arrivals = mixed_batch(free_run)
+    eos = free_run["p3"].token_ids[12]
+    results = []
+    for config, layers in ((None, 0), (spec(models, "self"), 2)):
+        engine = make(loaded, config, draft_layers=layers)
+        engine.engine_core.eos_token_ids = frozenset({eos})
+        results.append(summary(run(engine, arrivals)))
+    assert results[1] == results[0]
+    assert engine.get_stats().spec_num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("name, method, layers", [("self", None, 2), ("eagle3", "eagle3", 1)])
