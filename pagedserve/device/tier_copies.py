@@ -64,7 +64,9 @@ class TierCopies:
         if self._stream is None:
             self._backend.swap_blocks(kv_caches, self.host_caches, torch.tensor(pairs))
             return
-        block_ids = torch.tensor([b for b, _ in pairs]).to(kv_caches[0][0].device)
+        # non_blocking: a pageable tensor is staged at once, with no wait for the stream
+        block_ids = torch.tensor([b for b, _ in pairs]).to(kv_caches[0][0].device,
+                                                            non_blocking=True)
         gathered = [src.index_select(0, block_ids) for layer in kv_caches
                     for src in as_bytes(layer)]
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
