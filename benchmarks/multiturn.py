@@ -25,7 +25,7 @@ workload A compare the run with the tier to the run without it (`comparisons`).
 
     # the lent H100, one device call each (docs/benchmarks.md):
     python benchmarks/multiturn.py --config benchmarks/configs/qwen3-0.6b.json \
-        --kv-cache-memory 1G --kv-offload-memory 16G --workload-a 256 \
+        --kv-cache-memory 1G --kv-offload-memory 24G --workload-a 256 \
         --out docs/results/kv_offload.json
     python benchmarks/multiturn.py --config benchmarks/configs/llama3-8b.json \
         --kv-cache-memory 4G --kv-offload-memory 48G --tiers off,host \
