@@ -421,7 +421,8 @@ def iter_tensors(reader: GGUFReader, config: ModelConfig,
         logger.warning("GGUF linear weights dequantized at load (a type without a kernel "
                        "on its blocks, in them or in a layer they are fused with or in their "
                        "MoE layer's other expert projections; or experts without a fused MoE "
-                       "kernel): %s",
+                       "kernel or whose tensor-parallel slice is off their blocks' "
+                       "boundaries): %s",
                        ", ".join(f"{n} of {kind}" for kind, n in sorted(dequantized.items())))
 
 

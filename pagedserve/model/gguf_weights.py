@@ -10,7 +10,8 @@ A fused layer (q/k/v, gate/up) is kept when every one of its checkpoint tensors 
 type; its shards may differ in type (a Q4_K_M file stores some layers' v in Q6_K and q, k in
 Q4_K): each run of one type is one launch, the outputs side by side. An MoE layer's experts
 (the file's 3-D `ffn_{gate,up,down}_exps`, [E, rows, row bytes]) are kept when all three are
-of kept types and the model has a fused MoE kernel (`Ops.fused_moe`): each projection becomes
+of kept types (and a tensor-parallel rank's slice of down falls on block boundaries) and the
+model has a fused MoE kernel (`Ops.fused_moe`): each projection becomes
 a `weight_formats.Stacked` the kernel unpacks in registers (`moe.QuantizedExperts`); gate and
 up may differ in type. Anything else (other types, the embedding, routers) is dequantized at
 load as before, and the loader logs which types that hit.
@@ -161,10 +162,12 @@ def attach(model: torch.nn.Module, linear: GgufLinear, targets: dict[str, set[st
 ExpertNames = dict[str, list[str]]
 
 
-def kept_experts(shard_range: Callable, types: dict[str, int]) -> dict[str, ExpertNames]:
+def kept_experts(shard_range: Callable, types: dict[str, int], config,
+                 tp: parallel.TensorParallel | None = None) -> dict[str, ExpertNames]:
     """MoE module ("layers.N.mlp") -> its experts' HF names, for each MoE layer whose three
-    expert projections are all stored in kept types. `types`: each expert projection's HF name
-    -> GGML type (`gguf.expert_types`)."""
+    expert projections are all stored in kept types, sliced by tensor parallelism on block
+    boundaries (the others are dequantized: a slice off them would be an error).
+    `types`: each expert projection's HF name -> GGML type (`gguf.expert_types`)."""
     layers: dict[str, dict[str, dict[int, str]]] = {}
     refused = set()
     for name, qtype in types.items():
@@ -172,10 +175,20 @@ def kept_experts(shard_range: Callable, types: dict[str, int]) -> dict[str, Expe
         target = shard_range(name.removeprefix("model."))[0]
         module = target.rsplit(".", 1)[0]
         layers.setdefault(module, {}).setdefault(match[2], {})[int(match[1])] = name
-        if qtype not in BLOCKS:
+        if qtype not in BLOCKS or not _whole_blocks(name, qtype, config, tp):
             refused.add(module)
     return {module: {proj: [names[e] for e in sorted(names)] for proj, names in projs.items()}
             for module, projs in layers.items() if module not in refused and len(projs) == 3}
+
+
+def _whole_blocks(name: str, qtype: int, config, tp) -> bool:
+    """Whether this rank's slice of a weight cuts its input features (a row-parallel
+    layer's) on block boundaries; output rows always are."""
+    rows = parallel.checkpoint_rows(name.removeprefix("model."), config, tp)
+    if rows is None or rows[0] == 0:
+        return True
+    weights = BLOCKS[qtype][0]
+    return rows[1][0] % weights == 0 and (rows[1][-1] + 1) % weights == 0
 
 
 def drop_float_experts(model: torch.nn.Module, layers: dict[str, ExpertNames]) -> None:

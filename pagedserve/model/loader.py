@@ -331,8 +331,8 @@ def _gguf_blocks(model: Decoder, reader, config: ModelConfig, kept: dict[str, Gg
     targets = gguf_weights.kept_targets(model.shard_range, model.num_shards,
                                         tensor_types(reader, config))
     gguf_weights.drop_float(model, targets)
-    experts = (gguf_weights.kept_experts(model.shard_range, expert_types(reader, config))
-               if ops.fused_moe is not None else {})
+    experts = (gguf_weights.kept_experts(model.shard_range, expert_types(reader, config),
+                                         config) if ops.fused_moe is not None else {})
     gguf_weights.drop_float_experts(model, experts)
     names = set().union(*targets.values(), *(n for projs in experts.values()
                                              for n in projs.values()))

@@ -155,3 +155,27 @@ def test_moe_experts_in_blocks_match_dequantized_model(case, tmp_path, caplog):
         for feed in [prompt, [5], [17]]:  # a prefill, then decode steps
             expected, ours = (d.step({"a": feed})["a"] for d in drivers)
             torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_experts_sliced_off_their_block_boundaries_are_not_kept(tmp_path):
+    """Under tensor parallelism a rank's slice of down's input features must fall on block
+    boundaries; an MoE layer where it would not is dequantized instead (TP 4: 16 of 64)."""
+    from pagedserve.model import gguf_weights, parallel
+    from pagedserve.model.loader import read_model_config
+
+    config = read_model_config(write_moe_gguf("qwen3moe", tmp_path, tmp_path / "m.gguf"))
+    types = {f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight": int(qtype)
+             for layer, down in ((0, T.Q8_0), (1, T.F16)) for e in range(4)
+             for proj, qtype in (("gate", T.Q4_K), ("up", T.Q4_K), ("down", down))}
+
+    def module(name):
+        return name.split(".experts.")[0] + ".w13", 0, None
+
+    for size, kept in ((1, {"layers.0.mlp"}), (2, {"layers.0.mlp"}), (4, set())):
+        for rank in range(size):
+            tp = parallel.TensorParallel(rank=rank, size=size)
+            layers = gguf_weights.kept_experts(module, types, config, tp)
+            assert set(layers) == kept, (size, rank)
+    names = gguf_weights.kept_experts(module, types, config)["layers.0.mlp"]
+    assert names["down"] == [f"model.layers.0.mlp.experts.{e}.down_proj.weight"
+                             for e in range(4)]
