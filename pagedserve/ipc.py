@@ -15,7 +15,8 @@ a loop that wakes regularly, and `die_with_parent`, where the kernel can do it a
 
 `Channel` is the typed message stream of a pair of processes: msgspec msgpack over one
 ZeroMQ socket, each message one frame, decoded into the union of Structs the other side may
-send (each with its own `tag`).
+send (each with its own `tag`); `RouterChannel` the same on a ROUTER socket, which talks to
+several peers by identity (the tensor-parallel ranks).
 """
 
 from __future__ import annotations
@@ -142,3 +143,21 @@ class Channel:
 
     def decode(self, frame: zmq.Frame) -> Any:
         return self._decoder.decode(frame.buffer)
+
+
+class RouterChannel(Channel):
+    """A Channel on a ROUTER socket, whose peers (DEALERs, each a plain Channel) are named by
+    their identities: a message goes to the peers named, encoded once, and comes back with
+    the identity of the peer that sent it."""
+
+    def send_to(self, identities: list[bytes], message: msgspec.Struct,
+                block: bool = True) -> None:
+        data = self._encoder.encode(message)
+        for identity in identities:
+            self.socket.send_multipart([identity, data], 0 if block else zmq.NOBLOCK,
+                                       copy=False)
+
+    def receive_from(self) -> tuple[bytes, Any]:
+        """(the sender's identity, its message), blocking."""
+        identity, frame = self.socket.recv_multipart(copy=False)
+        return identity.bytes, self.decode(frame)

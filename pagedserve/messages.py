@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import msgspec
 
+from pagedserve.config import EngineConfig
 from pagedserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -187,7 +188,7 @@ class CachedRequestData(Message, array_like=True):
         self.num_nulled_blocks.append(num_nulled)
 
 
-class SchedulerOutput(Message):
+class SchedulerOutput(Message, tag="execute"):
     """One step's work. The batch is `req_ids` in order, decodes (one new token) first;
     the per-request lists follow that order.
 
@@ -311,7 +312,7 @@ FromEngineCore = EngineCoreReady | EngineCoreOutputs | EngineCoreFailed
 
 # -- engine core <-> tensor-parallel workers (executor.py, worker.py) -------------------------
 
-class WorkerHello(Message):
+class WorkerHello(Message, tag="hello"):
     """A worker's first word once connected: which rank it is."""
 
     rank: int
@@ -320,7 +321,7 @@ class WorkerHello(Message):
     host: str
 
 
-class WorkerLoaded(Message):
+class WorkerLoaded(Message, tag="loaded"):
     """A rank's weights are in: what the engine needs to choose its batch limits."""
 
     device_type: str  # "cuda" | "cpu"
@@ -330,7 +331,7 @@ class WorkerLoaded(Message):
     quantization: str | None
 
 
-class WorkerBlocks(Message):
+class WorkerBlocks(Message, tag="blocks"):
     """The KV blocks that fit a rank's free memory, and the bytes of one on that rank."""
 
     num_blocks: int
@@ -338,7 +339,7 @@ class WorkerBlocks(Message):
     kv_cache_dtype: str  # e.g. "bfloat16", "float8_e4m3fn"
 
 
-class KVCacheSpec(Message):
+class KVCacheSpec(Message, tag="initialize"):
     """The one KV cache shape every rank allocates (block tables are the same on every rank)."""
 
     num_blocks: int
@@ -358,8 +359,56 @@ class GrammarBitmask(Message, array_like=True):
     num_words: int
 
 
-class WorkerFailure(Message):
+class WorkerFailure(Message, tag="error"):
     """A rank's exception, as text: the engine raises it."""
 
     rank: int
     error: str
+
+
+class LoadWeights(Message, tag="load"):
+    """Join the group and load this rank's shard of the weights."""
+
+    config: EngineConfig
+
+
+class ProfileMemory(Message, tag="profile"):
+    """Build the runner and size the KV cache in this rank's free memory."""
+
+    config: EngineConfig
+
+
+class SampleTokens(Message, tag="sample"):
+    """Sample the oldest launched step (under the grammar's bitmask rows, if any)."""
+
+    grammar: GrammarBitmask | None = None
+
+
+class CollectOutput(Message, tag="collect"):
+    """Take in the oldest sampled step's tokens; rank 0 sends them (ModelRunnerOutput)."""
+
+
+class ShutdownWorker(Message, tag="shutdown"):
+    """Leave: the engine is stopping (the worker answers WorkerBye first)."""
+
+
+class WorkerInitialized(Message, tag="initialized"):
+    """The KV cache is allocated (the answer to KVCacheSpec)."""
+
+
+class CollectedOutput(Message, tag="output"):
+    """Rank 0's answer to CollectOutput (a union of tagged Structs may not mix array-like
+    ones, which ModelRunnerOutput is for its size, with the others)."""
+
+    output: ModelRunnerOutput
+
+
+class WorkerBye(Message, tag="bye"):
+    """The answer to ShutdownWorker: the engine may close its socket now."""
+
+
+# what each side of a rank's channel may send (ipc.Channel: tagged, one frame each)
+ToWorker = (LoadWeights | ProfileMemory | KVCacheSpec | SchedulerOutput | SampleTokens
+            | CollectOutput | ShutdownWorker)
+FromWorker = (WorkerHello | WorkerLoaded | WorkerBlocks | WorkerInitialized | CollectedOutput
+              | WorkerFailure | WorkerBye)

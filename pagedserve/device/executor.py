@@ -15,11 +15,12 @@ step's host work is done (the grammar work overlaps that host work).
   here, so every rank gets the same block tables and slot mapping.
 
 Transport (multiprocess): one ZeroMQ ROUTER socket here, one DEALER per worker (its identity
-is its rank), carrying msgspec-encoded messages (`messages.py`). Each call is encoded once
-and sent to every rank. A step's calls (`execute_model`, `sample_tokens`) get no answer: a
-worker keeps the handles of its launched steps in order and samples the oldest at each
-`sample_tokens`; `result()` sends `collect`, on which every rank hands its sampled tokens to
-its own requests and rank 0 alone sends them back.
+is its rank), each side an `ipc.Channel` of tagged msgspec Structs (`messages.ToWorker`,
+`messages.FromWorker`). Each call is encoded once and sent to every rank. A step's calls
+(`SchedulerOutput`, `SampleTokens`) get no answer: a worker keeps the handles of its launched
+steps in order and samples the oldest at each `SampleTokens`; `result()` sends
+`CollectOutput`, on which every rank hands its sampled tokens to its own requests and rank 0
+alone sends them back.
 Collect is a call of its own so that each rank makes its runner's calls in exactly the
 core's order (launch N+1, then take in N's tokens), as the in-process runner does; a rank
 that ran ahead would count its requests' tokens differently.
@@ -55,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 import torch
 import zmq
@@ -64,8 +66,9 @@ from pagedserve import ipc
 from pagedserve.config import EngineConfig
 from pagedserve.device.model_runner import ModelRunner, StepHandle
 from pagedserve.messages import (
-    GrammarBitmask, KVCacheSpec, ModelRunnerOutput, SchedulerOutput, WorkerBlocks,
-    WorkerFailure, WorkerHello, WorkerLoaded, decode, encode)
+    CollectedOutput, CollectOutput, FromWorker, GrammarBitmask, KVCacheSpec, LoadWeights, ModelRunnerOutput,
+    ProfileMemory, SampleTokens, SchedulerOutput, ShutdownWorker, WorkerBlocks, WorkerBye,
+    WorkerFailure, WorkerHello, WorkerInitialized, WorkerLoaded)
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -251,13 +254,15 @@ class MultiprocExecutor(Executor):
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone rank raises
         set_heartbeat(self._socket)
+        self._channel = ipc.RouterChannel(self._socket, FromWorker)
+        self._ranks = [rank_identity(rank) for rank in range(self.size)]
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._procs: list[subprocess.Popen] = []
-        self._stop = weakref.finalize(self, _stop_workers, self._context, self._socket,
-                                      self._procs, self.size)
+        self._stop = weakref.finalize(self, _stop_workers, self._context, self._channel,
+                                      self._procs, self._ranks)
         self._error: str | None = None
         self._launched = self._collected = 0  # steps sampled, steps collected
         try:
@@ -269,7 +274,7 @@ class MultiprocExecutor(Executor):
                 logger.info("waiting for %d tensor-parallel workers at %s", self.size,
                             config.tensor_parallel_address)
             self._await_hellos()
-            loaded = self._call(b"load", encode(config), WorkerLoaded)
+            loaded = self._call(LoadWeights(config), WorkerLoaded)
         except BaseException:
             self.shutdown()
             raise
@@ -299,9 +304,10 @@ class MultiprocExecutor(Executor):
         ranks: set[int] = set()
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while len(ranks) < self.size:
-            rank, kind, payload = self._receive(deadline)
-            hello = decode(payload, WorkerHello)
-            if kind != b"hello" or hello.size != self.size or hello.rank != rank:
+            rank, hello = self._receive(deadline)
+            if not isinstance(hello, WorkerHello):
+                self._fail(f"rank {rank} sent {type(hello).__name__} before its hello")
+            if hello.size != self.size or hello.rank != rank:
                 self._fail(f"worker {hello.rank} of {hello.size} (pid {hello.pid} on "
                            f"{hello.host}) does not fit a group of {self.size}")
             ranks.add(rank)
@@ -310,13 +316,13 @@ class MultiprocExecutor(Executor):
         return self._memory
 
     def determine_num_blocks(self, config: EngineConfig) -> int:
-        blocks = self._call(b"profile", encode(config), WorkerBlocks)
+        blocks = self._call(ProfileMemory(config), WorkerBlocks)
         self.block_bytes = max(b.block_bytes for b in blocks)
         self.kv_cache_dtype = blocks[0].kv_cache_dtype
         return min(b.num_blocks for b in blocks)  # the smallest rank's
 
     def initialize(self, spec: KVCacheSpec) -> None:
-        self._call(b"initialize", encode(spec), None)
+        self._call(spec, WorkerInitialized)
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -327,7 +333,7 @@ class MultiprocExecutor(Executor):
         the placeholders' tokens from their own latest sampling."""
         if previous is not None:
             previous = self.sample_awaiting(previous)
-        self._send_all(b"execute_model", encode(scheduler_output))
+        self._send_all(scheduler_output)
         return RemoteStep(), previous
 
     def sample_tokens(self, step: RemoteStep,
@@ -336,7 +342,7 @@ class MultiprocExecutor(Executor):
         if grammar is not None:
             bitmask = np.ascontiguousarray(grammar.bitmask, dtype=np.int32)
             message = GrammarBitmask(grammar.req_ids, bitmask.tobytes(), bitmask.shape[1])
-        self._send_all(b"sample_tokens", encode(message))
+        self._send_all(SampleTokens(message))
         return self._launch()
 
     def _launch(self) -> RemotePendingOutput:
@@ -348,46 +354,45 @@ class MultiprocExecutor(Executor):
         if seq != self._collected + 1:
             raise RuntimeError(f"step {seq} collected out of order (expected "
                                f"{self._collected + 1})")
-        self._send_all(b"collect", b"")
-        while True:
-            rank, kind, payload = self._receive(None)
-            if kind == b"output" and rank == 0:
-                self._collected = seq
-                return decode(payload, ModelRunnerOutput)
-            self._fail(f"unexpected {kind!r} from rank {rank} during a step")
+        self._send_all(CollectOutput())
+        rank, message = self._receive(None)
+        if not isinstance(message, CollectedOutput) or rank != 0:
+            self._fail(f"unexpected {type(message).__name__} from rank {rank} during a step")
+        self._collected = seq
+        return message.output
 
     # -- transport ------------------------------------------------------------------------
 
-    def _send_all(self, method: bytes, payload: bytes) -> None:
+    def _send_all(self, message: Any) -> None:
         self._check()
         try:
-            for rank in range(self.size):
-                self._socket.send_multipart([rank_identity(rank), method, payload], copy=False)
+            self._channel.send_to(self._ranks, message)
         except zmq.ZMQError as e:
             self._check_processes()  # the better message, when the worker is ours
             self._fail(f"cannot reach a tensor-parallel worker ({e}): it has exited")
 
-    def _call(self, method: bytes, payload: bytes, reply_type: type | None) -> list:
+    def _call(self, message: Any, reply_type: type) -> list:
         """A set-up call every rank answers; the answers in rank order."""
-        self._send_all(method, payload)
+        self._send_all(message)
         answers: dict[int, object] = {}
         while len(answers) < self.size:
-            rank, kind, reply = self._receive(None)
-            if kind != b"ok":
-                self._fail(f"unexpected {kind!r} from rank {rank} during {method.decode()}")
-            answers[rank] = None if reply_type is None else decode(reply, reply_type)
+            rank, reply = self._receive(None)
+            if not isinstance(reply, reply_type):
+                self._fail(f"unexpected {type(reply).__name__} from rank {rank} during "
+                           f"{type(message).__name__}")
+            answers[rank] = reply
         return [answers[r] for r in range(self.size)]
 
-    def _receive(self, deadline: float | None) -> tuple[int, bytes, bytes]:
-        """The next message from any rank; a failure report, a worker's death or the
-        deadline raise ExecutorError instead."""
+    def _receive(self, deadline: float | None) -> tuple[int, Any]:
+        """The next message from any rank, and its rank; a failure report, a worker's death
+        or the deadline raise ExecutorError instead."""
         while True:
             events = dict(self._poller.poll(POLL_MS))
             if self._socket in events:
-                identity, kind, payload = self._socket.recv_multipart()
-                if kind == b"error":
-                    self._fail_reported(decode(payload, WorkerFailure))
-                return int(identity.removeprefix(b"rank")), kind, payload
+                identity, message = self._channel.receive_from()
+                if isinstance(message, WorkerFailure):
+                    self._fail_reported(message)
+                return int(identity.removeprefix(b"rank")), message
             self._check_processes()
             self._check_disconnected()
             if deadline is not None and time.monotonic() > deadline:
@@ -448,6 +453,14 @@ class MultiprocExecutor(Executor):
         self._stop()
 
 
+def _last_words(channel: ipc.RouterChannel) -> Any:
+    """A rank's message while stopping; one that cannot be decoded counts as none."""
+    try:
+        return channel.receive_from()[1]
+    except msgspec.DecodeError:
+        return None
+
+
 def worker_env() -> dict[str, str]:
     """This environment, NVLink multicast off, and this pagedserve first on the path."""
     return ipc.child_env(WORKER_ENV)
@@ -471,15 +484,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_workers(context: zmq.Context, sock: zmq.Socket, procs: list[subprocess.Popen],
-                  size: int) -> None:
+def _stop_workers(context: zmq.Context, channel: ipc.RouterChannel,
+                  procs: list[subprocess.Popen], ranks: list[bytes]) -> None:
     """Ask every rank to exit and wait for its goodbye (a worker that saw our socket close
     before it read the request would take it for our death), kill the ones still running,
     close the socket."""
     asked = 0
-    for rank in range(size):
+    for identity in ranks:
         try:
-            sock.send_multipart([rank_identity(rank), b"shutdown", b""], flags=zmq.NOBLOCK)
+            channel.send_to([identity], ShutdownWorker(), block=False)
             asked += 1
         except zmq.ZMQError:
             pass  # that rank is gone or never came
@@ -488,9 +501,9 @@ def _stop_workers(context: zmq.Context, sock: zmq.Socket, procs: list[subprocess
     while byes < asked and time.monotonic() < deadline:
         if procs and all(proc.poll() is not None for proc in procs):
             break
-        if sock.poll(POLL_MS):
-            byes += sock.recv_multipart()[1] == b"bye"
+        if channel.poll(POLL_MS):
+            byes += isinstance(_last_words(channel), WorkerBye)
     for proc in procs:
         ipc.stop_process(proc, None, max(0.0, deadline - time.monotonic()))
-    sock.disable_monitor()
+    channel.socket.disable_monitor()
     context.destroy(linger=1000)  # the stop calls reach workers started elsewhere

@@ -45,45 +45,43 @@ from pagedserve.device.executor import (
 from pagedserve.device.loading import load_on_device, resolve_device
 from pagedserve.device.model_runner import ModelRunner, PendingRunnerOutput, StepHandle
 from pagedserve.messages import (
-    GrammarBitmask, KVCacheSpec, SchedulerOutput, WorkerBlocks, WorkerFailure, WorkerHello,
-    WorkerLoaded, decode, encode)
+    CollectedOutput, CollectOutput, KVCacheSpec, LoadWeights, ProfileMemory, SampleTokens, SchedulerOutput,
+    ShutdownWorker, ToWorker, WorkerBlocks, WorkerBye, WorkerFailure, WorkerHello,
+    WorkerInitialized, WorkerLoaded)
 from pagedserve.model import parallel
 from pagedserve.structured.manager import GrammarOutput
 
 
 class Worker:
     def __init__(self, rank: int, size: int, local_rank: int, init_method: str,
-                 sock: zmq.Socket, stopping: threading.Event) -> None:
+                 channel: ipc.Channel, stopping: threading.Event) -> None:
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.init_method = init_method
-        self.socket = sock
+        self.channel = channel
         self.stopping = stopping  # set once told to stop
         self.runner: ModelRunner | None = None
         # the engine's calls in its order: launched steps until sampled, sampled steps until
         # collected
         self.launched: collections.deque[StepHandle] = collections.deque()
         self.pending: collections.deque[PendingRunnerOutput] = collections.deque()
-        self.handlers = {b"load": self.load, b"profile": self.profile,
-                         b"initialize": self.initialize, b"execute_model": self.execute_model,
-                         b"sample_tokens": self.sample_tokens, b"collect": self.collect}
+        self.handlers = {LoadWeights: self.load, ProfileMemory: self.profile,
+                         KVCacheSpec: self.initialize, SchedulerOutput: self.execute_model,
+                         SampleTokens: self.sample_tokens, CollectOutput: self.collect}
 
     def serve(self) -> None:
         """Handle calls until told to stop."""
         while True:
-            method, payload = self.socket.recv_multipart()
-            if method == b"shutdown":
+            message = self.channel.receive()
+            if isinstance(message, ShutdownWorker):
                 self.stopping.set()
-                self.reply(b"bye")
+                self.channel.send(WorkerBye())
                 return
-            self.handlers[method](payload)
-
-    def reply(self, kind: bytes, payload: bytes = b"") -> None:
-        self.socket.send_multipart([kind, payload])
+            self.handlers[type(message)](message)
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def load(self, payload: bytes) -> None:
-        config = decode(payload, EngineConfig)
+    def load(self, message: LoadWeights) -> None:
+        config = message.config
         self.device = device = self.rank_device(config)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -94,9 +92,9 @@ class Worker:
             peer_all_reduce_max_bytes=config.peer_all_reduce_max_bytes)
         torch.manual_seed(config.seed)  # unseeded sampling draws alike on every rank
         self.model, self.model_config, _ = load_on_device(config, device)
-        self.reply(b"ok", encode(WorkerLoaded(
+        self.channel.send(WorkerLoaded(
             device.type, total_memory(device), weight_bytes(self.model),
-            dtype_name(self.model.embed_tokens.weight.dtype), self.model.quantization)))
+            dtype_name(self.model.embed_tokens.weight.dtype), self.model.quantization))
 
     def rank_device(self, config: EngineConfig) -> torch.device:
         """GPU local_rank when the engine's device is CUDA (whatever index it names), else
@@ -106,39 +104,37 @@ class Worker:
             return torch.device("cuda", self.local_rank)
         return device
 
-    def profile(self, payload: bytes) -> None:
-        config = decode(payload, EngineConfig)
-        self.runner = ModelRunner(config, self.model, self.model_config, self.device)
+    def profile(self, message: ProfileMemory) -> None:
+        self.runner = ModelRunner(message.config, self.model, self.model_config, self.device)
         num_blocks = self.runner.determine_num_blocks()
-        self.reply(b"ok", encode(WorkerBlocks(num_blocks, self.runner.block_bytes,
-                                              dtype_name(self.runner.kv_cache_dtype))))
+        self.channel.send(WorkerBlocks(num_blocks, self.runner.block_bytes,
+                                       dtype_name(self.runner.kv_cache_dtype)))
 
-    def initialize(self, payload: bytes) -> None:
-        initialize_runner(self.runner, decode(payload, KVCacheSpec))
-        self.reply(b"ok")
+    def initialize(self, spec: KVCacheSpec) -> None:
+        initialize_runner(self.runner, spec)
+        self.channel.send(WorkerInitialized())
 
     # -- steps ----------------------------------------------------------------------------
 
-    def execute_model(self, payload: bytes) -> None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Launch a step; the placeholders' tokens are the latest sampled step's (a step
         in flight is sampled before the next one is launched, as in the engine's process)."""
-        prepared = self.runner.prepare_step(decode(payload, SchedulerOutput))
+        prepared = self.runner.prepare_step(scheduler_output)
         latest = self.pending[-1] if self.pending else None
         self.launched.append(self.runner.launch(prepared, latest))
 
-    def sample_tokens(self, payload: bytes) -> None:
-        message = decode(payload, GrammarBitmask | None)
-        grammar = None
+    def sample_tokens(self, sample: SampleTokens) -> None:
+        message, grammar = sample.grammar, None
         if message is not None:
             bitmask = np.frombuffer(message.bitmask, dtype=np.int32)
             grammar = GrammarOutput(message.req_ids,
                                     bitmask.reshape(-1, message.num_words).copy())
         self.pending.append(self.runner.sample_tokens(self.launched.popleft(), grammar))
 
-    def collect(self, payload: bytes) -> None:
+    def collect(self, _: CollectOutput) -> None:
         output = self.pending.popleft().result()
         if self.rank == 0:
-            self.reply(b"output", encode(output))
+            self.channel.send(CollectedOutput(output))
 
 
 def _watch(monitor: zmq.Socket, parent_pid: int | None, stopping: threading.Event) -> None:
@@ -187,14 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=_watch, args=(monitor, args.parent_pid, stopping),
                      daemon=True).start()
     sock.connect(args.engine)
-    sock.send_multipart([b"hello", encode(WorkerHello(args.rank, args.size, os.getpid(),
-                                                      socket.gethostname()))])
-    worker = Worker(args.rank, args.size, args.local_rank, args.init_method, sock, stopping)
+    channel = ipc.Channel(sock, ToWorker)
+    channel.send(WorkerHello(args.rank, args.size, os.getpid(), socket.gethostname()))
+    worker = Worker(args.rank, args.size, args.local_rank, args.init_method, channel, stopping)
     try:
         worker.serve()
     except BaseException:  # noqa: BLE001 - whatever it was, the engine must hear of it
-        sock.send_multipart([b"error", encode(WorkerFailure(args.rank,
-                                                            traceback.format_exc()))])
+        channel.send(WorkerFailure(args.rank, traceback.format_exc()))
         sock.close(linger=2000)  # let the report leave
         os._exit(1)  # a collective may be stuck: no teardown
     sock.close()
