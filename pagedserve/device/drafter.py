@@ -19,7 +19,10 @@ of blocks out of its window, which a draft without one would read as zeros. Eith
 lower acceptance, never change the output.)
 
 A drafting request's positions past its known tokens are allocated with its step (the
-scheduler's lookahead) and given back after it. Drafts are the draft's argmax: a
+scheduler's lookahead) and given back after it. A draft model's single-token steps go through
+step buffers of their own and, on CUDA, replay captured graphs (`cuda_graphs.DecodeGraphs`,
+sized up to disable_by_batch_size requests); EAGLE-3's read the head's hidden states and run
+eagerly. Drafts are the draft's argmax: a
 deterministic proposer, which the verify treats as one-hot (`rejection.py`), exact for any
 sampling of the target.
 """
@@ -36,7 +39,8 @@ from pagedserve.attention.backend import AttentionBackend, AttentionShape, set_f
 from pagedserve.attention.selector import get_attention_backend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineConfig
-from pagedserve.device.input_batch import CachedRequestState
+from pagedserve.device.cuda_graphs import DecodeGraphs
+from pagedserve.device.input_batch import CachedRequestState, StepBuffers
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.eagle3 import Eagle3Head, load_eagle3
@@ -141,11 +145,20 @@ class Drafter:
             before = [before[i] for i in still]
             step_chunks = [_Chunk(c.req_id, c.row, self._next_position(c, j), [], None, 0)
                            for c in before]
-            positions, meta = self._batch(table, step_chunks, [1] * len(before))
-            every = torch.arange(len(before), device=self.device)
-            tokens, hidden = self._draft(tokens, positions, meta, hidden, every)
+            tokens, hidden = self._decode(table, step_chunks, tokens, hidden)
             drafts.append(tokens)
         return self._collect(drafting, drafts)
+
+    def setup(self, max_batch: int, max_model_len: int, graphs: bool) -> None:
+        """What the draft's single-token steps need once the caches are bound (`max_batch`:
+        the most requests drafted for at once; `graphs`: CUDA graphs allowed)."""
+
+    def _decode(self, table: np.ndarray, chunks: list[_Chunk], tokens: Tensor,
+                hidden: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """A draft step of one token per chunk (`tokens`, at each chunk's start)."""
+        positions, meta = self._batch(table, chunks, [1] * len(chunks))
+        every = torch.arange(len(chunks), device=self.device)
+        return self._draft(tokens, positions, meta, hidden, every)
 
     def profile(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 aux: Tensor | None, max_num_seqs: int) -> None:
@@ -222,6 +235,49 @@ class DraftModel(Drafter):
         super().__init__(model.attention_layers(), model.config,
                          model.embed_tokens.weight.dtype, device, block_size, backend)
         self.model = model
+        self.buffers: StepBuffers | None = None
+        self.graphs: DecodeGraphs | None = None
+
+    def setup(self, max_batch: int, max_model_len: int, graphs: bool) -> None:
+        """Step buffers for the single-token draft steps and, on CUDA, their graphs (as the
+        target's decode steps: a draft step is mostly launches at small batch)."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.buffers = StepBuffers(max_batch, max_batch, max_blocks, self.device)
+        if graphs and self.backend.capturable:
+            self.graphs = DecodeGraphs(self.model, self.backend, self.buffers, max_batch,
+                                       max_model_len)
+            self.graphs.capture()
+
+    def _decode(self, table, chunks, tokens, hidden):
+        b, n, bs = self.buffers, len(chunks), self.block_size
+        if b is None or n > b.seq_lens.np.shape[0]:
+            return super()._decode(table, chunks, tokens, hidden)
+        size = self.graphs.padded_size(n) if self.graphs is not None else n
+        positions = np.array([c.start for c in chunks], dtype=np.int64)
+        b.wait_for_uploads()
+        b.fill_block_tables(table, np.array([c.row for c in chunks]), size,
+                            -(-int(positions.max() + 1) // bs))
+        b.positions.np[:n], b.positions.np[n:size] = positions, 0
+        b.slot_mapping.np[:n] = (b.block_tables.np[np.arange(n), positions // bs]
+                                 .astype(np.int64) * bs + positions % bs)
+        b.slot_mapping.np[n:size] = -1  # padding rows write nothing
+        b.seq_lens.np[:n], b.seq_lens.np[n:size] = positions + 1, 1
+        b.query_start_loc.np[:size + 1] = np.arange(size + 1)
+        meta = AttentionMetadata(
+            num_decodes=size, num_decode_tokens=size, slot_mapping=b.slot_mapping.upload(size),
+            block_tables=b.block_tables.upload(size), seq_lens=b.seq_lens.upload(size),
+            query_start_loc=b.query_start_loc.upload(size + 1), max_query_len=1,
+            max_seq_len=int(positions.max() + 1))
+        ids, step_positions = b.input_ids.device[:size], b.positions.upload(size)
+        b.mark_uploaded()
+        ids[n:].zero_()
+        ids[:n].copy_(tokens)
+        if self.graphs is not None:
+            out = self.graphs.replay(size)
+        else:
+            with set_forward_context(meta, self.backend):
+                out = self.model(ids, step_positions)
+        return self.model.compute_logits(out[:n]).argmax(-1), None
 
     def _chunk(self, state, row, start, kept, first_row, count):
         # a drafting request's new token too: the first draft follows it

@@ -373,12 +373,17 @@ class ModelRunner:
         self.graphs = None
         warm_up_sampler(self.sampler, self.model_config.vocab_size, self.dtype, self.device,
                         config.max_num_seqs)
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.capturable:
+        graphs = self.device.type == "cuda" and not config.enforce_eager
+        if graphs and self.backend.capturable:
             self._bind_kv_cache()
             self.graphs = DecodeGraphs(self.model, self.backend, self.buffers,
                                        config.max_num_seqs, max_model_len,
                                        lora=self.loras)
             self.graphs.capture()
+        if self.drafter is not None:  # it drafts for at most disable_by_batch_size requests
+            self.drafter.setup(min(config.max_num_seqs,
+                                   config.speculative_config.disable_by_batch_size),
+                               max_model_len, graphs)
 
     # -- one step ---------------------------------------------------------------------------
 
