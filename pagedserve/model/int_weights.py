@@ -270,6 +270,14 @@ def to_int_experts(moe: nn.Module, scheme: IntScheme, act_order: bool, full_k2: 
         setattr(moe, f"{base}_in_features", k)
 
 
+def drop_packed(module: nn.Module, prefix: str = "") -> None:
+    """Free a layer's packed parameters (`prefix`: an MoE layer's "w13_" or "w2_") once its
+    matmul holds the weight in another form (the CPU's native blocks, `model.int_native`)."""
+    for name in PARAMS:
+        if getattr(module, prefix + name, None) is not None:
+            setattr(module, prefix + name, None)
+
+
 def expert_weights(moe: nn.Module, scheme: IntScheme, base: str,
                    rows: tuple[int, int] | None = None) -> list[IntWeight]:
     """Each expert's `IntWeight` of `base` ("w13" or "w2"), over the loaded parameters

@@ -412,7 +412,8 @@ def _attach_int_matmuls(model: Decoder, packed: list[str],
                         scheme: int_weights.IntScheme | None, ops: Ops, native: bool) -> None:
     """The packed layers' matmuls: `ops.int_linear` on their weights, or with `native` (the
     CPU's fast mode) the native int8-activation kernels where a layer's (or an expert's)
-    weight fits them (`model.int_native`); MoE experts through the fused kernel where the ops
+    weight fits them (`model.int_native`: the blocks are a copy, so the packed parameters
+    they were made from are dropped); MoE experts through the fused kernel where the ops
     have one."""
     weights, by_expert = {}, {}  # each matmul's weight by name; MoE layers' expert count
     for target in packed:
@@ -433,15 +434,21 @@ def _attach_int_matmuls(model: Decoder, packed: list[str],
     matmuls = (int_native.int_matmuls(weights, reference) if native
                else {name: reference(weight) for name, weight in weights.items()})
     for target, count in by_expert.items():
-        model.get_submodule(target).experts = PackedExperts([
+        moe = model.get_submodule(target)
+        moe.experts = PackedExperts([
             (matmuls.pop(f"{target}.experts.{e}.w13"), matmuls.pop(f"{target}.experts.{e}.w2"))
             for e in range(count)])
+        if all(isinstance(m, QuantizedMatmul) for _, _, *ms in moe.experts.experts for m in ms):
+            for base in ("w13_", "w2_"):
+                int_weights.drop_packed(moe, base)
     for target, matmul in matmuls.items():
         module = model.get_submodule(target)
         if target == "lm_head":
             model.lm_head_matmul = matmul
         else:
             module.matmul = matmul
+        if isinstance(matmul, QuantizedMatmul):
+            int_weights.drop_packed(module)
 
 
 def attach_quantized(model: Decoder, weights: Iterator[tuple[str, QuantizedWeight]]) -> int:

@@ -186,6 +186,7 @@ def packed_matmuls(model) -> list:
     return matmuls
 
 
+PACKED = ("qweight", "scales", "zeros", "g_idx")  # a packed layer's parameters
 # (checkpoint, format, options)
 NATIVE = {
     "ct-w4-g32-sym": (qwen3, "compressed-tensors", dict(bits=4, group=32)),
@@ -208,6 +209,9 @@ def test_fast_mode_logits_and_greedy_tokens_follow_the_dequantized_model(case, t
     # q/k/v, o, gate/up and down, or q/k/v, o and each of 4 experts' w13 and w2
     assert len(matmuls) == (10 if case.startswith("mixtral") else 4) * TINY["num_hidden_layers"]
     assert all(isinstance(m, QuantizedMatmul) for m in matmuls)
+    # the blocks are the weights now: none of the packed tensors is kept beside them
+    assert any(n.endswith(PACKED) for n, _ in exact.named_parameters())
+    assert not any(n.endswith(PACKED) for n, _ in fast.named_parameters())
     prompt = torch.randint(0, TINY["vocab_size"], (13,),
                            generator=torch.Generator().manual_seed(2)).tolist()
     want = PagedDriver(exact).step({"s": prompt})["s"]
@@ -236,6 +240,7 @@ def test_a_layer_that_does_not_fit_keeps_the_exact_reference(tmp_path, caplog):
     assert "8 layers keep the reference (dequantizing) matmul: zero point x scale" in caplog.text
     matmuls = packed_matmuls(fast)
     assert matmuls and all(isinstance(m, IntMatmul) for m in matmuls)
+    assert any(n.endswith(PACKED) for n, _ in fast.named_parameters())
     prompt = list(range(3, 16))
     assert torch.equal(PagedDriver(fast).step({"s": prompt})["s"],
                        PagedDriver(exact).step({"s": prompt})["s"])
