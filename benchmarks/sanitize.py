@@ -800,7 +800,7 @@ def triton_cdiv(a: int, b: int) -> int:
 def w_moe(ctx: Ctx) -> None:
     """The fused MoE kernels (gate/up, then down) against every token through each of its
     experts in float64: 8 and 128 experts, top-k 1 to 8, experts that get no token, ragged
-    tiles and widths."""
+    tiles and widths; then experts kept quantized (`_moe_quantized`)."""
     import torch
     import torch.nn.functional as F
 
@@ -838,6 +838,60 @@ def w_moe(ctx: Ctx) -> None:
             ctx.rel_close(out, want, what, tol)
         else:
             ctx.close(out, want, what, tol)
+    _moe_quantized(ctx, dtype, tol)
+
+
+def _moe_quantized(ctx: Ctx, dtype, tol: float) -> None:
+    """The same kernels on experts kept quantized (each projection a `weight_formats.Stacked`
+    unpacked per tile): 4-bit with zero points and g_idx, and GGUF Q4_K / Q8_0 blocks,
+    against the loop on the weights the torch reference dequantizes."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight
+    from pagedserve.kernels.triton.moe import fused_moe
+    from pagedserve.kernels.weight_formats import IntWeight, pack_codes, stacked
+    from pagedserve.model.moe import route
+
+    dev, e, top_k = ctx.device, 8, 2
+    hidden, inter, tokens = (512, 256, 37) if ctx.gpu else (256, 64, 9)
+    gen, rng = torch.Generator().manual_seed(5), np.random.default_rng(5)
+
+    def int_experts(n, k, group=32):
+        codes = torch.randint(0, 16, (e, n, k), generator=gen)
+        scales = (torch.rand(e, n, k // group, generator=gen) * 0.02 + 0.001).to(dtype)
+        zeros = torch.randint(0, 16, (e, n, k // group), generator=gen).to(dtype)
+        order = torch.stack([torch.randperm(k, generator=gen) // group for _ in range(e)])
+        q, s, z, g = (t.to(dev) for t in (torch.stack([pack_codes(c, 4) for c in codes]),
+                                          scales, zeros, order.to(torch.int32)))
+        return stacked(IntWeight(q[i], s[i], z[i], g[i], 4, group, k) for i in range(e))
+
+    def gguf_experts(n, k, qtype):
+        per_block, size = BLOCKS[qtype]
+        blocks = rng.integers(0, 256, (e, n, k // per_block, size), dtype=np.uint8)
+        offset, count = GGUF_F16_SCALES[qtype]
+        scales = (rng.standard_normal((e, n, k // per_block, count)) * 0.01).astype(np.float16)
+        blocks[..., offset:offset + 2 * count] = scales.view(np.uint8)
+        b = torch.from_numpy(blocks.reshape(e, n, -1)).to(dev)
+        return stacked(GgufWeight(b[i], qtype, k) for i in range(e))
+
+    cases = {"int4 zeros g_idx": (int_experts(inter, hidden), int_experts(inter, hidden),
+                                  int_experts(hidden, inter)),
+             "gguf q4_k/q8_0": (gguf_experts(inter, hidden, 12), gguf_experts(inter, hidden, 12),
+                                gguf_experts(hidden, inter, 8))}
+    for name, (gate, up, down) in cases.items():
+        x = (torch.randn(tokens, hidden, generator=gen) * 0.1).to(dtype)  # no exp overflow
+        weights, ids = route(torch.randn(tokens, e, generator=gen), top_k, True, None)
+        out = fused_moe(x.to(dev), (gate, up), down, weights.to(dev), ids.to(dev))
+        g, u, d = (torch.stack([w.dequantize(dtype).double().cpu() for w in p.experts])
+                   for p in (gate, up, down))
+        want = torch.zeros(tokens, hidden, dtype=torch.float64)
+        for t in range(tokens):
+            for j in range(top_k):
+                i, xt = int(ids[t, j]), x[t].double()
+                want[t] += float(weights[t, j]) * (d[i] @ (F.silu(g[i] @ xt) * (u[i] @ xt)))
+        ctx.rel_close(out, want, f"fused_moe on {name} experts", tol)
 
 
 def w_sampling(ctx: Ctx) -> None:
