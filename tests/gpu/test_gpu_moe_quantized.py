@@ -157,8 +157,8 @@ def test_quantized_moe_engine_under_cuda_graphs_equals_eager(tmp_path):
     tokens = {}
     for eager in (False, True):
         engine = LLMEngine(EngineConfig(device="cuda", dtype="float32", max_model_len=128,
-                                        kv_cache_memory=64 << 20, enforce_eager=eager),
-                           loaded)
+                                        max_num_seqs=16, kv_cache_memory=64 << 20,
+                                        enforce_eager=eager), loaded)
         assert (engine.model_runner.graphs is None) == eager
         outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
         tokens[eager] = [list(o.outputs[0].token_ids) for o in outs]
