@@ -14,8 +14,8 @@ Parts (each a key of the JSON written to --out, merged into what is there):
             overridden by the same oracle: what running a draft model costs
   load      (GPU) workload A (benchmarks/throughput.py's 256 requests) with ngram against
             without, same run: output tokens/s (speculation switches itself off at this
-            batch; with it on the engine schedules synchronously, so the async engine is
-            measured too)
+            batch and the engine pipelines its steps; the synchronous engine is measured
+            too)
   crossover (GPU) where speculation stops paying, for `disable_by_batch_size`: --shape
             with dummy weights, B requests decoding together for B in --batches, output
             tokens/s without speculation (synchronous, as a speculative engine runs once
@@ -90,10 +90,12 @@ TASKS = (
 
 def engine_over(loaded: LoadedModel, base: dict, speculative: dict | None,
                 async_scheduling: bool | None = None) -> LLMEngine:
-    """An engine over `loaded` (one copy of the weights for every variant)."""
+    """An engine over `loaded` (one copy of the weights for every variant);
+    `async_scheduling` None: the engine's choice (on CUDA, on for ngram too: its steps that
+    may draft run synchronously)."""
     options = dict(base, speculative_config=speculative)
-    if async_scheduling is not None or speculative is not None:
-        options["async_scheduling"] = bool(async_scheduling)
+    if async_scheduling is not None:
+        options["async_scheduling"] = async_scheduling
     return LLMEngine(EngineConfig(**options), loaded)
 
 
@@ -258,7 +260,7 @@ def load(args: argparse.Namespace) -> dict:
         result = {"shape": args.load_shape}
         for name, spec, async_ in (("none_async", None, None), ("none_sync", None, False),
                                    ("ngram", {"method": "ngram",
-                                              "num_speculative_tokens": args.k}, False)):
+                                              "num_speculative_tokens": args.k}, None)):
             engine = engine_over(loaded, base, spec, async_)
             for i, (p, n) in enumerate(zip(prompts, out_lens)):
                 engine.add_request(str(i), None, SamplingParams(

@@ -241,20 +241,33 @@ class EngineCore:
         """Schedule, execute, sample and return the tokens of the requests that progressed.
 
         With async scheduling, `step_pipelined` from the step in flight: the tokens are
-        those of the step the previous call launched."""
+        those of the step the previous call launched. Under speculative decoding (a host
+        proposer), while the batch is small enough to draft for (`Scheduler.may_draft`)
+        the step in flight is completed first and the step runs synchronously: a verify's
+        outcome decides where its request's next step starts. A large batch, where nothing
+        is drafted, keeps the pipeline."""
+        outputs: list[EngineCoreOutput] = []
         if self.async_scheduling:
-            outputs, self.in_flight = self.step_pipelined(self.in_flight)
-            return outputs
+            if not self.scheduler.may_draft():
+                outputs, self.in_flight = self.step_pipelined(self.in_flight)
+                return outputs
+            if self.in_flight is not None:  # drain: a verify needs every token known
+                outputs = self._complete(self.executor.sample_awaiting(self.in_flight))
+                self.in_flight = None
+        return self._step_synchronously(outputs)
+
+    def _step_synchronously(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """A step with nothing in flight: schedule (drafts included), execute, sample and
+        update; `outputs` (those of a step just completed) go out first."""
         failed = self._take_compiled()
         scheduler_output = self.scheduler.schedule()
-        outputs: list[EngineCoreOutput] = []
         if not scheduler_output.is_empty:  # finished ids alone still reach the runner
             step, _ = self.executor.execute_model(scheduler_output)
             rows = self._grammar_rows(scheduler_output, 0)
             grammar = (self.structured.grammar_bitmask(rows, scheduler_output.draft_token_ids)
                        if rows is not None else None)
             tokens = self.executor.sample_tokens(step, grammar)
-            outputs = self._update(scheduler_output, tokens.result())
+            outputs = outputs + self._update(scheduler_output, tokens.result())
         return self._step_outputs(failed + outputs)
 
     def step_pipelined(self, in_flight: InFlightStep | None
@@ -403,16 +416,17 @@ class EngineCore:
 
 
 def _async_scheduling(config: EngineConfig, device_type: str) -> bool:
-    """The user's choice, else on for CUDA. Speculative decoding keeps it off (the config
-    refuses both asked for): the next step's drafts and slots depend on how many drafts
-    this step accepts, so it cannot be scheduled before this one's tokens are back."""
+    """The user's choice, else on for CUDA. With a host proposer (ngram) the steps that may
+    draft run synchronously (`step`), the others pipelined. A proposer on the device keeps
+    it off (the config refuses both asked for): its drafts come from each step's tokens."""
     if config.async_scheduling is not None:
         return config.async_scheduling
     if device_type != "cuda":
         return False
-    if config.speculative_config is not None:
-        logger.info("async scheduling is off: speculative decoding schedules each step "
-                    "after the previous one's accepted tokens are known")
+    spec = config.speculative_config
+    if spec is not None and spec.on_device:
+        logger.info("async scheduling is off: speculative_config method %r drafts after "
+                    "each step's tokens are known", spec.method)
         return False
     return True
 

@@ -53,7 +53,8 @@ device. A request that will have reached max_tokens (or max_model_len) once its 
 arrive is not scheduled again. A request finished when its token arrives (a stop) may still
 have a step in flight: that step's token is dropped.
 
-Speculative decoding (`pagedserve/spec`, synchronous scheduling only): a running request
+Speculative decoding (`pagedserve/spec`; with async scheduling, only in the steps the core
+runs synchronously, `may_draft`): a running request
 whose only uncomputed token is its last one asks the proposer for up to k drafts and is
 scheduled with its last token and the drafts, a verify of k + 1 positions (a short prefill
 against its blocks, mixed with the other requests' chunks). Its lookahead slots are
@@ -151,6 +152,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def may_draft(self) -> bool:
+        """The batch is small enough for a host proposer's drafts (`disable_by_batch_size`):
+        an engine with async scheduling then steps synchronously, so that every running
+        request's tokens are known when it is scheduled (a verify's outcome decides the
+        next step's positions)."""
+        return (self.proposer is not None and self.spec is not None
+                and len(self.running) <= self.spec.disable_by_batch_size)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput(finished_req_ids=self._finished_ids,
@@ -210,11 +219,12 @@ class Scheduler:
 
     def _drafts(self, request: Request, budget: int) -> list[int] | None:
         """Up to k drafts for a request whose only uncomputed token is its last (none while
-        the batch is large, or for sampling a verify cannot keep exact); never past
+        a step is in flight, whose outcome decides where this one starts; none while the
+        batch is large, or for sampling a verify cannot keep exact); never past
         max_tokens, max_model_len or the step's budget. A proposer on the device drafted
         them after the step that sampled the last token (`spec_token_ids`)."""
         spec = self.spec
-        if (request.num_output_placeholders
+        if (self._steps_in_flight or request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1
                 or len(self.running) > spec.disable_by_batch_size
                 or not speculates(request.sampling_params)):

@@ -26,9 +26,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 def make(loaded, speculative_config, num_blocks: int = 256, **options) -> LLMEngine:
     block_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads of 32, fp32
     options.setdefault("max_num_batched_tokens", 64)  # prompts longer than this are chunked
+    options.setdefault("async_scheduling", False)
     return LLMEngine(EngineConfig(
         model="tiny", device="cpu", dtype="float32", block_size=BLOCK,
-        kv_cache_memory=num_blocks * block_bytes, async_scheduling=False,
+        kv_cache_memory=num_blocks * block_bytes,
         speculative_config=speculative_config, **options), loaded)
 
 
@@ -136,6 +137,35 @@ def test_json_schema_row_is_verified_under_its_grammar(loaded):
     assert isinstance(json.loads(speculative.text)["a"], str)
 
 
+def test_async_scheduling_drafts_in_small_batches_and_pipelines_large_ones(loaded, free_run):
+    """With async scheduling, the steps whose batch is small enough to draft for run
+    synchronously (the step in flight completed first), the others pipelined: a long
+    request drafted for alone, then joined by a burst (penalties and logprobs, a JSON
+    schema, a stop string) that takes the batch past disable_by_batch_size and back, gives
+    the tokens of the synchronous engine without speculation."""
+    ps = free_run["prompts"]
+    p3 = free_run["p3"]
+    stop_text = p3.text[len(p3.text) // 2:len(p3.text) // 2 + 2]
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    arrivals = [
+        Arrival(0, "long", ps[0], greedy(48)),
+        Arrival(3, "b-penalties", ps[3], greedy(12, frequency_penalty=1.0, logprobs=2)),
+        Arrival(3, "b-json", ps[2], SamplingParams(
+            temperature=0.0, max_tokens=16,
+            structured_outputs=StructuredOutputsParams(json=schema))),
+        Arrival(3, "b-stop", ps[3], greedy(16, stop=[stop_text])),
+        Arrival(4, "b-plain", ps[1], greedy(8)),
+    ]
+    results, stats = [], []
+    for spec, async_scheduling in ((None, False), (NGRAM | {"disable_by_batch_size": 2}, True)):
+        engine = make(loaded, spec, async_scheduling=async_scheduling)
+        assert engine.async_scheduling is async_scheduling
+        results.append(summary(run(engine, arrivals)))
+        stats.append(engine.get_stats())
+    assert results[1] == results[0]
+    assert stats[1].spec_num_accepted_tokens > 0
+
+
 def test_greedy_tokens_match_across_preemption(loaded, free_run):
     ps = free_run["prompts"]
     arrivals = [Arrival(i % 3, f"r{i}", p, greedy(40)) for i, p in enumerate(ps + ps[:2])]
@@ -199,8 +229,9 @@ def test_bad_configs_are_refused_at_start(config, message):
         EngineConfig(speculative_config=config)
 
 
-def test_async_scheduling_asked_for_is_refused_at_start():
+def test_async_scheduling_with_a_device_proposer_is_refused_at_start():
     with pytest.raises(ValueError, match="synchronous scheduling"):
-        EngineConfig(speculative_config=NGRAM, async_scheduling=True)
+        EngineConfig(speculative_config={"model": "/some/draft"}, async_scheduling=True)
+    assert EngineConfig(speculative_config=NGRAM, async_scheduling=True).async_scheduling
     parsed = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config
     assert parsed.num_speculative_tokens == 4 and parsed.prompt_lookup_max == 3

@@ -39,7 +39,7 @@ def test_ngram_gives_the_default_engines_greedy_tokens(loaded, batch):
     params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * batch
     plain = run(make_engine(loaded), prompt_list, params)
     engine = make_engine(loaded, speculative_config=NGRAM)
-    assert not engine.async_scheduling
+    assert engine.async_scheduling  # its steps that may draft run synchronously
     speculative = run(engine, prompt_list, params)
     agree = sum(a == b for a, b in zip(plain, speculative))
     assert agree >= max(1, batch - 1)
@@ -145,3 +145,23 @@ def test_penalty_logprobs_and_json_rows_are_verified(loaded):
                 assert got[token].logprob == pytest.approx(want[token].logprob, abs=0.1)
     assert speculative[2].finish_reason == "stop"
     assert json.loads(speculative[2].text)["a"].isalpha()
+
+
+@torch.inference_mode()
+def test_async_engine_pipelines_large_batches_and_drafts_small_ones(loaded):
+    """12 requests of different lengths with drafting off above 4: the async engine pipelines
+    (graphs, placeholders) while more than 4 run, then completes its step in flight and
+    verifies synchronously; greedy tokens mostly match the default engine's, drafts are
+    accepted, every block comes back."""
+    from pagedserve.sampling_params import SamplingParams
+
+    prompt_list = repeating_prompts(12, seed=17)
+    params = [SamplingParams(temperature=0.0, max_tokens=16 + 8 * i, ignore_eos=True)
+              for i in range(12)]
+    plain = run(make_engine(loaded), prompt_list, params)
+    engine = make_engine(loaded, speculative_config=NGRAM | {"disable_by_batch_size": 4})
+    assert engine.async_scheduling
+    speculative = run(engine, prompt_list, params)
+    assert sum(a == b for a, b in zip(plain, speculative)) >= 10
+    stats = engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0 and stats.kv_cache_usage == 0.0
