@@ -32,7 +32,7 @@ def write_eagle3_head(folder: Path, target: dict, layer_ids: list[int] | None,
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[targets] = True
     tensors = {
-        "fc.weight": rand(hidden, 3 * hidden),
+        "fc.weight": rand(hidden, 3 * hidden, scale=0.03),  # attention matters as much
         "midlayer.input_layernorm.weight": norm(hidden),
         "midlayer.hidden_norm.weight": norm(hidden),
         "midlayer.post_attention_layernorm.weight": norm(hidden),
