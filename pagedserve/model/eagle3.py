@@ -39,6 +39,7 @@ from torch import nn
 
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import DecoderLayer, Linear, make_norm
+from pagedserve.model.loader import materialize
 from pagedserve.model.ops import Ops
 from pagedserve.model.rope import RotaryEmbedding
 
@@ -153,7 +154,7 @@ def load_eagle3(folder: str | Path, target_config: ModelConfig, target_embedding
     capture = spec.capture(target_config.num_layers)
     with torch.device("meta"):
         head = Eagle3Head(config, spec, ops)
-    head = head.to(dtype).to_empty(device=device)
+    head = materialize(head.to(dtype), device)
     embedding = _load_weights(head, _read_tensors(folder), config)
     head.embed_tokens = target_embedding
     if embedding is not None:

@@ -295,7 +295,7 @@ def load_model(
     if gguf_reader is not None:
         targets, experts, weights = _gguf_blocks(model, gguf_reader, config, kept, device,
                                                  ops)
-    model = model.to_empty(device=device)
+    model = materialize(model, device)
     if quantization is not None:
         for linear in model.dense_linears():  # their scales are on the device now
             linear.matmul = fp8.Fp8Matmul(ops.fp8_linear, linear.weight_scale)
@@ -317,6 +317,24 @@ def load_model(
     elif native and packed:
         model.fast_decode = FastDecode.for_model(model)
     return model.eval().requires_grad_(False), config, str(path)
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device=device)` (uninitialised tensors for a model built on the meta
+    device) without its detour through meta tensors: torch's `empty_like` of a meta tensor
+    runs its Python reference, whose first call imports sympy, a second of every start-up
+    that nothing else needs. A parameter two modules share stays one."""
+    made: dict[nn.Parameter, nn.Parameter] = {}  # tensors hash by identity
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param not in made:
+                made[param] = nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=device),
+                    requires_grad=param.requires_grad)
+            setattr(module, name, made[param])
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
+    return model
 
 
 def _gguf_blocks(model: Decoder, reader, config: ModelConfig, kept: dict[str, GgufBlocks],
