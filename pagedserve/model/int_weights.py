@@ -201,7 +201,9 @@ def take_shard(param: str, tensor: Tensor, rows: tuple[int, list[int]] | None,
     float weight [N, K] the rank keeps (`parallel.checkpoint_rows`): output rows
     (column-parallel, the vocabulary) are rows of every tensor but g_idx; input columns
     (row-parallel) are whole words of qweight, the columns' g_idx and, without g_idx,
-    whole groups of scales and zeros (with g_idx a column may take any group: all kept)."""
+    whole groups of scales and zeros (with g_idx a column may take any group: all kept; the
+    loader gives a rank whose columns cut a group such a g_idx, `splits_groups`; MoE experts
+    split so are refused)."""
     if rows is None:
         return tensor
     dim, index = rows
@@ -223,14 +225,18 @@ def take_shard(param: str, tensor: Tensor, rows: tuple[int, list[int]] | None,
 # -- the model's layers -------------------------------------------------------------------
 
 
-def to_int(linear: nn.Module, scheme: IntScheme, act_order: bool, full_k: int) -> None:
+def to_int(linear: nn.Module, scheme: IntScheme, act_order: bool, full_k: int,
+           derived_order: bool = False) -> None:
     """Replace a linear layer's float weight by (uninitialised) packed parameters on the
     weight's device (meta while the model is built): qweight, scales, zeros (unless
     symmetric), g_idx (with act_order). `full_k`: the unsharded layer's input columns (a
-    row-parallel rank keeps every group when g_idx may point anywhere)."""
+    row-parallel rank keeps every group when g_idx may point anywhere). `derived_order`: a
+    row-parallel rank whose columns cut a quantization group (`splits_groups`) keeps every
+    group too, and its columns' groups as a g_idx buffer the loader fills (the checkpoint has
+    none to load)."""
     n, k = linear.weight.shape
     dtype, device = linear.weight.dtype, linear.weight.device
-    groups = 1 if scheme.group_size == 0 else -(-(full_k if act_order else k)
+    groups = 1 if scheme.group_size == 0 else -(-(full_k if act_order or derived_order else k)
                                                 // scheme.group_size)
 
     def param(shape, dt):
@@ -243,7 +249,20 @@ def to_int(linear: nn.Module, scheme: IntScheme, act_order: bool, full_k: int) -
         linear.zeros = param((n, groups), dtype)
     if act_order:
         linear.g_idx = param((k,), torch.int32)
+    elif derived_order:
+        linear.register_buffer("g_idx", torch.empty(k, dtype=torch.int32, device=device),
+                               persistent=False)
     linear.in_features_packed = k
+
+
+def splits_groups(scheme: IntScheme, columns: list[int] | None) -> bool:
+    """Whether a row-parallel rank's input `columns` (one range; None: all of them) start or
+    end inside a quantization group. Such a rank keeps every group and a g_idx of its own
+    columns (`to_int`'s derived_order) rather than a slice of whole groups."""
+    if columns is None or scheme.group_size == 0:
+        return False
+    lo, hi = columns[0], columns[-1] + 1
+    return bool(lo % scheme.group_size or (hi - lo) % scheme.group_size)
 
 
 def to_int_experts(moe: nn.Module, scheme: IntScheme, act_order: bool, full_k2: int) -> None:

@@ -141,6 +141,7 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]],
     `scheme`: the checkpoint's integer quantization, whose packed tensors are converted to
     the kernels' layout first."""
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())  # a derived g_idx (`int_weights.to_int`)
     # Fused parameters are complete once all their shards arrived.
     expected = {(name, i) for name in params for i in range(model.num_shards(name))}
     loaded, orders = set(), set()
@@ -159,7 +160,7 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]],
                 layers[int(kv_scale[1])].checkpoint_kv_scales[kv_scale[2]] = tensor.float()
                 continue
             if scheme is not None:  # whole tensors: converted, then this rank's part
-                name, tensor = _packed_tensor(model, params, scheme, name, tensor)
+                name, tensor = _packed_tensor(model, params, buffers, scheme, name, tensor)
                 if name is None:
                     continue
             target, shard, rows = model.shard_range(name)
@@ -199,7 +200,8 @@ def load_weights(model: Decoder, weights: Iterator[tuple[str, torch.Tensor]],
         raise ValueError(f"checkpoint is missing weights for: {missing[:8]}")
 
 
-def _packed_tensor(model: Decoder, params: dict, scheme: int_weights.IntScheme, name: str,
+def _packed_tensor(model: Decoder, params: dict, buffers: dict,
+                   scheme: int_weights.IntScheme, name: str,
                    tensor: torch.Tensor) -> tuple[str | None, torch.Tensor]:
     """A whole checkpoint tensor under our name, in our layout (`int_weights.convert`) and
     cut to this rank's part; None for one that carries nothing we keep."""
@@ -213,7 +215,8 @@ def _packed_tensor(model: Decoder, params: dict, scheme: int_weights.IntScheme, 
     if param == "skip":
         return None, tensor
     rows = parallel.checkpoint_rows(module + ".weight", model.config)
-    act_order = model.shard_range(module + ".g_idx")[0] in params
+    order = model.shard_range(module + ".g_idx")[0]
+    act_order = order in params or order in buffers  # every group kept
     return f"{module}.{param}", int_weights.take_shard(
         param, int_weights.convert(scheme, param, tensor), rows, scheme, act_order)
 
@@ -300,6 +303,8 @@ def load_model(
         for linear in model.dense_linears():  # their scales are on the device now
             linear.matmul = fp8.Fp8Matmul(ops.fp8_linear, linear.weight_scale)
     load_weights(model, weights, scheme)
+    if scheme is not None:
+        _derive_orders(model, packed, scheme)
     native = quantized and dtype == torch.float32 and device.type == "cpu" and (
         native_quant.available())
     _attach_int_matmuls(model, packed, scheme, ops, native)
@@ -420,10 +425,24 @@ def _pack_linears(model: Decoder, scheme: int_weights.IntScheme, path: Path) -> 
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{path}: {target} is packed but is not a linear layer")
         k = module.in_features
-        full_k = k * parallel.get_tp().size if isinstance(module, RowParallelLinear) else k
-        int_weights.to_int(module, scheme, act_order, full_k)
+        row_parallel = isinstance(module, RowParallelLinear)
+        full_k = k * parallel.get_tp().size if row_parallel else k
+        rows = parallel.checkpoint_rows(target + ".weight", model.config) if row_parallel else None
+        derived = not act_order and int_weights.splits_groups(scheme, rows and rows[1])
+        int_weights.to_int(module, scheme, act_order, full_k, derived)
         packed.append(target)
     return packed
+
+
+def _derive_orders(model: Decoder, packed: list[str], scheme: int_weights.IntScheme) -> None:
+    """Fill the g_idx of each row-parallel layer whose rank's columns cut a quantization group
+    (`int_weights.to_int`'s derived_order): each column's group, k // group_size."""
+    for target in packed:
+        module = model.get_submodule(target)
+        g_idx = dict(module.named_buffers(recurse=False)).get("g_idx")
+        if g_idx is not None:
+            columns = parallel.checkpoint_rows(target + ".weight", model.config)[1]
+            g_idx.copy_(torch.tensor(columns) // scheme.group_size)
 
 
 def _attach_int_matmuls(model: Decoder, packed: list[str],

@@ -1,6 +1,8 @@
 """Tensor parallelism over packed integer weights (model/int_weights.py), checkpoints written
-by benchmarks/quantize_int.py: compressed-tensors with zero points, and GPTQ with desc_act
-(g_idx on the row-parallel o_proj and down_proj, whose ranks keep every group).
+by benchmarks/quantize_int.py: compressed-tensors with zero points, GPTQ with desc_act (g_idx
+on the row-parallel o_proj and down_proj, whose ranks keep every group), and
+compressed-tensors whose down_proj the two ranks split inside a group (each rank keeps every
+group and a g_idx of its own columns).
 
 - Two gloo ranks give one process's logits on the exact path (the dequantizing reference);
   in the CPU's fast mode (each rank's layers on the native int8-activation kernels,
@@ -8,7 +10,6 @@ by benchmarks/quantize_int.py: compressed-tensors with zero points, and GPTQ wit
   blocks) they stay within the activations' int8 rounding of it.
 - `LLM(tensor_parallel_size=2)` runs such a checkpoint end to end through its workers and
   gives TP=1's tokens.
-- A split through a quantization group is refused.
 """
 
 from __future__ import annotations
@@ -29,19 +30,24 @@ from tests.distributed.harness import (assert_ranks_equal_reference, paged_logit
 from tests.distributed.ranks import run_on_ranks
 
 # (AWQ loads to the same layout as asymmetric compressed-tensors: tests/model covers it)
-FORMATS = {"ct-asym-g32": ("compressed-tensors", dict(group=32, symmetric=False,
-                                                      dtype=torch.bfloat16)),
-           "gptq-desc_act-g32": ("gptq", dict(group=32, act_order=True))}
+# case -> (intermediate size, format, options). 704 = 2 x 352: each rank's half of
+# down_proj's input is 11 whole groups of 32; 688 = 2 x 344 cuts group 10 between the ranks
+FORMATS = {"ct-asym-g32": (704, "compressed-tensors", dict(group=32, symmetric=False,
+                                                           dtype=torch.bfloat16)),
+           "gptq-desc_act-g32": (704, "gptq", dict(group=32, act_order=True)),
+           "ct-sym-g32-cut": (688, "compressed-tensors", dict(group=32))}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp-int")
-    # 704 = 2 x 352: each rank's half of down_proj's input is 11 whole groups of 32
-    float_folder = Path(tiny_checkpoint(root, "tiny-llama3", intermediate_size=704))
-    folders = {}
-    for case, (fmt, options) in FORMATS.items():
-        quantize_folder(float_folder, root / case, fmt, **options)
+    floats, folders = {}, {}
+    for case, (intermediate, fmt, options) in FORMATS.items():
+        if intermediate not in floats:
+            (root / str(intermediate)).mkdir()
+            floats[intermediate] = Path(tiny_checkpoint(
+                root / str(intermediate), "tiny-llama3", intermediate_size=intermediate))
+        quantize_folder(floats[intermediate], root / case, fmt, **options)
         folders[case] = str(root / case)
     return folders
 
@@ -86,12 +92,15 @@ def test_tp2_engine_gives_tp1_tokens_on_packed_weights(checkpoints):
     assert tokens[1] == tokens[0]
 
 
-def test_a_rank_split_inside_a_group_is_refused():
-    """Rank 1 of down_proj with 688 inputs starts at column 344, inside group 10 of 32."""
+def test_a_rank_split_inside_a_group_keeps_every_group_with_its_columns_groups():
+    """Rank 1 of down_proj with 688 inputs starts at column 344, inside group 10 of 32: the
+    loader gives it every group and a g_idx of its columns (`splits_groups`), as with
+    desc_act; a slice of whole groups would be wrong, so take_shard refuses one."""
     scheme = IntScheme("compressed-tensors", 4, 32, True, False)
-    scales = torch.ones(256, 22)
     rows = (1, list(range(344, 688)))
+    assert int_weights.splits_groups(scheme, rows[1])
+    assert not int_weights.splits_groups(scheme, list(range(352, 704)))
+    scales = torch.ones(256, 22)
     with pytest.raises(ValueError, match="not a boundary of the quantization groups"):
         int_weights.take_shard("scales", scales, rows, scheme, act_order=False)
-    # with g_idx a column may take any group: every group is kept, whatever the split
     assert int_weights.take_shard("scales", scales, rows, scheme, act_order=True) is scales
