@@ -80,21 +80,30 @@ def test_a_streamed_output_keeps_its_tokens_while_the_request_grows(tokenizer):
 def test_a_stop_string_inside_several_new_tokens_ends_the_token_ids_there(tokenizer, finish):
     """Speculative decoding hands over several tokens at once: a stop string completed by
     one of them ends the sample's token ids at that token, as one token a step would (the
-    core is asked to abort), whatever the core said of the step's last token."""
-    from pagedserve.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+    core is asked to abort), whatever the core said of the step's last token; the logprobs
+    of the tokens after it go with them."""
+    from pagedserve.messages import (
+        EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, TokenLogprobs)
     from pagedserve.frontend.output_processor import OutputProcessor
     from pagedserve.sampling_params import SamplingParams
 
     processor = OutputProcessor(tokenizer)
     prompt = tokenizer.encode("Count")
-    params = SamplingParams(max_tokens=20, stop=[" two"])
+    params = SamplingParams(max_tokens=20, stop=[" two"], logprobs=0)
     processor.add_request("r", "Count", prompt, params,
                           [EngineCoreRequest("r", prompt, params, 0.0)])
     one, two, three = (tokenizer.encode(w) for w in (" one", " two", " three"))
     new = one + two + three + ([tokenizer.eos_token_id] if finish else [])
+    logprobs = [TokenLogprobs([], [], -0.5 * (i + 1), 1) for i in range(len(new))]
     outputs, to_abort = processor.process_outputs(EngineCoreOutputs(
-        [EngineCoreOutput("r", new, finish_reason=finish)]))
+        [EngineCoreOutput("r", new, logprobs, finish_reason=finish)]))
     (output,) = outputs
     assert output.outputs[0].token_ids == one + two
+    kept = len(one + two)
+    assert len(output.outputs[0].logprobs) == kept
+    assert [entry[t].logprob for t, entry in zip(one + two, output.outputs[0].logprobs)] \
+        == [lp.sampled_logprob for lp in logprobs[:kept]]
+    assert output.outputs[0].cumulative_logprob == pytest.approx(
+        sum(lp.sampled_logprob for lp in logprobs[:kept]))
     assert output.outputs[0].text == " one" and output.outputs[0].finish_reason == "stop"
     assert output.outputs[0].stop_reason == " two" and to_abort == ["r"]
