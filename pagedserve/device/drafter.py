@@ -322,7 +322,8 @@ def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConf
     dtype = target.embed_tokens.weight.dtype
     if spec.method == "eagle3":
         head, capture = load_eagle3(spec.model, target_config, target.embed_tokens, dtype,
-                                    device, select_ops(device, dtype))
+                                    device, select_ops(device, dtype),
+                                    _context(config, target_config))
         _check_context(head.config, config, target_config, "the EAGLE-3 head's")
         return Eagle3Drafter(head, capture, device, config.block_size, attention_backend(
             config.attention_backend, device, head.config, head.fc.weight.dtype))
@@ -352,8 +353,13 @@ def _check_context(draft: ModelConfig, config: EngineConfig, target: ModelConfig
                    whose: str) -> None:
     """The draft runs at every position the target does: its RoPE table must reach the
     engine's max_model_len."""
-    wanted = min(config.max_model_len or target.max_model_len, target.max_model_len)
+    wanted = _context(config, target)
     if draft.max_model_len < wanted:
         raise ValueError(f"speculative_config.model: {whose} context ({draft.max_model_len} "
                          f"positions) is shorter than max_model_len ({wanted}); lower "
                          "max_model_len")
+
+
+def _context(config: EngineConfig, target: ModelConfig) -> int:
+    """The positions the engine may reach: max_model_len, at most the target's."""
+    return min(config.max_model_len or target.max_model_len, target.max_model_len)

@@ -30,6 +30,7 @@ default).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,15 +134,21 @@ class Eagle3Head(nn.Module):
 
 
 def load_eagle3(folder: str | Path, target_config: ModelConfig, target_embedding: nn.Module,
-                dtype: torch.dtype, device: torch.device, ops: Ops
-                ) -> tuple[Eagle3Head, tuple[int, ...]]:
+                dtype: torch.dtype, device: torch.device, ops: Ops,
+                max_model_len: int | None = None) -> tuple[Eagle3Head, tuple[int, ...]]:
     """The head on `device` and the target layers it reads (`Eagle3Spec.capture`); a head
-    made for another target (vocabulary, hidden size, layers) is a ValueError."""
+    made for another target (vocabulary, hidden size, layers) is a ValueError.
+    `max_model_len`: the positions the head must reach. Published heads state a short
+    max_position_embeddings (trained on short sequences); with plain RoPE the table is only
+    a cache of a formula, so it is built that long (a scaled RoPE is not extended)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ValueError(f"speculative_config.model: {folder} is not an EAGLE-3 head's folder "
                          "(no config.json)")
     config = ModelConfig.from_hf_folder(folder, architecture="LlamaForCausalLM")
+    if (max_model_len is not None and config.max_model_len < max_model_len
+            and config.rope_scaling is None):
+        config = dataclasses.replace(config, max_model_len=max_model_len)
     spec = Eagle3Spec.read(folder, config)
     if config.vocab_size != target_config.vocab_size:
         raise ValueError(f"speculative_config.model: the EAGLE-3 head's vocabulary "
@@ -167,14 +174,20 @@ def load_eagle3(folder: str | Path, target_config: ModelConfig, target_embedding
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """safetensors files, else a pytorch_model.bin (the EAGLE authors' heads ship one),
+    read as tensors only."""
     from safetensors.torch import load_file
 
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"speculative_config.model: no safetensors weights in {folder}")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         tensors.update(load_file(str(file)))
+    if not files and (folder / "pytorch_model.bin").is_file():
+        tensors = torch.load(folder / "pytorch_model.bin", map_location="cpu",
+                             weights_only=True)
+    if not tensors:
+        raise ValueError(f"speculative_config.model: no weights (safetensors or "
+                         f"pytorch_model.bin) in {folder}")
     return tensors
 
 

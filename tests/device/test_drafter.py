@@ -98,7 +98,8 @@ def drive(engine, prompt: list[int], max_tokens: int):
 def test_eagle3_drafts_are_a_dense_rollouts(loaded, models):
     target, config, _ = load_model(loaded.tokenizer_source, torch.float32, "cpu")
     head, capture = load_eagle3(models["eagle3"], config, target.embed_tokens, torch.float32,
-                                torch.device("cpu"), select_ops("cpu", torch.float32))
+                                torch.device("cpu"), select_ops("cpu", torch.float32),
+                                config.max_model_len)
     engine = make(loaded, {"method": "eagle3", "model": models["eagle3"],
                            "num_speculative_tokens": K}, draft_layers=1)
     steps = list(drive(engine, prompts(3, [70])[0], 16))  # a chunked prefill, then verifies

@@ -2,7 +2,8 @@
 states of those layers, and a head in the published layout (tests/spec/heads.py) computes,
 through the paged cache, what a dense reference written from the layout computes: fc over
 the three streams, attention over concat(norm(embedding), hidden_norm(state)), the fused
-state as the residual, the final norm, lm_head over the draft vocabulary and d2t."""
+state as the residual, the final norm, lm_head over the draft vocabulary and d2t (read from
+a pytorch_model.bin, as the EAGLE authors ship heads)."""
 
 from __future__ import annotations
 
@@ -89,12 +90,15 @@ def test_captured_streams_and_a_head_match_their_references(tmp_path):
     target = json.loads((tmp_path / "target" / "config.json").read_text())
     folder = write_eagle3_head(tmp_path / "head", target, [0, 0, 1], 100, head_dim=16,
                                rms_norm_eps=1e-6)
-    head, capture = load_eagle3(folder, config, model.embed_tokens, torch.float32,
-                                torch.device("cpu"), select_ops("cpu", torch.float32))
-    assert capture == (1, 1, 2)  # the ids name layer outputs: the stream entering id + 1
     from safetensors.torch import load_file
 
     weights = load_file(str(folder / "model.safetensors"))
+    # the EAGLE authors' heads ship a pytorch_model.bin
+    torch.save(weights, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    head, capture = load_eagle3(folder, config, model.embed_tokens, torch.float32,
+                                torch.device("cpu"), select_ops("cpu", torch.float32))
+    assert capture == (1, 1, 2)  # the ids name layer outputs: the stream entering id + 1
     with set_forward_context(one_sequence(head.attention_layers()), backend):
         normed, _ = head(ids, torch.arange(T), streams)
     want, tokens = reference(weights, ids, streams, model.embed_tokens.weight)
