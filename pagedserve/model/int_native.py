@@ -93,12 +93,13 @@ def to_blocks(weight: IntWeight) -> Blocks:
         block_groups = torch.cat([block_groups, block_groups[-1:].expand(extra // unit)])
     pad = columns == k
     codes = unpack_codes(weight.qweight, weight.bits, k).to(torch.int16)
-    codes = torch.cat([codes, codes.new_zeros(n, 1)], dim=1)[:, columns]
+    if torch.equal(columns, torch.arange(k)):
+        columns = None  # the checkpoint's own layout (no copy of the codes)
+    else:
+        codes = torch.cat([codes, codes.new_zeros(n, 1)], dim=1)[:, columns]
     scales = weight.scales.float()[:, block_groups].contiguous()
     zeros = (weight.zeros.float()[:, block_groups] if weight.zeros is not None
              else torch.full_like(scales, 1 << (weight.bits - 1)))
-    if torch.equal(columns, torch.arange(k)):
-        columns = None
     if weight.bits == 4:
         return Blocks(_q4(codes, scales, zeros), columns)
     return Blocks(_q8(codes, scales, zeros, pad), columns)
