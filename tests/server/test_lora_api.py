@@ -59,7 +59,9 @@ def test_adapters_listed_and_selected_by_model(server, folders):
     listed = models(server)
     assert listed[BASE]["parent"] is None
     assert listed["a"]["parent"] == BASE and listed["a"]["root"].endswith("all-r8")
-    base, under_a = tokens(complete(server, BASE)), tokens(complete(server, "a"))
+    answer_base, answer_a = complete(server, BASE), complete(server, "a")
+    assert answer_base.json()["model"] == BASE and answer_a.json()["model"] == "a"
+    base, under_a = tokens(answer_base), tokens(answer_a)
     assert under_a != base
     assert tokens(complete(server, "a")) == under_a
     missing = complete(server, "nope")

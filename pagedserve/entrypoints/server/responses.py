@@ -120,7 +120,7 @@ class ResponsesServing:
             id=response_id, status=status, incomplete_details=incomplete,
             completed_at=now() if status == "completed" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
-            model=self.chat.model_name, output=items,
+            model=self.chat.answering_model(req.model), output=items,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             previous_response_id=req.previous_response_id,
             reasoning=req.reasoning.model_dump() if req.reasoning is not None else None,

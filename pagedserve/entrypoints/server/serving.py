@@ -105,6 +105,12 @@ class OpenAIServing:
         name = chat.reasoning_parser or reasoning.parser_for_template(template)
         self.reasoning = reasoning.get_reasoning_parser(name) if name else None
 
+    def answering_model(self, requested: str | None) -> str:
+        """The `model` an answer names: the LoRA adapter the request selected (as vLLM answers),
+        else the served model's name, also for an alias."""
+        return requested if requested and requested not in self.accepted_names else (
+            self.model_name)
+
     # ---- endpoints -------------------------------------------------------------------------
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
@@ -122,7 +128,7 @@ class OpenAIServing:
                                        on_close=lambda: self._abort(requests))
         finals = await _unless_disconnected(_collect(streams), raw, lambda: self._abort(requests))
         return JSONResponse(CompletionResponse(
-            id=base_id, model=self.model_name,
+            id=base_id, model=self.answering_model(req.model),
             choices=[self._completion_choice(i * req.n + c.index, c, req.logprobs,
                                              prompt_logprobs=_prompt_logprobs(out))
                      for i, out in enumerate(finals) for c in out.outputs],
@@ -183,7 +189,7 @@ class OpenAIServing:
                 logprobs=self._chat_logprobs(c.logprobs, c.token_ids, top),
                 stop_reason=c.stop_reason))
         return ChatCompletionResponse(
-            id=run.base_id, model=self.model_name, choices=choices,
+            id=run.base_id, model=self.answering_model(req.model), choices=choices,
             usage=_usage([final], self._reasoning_tokens(run, final)),
             prompt_logprobs=_prompt_logprobs(final))
 
@@ -457,12 +463,13 @@ class OpenAIServing:
                 delta_lp = _tail(c.logprobs, len(c.token_ids_delta))
                 choice = self._completion_choice(i * req.n + c.index, c, req.logprobs,
                                                  text=c.text_delta, logprobs=delta_lp)
-                yield _sse(CompletionResponse(id=base_id, model=self.model_name,
+                yield _sse(CompletionResponse(id=base_id, model=self.answering_model(req.model),
                                               choices=[choice]))
             if out.finished:
                 finals[i] = out
         if req.stream_options and req.stream_options.include_usage:
-            yield _sse(CompletionResponse(id=base_id, model=self.model_name, choices=[],
+            yield _sse(CompletionResponse(id=base_id, model=self.answering_model(req.model),
+                                          choices=[],
                                           usage=_usage([finals[i] for i in sorted(finals)])))
 
     async def chat_chunks(self, run: ChatRun) -> AsyncIterator[ChatCompletionChunk]:
@@ -473,8 +480,8 @@ class OpenAIServing:
 
         def chunk(choices: list[ChatStreamChoice],
                   usage: UsageInfo | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=base_id, model=self.model_name, choices=choices,
-                                       usage=usage)
+            return ChatCompletionChunk(id=base_id, model=self.answering_model(req.model),
+                                       choices=choices, usage=usage)
 
         for index in range(req.n):
             yield chunk([ChatStreamChoice(index=index,
