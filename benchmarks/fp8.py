@@ -40,10 +40,7 @@ Writes DIR/fp8.json (docs/results style: one row per figure) and prints a summar
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -54,9 +51,12 @@ from pathlib import Path
 # this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
 HERE = Path(__file__).resolve().parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))  # benchmarks.common, with or without PYTHONPATH=.
 
 import torch  # noqa: E402
 
+from benchmarks.common import (LLAMA3_8B_LM_HEAD, LLAMA3_8B_PROJECTIONS,  # noqa: E402
+                               ResultRows, rotation_copies, sibling)
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.attention.backend import set_forward_context  # noqa: E402
 from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
@@ -71,30 +71,7 @@ QUALITY_PROMPTS = 24
 QUALITY_TOKENS = 48
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-throughput = _module("throughput")
-
-
-class Results:
-    def __init__(self, out: Path) -> None:
-        self.path = out / "fp8.json"
-        self.rows: list[dict] = []
-        self.tags: dict = {}  # added to every row
-
-    def add(self, part: str, **row) -> dict:
-        row = {"part": part, **row, **self.tags, "device": torch.cuda.get_device_name(),
-               "date": datetime.date.today().isoformat()}
-        self.rows.append(row)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.rows, indent=1) + "\n")
-        print(json.dumps(row), flush=True)
-        return row
+throughput = sibling("throughput")
 
 
 def engine_for(loaded: LoadedModel, model_dir: str, **options) -> LLMEngine:
@@ -144,7 +121,7 @@ def scheduler(engine: LLMEngine):
     return getattr(engine, "scheduler", None) or engine.engine_core.scheduler
 
 
-def part_kv(res: Results, loaded: LoadedModel, model_dir: str, bandwidth: float,
+def part_kv(res: ResultRows, loaded: LoadedModel, model_dir: str, bandwidth: float,
             sweep: bool = False) -> None:
     """Workload A with a bf16 and an FP8 KV cache; with `sweep` also the FP8 cache under
     each of `KV_CANDIDATES` (`decode.FP8_DECODE`, read at each launch; "config" says which)."""
@@ -172,7 +149,7 @@ def part_kv(res: Results, loaded: LoadedModel, model_dir: str, bandwidth: float,
         throughput.release()
 
 
-def part_order(res: Results, loaded: LoadedModel, model_dir: str) -> None:
+def part_order(res: ResultRows, loaded: LoadedModel, model_dir: str) -> None:
     """Workload A with decode v1's programs dispatched longest first (`triton_backend.
     _decode_order`, the default) and in program order, FP8 KV twice, then bf16."""
     from pagedserve.attention import triton_backend
@@ -226,12 +203,12 @@ def fp8_decode_candidates() -> dict[str, DecodeConfig]:
             "bits v fp16 dot w8": replace(v16, num_warps=8)}
 
 
-def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:
+def part_kernel(res: ResultRows, bandwidth: float, sweep: bool) -> None:
     """Decode on a bf16 and an FP8 cache at Qwen3-0.6B's attention shape (16 query heads,
     8 KV heads, head_dim 128, block 16), timed in CUDA graphs rotating over > 1 GiB of KV;
     each cache with its default launch settings, and with `sweep` the FP8 cache also with
     each of `fp8_decode_candidates`."""
-    kernels = _module("kernels")
+    kernels = sibling("kernels")
     hq, hkv, d, bs = 16, 8, 128, 16
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch, context in DECODE_SHAPES:
@@ -239,7 +216,7 @@ def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             element = torch.empty(0, dtype=dtype).element_size()
             kv_bytes = 2 * batch * context * hkv * d * element
-            copies = max(1, math.ceil((1 << 30) / kv_bytes))
+            copies = rotation_copies(kv_bytes, least=1)
             total = seqs_per_copy * copies
             k = torch.randn(total * blocks + 1, bs, hkv, d, device="cuda").to(dtype)
             v = torch.randn_like(k, dtype=torch.float32).to(dtype)
@@ -273,7 +250,7 @@ def part_kernel(res: Results, bandwidth: float, sweep: bool) -> None:
             torch.cuda.empty_cache()
 
 
-def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
+def part_gemv(res: ResultRows, bandwidth: float, sweep: bool) -> None:
     """FP8 weights at decode batch sizes, Llama-3-8B's projections (K x N) and, at one
     token, its LM head (kept bf16 by `quantization="fp8"`: what quantizing it would save):
     the weight-only kernel (`fp8_linear.weight_only_linear`, method "weight_only"; with
@@ -286,10 +263,9 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
                                                       weight_only_linear)
     from pagedserve.model import fp8
 
-    kernels = _module("kernels")
+    kernels = sibling("kernels")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-              "down": (14336, 4096), "lm_head": (4096, 128256)}
+    shapes = {**LLAMA3_8B_PROJECTIONS, "lm_head": LLAMA3_8B_LM_HEAD}
 
     def scaled_mm(x, w, s):
         x_q, x_s = quantize_tokens(x)
@@ -297,7 +273,7 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
                                 out_dtype=torch.bfloat16)
 
     for name, (k_dim, n_dim) in shapes.items():
-        copies = max(2, math.ceil((1 << 30) / (k_dim * n_dim)))
+        copies = rotation_copies(k_dim * n_dim)
         w = torch.randn(copies, n_dim, k_dim, device="cuda", dtype=torch.bfloat16) * 0.02
         w_q, w_s = fp8.quantize_rows(w.view(-1, k_dim))
         w_q, w_s = w_q.view(copies, n_dim, k_dim), w_s.view(copies, n_dim)
@@ -414,7 +390,7 @@ def mean_kl(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
     return round(float(torch.cat(kls).mean()), 5)
 
 
-def part_quality(res: Results, model_dir: str, loaded: LoadedModel) -> None:
+def part_quality(res: ResultRows, model_dir: str, loaded: LoadedModel) -> None:
     prompts = quality_prompts()
     engine = engine_for(loaded, model_dir)
     reference = greedy(engine, prompts)
@@ -473,7 +449,7 @@ def config_folder(config_path: Path, out: Path) -> Path:
     reading 16 GB of random safetensors takes minutes."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(config_path.read_text())
-    _module("make_checkpoint").byte_level_tokenizer().save_pretrained(out)
+    sibling("make_checkpoint").byte_level_tokenizer().save_pretrained(out)
     return out
 
 
@@ -518,7 +494,7 @@ def step_parts(engine: LLMEngine, replays: int = 200) -> dict:
                 "lm_head_ms": per_call(lambda: runner.model.compute_logits(hidden))}
 
 
-def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True,
+def part_8b(res: ResultRows, root: Path, bandwidth: float, workload: bool = True,
             sweep: bool = False) -> None:
     """Batch-1 TPOT bf16 against FP8 weights; with `sweep` also FP8 weights under each of
     `TPOT_CANDIDATES` (variant "fp8_weights <name>"); with `workload` also workload A, bf16
@@ -556,7 +532,7 @@ def part_8b(res: Results, root: Path, bandwidth: float, workload: bool = True,
             throughput.release()
 
 
-def part_8b_skip(res: Results, root: Path) -> None:
+def part_8b_skip(res: ResultRows, root: Path) -> None:
     """The 8B shape's batch-1 decoder graph (`step_parts`), bf16 and FP8 weights, with each
     group of small kernels skipped (the norms, RoPE + KV store + attention, SiLU, all): what
     each costs on the step's critical path. The skipped steps compute nonsense; only their
@@ -599,7 +575,7 @@ def part_8b_skip(res: Results, root: Path) -> None:
         TritonBackend.forward = kept_forward
 
 
-def part_profile(res: Results, loaded: LoadedModel | None, model_dir: str | None,
+def part_profile(res: ResultRows, loaded: LoadedModel | None, model_dir: str | None,
                  out: Path, root: Path) -> None:
     """Kernel tables of 10 decode steps: the 0.6B shape at batch 256 (bf16 and FP8 KV),
     the 8B shape at batch 1 (bf16 and FP8 weights)."""
@@ -624,7 +600,7 @@ def part_profile(res: Results, loaded: LoadedModel | None, model_dir: str | None
         throughput.release()
 
 
-def tpot_candidates(res: Results, loaded: LoadedModel, model_dir: str, bf16_ms: float,
+def tpot_candidates(res: ResultRows, loaded: LoadedModel, model_dir: str, bf16_ms: float,
                     common: dict) -> None:
     """The FP8-weight model's batch-1 TPOT with the weight-only kernel's one-row setting
     (`fp8_linear.WEIGHT_ONLY_ONE_ROW`, read when the engine captures its graphs) changed as
@@ -672,14 +648,14 @@ def main() -> None:
     split_short = args.decode_split_short == "on"
     decode.BF16_DECODE = replace(decode.BF16_DECODE, split_short=split_short)
     decode.FP8_DECODE = replace(decode.FP8_DECODE, split_short=split_short)
-    res = Results(args.out)
+    res = ResultRows(args.out / "fp8.json")
     res.tags["decode_split_short"] = split_short
     root = Path(tempfile.mkdtemp(prefix="pagedserve-fp8-"))
     bandwidth = throughput.copy_bandwidth()
     model_dir = args.model
     if model_dir is None and {"kv", "order", "quality", "profile"} & set(parts):
         model_dir = str(root / "qwen3-0.6b")
-        _module("make_checkpoint").make_checkpoint(
+        sibling("make_checkpoint").make_checkpoint(
             HERE / "configs" / "qwen3-0.6b.json", Path(model_dir), torch.bfloat16, 0, "bytes",
             25.0)
     loaded = LoadedModel.load(EngineConfig(model=model_dir)) if model_dir else None

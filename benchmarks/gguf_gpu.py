@@ -20,8 +20,6 @@ script's `part` values start with "gguf").
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
 import json
 import math
 import sys
@@ -31,11 +29,14 @@ from pathlib import Path
 # this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
 HERE = Path(__file__).resolve().parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))  # benchmarks.common, with or without PYTHONPATH=.
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
+from benchmarks.common import (LLAMA3_8B_LM_HEAD, LLAMA3_8B_PROJECTIONS,  # noqa: E402
+                               ResultRows, rotation_copies, sibling)
 from pagedserve.frontend.llm_engine import LoadedModel  # noqa: E402
 from pagedserve.kernels.gguf_format import GgufWeight, row_bytes  # noqa: E402
 from pagedserve.kernels.triton.int_linear import linear  # noqa: E402
@@ -44,39 +45,17 @@ from pagedserve.model.gguf_weights import GgufMatmul  # noqa: E402
 from pagedserve.model.loader import load_tokenizer  # noqa: E402
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fp8 = _module("fp8")
-kernels = _module("kernels")
-quantizer = _module("gguf_quantize")
-
-
-class Results:
-    """Rows in DIR/int4.json; rows there of other parts (not "gguf...") stay."""
-
-    def __init__(self, out: Path) -> None:
-        self.path = out / "int4.json"
-        old = json.loads(self.path.read_text()) if self.path.exists() else []
-        self.rows = [r for r in old if not str(r.get("part", "")).startswith("gguf")]
-
-    def add(self, part: str, **row) -> None:
-        row = {"part": part, **row, "device": torch.cuda.get_device_name(),
-               "date": datetime.date.today().isoformat()}
-        self.rows.append(row)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.rows, indent=1) + "\n")
-        print(json.dumps(row), flush=True)
+fp8 = sibling("fp8")
+kernels = sibling("kernels")
+quantizer = sibling("gguf_quantize")
 
 
 # Llama-3-8B's projections: (K, N, Q4_K_M's type)
-SHAPES = {"qkv": (4096, 6144, T.Q4_K), "o": (4096, 4096, T.Q4_K),
-          "gate_up": (4096, 28672, T.Q4_K), "down Q4_K": (14336, 4096, T.Q4_K),
-          "down Q6_K": (14336, 4096, T.Q6_K), "lm_head": (4096, 128256, T.Q6_K)}
+SHAPES = {**{name: (*shape, T.Q4_K) for name, shape in LLAMA3_8B_PROJECTIONS.items()
+             if name != "down"},
+          "down Q4_K": (*LLAMA3_8B_PROJECTIONS["down"], T.Q4_K),
+          "down Q6_K": (*LLAMA3_8B_PROJECTIONS["down"], T.Q6_K),
+          "lm_head": (*LLAMA3_8B_LM_HEAD, T.Q6_K)}
 
 
 def random_blocks(n: int, k: int, qtype: T, tile_rows: int = 256) -> torch.Tensor:
@@ -86,13 +65,13 @@ def random_blocks(n: int, k: int, qtype: T, tile_rows: int = 256) -> torch.Tenso
     return tile.repeat(math.ceil(n / tile_rows), 1)[:n].contiguous()
 
 
-def part_gemv(res: Results, bandwidth: float) -> None:
+def part_gemv(res: ResultRows, bandwidth: float) -> None:
     for name, (k, n, qtype) in SHAPES.items():
         nbytes = {"gguf": n * row_bytes(int(qtype), k), "bf16 matmul": 2 * n * k}
-        copies = max(2, math.ceil((1 << 30) / nbytes["gguf"]))
+        copies = rotation_copies(nbytes["gguf"])
         base = random_blocks(n, k, qtype)
         blocks = [base] + [base.clone() for _ in range(copies - 1)]
-        w_copies = max(2, math.ceil((1 << 30) / nbytes["bf16 matmul"]))
+        w_copies = rotation_copies(nbytes["bf16 matmul"])
         w = torch.randn(w_copies, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for rows in (1, 16, 256):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -118,7 +97,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
                        for part in mm.parts)
 
 
-def part_8b(res: Results, root: Path) -> None:
+def part_8b(res: ResultRows, root: Path) -> None:
     config_path = HERE / "configs" / "llama3-8b.json"
     model_dir = fp8.config_folder(config_path, root / "llama3-8b")
     common = {"model": "llama-3-8b shape, random weights, bf16 activations"}
@@ -150,7 +129,8 @@ def main() -> None:
     parser.add_argument("--parts", default="gemv,8b")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    res = Results(args.out)
+    res = ResultRows(args.out / "int4.json",  # the other parts' rows stay
+                     keep=lambda row: not str(row.get("part", "")).startswith("gguf"))
     if "gemv" in parts:
         part_gemv(res, fp8.throughput.copy_bandwidth())
     if "8b" in parts:

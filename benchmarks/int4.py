@@ -24,10 +24,7 @@ Writes DIR/int4.json (docs/results style: one row per figure) and prints each ro
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
 import json
-import math
 import sys
 import tempfile
 from dataclasses import asdict, replace
@@ -35,17 +32,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))  # benchmarks.common, with or without PYTHONPATH=.
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.common import (LLAMA3_8B_PROJECTIONS, ResultRows,  # noqa: E402
+                               rotation_copies, sibling)
 from pagedserve.kernels import int4pack  # noqa: E402
 from pagedserve.kernels.triton import int_linear  # noqa: E402
 from pagedserve.kernels.weight_formats import IntWeight, pack_codes  # noqa: E402
 from pagedserve.model.int_weights import IntMatmul  # noqa: E402
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-          "down": (14336, 4096)}
+SHAPES = LLAMA3_8B_PROJECTIONS
 ROWS = (1, 4, 16, 256)
 GEMV_CANDIDATES = {f"gemv n{n} k{k} w{w}": replace(int_linear.DEFAULT, int_gemv_block_n=n,
                                                    int_gemv_block_k=k, int_gemv_warps=w)
@@ -53,32 +52,9 @@ GEMV_CANDIDATES = {f"gemv n{n} k{k} w{w}": replace(int_linear.DEFAULT, int_gemv_
                                    (4, 1024, 4), (16, 512, 8)]}
 
 
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fp8_bench = _module("fp8")
-kernels = _module("kernels")
+fp8_bench = sibling("fp8")
+kernels = sibling("kernels")
 throughput = fp8_bench.throughput
-
-
-class Results:
-    def __init__(self, out: Path, append: bool = False) -> None:
-        self.path = out / "int4.json"
-        self.rows: list[dict] = (json.loads(self.path.read_text())
-                                 if append and self.path.exists() else [])
-
-    def add(self, part: str, **row) -> dict:
-        row = {"part": part, **row, "device": torch.cuda.get_device_name(),
-               "date": datetime.date.today().isoformat()}
-        self.rows.append(row)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.rows, indent=1) + "\n")
-        print(json.dumps(row), flush=True)
-        return row
 
 
 def quantize(w: torch.Tensor, bits: int, group: int, zeros: bool) -> IntWeight:
@@ -109,20 +85,20 @@ FORMATS = {"w4a16 g128": (4, 128, False), "w4a16 g128 zeros": (4, 128, True),
            "w8a16 g128": (8, 128, False)}
 
 
-def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
+def part_gemv(res: ResultRows, bandwidth: float, sweep: bool) -> None:
     for name, (k_dim, n_dim) in SHAPES.items():
         weights = {}
         for label, (bits, group, zeros) in FORMATS.items():
             one = quantize(torch.randn(n_dim, k_dim, device="cuda", dtype=torch.bfloat16)
                            * 0.02, bits, group, zeros)
-            copies = max(2, math.ceil((1 << 30) / weight_bytes(one)))
+            copies = rotation_copies(weight_bytes(one))
             weights[label] = [one] + [IntWeight(one.qweight.clone(), one.scales.clone(),
                                                 None if one.zeros is None else one.zeros.clone(),
                                                 None, bits, group, k_dim)
                                       for _ in range(copies - 1)]
         prepared = {label: [int_linear.prepare(w) for w in ws] for label, ws in weights.items()
                     if int4pack.fits(ws[0])}
-        copies = max(2, math.ceil((1 << 30) / (n_dim * k_dim * 2)))
+        copies = rotation_copies(n_dim * k_dim * 2)
         bf16 = torch.randn(copies, n_dim, k_dim, device="cuda", dtype=torch.bfloat16) * 0.02
         for rows in ROWS:
             x = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
@@ -156,7 +132,7 @@ def part_gemv(res: Results, bandwidth: float, sweep: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def part_memory(res: Results) -> None:
+def part_memory(res: ResultRows) -> None:
     """Device bytes of the 8B shape's weights per format: the dense projections packed, the
     embedding, LM head and norms in bf16."""
     config = json.loads((HERE / "configs" / "llama3-8b.json").read_text())
@@ -194,7 +170,7 @@ def pack_model(model, bits: int = 4, group: int = 128) -> None:
     torch.cuda.empty_cache()
 
 
-def part_8b(res: Results, root: Path, bandwidth: float, workload: bool) -> None:
+def part_8b(res: ResultRows, root: Path, bandwidth: float, workload: bool) -> None:
     model_dir = fp8_bench.config_folder(HERE / "configs" / "llama3-8b.json", root / "llama3-8b")
     prompts, out_lens = throughput.workload_prompts()
     common = {"model": "llama-3-8b shape, load_format dummy, bf16 activations"}
@@ -229,7 +205,7 @@ def main() -> None:
                         "DIR/int4.json (a run split in parts, or other formats' rows)")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    res = Results(args.out, args.append)
+    res = ResultRows(args.out / "int4.json", keep=lambda row: args.append)
     bandwidth = throughput.copy_bandwidth()
     if "memory" in parts:
         part_memory(res)
