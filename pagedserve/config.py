@@ -184,11 +184,6 @@ class EngineConfig:
         if spec.on_device and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config method {spec.method!r} runs on one rank: "
                              "the draft model and EAGLE-3 heads are not sharded yet")
-        if spec.on_device and (self.preemption_mode == "swap" or self.kv_offload_memory
-                               or self.kv_offload_path):
-            raise ValueError(f"speculative_config method {spec.method!r} does not run with "
-                             "preemption_mode='swap' or the KV offload tiers yet: their "
-                             "copies carry the target's KV, not the draft's")
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         if getattr(self, name) not in choices:

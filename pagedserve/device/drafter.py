@@ -6,7 +6,8 @@ scheduler asked (`SchedulerOutput.num_lookahead_tokens`); the next step verifies
 Its KV lives in the target's pool: caches of its own layers with as many blocks as the
 target's, addressed by the same block ids through the same block tables. One allocator then
 serves both, so the pool's invariants, prefix caching, chunked prefill and preemption need
-nothing of their own, and a block that the prefix cache hands to another request holds the
+nothing of their own (a block's copies to swap space and the offload tiers take the draft's
+layers with the target's), and a block that the prefix cache hands to another request holds the
 draft's KV of the same tokens. That holds because the draft runs over every chunk the target
 computes, in the same step (`propose`): the tokens the target kept (a verify's accepted part
 only), so the positions past them are written again when their tokens are known, as the

@@ -351,13 +351,14 @@ class ModelRunner:
         """Per-layer caches of `num_blocks` blocks in CPU memory; pinned on CUDA so the
         copies are DMA transfers (pageable memory is far slower: docs/benchmarks.md,
         "Block copy and swap")."""
-        mc = self.model_config
-        shape = (num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         pin = self.device.type == "cuda"
-        dtype = self.kv_cache_dtype
-        return [(torch.empty(shape, dtype=dtype, pin_memory=pin),
-                 torch.empty(shape, dtype=dtype, pin_memory=pin))
-                for _ in range(mc.num_layers)]
+        return [tuple(torch.empty((num_blocks, *c.shape[1:]), dtype=c.dtype, pin_memory=pin)
+                      for c in layer) for layer in self._device_caches()]
+
+    def _device_caches(self) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's cache that a block id addresses: the target's, then a drafter's
+        (whose KV moves with the target's wherever a block goes: swap, host tier, disk)."""
+        return self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
 
     def setup(self, max_model_len: int) -> None:
         """Allocate the step buffers, compile the sampling kernels and, on CUDA unless
@@ -583,11 +584,11 @@ class ModelRunner:
             tiers.spill(output.blocks_to_spill)
         self._copy_out(self.cpu_kv_caches, output.blocks_to_swap_out)
         if output.blocks_to_offload:
-            tiers.offload(self.kv_caches, output.blocks_to_offload)
+            tiers.offload(self._device_caches(), output.blocks_to_offload)
         failed = self._load(output.blocks_to_load) if output.blocks_to_load else []
         self._copy_in(self.cpu_kv_caches, output.blocks_to_swap_in)
         if output.blocks_to_recall:
-            tiers.recall(self.kv_caches, output.blocks_to_recall)
+            tiers.recall(self._device_caches(), output.blocks_to_recall)
         tier_work = (output.blocks_to_spill or output.blocks_to_offload
                      or output.blocks_to_load or output.blocks_to_recall)
         return TierReport(failed, time.perf_counter() - start) if tier_work else NO_TIER_WORK
@@ -610,7 +611,7 @@ class ModelRunner:
     def _copy_out(self, host_caches: list[tuple[Tensor, Tensor]],
                   pairs: list[tuple[int, int]]) -> None:
         if pairs:
-            self.backend.swap_blocks(self.kv_caches, host_caches, torch.tensor(pairs))
+            self.backend.swap_blocks(self._device_caches(), host_caches, torch.tensor(pairs))
             if self.device.type == "cuda":  # the copies land asynchronously
                 self._swapped_out = torch.cuda.Event()
                 self._swapped_out.record()
@@ -619,7 +620,7 @@ class ModelRunner:
                  pairs: list[tuple[int, int]]) -> None:
         if pairs:
             self._host_writes_done()  # a copy in reads host memory on the host
-            self.backend.swap_blocks(host_caches, self.kv_caches, torch.tensor(pairs))
+            self.backend.swap_blocks(host_caches, self._device_caches(), torch.tensor(pairs))
 
     @torch.inference_mode()
     def prepare_step(self, output: SchedulerOutput) -> PreparedStep:

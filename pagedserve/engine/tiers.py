@@ -88,11 +88,16 @@ def _disk_tier(config: EngineConfig, executor, model_config: ModelConfig,
 
 
 def fingerprint_fields(config: EngineConfig, executor, model_config: ModelConfig) -> dict:
-    """Everything that shapes a disk block's bytes and its hash."""
-    return {"model": str(config.model), "quantization": config.quantization,
-            "dtype": executor.dtype, "kv_cache_dtype": executor.kv_cache_dtype,
-            "block_size": config.block_size, "block_bytes": executor.block_bytes,
-            "num_layers": model_config.num_layers, "num_kv_heads": model_config.num_kv_heads,
-            "head_dim": model_config.head_dim, "tensor_parallel_size":
-            config.tensor_parallel_size, "hash_algo": config.prefix_caching_hash_algo,
-            "hash_seed": config.prefix_caching_hash_seed}
+    """Everything that shapes a disk block's bytes and its hash (a draft model's or
+    EAGLE-3 heads' KV is part of each block)."""
+    fields = {"model": str(config.model), "quantization": config.quantization,
+              "dtype": executor.dtype, "kv_cache_dtype": executor.kv_cache_dtype,
+              "block_size": config.block_size, "block_bytes": executor.block_bytes,
+              "num_layers": model_config.num_layers, "num_kv_heads": model_config.num_kv_heads,
+              "head_dim": model_config.head_dim, "tensor_parallel_size":
+              config.tensor_parallel_size, "hash_algo": config.prefix_caching_hash_algo,
+              "hash_seed": config.prefix_caching_hash_seed}
+    spec = config.speculative_config
+    if spec is not None and spec.on_device:
+        fields["draft"] = spec.model
+    return fields

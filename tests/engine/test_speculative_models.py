@@ -133,6 +133,30 @@ def test_seeded_sampling_repeats_with_a_draft_model(loaded, models):
     assert outs[0] == outs[1]
 
 
+def test_the_drafts_kv_moves_with_swaps_and_the_offload_tiers(loaded, models, tmp_path):
+    """Swapped out and in, or evicted to the host tier and recalled: the target drafting for
+    itself still has every draft accepted, so the draft's KV came back with the blocks."""
+    ps = prompts(17, [40, 33, 50, 21])
+    batch = [Arrival(i % 2, f"r{i}", p, greedy(40)) for i, p in enumerate(ps)]
+    block = TARGET_BLOCK * 2  # the target's and its own draft's
+    swap = dict(num_blocks=14, preemption_mode="swap", swap_space=64 * block)
+    tiers = dict(num_blocks=8, kv_offload_memory=64 * block, kv_offload_path=str(tmp_path))
+    turns = [Arrival(0, "turn1", ps[0], greedy(8))] + [
+        Arrival(1 + 12 * i, f"other{i}", p, greedy(8)) for i, p in enumerate(ps[1:])]
+    for options, arrivals, counter in ((swap, batch, "num_blocks_swapped_in"),
+                                       (tiers, turns, "host_tier_hits")):
+        if options is tiers:  # turn 2: turn 1 and more, after the others pushed it out
+            arrivals = arrivals + [Arrival(60, "turn2", ps[0] + [5, 6, 7], greedy(8))]
+        outs, stats = [], None
+        for config in (None, spec(models, "self")):
+            engine = make(loaded, config, draft_layers=2 if config else 0, **options)
+            outs.append(summary(run(engine, arrivals)))
+            stats = engine.get_stats()
+        assert outs[1] == outs[0]
+        assert getattr(stats, counter) > 0
+        assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
 @pytest.mark.parametrize("name, config, message", [
     ("other_vocab", {}, "vocabulary"),
     ("eagle3_vocab", {"method": "eagle3"}, "vocabulary"),
@@ -152,7 +176,5 @@ def test_combinations_not_built_are_refused(models):
         EngineConfig(speculative_config={"method": "eagle3"})
     with pytest.raises(ValueError, match="runs on one rank"):
         EngineConfig(speculative_config={"model": models["draft"]}, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="preemption_mode='swap'"):
-        EngineConfig(speculative_config={"model": models["draft"]}, preemption_mode="swap")
     parsed = EngineConfig(speculative_config={"model": models["draft"]}).speculative_config
     assert parsed.method == "draft_model" and parsed.on_device
