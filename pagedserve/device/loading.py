@@ -15,6 +15,7 @@ from pagedserve.kernels.native.build import cpu_flags, has_bf16_compute
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.loader import load_model, load_tokenizer, tokenizer_source
+from pagedserve.model.ops import select_ops
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,6 +51,13 @@ def _check_cpu_dtype(dtype: torch.dtype, device: torch.device) -> None:
                          "does not report; use --dtype auto (a GGUF's fast mode) or float32")
 
 
+Timer = Callable[[str], AbstractContextManager]
+
+
+def _untimed(_: str) -> AbstractContextManager:
+    return nullcontext()
+
+
 @dataclasses.dataclass
 class LoadedModel:
     """Weights, their config and tokenizer; shareable by several engines (read-only)."""
@@ -60,25 +68,31 @@ class LoadedModel:
     tokenizer_source: str | None = None  # what `tokenizer` was loaded from, for another process
 
     @classmethod
-    def load(cls, config: EngineConfig,
-             timed: Callable[[str], AbstractContextManager] = lambda _: nullcontext()
-             ) -> LoadedModel:
-        """`timed(phase)`: a context that times each part ("weights", "tokenizer")."""
-        with timed("weights"):
-            model, model_config, _ = load_on_device(config, resolve_device(config.device))
+    def load(cls, config: EngineConfig, timed: Timer = _untimed) -> LoadedModel:
+        """`timed(phase)`: a context that times each part (`load_on_device`'s, "tokenizer")."""
+        model, model_config, _ = load_on_device(config, resolve_device(config.device), timed)
         source = tokenizer_source(config.model, config.tokenizer)
         with timed("tokenizer"):
             tokenizer = load_tokenizer(source)
         return cls(model, model_config, tokenizer, source)
 
 
-def load_on_device(config: EngineConfig,
-                   device: torch.device) -> tuple[Decoder, ModelConfig, str]:
+def load_on_device(config: EngineConfig, device: torch.device,
+                   timed: Timer = _untimed) -> tuple[Decoder, ModelConfig, str]:
     """The model on `device` (this rank's shard under tensor parallelism), its config and
-    tokenizer source."""
-    _check_cpu_dtype(resolve_dtype(config.dtype, device), device)
-    # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
-    # "float32" keeps the exact path.
-    return load_model(config.model, resolve_dtype(config.dtype, device), device,
-                      quantized=config.dtype == "auto", quantization=config.quantization,
-                      load_format=config.load_format)
+    tokenizer source. `timed` times its parts apart, so a slow start-up says where it went:
+    "device init" (a GPU's context), "kernels" (importing the ones that will run),
+    "weights"."""
+    dtype = resolve_dtype(config.dtype, device)
+    _check_cpu_dtype(dtype, device)
+    with timed("device init"):
+        if device.type == "cuda":
+            torch.zeros(1, device=device)  # the context and allocator, made here
+    with timed("kernels"):
+        ops = select_ops(device, dtype)
+    with timed("weights"):
+        # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
+        # "float32" keeps the exact path.
+        return load_model(config.model, dtype, device, quantized=config.dtype == "auto",
+                          quantization=config.quantization, load_format=config.load_format,
+                          ops=ops)
