@@ -10,9 +10,9 @@ benchmarks/configs, e.g. qwen3-0.6b: config.json and a byte-level tokenizer, ser
 Parts, in this order:
   cold     serve -> /health with empty Triton and pagedserve kernel caches (fresh folders)
   warm     the same, N more times over the caches the cold run filled (min and median)
-  phases   the engine core's own start-up line ("engine core started in ...": weights,
-           tokenizer, memory profile, KV cache + sampler warm-up + CUDA graphs, grammar
-           backend) from each run's log, and the time the API process took after READY
+  phases   the engine core's own start-up line ("engine core started in ...": device init,
+           kernels, weights, tokenizer, memory profile, KV cache + sampler warm-up + CUDA
+           graphs, grammar backend) from each run's log
   imports  `python -X importtime` of what each process imports (the API process's server
            module, the engine core's module), summed by top-level package
   engine   an in-process `LLMEngine` build over the warm caches: import and build seconds
