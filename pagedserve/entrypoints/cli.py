@@ -276,16 +276,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from pagedserve.config import EngineConfig
-    from pagedserve.entrypoints.server.options import server_limits
+    from pagedserve.entrypoints.server.options import serve_settings
     from pagedserve.frontend.core_client import EngineCoreClient
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    limits = server_limits(args)  # bad limits are refused before anything starts
+    settings = serve_settings(args)  # bad options are refused before anything starts
     client = EngineCoreClient(EngineConfig.from_options(**engine_options(args), seed=args.seed))
     try:
         from pagedserve.entrypoints.server.api_server import run_server
 
-        run_server(args, client, limits)
+        run_server(args, client, settings)
     finally:
         client.shutdown()
     return 0

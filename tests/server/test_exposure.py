@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.entrypoints.server.api_server import api_keys
+from pagedserve.entrypoints.server.options import api_keys
 from pagedserve.entrypoints.server.drain import MAX_RETRY_AFTER_S
 from tests.server.conftest import MODEL_NAME, start_server, stop_server
 

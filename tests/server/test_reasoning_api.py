@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks.make_checkpoint import byte_level_tokenizer
 from pagedserve.entrypoints.cli import build_parser
-from pagedserve.entrypoints.server.api_server import chat_settings
+from pagedserve.entrypoints.server.options import serve_settings
 from tests.server.conftest import start_server, stop_server
 
 THINK_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -295,7 +295,7 @@ def test_chat_template_flag_reads_a_file_or_takes_the_text(tmp_path):
     template.write_text(R1_TEMPLATE)
     for given in (str(template), R1_TEMPLATE):
         args = build_parser(["serve"]).parse_args(["serve", "--chat-template", given])
-        assert chat_settings(args).chat_template == R1_TEMPLATE
+        assert serve_settings(args).chat_template == R1_TEMPLATE
     args = build_parser(["serve"]).parse_args(["serve", "--chat-template", str(tmp_path / "no")])
     with pytest.raises(ValueError, match="--chat-template"):
-        chat_settings(args)
+        serve_settings(args)

@@ -30,11 +30,8 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
-import os
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -53,7 +50,7 @@ from pagedserve.entrypoints.server.messages import AnthropicErrors, MessagesServ
 from pagedserve.entrypoints.server.messages_protocol import MessagesRequest, MessageTokensRequest
 from pagedserve.entrypoints.server.metrics import ServerMetrics
 from pagedserve.entrypoints.server.options import (
-    API_KEY_ENV, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, Limits)
+    DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, Access, ServeSettings)
 from pagedserve.entrypoints.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -70,22 +67,6 @@ from pagedserve.model.loader import load_tokenizer, tokenizer_source
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-@dataclass(frozen=True)
-class Access:
-    """Who may call: `api_keys` (empty: anyone), whether /health and /metrics need a key
-    too, and whether each key gets a prefix cache of its own."""
-
-    api_keys: tuple[str, ...] = ()
-    auth_health_and_metrics: bool = False
-    cache_salt_from_api_key: bool = False
-
-    def __post_init__(self) -> None:
-        if any(not key for key in self.api_keys):
-            raise ValueError("an API key must not be empty")
-        if self.cache_salt_from_api_key and not self.api_keys:
-            raise ValueError("--cache-salt-from-api-key needs --api-key")
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -302,13 +283,6 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
-def api_keys(flags: list[str] | None) -> tuple[str, ...]:
-    """The keys of every --api-key (each may be a comma list), else of PAGEDSERVE_API_KEY."""
-    given = flags if flags else [os.environ.get(API_KEY_ENV, "")]
-    keys = [key.strip() for value in given for key in value.split(",")]
-    return tuple(dict.fromkeys(key for key in keys if key))
-
-
 class _HeaderTimeoutProtocol(HttpToolsProtocol):
     """uvicorn's HTTP protocol, plus a deadline on each request's headers: from the
     connection's start for the first request, from its first byte for the next ones (idle
@@ -364,29 +338,20 @@ def load_lora_modules(engine: AsyncEngine, modules: list[tuple[str, str]]) -> No
             raise ValueError(f"--lora-modules {name}: {exc}") from None
 
 
-def chat_settings(args: argparse.Namespace) -> ChatSettings:
-    template = args.chat_template
-    if template is not None and "{" not in template:  # a file's name, not a template
-        try:
-            template = Path(template).read_text()
-        except OSError as exc:
-            raise ValueError(f"--chat-template: cannot read {template}: {exc}") from None
-    return ChatSettings(args.tool_call_parser, args.reasoning_parser, template,
-                        args.default_chat_template_kwargs)
-
-
-def run_server(args: argparse.Namespace, client: EngineCoreClient, limits: Limits) -> None:
+def run_server(args: argparse.Namespace, client: EngineCoreClient,
+               settings: ServeSettings) -> None:
     """Serve with the engine core `client` has started (`pagedserve serve` starts it before
-    it imports this module), until SIGINT/SIGTERM, or until the core dies: then every
-    in-flight request gets an error and the server exits non-zero (a RuntimeError, which the
-    CLI reports and turns into exit code 1). The tokenizer loads while the core starts."""
+    it imports this module, once `settings` were checked), until SIGINT/SIGTERM, or until the
+    core dies: then every in-flight request gets an error and the server exits non-zero (a
+    RuntimeError, which the CLI reports and turns into exit code 1). The tokenizer loads
+    while the core starts."""
+    chat = ChatSettings(args.tool_call_parser, args.reasoning_parser, settings.chat_template,
+                        args.default_chat_template_kwargs)
+    access = settings.access
     try:
-        chat = chat_settings(args)
-        access = Access(api_keys(args.api_key), args.auth_health_and_metrics,
-                        args.cache_salt_from_api_key)
         source = tokenizer_source(client.config.model, client.config.tokenizer)
         _, tokenizer = client.wait_ready(lambda: load_tokenizer(source))
-        engine = AsyncEngine(client, tokenizer, limits=limits,
+        engine = AsyncEngine(client, tokenizer, limits=settings.limits,
                              scheduling_policy=args.scheduling_policy)
         name = args.served_model_name or (Path(args.model).stem if args.model
                                           else DEFAULT_MODEL_NAME)

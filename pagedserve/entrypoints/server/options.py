@@ -1,5 +1,5 @@
 """The `serve` command's own options (`add_serve_args`; the engine's are engine_args') and
-the server limits they set (`Limits`, `server_limits`).
+what they set, checked (`serve_settings`: the limits, who may call, the chat template).
 
 Apart from the server's code, and importing nothing heavy: `pagedserve serve` parses its
 command line and starts the engine-core process before it imports FastAPI, the frontend and
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pagedserve.entrypoints.chat_template import RESERVED_TEMPLATE_KWARGS
@@ -44,12 +46,57 @@ class Limits:
             raise ValueError("grammar_compile_timeout must be > 0 seconds")
 
 
-def server_limits(args: argparse.Namespace) -> Limits:
-    return Limits(max_queued_requests=args.max_queued_requests,
-                  request_timeout=args.request_timeout,
-                  max_grammar_bytes=args.max_grammar_bytes,
-                  grammar_compile_timeout=args.grammar_compile_timeout,
-                  grammar_compile_threads=args.grammar_compile_threads)
+@dataclass(frozen=True)
+class Access:
+    """Who may call: `api_keys` (empty: anyone), whether /health and /metrics need a key
+    too, and whether each key gets a prefix cache of its own."""
+
+    api_keys: tuple[str, ...] = ()
+    auth_health_and_metrics: bool = False
+    cache_salt_from_api_key: bool = False
+
+    def __post_init__(self) -> None:
+        if any(not key for key in self.api_keys):
+            raise ValueError("an API key must not be empty")
+        if self.cache_salt_from_api_key and not self.api_keys:
+            raise ValueError("--cache-salt-from-api-key needs --api-key")
+
+
+def api_keys(flags: list[str] | None) -> tuple[str, ...]:
+    """The keys of every --api-key (each may be a comma list), else of PAGEDSERVE_API_KEY."""
+    given = flags if flags else [os.environ.get(API_KEY_ENV, "")]
+    keys = [key.strip() for value in given for key in value.split(",")]
+    return tuple(dict.fromkeys(key for key in keys if key))
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The server's settings from its options, checked before anything starts."""
+
+    limits: Limits
+    access: Access
+    chat_template: str | None  # the template's text (--chat-template), None: the model's
+
+
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    """ValueError naming the option at fault."""
+    limits = Limits(max_queued_requests=args.max_queued_requests,
+                    request_timeout=args.request_timeout,
+                    max_grammar_bytes=args.max_grammar_bytes,
+                    grammar_compile_timeout=args.grammar_compile_timeout,
+                    grammar_compile_threads=args.grammar_compile_threads)
+    access = Access(api_keys(args.api_key), args.auth_health_and_metrics,
+                    args.cache_salt_from_api_key)
+    return ServeSettings(limits, access, _chat_template(args.chat_template))
+
+
+def _chat_template(template: str | None) -> str | None:
+    if template is not None and "{" not in template:  # a file's name, not a template
+        try:
+            return Path(template).read_text()
+        except OSError as exc:
+            raise ValueError(f"--chat-template: cannot read {template}: {exc}") from None
+    return template
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
