@@ -7,25 +7,25 @@ Its KV lives in the target's pool: caches of its own layers with as many blocks 
 target's, addressed by the same block ids through the same block tables. One allocator then
 serves both, so the pool's invariants, prefix caching, chunked prefill and preemption need
 nothing of their own (a block's copies to swap space and the offload tiers take the draft's
-layers with the target's), and a block that the prefix cache hands to another request holds the
-draft's KV of the same tokens. That holds because the draft runs over every chunk the target
-computes, in the same step (`propose`): the tokens the target kept (a verify's accepted part
-only), so the positions past them are written again when their tokens are known, as the
-target's are. The cost: each block is larger by the draft's share (`block_bytes`) and the
-draft prefills every prompt. A pool of its own would have needed a second allocator, prefix
-index and preemption policy kept in step with the first. (EAGLE-3's row at a position reads
-the token after it, so the last position of a prefix hit keeps the row of the token that
-followed it where it was cached; and a target with a sliding window nulls the table entries
-of blocks out of its window, which a draft without one would read as zeros. Either can only
-lower acceptance, never change the output.)
+layers with the target's), and a block that the prefix cache hands to another request holds
+the draft's KV of the same tokens. That holds because the draft runs over every chunk the
+target computes, in the same step (`propose`): the tokens the target kept (a verify's
+accepted part only), so the positions past them are written again when their tokens are
+known, as the target's are. The cost: each block is larger by the draft's share
+(`block_bytes`) and the draft prefills every prompt. A pool of its own would have needed a
+second allocator, prefix index and preemption policy kept in step with the first. (EAGLE-3's
+row at a position reads the token after it, so the last position of a prefix hit keeps the
+row of the token that followed it where it was cached; and a target with a sliding window
+nulls the table entries of blocks out of its window, which a draft without one would read as
+zeros. Either can only lower acceptance, never change the output.)
 
 A drafting request's positions past its known tokens are allocated with its step (the
-scheduler's lookahead) and given back after it. A draft model's single-token steps go through
-step buffers of their own and, on CUDA, replay captured graphs (`cuda_graphs.DecodeGraphs`,
-sized up to disable_by_batch_size requests); EAGLE-3's read the head's hidden states and run
-eagerly. Drafts are the draft's argmax: a
-deterministic proposer, which the verify treats as one-hot (`rejection.py`), exact for any
-sampling of the target.
+scheduler's lookahead) and given back after it. A draft model's single-token steps go
+through step buffers of their own and, on CUDA, replay captured graphs
+(`cuda_graphs.DecodeGraphs`, sized up to disable_by_batch_size requests); EAGLE-3's read the
+head's hidden states and run eagerly. Drafts are the draft's argmax: a deterministic
+proposer, which the verify treats as one-hot (`rejection.py`), exact for any sampling of the
+target.
 """
 
 from __future__ import annotations

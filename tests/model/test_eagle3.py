@@ -47,7 +47,8 @@ def rope(x, theta=10000.0):
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
     angles = torch.outer(torch.arange(T).float(), inv)
-    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    cos = torch.cat([angles.cos()] * 2, -1)[:, None]
+    sin = torch.cat([angles.sin()] * 2, -1)[:, None]
     half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
     return x * cos + half * sin
 
@@ -68,8 +69,8 @@ def reference(w: dict, ids: torch.Tensor, streams: torch.Tensor, embed: torch.Te
     out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(T, -1)
     residual = fused + out @ w["midlayer.self_attn.o_proj.weight"].T
     h = rms(residual, w["midlayer.post_attention_layernorm.weight"])
-    mlp = (F.silu(h @ w["midlayer.mlp.gate_proj.weight"].T) * (h @ w["midlayer.mlp.up_proj.weight"].T)
-           ) @ w["midlayer.mlp.down_proj.weight"].T
+    gate, up = (h @ w[f"midlayer.mlp.{name}_proj.weight"].T for name in ("gate", "up"))
+    mlp = (F.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
     normed = rms(residual + mlp, w["norm.weight"])
     best = (normed @ w["lm_head.weight"].T).argmax(-1)
     return normed, best + w["d2t"][best]
