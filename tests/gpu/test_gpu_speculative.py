@@ -1,85 +1,161 @@
 """Speculative decoding on CUDA (issue 30): the ngram, draft-model and EAGLE-3 engines against
-the default (async, CUDA graphs) engine, same weights. A verify runs eagerly through the paged
-prefill kernel while plain decodes replay graphs, so bf16 near-ties of random weights may flip
-a token: most requests must agree, drafts must be accepted, and every block comes back. The
-draft model is the target's own checkpoint (so nearly every draft is accepted, which needs
-the draft's KV in the target's blocks to be right); the EAGLE-3 heads are random, in the
-published layout (tests/spec/heads.py), reading the target's default three layers."""
+the default engine (async scheduling, CUDA graphs), same weights.
+
+float32, so that a difference is a bug and not noise: a verify runs eagerly through the
+paged prefill kernel while plain decodes replay graphs of the decode kernel, and in bf16 an
+LM head scaled x25 puts logits near 64-128 where bf16 steps by 0.5, so a near-tie flips
+whenever the two kernels round differently (a logprob moves by ~0.25 when one logit moves
+one step). In float32 (IEEE dots, not TF32) the same sums in another order move logits by
+~1e-5, far below the x25 head's gaps: every request's greedy tokens must be the default
+engine's, and its logprobs within 5e-3. A failure names each request's first diverging
+position. The checkpoint is small (8 layers of the 0.6B shape, a 32000-token vocabulary)
+and made here, once for the module.
+
+The draft model is the target's own checkpoint (so nearly every draft is accepted, which
+needs the draft's KV in the target's blocks to be right); the EAGLE-3 heads are random, in
+the published layout (tests/spec/heads.py), reading the target's default three layers.
+One case runs the same weights in bf16, the production dtype: seeded sampled rows with a
+penalty repeat under speculation, which holds whatever bf16 rounds to."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.gpu.test_gpu_async_scheduling import run
-from tests.gpu.test_gpu_engine import make_engine, prompts
-
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+ROOT = Path(__file__).resolve().parents[2]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+VOCAB = 32000
+CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "bos_token_id": 1,
+          "eos_token_id": 2, "head_dim": 128, "hidden_size": 1024, "intermediate_size": 3072,
+          "max_position_embeddings": 4096, "num_attention_heads": 16, "num_hidden_layers": 8,
+          "num_key_value_heads": 8, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+          "tie_word_embeddings": False, "torch_dtype": "float32", "vocab_size": VOCAB}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("spec-fp32")
+    config = folder / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    out = folder / "model"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/make_checkpoint.py"), str(config),
+                    str(out), "--dtype", "float32", "--tokenizer", "bytes",
+                    "--lm-head-scale", "25", "--seed", "0"], check=True)
+    return str(out)
+
+
+def load(checkpoint: str, dtype: str):
+    from pagedserve.config import EngineConfig
+    from pagedserve.frontend.llm_engine import LoadedModel
+
+    return LoadedModel.load(EngineConfig(model=checkpoint, device="cuda", dtype=dtype))
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return load(checkpoint, "float32")
+
+
+def make_engine(loaded, dtype: str = "float32", **options):
+    from pagedserve.config import EngineConfig
+    from pagedserve.frontend.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(device="cuda", dtype=dtype, kv_cache_memory=2 << 30,
+                                  max_model_len=2048, max_num_seqs=64, **options), loaded)
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(20, 300))] for _ in range(count)]
 
 
 def repeating_prompts(count: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase: what prompt lookup feeds on."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        phrase = [rng.randrange(10_000) for _ in range(rng.randint(5, 20))]
+        phrase = [rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 20))]
         out.append((phrase * 20)[:rng.randint(60, 200)])
     return out
+
+
+def run_outputs(engine, prompt_list, params_list) -> list:
+    """Each request's final CompletionOutput; every block back in the pool at the end."""
+    for i, (ids, params) in enumerate(zip(prompt_list, params_list)):
+        engine.add_request(f"c{i}", None, params, prompt_token_ids=ids)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+    assert engine.get_stats().kv_cache_usage == 0.0
+    return [done[f"c{i}"] for i in range(len(prompt_list))]
+
+
+def run(engine, prompt_list, params_list) -> list[list[int]]:
+    return [o.token_ids for o in run_outputs(engine, prompt_list, params_list)]
+
+
+def first_divergences(plain: list[list[int]], speculative: list[list[int]]) -> list[int | None]:
+    """Each request's first position where the tokens differ (None: the same tokens)."""
+    out = []
+    for a, b in zip(plain, speculative):
+        diverge = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
+                       None if len(a) == len(b) else min(len(a), len(b)))
+        out.append(diverge)
+    return out
+
+
+def assert_same_tokens(plain, speculative) -> None:
+    divergences = first_divergences(plain, speculative)
+    assert divergences == [None] * len(plain), f"first diverging positions: {divergences}"
+
+
+def greedy(max_tokens: int, **options):
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **options)
 
 
 @torch.inference_mode()
 @pytest.mark.parametrize("batch", [1, 4])
 def test_ngram_gives_the_default_engines_greedy_tokens(loaded, batch):
-    from pagedserve.sampling_params import SamplingParams
-
     prompt_list = repeating_prompts(batch, seed=batch)
-    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * batch
+    params = [greedy(48)] * batch
     plain = run(make_engine(loaded), prompt_list, params)
     engine = make_engine(loaded, speculative_config=NGRAM)
     assert engine.async_scheduling  # its steps that may draft run synchronously
     speculative = run(engine, prompt_list, params)
-    agree = sum(a == b for a, b in zip(plain, speculative))
-    assert agree >= max(1, batch - 1)
-    stats = engine.get_stats()
-    assert stats.spec_num_accepted_tokens > 0 and stats.kv_cache_usage == 0.0
-
-
-@torch.inference_mode()
-def test_sampled_rows_and_a_mixed_batch_end_clean(loaded):
-    from pagedserve.sampling_params import SamplingParams
-
-    prompt_list = repeating_prompts(6, seed=9)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=40,
-                             ignore_eos=True, repetition_penalty=1.1 if i == 5 else 1.0)
-              for i in range(6)]
-    outs = [run(make_engine(loaded, speculative_config=NGRAM), prompt_list, params)
-            for _ in range(2)]
-    assert outs[0] == outs[1]  # seeded rows repeat under speculation
+    assert_same_tokens(plain, speculative)
+    assert engine.get_stats().spec_num_accepted_tokens > 0
 
 
 @torch.inference_mode()
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_draft_model_gives_the_default_engines_greedy_tokens(loaded, checkpoint, batch):
-    from pagedserve.sampling_params import SamplingParams
-
     prompt_list = prompts(batch, seed=20 + batch)
-    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * batch
+    params = [greedy(48)] * batch
     plain = run(make_engine(loaded), prompt_list, params)
     engine = make_engine(loaded, speculative_config={"model": checkpoint,
                                                      "num_speculative_tokens": 4})
     speculative = run(engine, prompt_list, params)
-    assert sum(a == b for a, b in zip(plain, speculative)) >= max(1, batch - 1)
+    assert_same_tokens(plain, speculative)
     stats = engine.get_stats()
-    assert stats.spec_num_accepted_tokens >= 0.8 * stats.spec_num_draft_tokens > 0
-    assert stats.kv_cache_usage == 0.0
+    # the draft is the target: a rejection is a near-tie between its decode and the verify
+    assert stats.spec_num_accepted_tokens >= 0.95 * stats.spec_num_draft_tokens > 0, (
+        stats.spec_num_accepted_tokens, stats.spec_num_draft_tokens)
 
 
 @torch.inference_mode()
 def test_eagle3_heads_give_the_default_engines_greedy_tokens(loaded, tmp_path):
-    from pagedserve.sampling_params import SamplingParams
     from tests.spec.heads import write_eagle3_head
 
     mc = loaded.model_config
@@ -88,61 +164,44 @@ def test_eagle3_heads_give_the_default_engines_greedy_tokens(loaded, tmp_path):
         "max_position_embeddings": mc.max_position_embeddings}, None, 4096, heads=16,
         kv_heads=8, head_dim=64)
     prompt_list = prompts(4, seed=31)
-    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 4
+    params = [greedy(40)] * 4
     plain = run(make_engine(loaded), prompt_list, params)
     engine = make_engine(loaded, speculative_config={
         "method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
     speculative = run(engine, prompt_list, params)
-    assert sum(a == b for a, b in zip(plain, speculative)) >= 3
-    stats = engine.get_stats()
-    assert stats.spec_num_draft_tokens > 0 and stats.kv_cache_usage == 0.0
-
-
-def run_outputs(engine, prompt_list, params_list) -> list:
-    """Each request's final CompletionOutput (tokens, text, logprobs, finish reason)."""
-    for i, (ids, params) in enumerate(zip(prompt_list, params_list)):
-        engine.add_request(f"c{i}", None, params, prompt_token_ids=ids)
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.outputs[0]
-    assert not engine.kv_cache_manager.req_to_blocks
-    return [done[f"c{i}"] for i in range(len(prompt_list))]
+    assert_same_tokens(plain, speculative)
+    assert engine.get_stats().spec_num_draft_tokens > 0
 
 
 @torch.inference_mode()
 def test_penalty_logprobs_and_json_rows_are_verified(loaded):
     """Rows with penalties and logprobs and a json_schema row (its k + 1 bitmask rows per
     verify filled by the grammar process, CUDA's default) are drafted for: drafts are
-    accepted, the greedy tokens mostly match the default engine's (bf16 near-ties aside),
-    every token has its logprobs, close to the default engine's where the tokens agree, and
-    the JSON parses."""
-    import json
-
+    accepted, the tokens are the default engine's, every token has the default engine's
+    logprobs (its own, the top ones and its rank), and the JSON parses."""
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.structured.params import StructuredOutputsParams
 
     schema = {"type": "object", "required": ["a"],
               "properties": {"a": {"type": "string", "pattern": "^[a-z]{1,12}$"}}}
     prompt_list = repeating_prompts(3, seed=11)
-    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2,
-                             frequency_penalty=0.3, repetition_penalty=1.05),
-              SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1),
+    params = [greedy(48, logprobs=2, frequency_penalty=0.3, repetition_penalty=1.05),
+              greedy(48, logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=48,
                              structured_outputs=StructuredOutputsParams(json=schema))]
     plain = run_outputs(make_engine(loaded), prompt_list, params)
     engine = make_engine(loaded, speculative_config=NGRAM)
     speculative = run_outputs(engine, prompt_list, params)
     assert engine.get_stats().spec_num_accepted_tokens > 0
-    assert sum(p.token_ids == s.token_ids for p, s in zip(plain, speculative)) >= 2
+    assert_same_tokens([p.token_ids for p in plain], [s.token_ids for s in speculative])
     for p, s in zip(plain[:2], speculative[:2]):
         assert len(s.logprobs) == len(s.token_ids)
-        for token, entry in zip(s.token_ids, s.logprobs):
-            assert token in entry
-        if p.token_ids == s.token_ids:
-            for token, got, want in zip(s.token_ids, s.logprobs, p.logprobs):
-                assert got[token].logprob == pytest.approx(want[token].logprob, abs=0.1)
+        for j, (token, got, want) in enumerate(zip(s.token_ids, s.logprobs, p.logprobs)):
+            assert set(got) == set(want), f"position {j}"
+            for t in want:
+                assert got[t].logprob == pytest.approx(want[t].logprob, abs=5e-3), \
+                    f"position {j}, token {t}"
+                assert got[t].rank == want[t].rank, f"position {j}, token {t}"
     assert speculative[2].finish_reason == "stop"
     assert json.loads(speculative[2].text)["a"].isalpha()
 
@@ -151,17 +210,33 @@ def test_penalty_logprobs_and_json_rows_are_verified(loaded):
 def test_async_engine_pipelines_large_batches_and_drafts_small_ones(loaded):
     """12 requests of different lengths with drafting off above 4: the async engine pipelines
     (graphs, placeholders) while more than 4 run, then completes its step in flight and
-    verifies synchronously; greedy tokens mostly match the default engine's, drafts are
-    accepted, every block comes back."""
-    from pagedserve.sampling_params import SamplingParams
-
+    verifies synchronously; the greedy tokens are the default engine's, drafts are
+    accepted."""
     prompt_list = repeating_prompts(12, seed=17)
-    params = [SamplingParams(temperature=0.0, max_tokens=16 + 8 * i, ignore_eos=True)
-              for i in range(12)]
+    params = [greedy(16 + 8 * i) for i in range(12)]
     plain = run(make_engine(loaded), prompt_list, params)
     engine = make_engine(loaded, speculative_config=NGRAM | {"disable_by_batch_size": 4})
     assert engine.async_scheduling
     speculative = run(engine, prompt_list, params)
-    assert sum(a == b for a, b in zip(plain, speculative)) >= 10
-    stats = engine.get_stats()
-    assert stats.spec_num_accepted_tokens > 0 and stats.kv_cache_usage == 0.0
+    assert_same_tokens(plain, speculative)
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+
+
+@torch.inference_mode()
+def test_bf16_seeded_sampled_rows_repeat_under_speculation(checkpoint):
+    """The same weights in bf16: seeded sampled rows (one with a repetition penalty) in a
+    mixed batch give the same tokens twice under speculation, drafts accepted."""
+    from pagedserve.sampling_params import SamplingParams
+
+    weights = load(checkpoint, "bfloat16")
+    prompt_list = repeating_prompts(6, seed=9)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=40,
+                             ignore_eos=True, repetition_penalty=1.1 if i == 5 else 1.0)
+              for i in range(6)]
+    outs, accepted = [], []
+    for _ in range(2):
+        engine = make_engine(weights, dtype="bfloat16", speculative_config=NGRAM)
+        outs.append(run(engine, prompt_list, params))
+        accepted.append(engine.get_stats().spec_num_accepted_tokens)
+    assert_same_tokens(outs[0], outs[1])
+    assert min(accepted) > 0
