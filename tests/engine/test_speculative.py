@@ -92,12 +92,12 @@ def test_greedy_tokens_match_the_engine_without_speculation(loaded, free_run):
         assert isinstance(json.loads(plain["p8-json"][0][1])["a"], int)
 
 
-def verified_and_plain(loaded, prompt: list[int], params: SamplingParams):
+def verified_and_plain(loaded, prompt: list[int], params: SamplingParams, **options):
     """The request's output with speculation and without, and the speculative engine's
     stats."""
     outs = []
     for spec in (NGRAM, None):
-        engine = make(loaded, spec)
+        engine = make(loaded, spec, **options)
         outs.append(run(engine, [Arrival(0, "r", prompt, params)])["r"][0])
         if spec is not None:
             stats = engine.get_stats()
@@ -110,19 +110,24 @@ def verified_and_plain(loaded, prompt: list[int], params: SamplingParams):
     (5, greedy(32, frequency_penalty=1.0, logprobs=2)),
     (7, greedy(32, logprobs=3)),
 ], ids=["penalties", "logprobs"])
-def test_penalty_and_logprobs_rows_are_verified_exactly(loaded, period, params):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_penalty_and_logprobs_rows_are_verified_exactly(loaded, period, params, backend):
     """Each position penalized as of the drafts before it; the logprobs of every accepted
-    token are the target's."""
-    speculative, plain, stats = verified_and_plain(loaded, repeated(0, period, 30), params)
+    token are the target's. With the torch backend a verify is a short prefill against the
+    paged cache, as CUDA runs it (the CPU backend runs a lone verify as one decode per
+    token)."""
+    speculative, plain, stats = verified_and_plain(loaded, repeated(0, period, 30), params,
+                                                   attention_backend=backend)
     assert stats.spec_num_accepted_tokens > 0
     assert speculative.token_ids == plain.token_ids
     assert len(speculative.logprobs) == len(plain.logprobs) == 32
     for got, want in zip(speculative.logprobs, plain.logprobs):
         assert got.keys() == want.keys()
         for token, logprob in want.items():
-            assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
+            # a verify chunk and a decode sum attention in other orders: float32's ~1e-5
+            assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
             assert got[token].rank == logprob.rank
-    assert speculative.cumulative_logprob == pytest.approx(plain.cumulative_logprob, abs=1e-4)
+    assert speculative.cumulative_logprob == pytest.approx(plain.cumulative_logprob, abs=1e-3)
 
 
 def test_json_schema_row_is_verified_under_its_grammar(loaded):
