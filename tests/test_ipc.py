@@ -116,6 +116,32 @@ def test_typed_messages_round_trip_over_a_channel():
         context.destroy(linger=0)
 
 
+def test_a_router_channel_sends_to_the_peers_named_and_hears_who_answered():
+    """The engine's side of the ranks' wire: one call to every rank, each answer with its
+    rank's identity; a receive that would block raises zmq.Again when asked not to."""
+    context = zmq.Context()
+    try:
+        router = ipc.RouterChannel(context.socket(zmq.ROUTER), _Hello | _Bye)
+        router.socket.bind("inproc://router")
+        peers = {}
+        for identity in (b"rank0", b"rank1"):
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, identity)
+            dealer.connect("inproc://router")
+            peers[identity] = ipc.Channel(dealer, _Hello | _Bye)
+        peers[b"rank1"].send(_Hello("rank1", [1]))  # the router learns each peer from it
+        peers[b"rank0"].send(_Hello("rank0", [0]))
+        hellos = dict(router.receive_from() for _ in range(2) if router.poll(10_000))
+        assert hellos == {b"rank0": _Hello("rank0", [0]), b"rank1": _Hello("rank1", [1])}
+        router.send_to([b"rank0", b"rank1"], _Bye(7))
+        for peer in peers.values():
+            assert peer.poll(10_000) and peer.receive() == _Bye(7)
+        with pytest.raises(zmq.Again):
+            peers[b"rank0"].receive(block=False)
+    finally:
+        context.destroy(linger=0)
+
+
 def test_stop_asks_first_then_kills_and_leaves_no_process():
     obeys = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                              stdin=subprocess.PIPE)
