@@ -1,7 +1,9 @@
-"""Run a function on N CPU ranks (spawned processes joined in one gloo group), collect results.
+"""Run a function on N CPU ranks (processes joined in one gloo group), collect results.
 
-The function must be importable (module level): spawned processes re-import it by name.
-Each rank gets one intra-op thread: the ranks share the machine's cores.
+The function must be importable (module level): the ranks import it by name. They are forked
+from a fork server that imported torch and the model code once, so a group's start does not
+pay for those imports on every rank (a fork of this process instead could hang in torch's
+thread pools). Each rank gets one intra-op thread: the ranks share the machine's cores.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 RANK_TIMEOUT_S = 300
+_PRELOAD = ["torch", "pytest", "pagedserve.model.parallel", "tests.distributed.harness"]
 
 
 def free_port() -> int:
@@ -44,7 +47,8 @@ def _entry(rank: int, size: int, port: int, fn: Callable, args: tuple,
 
 def run_on_ranks(fn: Callable, *args, size: int = 2) -> list:
     """fn(*args) on every rank of a fresh group; the results in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (once)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, size, port, fn, args, results), daemon=True)
