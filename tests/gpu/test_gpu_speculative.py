@@ -179,7 +179,7 @@ def test_penalty_logprobs_and_json_rows_are_verified(loaded):
     """Rows with penalties and logprobs and a json_schema row (its k + 1 bitmask rows per
     verify filled by the grammar process, CUDA's default) are drafted for: drafts are
     accepted, the tokens are the default engine's, every token has the default engine's
-    logprobs (its own, the top ones and its rank), and the JSON parses."""
+    logprobs (its own, the top ones and its rank), and the JSON parses where it ended."""
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.structured.params import StructuredOutputsParams
 
@@ -203,8 +203,9 @@ def test_penalty_logprobs_and_json_rows_are_verified(loaded):
             assert got[token].rank == want[token].rank, where
             # the top k by value (ids may swap on a float32 near-tie)
             assert top(got, k) == pytest.approx(top(want, k), abs=1e-2), where
-    assert speculative[2].finish_reason == "stop"
-    assert json.loads(speculative[2].text)["a"].isalpha()
+    assert speculative[2].finish_reason == plain[2].finish_reason
+    if plain[2].finish_reason == "stop":  # else it ran out of max_tokens (whitespace)
+        assert json.loads(speculative[2].text)["a"].isalpha()
 
 
 @torch.inference_mode()
