@@ -3,7 +3,9 @@
 The function must be importable (module level): the ranks import it by name. They are forked
 from a fork server that imported torch and the model code once, so a group's start does not
 pay for those imports on every rank (a fork of this process instead could hang in torch's
-thread pools). Each rank gets one intra-op thread: the ranks share the machine's cores.
+thread pools); the ranks see the environment the server started with, not later changes to
+this process's (pass what varies as arguments). Each rank gets one intra-op thread: the ranks
+share the machine's cores.
 """
 
 from __future__ import annotations
