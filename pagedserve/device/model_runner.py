@@ -257,8 +257,11 @@ class ModelRunner:
 
     def _cuda_budget(self) -> int:
         """What is left of gpu_memory_utilization of the GPU after the weights and the peak
-        activations of a forward pass at max_num_batched_tokens (measured, not estimated)."""
+        activations of a forward pass at max_num_batched_tokens (measured, not estimated).
+        The allocator's cache is emptied first: tensors the loader freed (a weight's packed
+        form once converted to another, `int_linear.prepare`) would otherwise count as held."""
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
