@@ -13,7 +13,9 @@ with the compute stream, all on the device, so the host waits for none of them:
 * recall (host -> device): queued on the copy stream after the compute stream's kernels so
   far (the steps in flight may still read the blocks it overwrites, freed since), straight
   from runs of consecutive host slots (no gather on the host), then scattered into the
-  request's blocks. The scheduler does not run the request in the step that queues its
+  request's blocks. Both copy their pairs in host-slot order: a request's blocks come back
+  from the pool tail first, so its chain sits in descending slots, and in chain order every
+  block would be a run of its own (one copy per block and layer instead of one per run). The scheduler does not run the request in the step that queues its
   recall (`engine/scheduler.py`); the next step's compute stream waits for the recall's
   event before anything else (`await_recalls`), so the copy overlaps a whole forward pass
   and no other request waits for it. Every tensor-parallel rank does the same from the same
@@ -64,6 +66,7 @@ class TierCopies:
         if self._stream is None:
             self._backend.swap_blocks(kv_caches, self.host_caches, torch.tensor(pairs))
             return
+        pairs = sorted(pairs, key=lambda pair: pair[1])  # in slot order: long runs
         # non_blocking: a pageable tensor is staged at once, with no wait for the stream
         block_ids = torch.tensor([b for b, _ in pairs]).to(kv_caches[0][0].device,
                                                             non_blocking=True)
@@ -87,6 +90,7 @@ class TierCopies:
             self._backend.swap_blocks(self.host_caches, kv_caches, torch.tensor(pairs))
             return
         device = kv_caches[0][0].device
+        pairs = sorted(pairs)  # in slot order: long runs
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         runs = consecutive_runs([slot for slot, _ in pairs])
         with torch.cuda.stream(self._stream):

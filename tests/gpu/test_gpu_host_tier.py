@@ -98,6 +98,31 @@ def test_copies_on_the_copy_stream_keep_every_bit(loaded):
     assert torch.equal(host_v[0:3], device_before[1].cpu())
 
 
+def test_copies_in_descending_slot_order_put_each_block_in_place(loaded):
+    """A conversation's blocks come back from the pool tail first, so its chain sits in
+    descending host slots: copies queued in slot order (long runs) still move each block
+    to and from its own place, bitwise."""
+    from pagedserve.messages import SchedulerOutput
+
+    engine = make_engine(loaded, kv_cache_memory=1 << 30, kv_offload_memory=256 << 20)
+    runner = engine.model_runner
+    host_k, host_v = runner.tiers.host_caches[2]
+    k, v = runner.kv_caches[2]
+    k[10:14].normal_()
+    v[10:14].normal_()
+    device_before = (k[10:14].clone(), v[10:14].clone())
+    offloads = [(10, 7), (11, 6), (12, 5), (13, 4)]  # tail first into ascending slots
+    runner.swap(SchedulerOutput(blocks_to_offload=offloads))
+    recalls = [(7, 20), (6, 21), (5, 22), (4, 23)]  # the chain again, in chain order
+    runner.swap(SchedulerOutput(blocks_to_recall=recalls))
+    runner.swap(SchedulerOutput())  # the next step: its stream waits for the recall
+    # compared on the compute stream first: its wait for the recall covers the offload
+    # queued before it on the copy stream, so the host slots are written by then
+    assert torch.equal(k[20:24], device_before[0]) and torch.equal(v[20:24], device_before[1])
+    assert torch.equal(host_k[4:8].flip(0), device_before[0].cpu())
+    assert torch.equal(host_v[4:8].flip(0), device_before[1].cpu())
+
+
 @pytest.fixture(scope="module")
 def float32_loaded(tmp_path_factory):
     """A float32 random checkpoint (LM head x25): under load the batches differ between
