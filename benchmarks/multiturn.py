@@ -18,7 +18,11 @@ Per run: TTFT p50/p99 (from a turn's arrival to its first token, as the engine l
 them), output tokens per second over the run, the prefix-hit rate per tier (prompt tokens
 looked up that the device pool held, that were recalled from host memory, that were read
 from disk), the blocks each tier stored and the device pool evicted, the runner's seconds
-queuing tier copies and in file I/O. With --workload-a N, the first N requests of workload A
+queuing tier copies and in file I/O; and where the steps go (their count and mean wall
+time, the scheduler's host time per step, the runner's host time queuing tier copies per
+step, the copy stream's time from CUDA events, the blocks offloaded, recalled and dropped,
+the requests passed over while their recall landed). Each row is written to --out as soon
+as it is measured, so a call cut short keeps the rows it finished. With --workload-a N, the first N requests of workload A
 (benchmarks/throughput.py: nothing recalled, the pool large) with the tier off and on: the
 cost of the tier's bookkeeping when it does not help. Last, one row per tier and one for
 workload A compare the run with the tier to the run without it (`comparisons`).
@@ -95,7 +99,7 @@ def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int
     arrival: dict[str, float] = {}
     ttfts: list[float] = []
     owner: dict[str, Conversation] = {}
-    num_output = 0
+    num_output, steps, step_s = 0, 0, 0.0
     start = time.perf_counter()
     remaining = len(conversations)
     while remaining:
@@ -111,7 +115,11 @@ def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int
         if not engine.has_unfinished_requests():
             time.sleep(0.001)
             continue
-        for output in engine.step():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        step_s += time.perf_counter() - step_start
+        steps += 1
+        for output in outputs:
             t = time.perf_counter() - start
             request_id = output.request_id
             if request_id in arrival and output.outputs[0].token_ids:
@@ -154,7 +162,26 @@ def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int
         "disk_tier_load_failures": delta("disk_tier_load_failures"),
         "device_evictions": delta("prefix_cache_evictions"),
         "tier_copy_s": round(delta("tier_copy_seconds"), 3),
+        **step_costs(steps, step_s, delta),
     }
+
+
+def step_costs(steps: int, step_s: float, delta) -> dict:
+    """Where a run's steps go, to tell a slow tier's cause from one row: the steps and
+    their mean wall time, the scheduler's host time per step, the runner's host time
+    queuing tier copies per step, the copy stream's own time (CUDA events), and the
+    tier's block traffic (offloaded, recalled, dropped) and recall pass-overs."""
+    def per_step_ms(seconds: float) -> float:
+        return round(1e3 * seconds / steps, 4) if steps else 0.0
+
+    return {"steps": steps, "step_ms_mean": per_step_ms(step_s),
+            "schedule_ms_per_step": per_step_ms(delta("schedule_seconds")),
+            "tier_copy_ms_per_step": per_step_ms(delta("tier_copy_seconds")),
+            "tier_stream_s": round(delta("tier_stream_seconds"), 3),
+            "host_tier_offloaded_blocks": delta("host_tier_stores"),
+            "host_tier_recalled_blocks": delta("host_tier_hits"),
+            "host_tier_dropped_blocks": delta("host_tier_evictions"),
+            "recall_pass_overs": delta("tier_recall_pass_overs")}
 
 
 def tier_options(tier: str, args: argparse.Namespace) -> dict:
@@ -181,14 +208,22 @@ def workload_a(engine: LLMEngine, count: int) -> dict:
               for n in out_lens]
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"a{i}", None, p, prompt_token_ids=prompt)
-    start, tokens = time.perf_counter(), 0
+    before = engine.get_stats()
+    start, tokens, steps, step_s = time.perf_counter(), 0, 0, 0.0
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        step_start = time.perf_counter()
+        outputs = engine.step()
+        step_s += time.perf_counter() - step_start
+        steps += 1
+        for output in outputs:
             if output.finished:
                 tokens += len(output.outputs[0].token_ids)
     seconds = time.perf_counter() - start
+    stats = engine.get_stats()
     return {"workload": "A", "requests": count, "seconds": round(seconds, 3),
-            "output_tok_per_s": round(tokens / seconds, 1)}
+            "output_tok_per_s": round(tokens / seconds, 1),
+            **step_costs(steps, step_s,
+                         lambda name: getattr(stats, name) - getattr(before, name))}
 
 
 def comparisons(rows: list[dict]) -> list[dict]:
@@ -268,7 +303,7 @@ def main() -> None:
                         help="the host tier of the \"host\" run")
     parser.add_argument("--tiers", default=None,
                         help="comma-separated runs: off, host, disk (default: off,host,disk on "
-                        "CUDA; off,disk on the CPU)")
+                        "CUDA; off,disk on the CPU; \"\" for workload A alone)")
     parser.add_argument("--kv-offload-path", default=None,
                         help="where the \"disk\" run's directory is made (default: the temp dir)")
     parser.add_argument("--kv-offload-disk", type=parse_size, default=16 << 30)
@@ -278,15 +313,30 @@ def main() -> None:
                         help="also run this many requests of workload A, tier off and on")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="append the rows (JSON list) to this file")
+    parser.add_argument("--out", type=Path, help="append the rows (JSON list) to this file, "
+                        "each as soon as it is measured")
     args = parser.parse_args()
 
     model_dir, load_format = ((args.model, "auto") if args.model
                               else random_checkpoint(Path(args.config), args.device))
     base = EngineConfig(model=model_dir, device=args.device, load_format=load_format)
     loaded = LoadedModel.load(base)
-    rows = []
-    tiers = (args.tiers or ("off,host,disk" if args.device == "cuda" else "off,disk")).split(",")
+    rows: list[dict] = []
+    old = json.loads(args.out.read_text()) if args.out and args.out.exists() else []
+
+    def keep(row: dict) -> None:
+        """Print the row and write it to --out at once: a run cut short keeps its rows."""
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(old + rows, indent=1) + "\n")
+
+    tiers = [t for t in (("off,host,disk" if args.device == "cuda" else "off,disk")
+                         if args.tiers is None else args.tiers).split(",") if t]
+    unknown = set(tiers) - {"off", "host", "disk"}
+    if unknown:
+        parser.error(f"--tiers: unknown run(s) {sorted(unknown)}; choose from off, host, disk")
     for tier in tiers:
         options = tier_options(tier, args)
         engine = LLMEngine(EngineConfig(
@@ -300,8 +350,7 @@ def main() -> None:
                "system_tokens": args.system_tokens, "answer_tokens": args.answer_tokens,
                "time_scale": args.time_scale,
                **run(engine, conversations, args.answer_tokens, base.block_size)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        keep(row)
         engine.shutdown()
         del engine
     on = "host" if args.device == "cuda" else "disk"
@@ -311,17 +360,11 @@ def main() -> None:
         row = {"config": Path(args.config).stem if not args.model else args.model,
                "device": device_name(args.device), "tier": tier,
                **workload_a(engine, args.workload_a)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        keep(row)
         engine.shutdown()
         del engine
     for row in comparisons(rows):
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    if args.out:
-        old = json.loads(args.out.read_text()) if args.out.exists() else []
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(old + rows, indent=1) + "\n")
+        keep(row)
 
 
 if __name__ == "__main__":

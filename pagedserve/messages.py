@@ -141,6 +141,10 @@ class SchedulerStats(Message):
     disk_tier_load_failures: int = 0
     kv_block_bytes: int = 0  # one block on one rank, all layers (tier bytes = blocks * this)
     tier_copy_seconds: float = 0.0  # the runner's time in tier copies and file I/O, since start
+    tier_stream_seconds: float = 0.0  # the copy stream's time in them (CUDA), since start
+    # waiting requests passed over in a step because their hit was being recalled, since start
+    tier_recall_pass_overs: int = 0
+    schedule_seconds: float = 0.0  # the scheduler's host time in schedule(), since start
 
 
 class EngineCoreOutputs(Message, tag="outputs"):
@@ -262,6 +266,8 @@ class ModelRunnerOutput(Message, array_like=True):
     # indices into the step's blocks_to_load whose file did not read back whole on some rank
     failed_loads: list[int] = []
     tier_copy_seconds: float = 0.0  # this step's tier copies and file I/O (rank 0's)
+    # the copy stream's time in tier copies that finished since the last report (CUDA events)
+    tier_stream_seconds: float = 0.0
     # a proposer on the device: the drafts for each request of num_lookahead_tokens, to
     # follow its tokens as they stand after this step (the next step verifies them)
     draft_token_ids: dict[str, list[int]] | None = None

@@ -77,9 +77,10 @@ class TierReport(NamedTuple):
 
     failed_loads: list[int]
     seconds: float
+    stream_seconds: float  # the copy stream's, of the copies finished since the last report
 
 
-NO_TIER_WORK = TierReport([], 0.0)
+NO_TIER_WORK = TierReport([], 0.0, 0.0)
 
 
 class PendingRunnerOutput:
@@ -594,7 +595,9 @@ class ModelRunner:
             tiers.recall(self._device_caches(), output.blocks_to_recall)
         tier_work = (output.blocks_to_spill or output.blocks_to_offload
                      or output.blocks_to_load or output.blocks_to_recall)
-        return TierReport(failed, time.perf_counter() - start) if tier_work else NO_TIER_WORK
+        stream = tiers.take_stream_seconds() if tiers is not None else 0.0
+        return (TierReport(failed, time.perf_counter() - start, stream) if tier_work or stream
+                else NO_TIER_WORK)
 
     def _load(self, loads: list[tuple[int, int, bytes | int]]) -> list[int]:
         """Read files into host slots; the loads that failed on any rank, so every rank and

@@ -50,6 +50,7 @@ class TierCopies:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._recalled: torch.cuda.Event | None = None  # the last step's recalls, queued
         self._copied: torch.cuda.Event | None = None  # the copy stream's latest work
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
 
     def await_recalls(self) -> None:
         """Make the compute stream wait for the recalls the step before queued: called first
@@ -74,12 +75,14 @@ class TierCopies:
                     for src in as_bytes(layer)]
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         runs = consecutive_runs([slot for _, slot in pairs])
+        started = self._record(timing=True)
         with torch.cuda.stream(self._stream):
             for blocks, dst in zip(gathered, self._host_views()):
                 blocks.record_stream(self._stream)
                 for start, stop, first in runs:
                     dst[first:first + stop - start].copy_(blocks[start:stop], non_blocking=True)
-        self._copied = self._record()
+        self._copied = self._record(timing=True)
+        self._timed.append((started, self._copied))
 
     def recall(self, kv_caches: Caches, pairs: list[tuple[int, int]]) -> None:
         """Copy (host slot, device block) pairs in; they land before the next step's
@@ -93,6 +96,7 @@ class TierCopies:
         pairs = sorted(pairs)  # in slot order: long runs
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         runs = consecutive_runs([slot for slot, _ in pairs])
+        started = self._record(timing=True)
         with torch.cuda.stream(self._stream):
             block_ids = torch.tensor([b for _, b in pairs]).to(device, non_blocking=True)
             for src, dst in zip(self._host_views(), (c for layer in kv_caches
@@ -102,7 +106,8 @@ class TierCopies:
                 for start, stop, first in runs:
                     staged[start:stop].copy_(src[first:first + stop - start], non_blocking=True)
                 dst.index_copy_(0, block_ids, staged)
-        self._recalled = self._copied = self._record()
+        self._recalled = self._copied = self._record(timing=True)
+        self._timed.append((started, self._copied))
 
     def spill(self, spills: list) -> None:
         """Write (host slot, disk slot, hash) blocks to their files, once the copies into
@@ -119,8 +124,18 @@ class TierCopies:
     def _host_views(self) -> list[Tensor]:
         return [c for layer in self.host_caches for c in as_bytes(layer)]
 
-    def _record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
+    def take_stream_seconds(self) -> float:
+        """The copy stream's time in the offloads and recalls that have finished since the
+        last call (read from their events without waiting for any still running)."""
+        done = 0
+        while done < len(self._timed) and self._timed[done][1].query():
+            done += 1
+        seconds = sum(start.elapsed_time(end) for start, end in self._timed[:done]) / 1e3
+        del self._timed[:done]
+        return seconds
+
+    def _record(self, timing: bool = False) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(self._stream)
         return event
 

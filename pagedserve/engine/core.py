@@ -412,6 +412,7 @@ class EngineCore:
             spec_num_accepted_tokens=scheduler.spec_stats.num_accepted_tokens,
             spec_accepted_per_position=list(scheduler.spec_stats.accepted_per_position),
             kv_block_bytes=self.executor.block_bytes,
+            schedule_seconds=scheduler.schedule_seconds,
             **_tier_stats(scheduler))
 
 
@@ -445,7 +446,9 @@ def _tier_stats(scheduler: Scheduler) -> dict[str, int | float]:
     if host is not None:
         stats.update(host_tier_hits=scheduler.num_blocks_recalled,
                      host_tier_stores=host.stats.stores, host_tier_evictions=host.stats.evictions,
-                     tier_copy_seconds=scheduler.tier_copy_seconds)
+                     tier_copy_seconds=scheduler.tier_copy_seconds,
+                     tier_stream_seconds=scheduler.tier_stream_seconds,
+                     tier_recall_pass_overs=scheduler.num_recall_pass_overs)
     if disk is not None:
         stats.update(disk_tier_hits=scheduler.num_blocks_loaded,
                      disk_tier_stores=disk.stats.stores, disk_tier_evictions=disk.stats.evictions,

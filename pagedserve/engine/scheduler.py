@@ -84,6 +84,7 @@ step's sampling requests, oldest first, to place the sampled tokens when they co
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -130,6 +131,9 @@ class Scheduler:
         self.num_blocks_loaded = 0  # read back whole from disk
         self.num_failed_loads = 0
         self.tier_copy_seconds = 0.0
+        self.tier_stream_seconds = 0.0
+        self.num_recall_pass_overs = 0  # waiting requests passed over: their hit was landing
+        self.schedule_seconds = 0.0  # host time in `schedule`
         self._loading: dict[str, list[int]] = {}  # request id -> host slots it waits for
         self._landing: set[int] = set()  # device blocks whose recall this step queues
         self._finished_ids: list[str] = []
@@ -161,6 +165,14 @@ class Scheduler:
                 and len(self.running) <= self.spec.disable_by_batch_size)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step (`_schedule`), its host time counted (`schedule_seconds`): the
+        bookkeeping a tier adds shows there."""
+        start = time.perf_counter()
+        out = self._schedule()
+        self.schedule_seconds += time.perf_counter() - start
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         out = SchedulerOutput(finished_req_ids=self._finished_ids,
                               truncated_block_rows=self._truncated)
@@ -386,6 +398,7 @@ class Scheduler:
                 blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             if self._landing and any(block.block_id in self._landing for block in blocks):
                 skipped += 1  # its hit is being recalled: it keeps its place until landed
+                self.num_recall_pass_overs += 1
                 continue
             swapped = self.swapped.get(request.request_id)
             slots = self._host_hits(request, num_hit) if swapped is None else []
@@ -532,6 +545,7 @@ class Scheduler:
         Returns the requests that received tokens this step, each with how many.
         """
         self.tier_copy_seconds += runner_output.tier_copy_seconds
+        self.tier_stream_seconds += runner_output.tier_stream_seconds
         if output.blocks_to_load:
             self._resolve_loads(output, runner_output)
         if not output.req_ids:

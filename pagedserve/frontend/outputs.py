@@ -100,6 +100,9 @@ class EngineStats:
     disk_tier_load_failures: int = 0  # files that did not read back whole (recomputed)
     kv_block_bytes: int = 0  # one KV block on one rank (tier bytes = blocks * this)
     tier_copy_seconds: float = 0.0  # the runner's time in tier copies and file I/O
+    tier_stream_seconds: float = 0.0  # the copy stream's time in them (CUDA)
+    tier_recall_pass_overs: int = 0  # waiting requests passed over: their hit was landing
+    schedule_seconds: float = 0.0  # the scheduler's host time in schedule()
     # speculative decoding: verifies, draft tokens, accepted drafts, and accepted drafts at
     # each position of a draft
     spec_num_drafts: int = 0

@@ -221,3 +221,28 @@ def test_a_request_waits_one_step_for_its_loads_and_a_failed_one_is_prefilled(fa
             .blocks_to_load
     else:
         assert len(admitted.blocks_to_recall) == 4 and again.num_cached_tokens == 8
+
+
+def test_a_request_whose_hit_is_landing_is_passed_over_one_step_and_counted():
+    """Two requests for a prompt pushed down to the host tier: the first is admitted with
+    its recall, the second's device hit is those very blocks, still landing, so it keeps
+    its place for one step (counted as a pass-over) and then hits on the device, with no
+    second recall."""
+    config = EngineConfig(block_size=2, max_num_seqs=4, max_num_batched_tokens=64)
+    manager = KVCacheManager(8, 2, record_evictions=True)
+    scheduler = Scheduler(config, manager, MAX_LEN, host_tier=HostTier(16))
+    params = SamplingParams(max_tokens=1)
+    for i, start in enumerate((0, 100)):  # the prompt, then one that pushes it down
+        run_to_end(scheduler, Request(f"r{i}", list(range(start, start + 10)), params, 1))
+    first, second = (Request(name, list(range(10)), params, 1) for name in ("a", "b"))
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    recalling = scheduler.schedule()
+    admitted = [new.req_id for new in recalling.scheduled_new_reqs]
+    assert admitted == ["a"] and recalling.blocks_to_recall
+    assert scheduler.num_recall_pass_overs == 1
+    scheduler.update_from_output(recalling, ModelRunnerOutput([], []))
+    landed = scheduler.schedule()
+    assert [new.req_id for new in landed.scheduled_new_reqs] == ["b"]
+    assert not landed.blocks_to_recall and second.num_cached_tokens == 8
+    assert scheduler.num_recall_pass_overs == 1

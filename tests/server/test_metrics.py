@@ -45,6 +45,8 @@ def test_hit_rate_and_evictions_are_reported(server):
     assert m["pagedserve_host_tier_stored_blocks_total"] == 0
     assert m["pagedserve_disk_tier_hit_blocks_total"] == m["pagedserve_disk_tier_hit_bytes_total"] == 0
     assert m["pagedserve_kv_tier_copy_seconds_total"] == 0
+    assert m["pagedserve_kv_tier_stream_seconds_total"] == 0
+    assert m["pagedserve_kv_tier_recall_pass_overs_total"] == 0
 
 
 def test_kv_events_reach_a_subscriber(server):

@@ -75,6 +75,10 @@ class _EngineStatsCollector:
          "read back whole (checksum, truncation): a miss, the block recomputed."),
         ("kv_tier_copy_seconds", "tier_copy_seconds", "Time the runner spent queuing the "
          "tiers' block copies and in their file I/O."),
+        ("kv_tier_stream_seconds", "tier_stream_seconds", "Time the copy stream spent in the "
+         "host tier's block copies (CUDA events; overlapped with the steps)."),
+        ("kv_tier_recall_pass_overs", "tier_recall_pass_overs", "Waiting requests passed over "
+         "in a step because blocks of their prefix hit were still being recalled."),
         ("spec_decode_num_drafts", "spec_num_drafts", "Speculative verifies (a request's "
          "drafts checked in one step)."),
         ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
