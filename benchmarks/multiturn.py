@@ -21,15 +21,20 @@ from disk), the blocks each tier stored and the device pool evicted, the runner'
 queuing tier copies and in file I/O; and where the steps go (their count and mean wall
 time, the scheduler's host time per step, the runner's host time queuing tier copies per
 step, the copy stream's time from CUDA events, the blocks offloaded, recalled and dropped,
-the requests passed over while their recall landed). Each row is written to --out as soon
-as it is measured, so a call cut short keeps the rows it finished. With --workload-a N, the first N requests of workload A
-(benchmarks/throughput.py: nothing recalled, the pool large) with the tier off and on: the
-cost of the tier's bookkeeping when it does not help. Last, one row per tier and one for
-workload A compare the run with the tier to the run without it (`comparisons`).
+the requests passed over while their recall landed). With --workload-a N, the first N
+requests of workload A (benchmarks/throughput.py: nothing recalled, the pool large) with the
+tier off and on: the cost of the tier's bookkeeping when it does not help. Last, one row
+per tier and one for workload A compare the run with the tier to the run without it
+(`comparisons`). Each row (with the seconds its engine took to start: the host tier's
+pinned memory is allocated there, outside the timed run) is written to --out as soon as it
+is measured, so a call cut short keeps the rows it finished.
 
-    # the lent H100, one device call each (docs/benchmarks.md):
+    # the lent H100, one device call each (docs/benchmarks.md, "Prefix cache tiers"):
     python benchmarks/multiturn.py --config benchmarks/configs/qwen3-0.6b.json \
-        --kv-cache-memory 1G --kv-offload-memory 24G --workload-a 256 \
+        --kv-cache-memory 1G --kv-offload-memory 24G --tiers off,host \
+        --out docs/results/kv_offload.json
+    python benchmarks/multiturn.py --config benchmarks/configs/qwen3-0.6b.json \
+        --kv-offload-memory 24G --tiers "" --workload-a 256 --kv-cache-memory 1G \
         --out docs/results/kv_offload.json
     python benchmarks/multiturn.py --config benchmarks/configs/llama3-8b.json \
         --kv-cache-memory 4G --kv-offload-memory 48G --tiers off,host \
@@ -316,7 +321,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="append the rows (JSON list) to this file, "
                         "each as soon as it is measured")
     args = parser.parse_args()
-
+    tiers = [t for t in (("off,host,disk" if args.device == "cuda" else "off,disk")
+                         if args.tiers is None else args.tiers).split(",") if t]
+    unknown = set(tiers) - {"off", "host", "disk"}
+    if unknown:
+        parser.error(f"--tiers: unknown run(s) {sorted(unknown)}; choose from off, host, disk")
     model_dir, load_format = ((args.model, "auto") if args.model
                               else random_checkpoint(Path(args.config), args.device))
     base = EngineConfig(model=model_dir, device=args.device, load_format=load_format)
@@ -332,23 +341,20 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(old + rows, indent=1) + "\n")
 
-    tiers = [t for t in (("off,host,disk" if args.device == "cuda" else "off,disk")
-                         if args.tiers is None else args.tiers).split(",") if t]
-    unknown = set(tiers) - {"off", "host", "disk"}
-    if unknown:
-        parser.error(f"--tiers: unknown run(s) {sorted(unknown)}; choose from off, host, disk")
     for tier in tiers:
         options = tier_options(tier, args)
+        started = time.perf_counter()
         engine = LLMEngine(EngineConfig(
             model=model_dir, device=args.device, kv_cache_memory=args.kv_cache_memory,
             max_model_len=args.max_model_len, **options), loaded)
+        started = round(time.perf_counter() - started, 1)
         conversations = make_workload(args, engine.model_config.vocab_size)
         row = {"config": Path(args.config).stem if not args.model else args.model,
                "device": device_name(args.device), "device_blocks": engine.num_blocks,
                "tier": tier, "kv_offload_memory": options.get("kv_offload_memory", 0),
                "conversations": args.conversations, "turns": args.turns,
                "system_tokens": args.system_tokens, "answer_tokens": args.answer_tokens,
-               "time_scale": args.time_scale,
+               "time_scale": args.time_scale, "engine_start_s": started,
                **run(engine, conversations, args.answer_tokens, base.block_size)}
         keep(row)
         engine.shutdown()
@@ -356,9 +362,11 @@ def main() -> None:
     on = "host" if args.device == "cuda" else "disk"
     for tier in ("off", on) if args.workload_a else ():
         options = tier_options(tier, args)
+        started = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=model_dir, device=args.device, **options), loaded)
+        started = round(time.perf_counter() - started, 1)
         row = {"config": Path(args.config).stem if not args.model else args.model,
-               "device": device_name(args.device), "tier": tier,
+               "device": device_name(args.device), "tier": tier, "engine_start_s": started,
                **workload_a(engine, args.workload_a)}
         keep(row)
         engine.shutdown()
