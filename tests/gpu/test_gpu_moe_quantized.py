@@ -1,9 +1,11 @@
-"""MoE experts kept quantized on CUDA (CI skips this file): the compiled fused MoE kernels on
-packed experts (integer formats, GGUF blocks) against a torch reference on the same
-dequantized weights, at a few thousand features, ragged tokens per expert (1, 5 and 300
-tokens); tiny quantized Mixtral / Qwen3-MoE checkpoints and a MoE GGUF loaded on CUDA give
-the CPU's logits (float32); a quantized MoE engine's greedy tokens under CUDA graphs equal
-eager mode's. The GGUF cases need the `gguf` package (skipped without it)."""
+"""MoE experts kept quantized on CUDA (CI skips this file): the compiled fused MoE kernels
+on packed experts (integer formats, GGUF blocks) against a torch reference on the same
+dequantized weights, at a few thousand features, ragged tokens per expert, at token counts
+that take each of the kernel paths (`moe.MoeConfig`: the per-pair GEMV up to 8 tokens, the
+grouped GEMM unpacking tiles at 16, the experts dequantized first from 128); tiny quantized
+Mixtral / Qwen3-MoE checkpoints and a MoE GGUF loaded on CUDA give the CPU's logits
+(float32); a quantized MoE engine's greedy tokens under CUDA graphs equal eager mode's. The
+GGUF cases need the `gguf` package (skipped without it)."""
 
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def stacked_int(n, k, bits, group, zeros, g_idx, gen, rows=None):
                    for e in range(E))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+@pytest.mark.parametrize("num_tokens", [1, 5, 8, 16, 128, 300])
 @pytest.mark.parametrize("bits,group,zeros,g_idx", [(4, 128, True, False),
                                                     (4, 128, True, True),
                                                     (8, 1 << 20, False, False)])
@@ -80,7 +82,7 @@ def test_fused_moe_on_packed_int_experts(num_tokens, bits, group, zeros, g_idx):
     check(gate, up, down, num_tokens)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 300])
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q8_0", "Q4_0")])
 def test_fused_moe_on_gguf_experts(num_tokens, types):
     pytest.importorskip("gguf")

@@ -24,6 +24,7 @@ from pagedserve.model import load_model
 from pagedserve.model.ops import TORCH_OPS
 from tests.model.gguf_files import gguf_tensors, write_metadata
 from tests.model.paged import PagedDriver
+from tests.kernels.test_moe_kernel import WIDE
 from tests.model.test_decoder import make_checkpoint
 from safetensors.torch import load_file
 
@@ -142,7 +143,7 @@ def test_moe_experts_in_blocks_match_dequantized_model(case, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.model.gguf"):
         blocks, _, _ = load_model(path, torch.float32, "cpu", ops=replace(
             TORCH_OPS, gguf_linear=partial(int_linear.linear, config=TILES),
-            fused_moe=fused_moe))
+            fused_moe=partial(fused_moe, config=WIDE)))
     assert "1 of F16 (MoE experts)" in caplog.text and "2 of Q5_K (MoE experts)" in caplog.text
     # layer 0's experts take no float memory; layer 1's are floats
     names = {name for name, _ in blocks.named_parameters()}

@@ -6,6 +6,8 @@ weights (`weight_formats`' torch reference)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from pagedserve.kernels.gguf_format import GgufWeight
-from pagedserve.kernels.triton.moe import BLOCK_M, fused_moe, group_by_expert
+from pagedserve.kernels.triton.moe import BLOCK_M, MoeConfig, fused_moe, group_by_expert
 from pagedserve.kernels.weight_formats import IntWeight, stacked
 from pagedserve.model.moe import route
 from tests.kernels.test_gguf_kernel import random_blocks
@@ -97,7 +99,15 @@ def dequantized(experts, dtype=torch.float32):
     return torch.stack([w.dequantize(dtype) for w in experts.experts])
 
 
-def check_packed(gate, up, down, num_tokens, top_k, seed):
+# the GEMV with wide tiles: fewer programs for the interpreter (the model tests take it too)
+WIDE = MoeConfig(int_block_n=64, block_n=64)
+# the three kernel paths packed experts take, each forced by its thresholds
+PATHS = {"gemv": replace(WIDE, gemv_max_tokens=1 << 20),
+         "grouped": MoeConfig(gemv_max_tokens=0, dequant_min_tokens=1 << 20),
+         "dequant": MoeConfig(gemv_max_tokens=0, dequant_min_tokens=1)}
+
+
+def check_packed(gate, up, down, num_tokens, top_k, seed, config=PATHS["grouped"]):
     gen = torch.Generator().manual_seed(seed)
     num_experts, _, hidden = gate.shape
     x = torch.randn(num_tokens, hidden, generator=gen) * 0.1
@@ -107,7 +117,7 @@ def check_packed(gate, up, down, num_tokens, top_k, seed):
     weights, ids = route(logits, top_k, renormalize=True, weights_dtype=None)
     counts = torch.bincount(ids.flatten(), minlength=num_experts)
     assert counts[-1] == 0 and counts.max() > BLOCK_M and counts.max() % BLOCK_M
-    out = fused_moe(x, (gate, up), down, weights, ids)
+    out = fused_moe(x, (gate, up), down, weights, ids, config)
     w13 = torch.cat([dequantized(gate), dequantized(up)], 1)
     expected = dense_reference(x, w13, dequantized(down), weights, ids)
     # float32 sums in another order; the random weights' magnitudes vary by format
@@ -124,8 +134,9 @@ INT_CASES = {  # bits, group of w13 (K = HIDDEN), of w2 (K = INTER), zeros, g_id
 }
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", INT_CASES.values(), ids=INT_CASES.keys())
-def test_packed_int_experts_match_their_dequantized_weights(case):
+def test_packed_int_experts_match_their_dequantized_weights(case, path):
     bits, group13, group2, zeros, g_idx = case
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
@@ -134,10 +145,11 @@ def test_packed_int_experts_match_their_dequantized_weights(case):
     up = stacked_int(e, 2 * INTER, HIDDEN, bits, group13, zeros, g_idx, gen,
                      (INTER, 2 * INTER))
     down = stacked_int(e, HIDDEN, INTER, bits, group2, zeros, g_idx, gen)
-    check_packed(gate, up, down, num_tokens=23, top_k=2, seed=seed)
+    check_packed(gate, up, down, num_tokens=23, top_k=2, seed=seed, config=PATHS[path])
 
 
-def test_gguf_experts_in_different_block_types():
+@pytest.mark.parametrize("path", PATHS)
+def test_gguf_experts_in_different_block_types(path):
     """Gate and up in different types (a GGUF may), down in a third; K of 256."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -145,8 +157,8 @@ def test_gguf_experts_in_different_block_types():
     gate = stacked_gguf(e, inter, hidden, int(T.Q4_K), rng)
     up = stacked_gguf(e, inter, hidden, int(T.Q8_0), rng)
     down = stacked_gguf(e, hidden, inter, int(T.Q4_1), rng)
-    check_packed(gate, up, down, num_tokens=17, top_k=2, seed=seed)
+    check_packed(gate, up, down, num_tokens=17, top_k=2, seed=seed, config=PATHS[path])
     gate = stacked_gguf(e, 256, hidden, int(T.Q5_K), rng)
     up = stacked_gguf(e, 256, hidden, int(T.Q5_K), rng)
     down = stacked_gguf(e, hidden, 256, int(T.Q6_K), rng)
-    check_packed(gate, up, down, num_tokens=17, top_k=1, seed=seed)
+    check_packed(gate, up, down, num_tokens=17, top_k=1, seed=seed, config=PATHS[path])

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -207,8 +208,9 @@ def fused_ops():
     """The CPU's ops with the fused MoE kernel (under TRITON_INTERPRET=1): CUDA's path for
     the experts."""
     from pagedserve.kernels.triton.moe import fused_moe
+    from tests.kernels.test_moe_kernel import WIDE
 
-    return replace(select_ops("cpu", torch.float32), fused_moe=fused_moe)
+    return replace(select_ops("cpu", torch.float32), fused_moe=partial(fused_moe, config=WIDE))
 
 
 MOE = {  # model, format: each family (compressed-tensors W4 and W8, GPTQ, AWQ) once

@@ -6,19 +6,19 @@ weight once and does two flops per weight, so its time is the packed bytes over 
 bandwidth, and the unpacking must cost less than the bytes take to arrive. Up to
 `int4pack_max_rows` rows a 4-bit weight that torch's own int4 kernel reads runs there (its
 copy made once, at load: `prepare`, `kernels/int4pack.py`). One row otherwise takes a GEMV
-(no tl.dot, whose smallest tile would waste 15 of 16 rows): `_int_gemv_kernel` for integer
-codes in column order, which turns codes into floats with an OR of the float32 exponent
-instead of a conversion and applies each group's scale per word, and `_gemv_kernel` for
-the rest (g_idx, GGUF blocks). A few rows take `_gemm_kernel`, a tiled GEMM whose B operand
-is dequantized per tile through tl.dot. From `dequant_min_rows` rows the GEMM is
-compute-bound and cuBLAS is far faster than a Triton GEMM unpacking in its inner loop, so
-the weight is dequantized once into a scratch tensor (`_dequant_kernel`) and multiplied by
-cuBLAS.
+(no tl.dot, whose smallest tile would waste 15 of 16 rows; the row loops are `gemv.py`'s):
+`_int_gemv_kernel` for integer codes in column order, which turns codes into floats with an
+OR of the float32 exponent instead of a conversion and applies each group's scale per word,
+and `_gemv_kernel` for the rest (g_idx, GGUF blocks). A few rows take `_gemm_kernel`, a
+tiled GEMM whose B operand is dequantized per tile through tl.dot. From `dequant_min_rows`
+rows the GEMM is compute-bound and cuBLAS is far faster than a Triton GEMM unpacking in its
+inner loop, so the weight is dequantized once into a scratch tensor (`_dequant_kernel`) and
+multiplied by cuBLAS.
 
 Rounding: the GEMMs round each dequantized weight to the activation dtype (the tl.dot
-operand; cuBLAS's input), as a float model built from the dequantized weights holds it; the
-one-row kernels keep it in float32, within that dtype's noise of the float model (float32
-activations: the same to the last bits).
+operand; cuBLAS's input), as a float model built from the dequantized weights holds it, and
+so does `_gemv_kernel`; `_int_gemv_kernel` keeps it in float32, within that dtype's noise of
+the float model (float32 activations: the same to the last bits).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from torch import Tensor
 
 from pagedserve.kernels import int4pack
 from pagedserve.kernels.triton.dequant import dequant_tile
-from pagedserve.kernels.triton.precision import dot_precision, round_to
-from pagedserve.kernels.weight_formats import IntWeight, WeightFormat
+from pagedserve.kernels.triton.gemv import int_row_dot, tile_row_dot
+from pagedserve.kernels.triton.precision import dot_precision
+from pagedserve.kernels.weight_formats import IntWeight, Stacked, WeightFormat
 
 @dataclass(frozen=True)
 class IntLinearConfig:
@@ -68,24 +69,6 @@ DEFAULT = IntLinearConfig()
 
 
 @triton.jit
-def _k_step(x_ptr, x_rows, x_rows_mask, k0, K, data_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
-            data_stride, scales_stride, offs_n, n_mask, FORMAT: tl.constexpr,
-            BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-            HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One step along K of both kernels: the weight tile of rows offs_n, columns k0 +
-    arange(BLOCK_K), dequantized (float32 [BLOCK_N, BLOCK_K]), and x's tile of the same
-    columns (x_rows: the offsets of x's rows, one row's or a column of several; x_rows_mask:
-    which of them are real, True for the GEMV's one row). The GEMV and the GEMM differ only
-    in how they multiply the two."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    w = dequant_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride, scales_stride,
-                     offs_n, n_mask, k0, K, FORMAT, BITS, GROUP, HAS_ZEROS, HAS_G_IDX,
-                     BLOCK_N, BLOCK_K)
-    x = tl.load(x_ptr + x_rows + offs_k, mask=x_rows_mask & (offs_k < K), other=0.0)
-    return w, x
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
                  data_stride, scales_stride, N, K, stride_x, stride_y,
                  HAS_BIAS: tl.constexpr, FORMAT: tl.constexpr, BITS: tl.constexpr,
@@ -94,14 +77,9 @@ def _gemv_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_
     pid_n, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w, x = _k_step(x_ptr, row * stride_x, True, k0, K, data_ptr, scales_ptr, zeros_ptr,
-                       g_idx_ptr, data_stride, scales_stride, offs_n, n_mask, FORMAT, BITS,
-                       GROUP, HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
-        acc += round_to(w, dtype) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+    y = tile_row_dot(x_ptr + row * stride_x, data_ptr, scales_ptr, zeros_ptr, g_idx_ptr,
+                     data_stride, scales_stride, offs_n, n_mask, K, x_ptr.dtype.element_ty,
+                     FORMAT, BITS, GROUP, HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -122,9 +100,12 @@ def _gemm_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_
     x_rows = offs_m[:, None].to(tl.int64) * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w, x = _k_step(x_ptr, x_rows, m_mask[:, None], k0, K, data_ptr, scales_ptr,
-                       zeros_ptr, g_idx_ptr, data_stride, scales_stride, offs_n, n_mask,
-                       FORMAT, BITS, GROUP, HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
+        w = dequant_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride,
+                         scales_stride, offs_n, n_mask, k0, K, FORMAT, BITS, GROUP,
+                         HAS_ZEROS, HAS_G_IDX, BLOCK_N, BLOCK_K)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + x_rows + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -137,36 +118,13 @@ def _int_gemv_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, N,
                      data_stride, scales_stride, stride_x, stride_y, HAS_BIAS: tl.constexpr,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One row of x against an `INT` weight in column order: the tile is [rows, words,
-    codes per word], each word read once; a code c becomes the float 2^23 + c by OR-ing the
-    exponent of 2^23 into its bits (exact, and cheaper than an int-to-float conversion), and
-    2^23 + zero is subtracted; scales and zeros are per word (a group holds whole words)."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER_WORD
+    """One row of x against an `INT` weight in column order (`gemv.int_row_dot`)."""
     pid_n, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    shifts = tl.arange(0, PER_WORD) * BITS
-    data_rows = data_ptr + offs_n[:, None].to(tl.int64) * data_stride
-    scale_rows = offs_n[:, None].to(tl.int64) * scales_stride
-    acc = tl.zeros((BLOCK_N, WORDS, PER_WORD), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 // PER_WORD + tl.arange(0, WORDS)
-        mask = n_mask[:, None] & (offs_w * PER_WORD < K)[None, :]
-        words = tl.load(data_rows + offs_w[None, :], mask=mask, other=0)
-        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        f = (codes | 0x4B000000).to(tl.float32, bitcast=True)
-        groups = scale_rows + ((offs_w * PER_WORD) // GROUP)[None, :]
-        s = tl.load(scales_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-        offs_k = offs_w[:, None] * PER_WORD + tl.arange(0, PER_WORD)[None, :]
-        x = tl.load(x_ptr + row * stride_x + offs_k, mask=offs_k < K, other=0.0)
-        if HAS_ZEROS:
-            z = tl.load(zeros_ptr + groups, mask=mask, other=0.0).to(tl.float32) + 8388608.0
-            q = f - z[:, :, None]
-        else:
-            q = f - (8388608.0 + (1 << (BITS - 1)))
-        acc += q * (s[:, :, None] * x.to(tl.float32)[None, :, :])
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    y = int_row_dot(x_ptr + row * stride_x, data_ptr, scales_ptr, zeros_ptr, data_stride,
+                    scales_stride, offs_n, n_mask, K, BITS, GROUP, HAS_ZEROS, BLOCK_N,
+                    BLOCK_K)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -174,18 +132,21 @@ def _int_gemv_kernel(x_ptr, y_ptr, bias_ptr, data_ptr, scales_ptr, zeros_ptr, N,
 
 @triton.jit
 def _dequant_kernel(w_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride,
-                    scales_stride, N, K, FORMAT: tl.constexpr, BITS: tl.constexpr,
-                    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weight [N, K] written out in w's dtype, a tile per program."""
+                    scales_stride, N, K, data_e, scales_e, g_idx_e, FORMAT: tl.constexpr,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    HAS_G_IDX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight [N, K] written out in w's dtype, a tile per program; grid axis 2 walks a
+    `Stacked`'s experts (its tensors *_e elements apart; w's N * K)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
+    e = tl.program_id(2).to(tl.int64)
     n_mask = offs_n < N
-    w = dequant_tile(data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stride, scales_stride,
-                     offs_n, n_mask, k0, K, FORMAT, BITS, GROUP, HAS_ZEROS, HAS_G_IDX,
-                     BLOCK_N, BLOCK_K)
+    w = dequant_tile(data_ptr + e * data_e, scales_ptr + e * scales_e,
+                     zeros_ptr + e * scales_e, g_idx_ptr + e * g_idx_e, data_stride,
+                     scales_stride, offs_n, n_mask, k0, K, FORMAT, BITS, GROUP, HAS_ZEROS,
+                     HAS_G_IDX, BLOCK_N, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+    tl.store(w_ptr + e * N * K + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
              w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
@@ -222,16 +183,20 @@ def linear(x: Tensor, weight, bias: Tensor | None = None,
 
 
 def dequantize(weight, dtype: torch.dtype, config: IntLinearConfig = DEFAULT) -> Tensor:
-    """The weight [N, K] in `dtype`, by `_dequant_kernel`."""
-    n, k = weight.shape
-    w = torch.empty((n, k), dtype=dtype, device=weight.kernel_args().data.device)
+    """The weight [N, K] in `dtype`, or a `Stacked`'s experts [E, N, K], by
+    `_dequant_kernel`."""
+    if isinstance(weight, Stacked):
+        (e, n, k), steps = weight.shape, weight.strides
+    else:
+        (n, k), e, steps = weight.shape, 1, (0, 0, 0)
     a = weight.kernel_args()
-    grid = (triton.cdiv(n, config.dequant_block_n), triton.cdiv(k, config.dequant_block_k))
+    w = torch.empty((e, n, k), dtype=dtype, device=a.data.device)
+    grid = (triton.cdiv(n, config.dequant_block_n), triton.cdiv(k, config.dequant_block_k), e)
     _dequant_kernel[grid](w, a.data, a.scales, a.zeros, a.g_idx, a.data_stride,
-                          a.scales_stride, n, k, FORMAT=a.format, BITS=a.bits,
+                          a.scales_stride, n, k, *steps, FORMAT=a.format, BITS=a.bits,
                           GROUP=a.group_size, HAS_ZEROS=a.has_zeros, HAS_G_IDX=a.has_g_idx,
                           BLOCK_N=config.dequant_block_n, BLOCK_K=config.dequant_block_k)
-    return w
+    return w if isinstance(weight, Stacked) else w[0]
 
 
 def _launch(rows: Tensor, y: Tensor, weight, bias: Tensor | None,

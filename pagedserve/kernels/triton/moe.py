@@ -17,21 +17,56 @@ each projection (gate, up, down) is an operand of its own, either stacked floats
 `weight_formats.Stacked` whose tiles `dequant.dequant_tile` unpacks in registers, the same
 description the dense int matmuls use, so the weights stay packed on the device. Gate and up
 are separate operands because a GGUF may store them in different block types.
+
+Packed experts leave that grouped GEMM at both ends of the token count, for the reasons the
+dense int matmuls do (`int_linear.py`), chosen per call by `MoeConfig`: up to
+`gemv_max_tokens` tokens, a decode step whose time is the packed bytes over bandwidth, each
+(token, chosen expert) pair runs as a GEMV (`gemv.row_dot`: the float32 exponent trick for
+integer codes in column order, `dequant_tile` otherwise; no tl.dot, no wasted tile rows);
+from `dequant_min_tokens` tokens, where the unpacking inside the tl.dot loop is the
+bottleneck, every expert is dequantized once into a scratch tensor in the activation dtype
+(`int_linear.dequantize`; at that many tokens nearly every expert is touched) and the float
+kernels run on it, gate and up first and down after, so only one projection's scratch lives
+at a time. Both compute what the grouped GEMM computes, rounded at the same points (the
+integer GEMV keeps the weight in float32, as the dense one does).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from pagedserve.kernels.triton import int_linear
 from pagedserve.kernels.triton.dequant import dequant_tile
+from pagedserve.kernels.triton.gemv import row_dot
 from pagedserve.kernels.triton.precision import dot_precision, round_to
-from pagedserve.kernels.weight_formats import Stacked
+from pagedserve.kernels.weight_formats import Stacked, WeightFormat
 
 BLOCK_M = 16  # pairs per tile (tl.dot needs 16 rows)
 _FLOAT = tl.constexpr(-1)  # an operand's FORMAT for plain weights in the activation dtype
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Which kernels packed experts take by the call's token count (the module docstring
+    says why), and the GEMV's tile: rows per program, columns per step and warps, for
+    integer codes in column order (`int_*`) and for the other formats."""
+
+    gemv_max_tokens: int = 8
+    dequant_min_tokens: int = 128
+    int_block_n: int = 4
+    int_block_k: int = 512
+    int_warps: int = 2
+    block_n: int = 16
+    block_k: int = 256
+    warps: int = 4
+
+
+DEFAULT = MoeConfig()
 
 
 @triton.jit
@@ -142,6 +177,63 @@ def _down_kernel(inter_ptr, out_ptr, weights_ptr, order_ptr, tile_expert_ptr,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, inter_ptr, ids_ptr, hidden, inter_size,
+                         g_data, g_scales, g_zeros, g_gidx, g_data_stride, g_scales_stride,
+                         g_data_e, g_scales_e, g_gidx_e,
+                         u_data, u_scales, u_zeros, u_gidx, u_data_stride, u_scales_stride,
+                         u_data_e, u_scales_e, u_gidx_e,
+                         G_FORMAT: tl.constexpr, G_BITS: tl.constexpr, G_GROUP: tl.constexpr,
+                         G_HAS_ZEROS: tl.constexpr, G_HAS_G_IDX: tl.constexpr,
+                         U_FORMAT: tl.constexpr, U_BITS: tl.constexpr, U_GROUP: tl.constexpr,
+                         U_HAS_ZEROS: tl.constexpr, U_HAS_G_IDX: tl.constexpr,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pair program_id(0) (token pair // TOP_K, expert ids[pair]): silu(gate) * up of its
+    rows offs_n, into the pair's row of inter. Pairs vary fastest, so the pairs sharing an
+    expert read its rows at about the same time (from L2 after the first)."""
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * hidden
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter_size
+    dtype = inter_ptr.dtype.element_ty
+    gate = row_dot(x_row, g_data + e * g_data_e, g_scales + e * g_scales_e,
+                   g_zeros + e * g_scales_e, g_gidx + e * g_gidx_e, g_data_stride,
+                   g_scales_stride, offs_n, n_mask, hidden, dtype, G_FORMAT, G_BITS, G_GROUP,
+                   G_HAS_ZEROS, G_HAS_G_IDX, BLOCK_N, BLOCK_K)
+    up = row_dot(x_row, u_data + e * u_data_e, u_scales + e * u_scales_e,
+                 u_zeros + e * u_scales_e, u_gidx + e * u_gidx_e, u_data_stride,
+                 u_scales_stride, offs_n, n_mask, hidden, dtype, U_FORMAT, U_BITS, U_GROUP,
+                 U_HAS_ZEROS, U_HAS_G_IDX, BLOCK_N, BLOCK_K)
+    g = round_to(gate, dtype)
+    act = (g * tl.sigmoid(g)).to(dtype)
+    h = act * up.to(dtype)
+    tl.store(inter_ptr + pair.to(tl.int64) * inter_size + offs_n, h.to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _down_gemv_kernel(inter_ptr, out_ptr, weights_ptr, ids_ptr, hidden, inter_size,
+                      d_data, d_scales, d_zeros, d_gidx, d_data_stride, d_scales_stride,
+                      d_data_e, d_scales_e, d_gidx_e,
+                      D_FORMAT: tl.constexpr, D_BITS: tl.constexpr, D_GROUP: tl.constexpr,
+                      D_HAS_ZEROS: tl.constexpr, D_HAS_G_IDX: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pair program_id(0): its inter row times its expert's w2, rows offs_n, scaled by its
+    routing weight, into the pair's output row."""
+    pair = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    dtype = out_ptr.dtype.element_ty
+    y = row_dot(inter_ptr + pair * inter_size, d_data + e * d_data_e,
+                d_scales + e * d_scales_e, d_zeros + e * d_scales_e, d_gidx + e * d_gidx_e,
+                d_data_stride, d_scales_stride, offs_n, n_mask, inter_size, dtype, D_FORMAT,
+                D_BITS, D_GROUP, D_HAS_ZEROS, D_HAS_G_IDX, BLOCK_N, BLOCK_K)
+    routed = tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * hidden + offs_n, (round_to(y, dtype) * routed).to(dtype),
+             mask=n_mask)
+
+
 def _operand(w, prefix: str) -> tuple[list, dict]:
     """A projection's kernel arguments: (tensors and strides, constexprs named PREFIX_*)."""
     if isinstance(w, Tensor):
@@ -184,40 +276,99 @@ def group_by_expert(ids: Tensor, num_experts: int,
 
 
 def fused_moe(x: Tensor, w13: Tensor | tuple[Stacked, Stacked], w2: Tensor | Stacked,
-              weights: Tensor, ids: Tensor) -> Tensor:
+              weights: Tensor, ids: Tensor, config: MoeConfig = DEFAULT) -> Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up) or the pair (gate, up) of `Stacked`
     [E, I, H] weights; w2 [E, H, I] or a `Stacked` of them; weights and ids [T, top_k] from
     `moe.route` -> sum over each token's choices of weight * expert(x)."""
-    num_tokens, hidden = x.shape
     if isinstance(w13, Tensor):
         w13 = w13.contiguous()
         inter_size = w13.shape[1] // 2
         gate, up = w13[:, :inter_size], w13[:, inter_size:]
     else:
         gate, up = w13
-        inter_size = gate.shape[1]
     if isinstance(w2, Tensor):
         w2 = w2.contiguous()
-    num_experts = w2.shape[0]
-    top_k = ids.shape[1]
-    x = x.contiguous()
+    x, weights = x.contiguous(), weights.contiguous().flatten()
+    num_tokens = x.shape[0]
+    packed = [isinstance(w, Stacked) for w in (gate, up, w2)]
+    if all(packed) and 0 < num_tokens <= config.gemv_max_tokens:
+        pairs_out = _pairs_by_gemv(x, gate, up, w2, weights, ids, config)
+    else:
+        dequant = any(packed) and num_tokens >= config.dequant_min_tokens
+        pairs_out = _pairs_by_gemm(x, gate, up, w2, weights, ids, dequant)
+    return _sum_choices(pairs_out, ids)
+
+
+def _pairs_by_gemm(x: Tensor, gate, up, w2, weights: Tensor, ids: Tensor,
+                   dequant: bool) -> Tensor:
+    """Each (token, choice) pair's weighted expert output [T * top_k, H] by the grouped GEMM
+    kernels; `dequant`: packed experts dequantized first, one projection's at a time."""
+    num_tokens, hidden = x.shape
+    inter_size, num_experts, top_k = gate.shape[1], w2.shape[0], ids.shape[1]
     order, tile_expert, tile_start, tile_end = group_by_expert(ids, num_experts)
     grid_m = tile_expert.numel()
     inter = torch.empty(num_tokens * top_k, inter_size, dtype=x.dtype, device=x.device)
     pairs_out = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     precision = dot_precision(x.dtype)
     block_n, block_k = 64, 64
+    gate, up = (_floats(w, x.dtype, dequant) for w in (gate, up))
     (g_args, g_const), (u_args, u_const) = _operand(gate, "G"), _operand(up, "U")
     _gate_up_kernel[(grid_m, triton.cdiv(inter_size, block_n))](
         x, inter, order, tile_expert, tile_start, tile_end, hidden, inter_size,
         *g_args, *u_args, **g_const, **u_const, TOP_K=top_k, BLOCK_M=BLOCK_M,
         BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision)
-    d_args, d_const = _operand(w2, "D")
+    del gate, up, g_args, u_args  # a dequantized scratch goes before down's is made
+    d_args, d_const = _operand(_floats(w2, x.dtype, dequant), "D")
     _down_kernel[(grid_m, triton.cdiv(hidden, block_n))](
-        inter, pairs_out, weights.contiguous().flatten(), order, tile_expert, tile_start,
-        tile_end, hidden, inter_size, *d_args, **d_const, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_PRECISION=precision)
-    # each token's rows in ascending expert order, added as transformers adds them
+        inter, pairs_out, weights, order, tile_expert, tile_start, tile_end, hidden,
+        inter_size, *d_args, **d_const, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=precision)
+    return pairs_out
+
+
+def _floats(w, dtype: torch.dtype, dequant: bool):
+    """The operand as the grouped GEMM takes it: a `Stacked` dequantized into [E, N, K] of
+    `dtype` where `dequant`, else as it is."""
+    if dequant and isinstance(w, Stacked):
+        return int_linear.dequantize(w, dtype)
+    return w
+
+
+def _pairs_by_gemv(x: Tensor, gate: Stacked, up: Stacked, w2: Stacked, weights: Tensor,
+                   ids: Tensor, config: MoeConfig) -> Tensor:
+    """Each (token, choice) pair's weighted expert output [T * top_k, H], a GEMV per pair."""
+    num_tokens, hidden = x.shape
+    inter_size, top_k = gate.shape[1], ids.shape[1]
+    pairs = num_tokens * top_k
+    flat_ids = ids.contiguous().flatten()
+    inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
+    pairs_out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    (g_args, g_const), (u_args, u_const) = _operand(gate, "G"), _operand(up, "U")
+    d_args, d_const = _operand(w2, "D")
+    bn, bk, warps = _gemv_tile((gate, up), config)
+    _gate_up_gemv_kernel[(pairs, triton.cdiv(inter_size, bn))](
+        x, inter, flat_ids, hidden, inter_size, *g_args, *u_args, **g_const, **u_const,
+        TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    bn, bk, warps = _gemv_tile((w2,), config)
+    _down_gemv_kernel[(pairs, triton.cdiv(hidden, bn))](
+        inter, pairs_out, weights, flat_ids, hidden, inter_size, *d_args, **d_const,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return pairs_out
+
+
+def _gemv_tile(operands, config: MoeConfig) -> tuple[int, int, int]:
+    """One launch's GEMV tile: the integer one where all its operands take `int_row_dot`."""
+    args = [w.kernel_args() for w in operands]
+    if all(a.format == WeightFormat.INT and not a.has_g_idx for a in args):
+        return config.int_block_n, config.int_block_k, config.int_warps
+    return config.block_n, config.block_k, config.warps
+
+
+def _sum_choices(pairs_out: Tensor, ids: Tensor) -> Tensor:
+    """[T * top_k, H] -> [T, H]: each token's rows in ascending expert order, added as
+    transformers adds them."""
+    top_k = ids.shape[1]
+    num_tokens, hidden = pairs_out.shape[0] // top_k, pairs_out.shape[1]
     by_expert = ids.argsort(dim=1)
     rows = pairs_out.view(num_tokens, top_k, hidden).gather(
         1, by_expert[:, :, None].expand(-1, -1, hidden))
