@@ -112,7 +112,7 @@ def check_packed(gate, up, down, num_tokens, top_k, seed, config=PATHS["grouped"
     num_experts, _, hidden = gate.shape
     x = torch.randn(num_tokens, hidden, generator=gen) * 0.1
     logits = torch.randn(num_tokens, num_experts, generator=gen)
-    logits[:, 0] += 4.0  # most tokens: two tiles (ragged), the last expert none
+    logits[:, 0] += 8.0  # every token (but a 1e-8 chance): two tiles (ragged), the last none
     logits[:, -1] -= 20.0
     weights, ids = route(logits, top_k, renormalize=True, weights_dtype=None)
     counts = torch.bincount(ids.flatten(), minlength=num_experts)
