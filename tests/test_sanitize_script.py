@@ -186,12 +186,14 @@ def test_plan_runs_each_targets_tools_and_keeps_initcheck_off_cublas_paths(sanit
     assert {name for name, _ in pairs} == set(sanitize.TARGETS)
     assert all((name, "memcheck") in pairs for name in sanitize.TARGETS)
     for tool in ("racecheck", "synccheck"):
-        assert {n for n, t in pairs if t == tool} == {"attention", "fp8", "moe", "sampling"}
+        assert {n for n, t in pairs if t == tool} == {"attention", "fp8", "moe", "sampling",
+                                                      "quant", "lora"}
+    # quant reads cuBLAS's outputs from 64 rows (TMA stores initcheck cannot see)
     assert {n for n, t in pairs if t == "initcheck"} == {"attention", "model_ops", "sampling",
-                                                         "moe"}
+                                                         "moe", "lora"}
     # --tools alone narrows the defaults; with --only it is exactly what was asked
     initcheck = {t.name for t, _ in sanitize.plan(None, ["initcheck"])}
-    assert initcheck == {"attention", "model_ops", "sampling", "moe"}
+    assert initcheck == {"attention", "model_ops", "sampling", "moe", "lora"}
     assert [(t.name, tool) for t, tool in sanitize.plan(["engine"], ["memcheck", "initcheck"])
             ] == [("engine", "memcheck"), ("engine", "initcheck")]
     with pytest.raises(SystemExit, match="unknown target"):
