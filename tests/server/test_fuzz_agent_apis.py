@@ -95,6 +95,13 @@ def test_fuzz_stored_responses(server, response_id, method, params):
     assert error["message"].strip() and not LEAKS.search(error["message"]), error
 
 
+def test_an_empty_stored_response_id_is_not_found(server):
+    for method in ("GET", "DELETE"):
+        response = httpx.request(method, server.url + "/v1/responses/", timeout=60)
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["message"].strip()
+
+
 def _anthropic_post(server, path: str, body: bytes, content_type: str | None
                     ) -> httpx.Response:
     """The answer, after checking it is no 5xx and an error is Anthropic's, no internals."""

@@ -177,12 +177,14 @@ def build_app(engine: AsyncEngine, model_name: str, aliases: tuple[str, ...] = (
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
         return await responses_api.create(req, raw, lambda chat: _salt(chat, raw, access))
 
-    @app.get("/v1/responses/{response_id}", responses=_errors(*auth, 404))
+    # ":path" takes the empty id too ("/v1/responses/"): a 404 of ours, not a redirect to the
+    # create route
+    @app.get("/v1/responses/{response_id:path}", responses=_errors(*auth, 404))
     async def retrieve_response(response_id: str, raw: Request) -> dict:
         _no_query(raw)
         return responses_api.retrieve(response_id)
 
-    @app.delete("/v1/responses/{response_id}", responses=_errors(*auth, 404))
+    @app.delete("/v1/responses/{response_id:path}", responses=_errors(*auth, 404))
     async def delete_response(response_id: str, raw: Request) -> dict:
         _no_query(raw)
         return responses_api.delete(response_id)
