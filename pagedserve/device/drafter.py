@@ -30,6 +30,7 @@ target.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +74,7 @@ class _Chunk:
     count: int
 
 
-class Drafter:
+class Drafter(abc.ABC):
     """What the runner calls: the draft's KV size and allocation, and `propose`."""
 
     capture: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads
@@ -211,20 +212,21 @@ class Drafter:
             max_query_len=int(num.max()), max_seq_len=int(seq_lens.max()))
         return upload(positions, torch.int64), meta
 
+    @abc.abstractmethod
     def _chunk(self, state: CachedRequestState, row: int, start: int, kept: int,
                first_row: int, count: int) -> _Chunk:
-        raise NotImplementedError
+        """The rows of the step's chunk of `state` that the draft forward reads."""
 
     @staticmethod
     def _next_position(chunk: _Chunk, j: int) -> int:
         """Where the j-th draft sits when it is read (j >= 1): past the chunk's last row."""
         return chunk.start + len(chunk.token_ids) - 1 + j
 
+    @abc.abstractmethod
     def _draft(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                hidden: Tensor | None, rows: Tensor) -> tuple[Tensor, Tensor | None]:
         """A draft forward: the greedy next token at `rows`, and what the next draft step
         reads at those rows (EAGLE-3: the head's pre-norm output; a draft model: None)."""
-        raise NotImplementedError
 
 
 class DraftModel(Drafter):
