@@ -5,7 +5,7 @@ Why a second layout: a decode step at batch 1 reads each weight once, so it runs
 the packed bytes stream in. torch's kernel keeps the codes in tensor-core fragment order and
 unpacks them with a few bit operations per pair, which streams at a large share of copy
 bandwidth, where a Triton GEMV over the checkpoint's layout spends most of its time
-unpacking (docs/benchmarks.md, "4-bit weights"). Its cost per row grows with the batch, so
+unpacking (docs/benchmarks.md, "4-bit weights on CUDA"). Its cost per row grows with the batch, so
 larger batches keep the Triton kernels on the original layout, and a weight it can read is
 held twice (`kernels/triton/int_linear.prepare` decides, once, at load).
 

@@ -195,7 +195,7 @@ MAX_ROW_SPLITS = 64  # the most K blocks a one-row shrink is cut into
 @functools.lru_cache(maxsize=None)
 def _num_programs(device: torch.device) -> int:
     """How many shrink programs keep the GPU busy: two per multiprocessor (on the CPU, where
-    the interpreter runs, an H100's count, so tests cut K as a GPU would)."""
+    the interpreter runs, a large GPU's count, so tests cut K as a GPU would)."""
     if device.type == "cuda":
         return 2 * torch.cuda.get_device_properties(device).multi_processor_count
     return 2 * 132
