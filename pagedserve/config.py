@@ -177,10 +177,6 @@ class EngineConfig:
     def _check_speculation(self) -> None:
         """A combination speculative decoding cannot run, refused by name."""
         spec = self.speculative_config
-        if self.async_scheduling and spec.on_device:
-            raise ValueError(f"speculative_config method {spec.method!r} runs with "
-                             "synchronous scheduling: the draft runs after each step's "
-                             "tokens are known; leave async_scheduling unset or False")
         if spec.on_device and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config method {spec.method!r} runs on one rank: "
                              "the draft model and EAGLE-3 heads are not sharded yet")

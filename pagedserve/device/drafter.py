@@ -52,13 +52,29 @@ from pagedserve.model.ops import select_ops
 
 @dataclass
 class DraftStep:
-    """A launched step as the drafter reads it once the step's tokens are known."""
+    """A launched step as the drafter reads it once the step's tokens are known: taken at
+    the launch, so that it stays the step as it ran while later steps are prepared before
+    its tokens come back (async scheduling: a finished request's state and block-table row
+    are gone by then, and a row may hold another request's blocks)."""
 
-    req_ids: list[str]
+    states: list[CachedRequestState]  # the runner's, by object: they receive the tokens
     starts: list[int]  # each request's first computed position (its num_computed_tokens)
     num_scheduled: list[int]
     num_lookahead: dict[str, int]  # the requests to draft for, each with how many drafts
     aux: Tensor | None  # eagle3: the target's captured hidden states, a row per token
+    table: np.ndarray  # a block-table row per request (a copy), as wide as the draft reads
+
+
+def draft_step(states: list[CachedRequestState], starts: list[int], num_scheduled: list[int],
+               num_lookahead: dict[str, int], aux: Tensor | None, table: np.ndarray,
+               rows: np.ndarray, block_size: int) -> DraftStep:
+    """The step's `DraftStep`, its block-table rows copied out of the runner's `table` as
+    far as the draft writes: each chunk and its drafts' positions."""
+    ends = [start + num + num_lookahead.get(state.req_id, 0)
+            for state, start, num in zip(states, starts, num_scheduled)]
+    width = min(table.shape[1], -(-max(ends, default=0) // block_size))
+    return DraftStep(states, starts, num_scheduled, num_lookahead, aux,
+                     table[rows, :width].copy())
 
 
 @dataclass
@@ -109,20 +125,17 @@ class Drafter(abc.ABC):
             self.kv_caches.append((k_cache, v_cache))
 
     @torch.inference_mode()
-    def propose(self, step: DraftStep, requests: dict[str, CachedRequestState],
-                table: np.ndarray, rows: np.ndarray) -> dict[str, list[int]]:
-        """Run the draft over what the step's target kept (writing its KV), then draft.
-        `requests`: the runner's states, the step's tokens appended; `table`, `rows`: the
-        block-table rows of the step's requests, as the step ran."""
-        chunks, first = [], 0
-        for req_id, row, start, num in zip(step.req_ids, rows.tolist(), step.starts,
-                                           step.num_scheduled):
-            state = requests[req_id]
+    def propose(self, step: DraftStep) -> dict[str, list[int]]:
+        """Run the draft over what the step's target kept (writing its KV), then draft;
+        once the step's tokens are appended to its states."""
+        chunks, first, table = [], 0, step.table
+        for row, (state, start, num) in enumerate(zip(step.states, step.starts,
+                                                      step.num_scheduled)):
             # the chunk's tokens the target kept (a verify's accepted part): every token but
             # the last known one, which a sampling row has just appended
             kept = min(num, len(state.all_token_ids) - start - 1)
             chunks.append(self._chunk(state, row, start, kept, first,
-                                      step.num_lookahead.get(req_id, 0)))
+                                      step.num_lookahead.get(state.req_id, 0)))
             first += num
         chunks.sort(key=lambda c: len(c.token_ids) != 1)  # single-token sequences first
         drafting = [c for c in chunks if c.count]

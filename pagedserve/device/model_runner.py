@@ -51,7 +51,7 @@ from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
 from pagedserve.device.cuda_graphs import DecodeGraphs
 from pagedserve.device.disk_tier import DiskBlocks
-from pagedserve.device.drafter import DraftStep, make_drafter
+from pagedserve.device.drafter import DraftStep, draft_step, make_drafter
 from pagedserve.device.input_batch import BlockTableRows, CachedRequestState, StepBuffers
 from pagedserve.device.lora_slots import LoRASlots
 from pagedserve.device.tier_copies import TierCopies
@@ -655,9 +655,10 @@ class ModelRunner:
         hidden, aux = self._forward(inputs)
         handle = self._handle(output, inputs, hidden, tiers)
         if self.drafter is not None:
-            handle.draft = DraftStep(output.req_ids, output.num_computed_tokens,
-                                     output.num_scheduled_tokens, output.num_lookahead_tokens,
-                                     aux)
+            handle.draft = draft_step(
+                [self.requests[r] for r in output.req_ids], output.num_computed_tokens,
+                output.num_scheduled_tokens, output.num_lookahead_tokens, aux,
+                self.block_rows.table, self.block_rows.rows(output.req_ids), self.block_size)
         return handle
 
     def _handle(self, output: SchedulerOutput, inputs: StepInputs, hidden: Tensor,
@@ -724,11 +725,11 @@ class ModelRunner:
 
     def _proposal(self, draft: DraftStep | None) -> Callable[[], dict[str, list[int]]] | None:
         """The drafter's run over a step, for its output to make once its tokens are placed
-        (the block-table rows are read now, as the step ran)."""
+        (under async scheduling after the next step is launched: `draft` is the step as it
+        ran)."""
         if draft is None:
             return None
-        table, rows = self.block_rows.table, self.block_rows.rows(draft.req_ids)
-        return lambda: self.drafter.propose(draft, self.requests, table, rows)
+        return lambda: self.drafter.propose(draft)
 
     def _sample_verified(self, step: StepHandle,
                          grammar: GrammarOutput | None) -> PendingRunnerOutput:

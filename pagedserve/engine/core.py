@@ -241,11 +241,13 @@ class EngineCore:
         """Schedule, execute, sample and return the tokens of the requests that progressed.
 
         With async scheduling, `step_pipelined` from the step in flight: the tokens are
-        those of the step the previous call launched. Under speculative decoding (a host
-        proposer), while the batch is small enough to draft for (`Scheduler.may_draft`)
-        the step in flight is completed first and the step runs synchronously: a verify's
-        outcome decides where its request's next step starts. A large batch, where nothing
-        is drafted, keeps the pipeline."""
+        those of the step the previous call launched. Under speculative decoding, while
+        the batch is small enough to draft for (`Scheduler.may_draft`) the step in flight
+        is completed first and the step runs synchronously: a verify's outcome decides
+        where its request's next step starts, and a proposer on the device drafts from the
+        tokens of the step before. A large batch, where nothing is drafted, keeps the
+        pipeline (a proposer on the device still runs over each step's chunks, once its
+        tokens are back, to keep its KV)."""
         outputs: list[EngineCoreOutput] = []
         if self.async_scheduling:
             if not self.scheduler.may_draft():
@@ -417,19 +419,11 @@ class EngineCore:
 
 
 def _async_scheduling(config: EngineConfig, device_type: str) -> bool:
-    """The user's choice, else on for CUDA. With a host proposer (ngram) the steps that may
-    draft run synchronously (`step`), the others pipelined. A proposer on the device keeps
-    it off (the config refuses both asked for): its drafts come from each step's tokens."""
+    """The user's choice, else on for CUDA. Under speculative decoding the steps that may
+    draft run synchronously (`step`), the others pipelined."""
     if config.async_scheduling is not None:
         return config.async_scheduling
-    if device_type != "cuda":
-        return False
-    spec = config.speculative_config
-    if spec is not None and spec.on_device:
-        logger.info("async scheduling is off: speculative_config method %r drafts after "
-                    "each step's tokens are known", spec.method)
-        return False
-    return True
+    return device_type == "cuda"
 
 
 def _proposer(config: SpeculativeConfig | None) -> Proposer | None:

@@ -72,7 +72,8 @@ A proposer on the device (a draft model, EAGLE-3 heads: `device/drafter.py`) dra
 runner after the step instead: a request that may be drafted for gets its blocks that many
 positions past its chunk (`num_lookahead_tokens`; only where they fit without preempting),
 given back when the tokens come back; the drafts wait on the request (`spec_token_ids`)
-for the next schedule.
+for the next schedule. With async scheduling this too happens only in the steps the core
+runs synchronously: none while a step is in flight.
 
 What the runner gets is plain data (`messages.SchedulerOutput`): the batch's request ids,
 positions and token counts, the prompt and parameters of requests new to it, and the block
@@ -157,12 +158,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def may_draft(self) -> bool:
-        """The batch is small enough for a host proposer's drafts (`disable_by_batch_size`):
-        an engine with async scheduling then steps synchronously, so that every running
-        request's tokens are known when it is scheduled (a verify's outcome decides the
-        next step's positions)."""
-        return (self.proposer is not None and self.spec is not None
-                and len(self.running) <= self.spec.disable_by_batch_size)
+        """The batch is small enough for drafts (`disable_by_batch_size`), of a host proposer
+        or of one on the device: an engine with async scheduling then steps synchronously,
+        so that every running request's tokens are known when it is scheduled (a verify's
+        outcome decides the next step's positions; a proposer on the device drafts from the
+        tokens of the step before)."""
+        return self.spec is not None and len(self.running) <= self.spec.disable_by_batch_size
 
     def schedule(self) -> SchedulerOutput:
         """The next step (`_schedule`), its host time counted (`schedule_seconds`): the
@@ -253,9 +254,11 @@ class Scheduler:
     def _lookahead(self, request: Request, end: int, num_unknown: int) -> int:
         """How many drafts a proposer on the device makes for the request after this step,
         whose chunk ends at `end`: none unless it ends where the request samples, it may
-        speculate and the batch is small; never past max_model_len (the draft writes KV
-        that far ahead)."""
-        if not self.lookahead:
+        speculate and the batch is small; none while a step is in flight (the next step,
+        scheduled before this one's drafts exist, could not verify them, and the
+        lookahead's trim must come after the drafts are written); never past
+        max_model_len (the draft writes KV that far ahead)."""
+        if not self.lookahead or self._steps_in_flight:
             return 0
         if (end != len(request.all_token_ids) + num_unknown
                 or len(self.running) > self.spec.disable_by_batch_size

@@ -159,7 +159,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "also prompt_lookup_min, disable_by_batch_size), "
               '{"model": PATH, "num_speculative_tokens": 4} (a draft model of the same '
               'vocabulary) or {"method": "eagle3", "model": PATH, ...} (EAGLE-3 heads); '
-              "model proposers: synchronous scheduling, one rank", parse=str,
+              "model proposers: one rank", parse=str,
               metavar="JSON",
               default_text="off"),
 )

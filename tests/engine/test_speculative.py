@@ -234,9 +234,9 @@ def test_bad_configs_are_refused_at_start(config, message):
         EngineConfig(speculative_config=config)
 
 
-def test_async_scheduling_with_a_device_proposer_is_refused_at_start():
-    with pytest.raises(ValueError, match="synchronous scheduling"):
-        EngineConfig(speculative_config={"model": "/some/draft"}, async_scheduling=True)
+def test_configs_parse_with_async_scheduling():
     assert EngineConfig(speculative_config=NGRAM, async_scheduling=True).async_scheduling
+    assert EngineConfig(speculative_config={"model": "/some/draft"},
+                        async_scheduling=True).async_scheduling
     parsed = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config
     assert parsed.num_speculative_tokens == 4 and parsed.prompt_lookup_max == 3

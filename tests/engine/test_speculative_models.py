@@ -29,10 +29,11 @@ def make(loaded, speculative_config, num_blocks: int = 256, draft_layers: int = 
          **options) -> LLMEngine:
     block_bytes = TARGET_BLOCK * (2 + draft_layers) // 2
     options.setdefault("max_num_batched_tokens", 64)  # prompts longer than this are chunked
+    options.setdefault("async_scheduling", False)
     engine = LLMEngine(EngineConfig(
         model="tiny", device="cpu", dtype="float32", block_size=BLOCK,
-        kv_cache_memory=num_blocks * block_bytes, async_scheduling=False,
-        speculative_config=speculative_config, **options), loaded)
+        kv_cache_memory=num_blocks * block_bytes, speculative_config=speculative_config,
+        **options), loaded)
     assert engine.engine_core.num_blocks == num_blocks
     return engine
 
@@ -124,6 +125,33 @@ def test_greedy_tokens_match_across_preemption(loaded, models, name, method, lay
     assert results[1] == results[0]
     if name == "self":
         assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+@pytest.mark.parametrize("name, method, layers", [("self", None, 2), ("eagle3", "eagle3", 1)])
+def test_async_scheduling_drafts_in_small_batches_and_pipelines_large_ones(
+        loaded, models, free_run, name, method, layers):
+    """With async scheduling the steps small enough to draft for run synchronously, the
+    others pipelined, the draft running over each pipelined step's chunks once its tokens
+    are back (requests finishing, by a stop, while a step holding them is in flight): the
+    mixed batch, whose size passes disable_by_batch_size and comes back under it, gives
+    the outputs of the synchronous engine without speculation. The target drafting for
+    itself has every draft accepted: the pipelined steps kept the draft's KV right."""
+    arrivals = mixed_batch(free_run)
+    eos = free_run["p3"].token_ids[12]
+    results = []
+    for config, async_scheduling in ((None, False), (spec(models, name, method), True)):
+        if config is not None:
+            config |= {"disable_by_batch_size": 3}
+        engine = make(loaded, config, draft_layers=layers if config else 0,
+                      async_scheduling=async_scheduling)
+        assert engine.async_scheduling is async_scheduling
+        engine.engine_core.eos_token_ids = frozenset({eos})
+        results.append(summary(run(engine, arrivals)))
+    assert results[1] == results[0]
+    stats = engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0
+    if name == "self":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
 
 
 def test_seeded_sampling_repeats_with_a_draft_model(loaded, models):

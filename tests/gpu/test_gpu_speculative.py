@@ -1,5 +1,6 @@
 """Speculative decoding on CUDA (issue 30): the ngram, draft-model and EAGLE-3 engines against
-the default engine (async scheduling, CUDA graphs), same weights.
+the default engine (async scheduling, CUDA graphs), same weights; each speculative engine
+runs with async scheduling too (CUDA's default).
 
 float32, so that a difference is a bug and not noise: a verify runs eagerly through the
 paged prefill kernel while plain decodes replay graphs of the decode kernel, and in bf16 an
@@ -151,23 +152,53 @@ def test_a_draft_model_gives_the_default_engines_greedy_tokens(loaded, checkpoin
         stats.spec_num_accepted_tokens, stats.spec_num_draft_tokens)
 
 
-@torch.inference_mode()
-def test_eagle3_heads_give_the_default_engines_greedy_tokens(loaded, tmp_path):
+def eagle3_head(loaded, folder: Path) -> str:
     from tests.spec.heads import write_eagle3_head
 
     mc = loaded.model_config
-    head = write_eagle3_head(tmp_path / "eagle3", {
+    return str(write_eagle3_head(folder, {
         "hidden_size": mc.hidden_size, "vocab_size": mc.vocab_size,
         "max_position_embeddings": mc.max_position_embeddings}, None, 4096, heads=16,
-        kv_heads=8, head_dim=64)
+        kv_heads=8, head_dim=64))
+
+
+@torch.inference_mode()
+def test_eagle3_heads_give_the_default_engines_greedy_tokens(loaded, tmp_path):
     prompt_list = prompts(4, seed=31)
     params = [greedy(40)] * 4
     plain = run(make_engine(loaded), prompt_list, params)
     engine = make_engine(loaded, speculative_config={
-        "method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+        "method": "eagle3", "model": eagle3_head(loaded, tmp_path / "eagle3"),
+        "num_speculative_tokens": 3})
     speculative = run(engine, prompt_list, params)
     assert_same_tokens(plain, speculative)
     assert engine.get_stats().spec_num_draft_tokens > 0
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_async_engine_with_a_model_proposer_pipelines_large_batches(loaded, checkpoint,
+                                                                    tmp_path, method):
+    """A proposer on the device under async scheduling (CUDA's default): 12 requests with
+    drafting off above 4 are pipelined (graphs, placeholders, the draft run over each
+    step's chunks once its tokens are back), then drafted for and verified synchronously;
+    the greedy tokens are the default engine's, and the target drafting for itself still
+    has nearly every draft accepted (its KV was kept right through the pipelined steps)."""
+    model = checkpoint if method == "draft_model" else eagle3_head(loaded, tmp_path / "e3")
+    prompt_list = prompts(12, seed=41)
+    params = [greedy(16 + 8 * i) for i in range(12)]
+    plain = run(make_engine(loaded), prompt_list, params)
+    engine = make_engine(loaded, speculative_config={
+        "method": method, "model": model, "num_speculative_tokens": 3,
+        "disable_by_batch_size": 4})
+    assert engine.async_scheduling
+    speculative = run(engine, prompt_list, params)
+    assert_same_tokens(plain, speculative)
+    stats = engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.spec_num_accepted_tokens >= 0.95 * stats.spec_num_draft_tokens, (
+            stats.spec_num_accepted_tokens, stats.spec_num_draft_tokens)
 
 
 def top(entry: dict, k: int) -> list[float]:
