@@ -151,8 +151,6 @@ class EngineConfig:
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative_config is not None:
-            self._check_speculation()
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.kv_offload_memory < 0:
@@ -173,13 +171,6 @@ class EngineConfig:
         if not 0.0 < self.cpu_kv_cache_fraction <= 1.0:
             raise ValueError("cpu_kv_cache_fraction must be in (0, 1], "
                              f"got {self.cpu_kv_cache_fraction}")
-
-    def _check_speculation(self) -> None:
-        """A combination speculative decoding cannot run, refused by name."""
-        spec = self.speculative_config
-        if spec.on_device and self.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config method {spec.method!r} runs on one rank: "
-                             "the draft model and EAGLE-3 heads are not sharded yet")
 
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         if getattr(self, name) not in choices:

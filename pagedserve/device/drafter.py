@@ -26,6 +26,12 @@ through step buffers of their own and, on CUDA, replay captured graphs
 head's hidden states and run eagerly. Drafts are the draft's argmax: a deterministic
 proposer, which the verify treats as one-hot (`rejection.py`), exact for any sampling of the
 target.
+
+Under tensor parallelism the draft runs inside every rank, sharded as the target (its layers
+are the decoder's, built for the rank's group; EAGLE-3 heads shard their layer's projections
+and keep the rest whole: `model/eagle3.py`), so each rank keeps its share of the draft's KV
+heads in its blocks. Each draft step's tokens are rank 0's (one broadcast, as the runner
+does for sampled tokens): every rank feeds the same drafts to its next draft step.
 """
 
 from __future__ import annotations
@@ -45,9 +51,11 @@ from pagedserve.device.cuda_graphs import DecodeGraphs
 from pagedserve.device.input_batch import CachedRequestState, StepBuffers
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
-from pagedserve.model.eagle3 import Eagle3Head, load_eagle3
-from pagedserve.model.loader import load_model
+from pagedserve.model import parallel
+from pagedserve.model.eagle3 import Eagle3Head, eagle3_config, load_eagle3
+from pagedserve.model.loader import load_model, read_model_config
 from pagedserve.model.ops import select_ops
+from pagedserve.spec.config import SpeculativeConfig
 
 
 @dataclass
@@ -102,19 +110,23 @@ class Drafter(abc.ABC):
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
 
     @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank keeps (tensor parallelism shards the draft's as the
+        target's)."""
+        return self.layers[0].num_kv_heads
+
+    @property
     def block_bytes(self) -> int:
-        """One block of the draft's K and V over its layers (kept in the activation dtype:
-        the draft's KV is not quantized)."""
-        mc = self.config
+        """One block of the draft's K and V over its layers, on this rank (kept in the
+        activation dtype: the draft's KV is not quantized)."""
         element = torch.empty(0, dtype=self.dtype).element_size()
-        return (2 * len(self.layers) * self.block_size * mc.num_kv_heads * mc.head_dim
-                * element)
+        return (2 * len(self.layers) * self.block_size * self.num_kv_heads
+                * self.config.head_dim * element)
 
     def allocate(self, num_blocks: int) -> None:
         """Caches of `num_blocks` blocks (the target pool's count), bound to the draft's
         layers; the null block zeroed as the target's is."""
-        mc = self.config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.config.head_dim)
         self.kv_caches = []
         for attention in self.layers:
             k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -150,6 +162,7 @@ class Drafter(abc.ABC):
         tokens, hidden = self._draft(ids, positions, meta, hidden, last_rows)
         if not drafting:
             return {}
+        tokens = parallel.broadcast_(tokens)
         drafts, before = [tokens], drafting  # `tokens` has a row for each of `before`
         for j in range(1, max(c.count for c in drafting)):
             still = [i for i, c in enumerate(before) if c.count > j]
@@ -161,7 +174,7 @@ class Drafter(abc.ABC):
             step_chunks = [_Chunk(c.req_id, c.row, self._next_position(c, j), [], None, 0)
                            for c in before]
             tokens, hidden = self._decode(table, step_chunks, tokens, hidden)
-            drafts.append(tokens)
+            drafts.append(parallel.broadcast_(tokens))
         return self._collect(drafting, drafts)
 
     def setup(self, max_batch: int, max_model_len: int, graphs: bool) -> None:
@@ -359,10 +372,23 @@ def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConf
 def attention_backend(name: str, device: torch.device, config: ModelConfig,
                       dtype: torch.dtype) -> AttentionBackend:
     """The backend for a draft's attention, whose heads may be shaped unlike the target's
-    (its KV cache is in the activation dtype)."""
+    (its KV cache is in the activation dtype): this rank's heads."""
     return get_attention_backend(name, device, AttentionShape(
-        dtype, dtype, config.num_heads, config.num_kv_heads, config.head_dim,
-        config.attn_softcap))
+        dtype, dtype, len(parallel.local_q_heads(config)),
+        len(parallel.local_kv_heads(config)), config.head_dim, config.attn_softcap))
+
+
+def check_shardable(spec: SpeculativeConfig | None, size: int) -> None:
+    """A ValueError now, before any worker starts, for a draft or EAGLE-3 head that `size`
+    ranks cannot split (its heads and intermediate size, as the target's)."""
+    if spec is None or not spec.on_device or size == 1:
+        return
+    config = (eagle3_config(spec.model) if spec.method == "eagle3"
+              else read_model_config(spec.model))
+    try:
+        parallel.check_shardable(config, size)
+    except ValueError as error:
+        raise ValueError(f"speculative_config.model: {error}") from None
 
 
 def _check_context(draft: ModelConfig, config: EngineConfig, target: ModelConfig,

@@ -64,6 +64,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pagedserve import ipc
 from pagedserve.config import EngineConfig
+from pagedserve.device import drafter
 from pagedserve.device.model_runner import ModelRunner, StepHandle
 from pagedserve.messages import (
     CollectedOutput, CollectOutput, FromWorker, GrammarBitmask, KVCacheSpec, LoadWeights, ModelRunnerOutput,
@@ -250,6 +251,7 @@ class MultiprocExecutor(Executor):
         self.size = config.tensor_parallel_size
         self.model_config = model_config
         parallel.check_shardable(model_config, self.size)  # before any worker starts
+        drafter.check_shardable(config.speculative_config, self.size)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone rank raises

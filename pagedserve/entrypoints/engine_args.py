@@ -158,8 +158,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "(prompt lookup: drafts copied from the prompt and output, verified exactly; "
               "also prompt_lookup_min, disable_by_batch_size), "
               '{"model": PATH, "num_speculative_tokens": 4} (a draft model of the same '
-              'vocabulary) or {"method": "eagle3", "model": PATH, ...} (EAGLE-3 heads); '
-              "model proposers: one rank", parse=str,
+              'vocabulary) or {"method": "eagle3", "model": PATH, ...} (EAGLE-3 heads)',
+              parse=str,
               metavar="JSON",
               default_text="off"),
 )

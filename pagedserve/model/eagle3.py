@@ -26,6 +26,11 @@ must be the target's), `target_hidden_size` (default: hidden_size), `norm_before
 layers whose *output* the head reads (SGLang's and SpecForge's reading: the stream entering
 layer id + 1); without them the streams entering layers 2, L // 2 and L - 3 (both engines'
 default).
+
+Under tensor parallelism the layer's projections are this rank's shard, cut as the target's
+(`parallel.checkpoint_rows`: q/k/v and gate/up by output rows, o/down by input columns, so
+the layer's two all-reduces make its output whole); fc, the norms and the draft vocabulary's
+lm_head are small and kept whole on every rank, which reads the target's whole streams.
 """
 
 from __future__ import annotations
@@ -38,12 +43,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import DecoderLayer, Linear, make_norm
 from pagedserve.model.loader import materialize
 from pagedserve.model.ops import Ops
 from pagedserve.model.rope import RotaryEmbedding
 
+# the layer's projections, which tensor parallelism shards as the target's (the rest of the
+# head is small and kept whole on every rank: fc, the norms, the draft vocabulary's lm_head)
+_SHARDED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # a q/k/v or gate/up shard in the checkpoint -> (the fused parameter, its index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -133,6 +142,15 @@ class Eagle3Head(nn.Module):
         return best + self.d2t[best]
 
 
+def eagle3_config(folder: str | Path) -> ModelConfig:
+    """The head's layer config (config.json, read as a Llama layer's)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"speculative_config.model: {folder} is not an EAGLE-3 head's folder "
+                         "(no config.json)")
+    return ModelConfig.from_hf_folder(folder, architecture="LlamaForCausalLM")
+
+
 def load_eagle3(folder: str | Path, target_config: ModelConfig, target_embedding: nn.Module,
                 dtype: torch.dtype, device: torch.device, ops: Ops,
                 max_model_len: int | None = None) -> tuple[Eagle3Head, tuple[int, ...]]:
@@ -142,10 +160,7 @@ def load_eagle3(folder: str | Path, target_config: ModelConfig, target_embedding
     max_position_embeddings (trained on short sequences); with plain RoPE the table is only
     a cache of a formula, so it is built that long (a scaled RoPE is not extended)."""
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"speculative_config.model: {folder} is not an EAGLE-3 head's folder "
-                         "(no config.json)")
-    config = ModelConfig.from_hf_folder(folder, architecture="LlamaForCausalLM")
+    config = eagle3_config(folder)
     if (max_model_len is not None and config.max_model_len < max_model_len
             and config.rope_scaling is None):
         config = dataclasses.replace(config, max_model_len=max_model_len)
@@ -199,7 +214,8 @@ def _load_weights(head: Eagle3Head, tensors: dict[str, torch.Tensor],
     params["d2t"] = head.d2t
     attn = head.midlayer.self_attn
     q, kv = attn.num_heads * config.head_dim, attn.num_kv_heads * config.head_dim
-    sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [config.intermediate_size] * 2}
+    sizes = {"qkv_proj": [q, kv, kv],
+             "gate_up_proj": [parallel.local_intermediate(config)] * 2}
     loaded, embedding = set(), None
     with torch.no_grad():
         for name, tensor in tensors.items():
@@ -210,6 +226,9 @@ def _load_weights(head: Eagle3Head, tensors: dict[str, torch.Tensor],
                 embedding = tensor
                 continue
             parts, rows = name.split("."), None
+            if len(parts) > 2 and parts[-2] in _SHARDED:  # this rank's heads / features
+                shard = parallel.checkpoint_rows(name, config, shape=tuple(tensor.shape))
+                tensor = tensor if shard is None else parallel.take_rows(tensor, *shard)
             if len(parts) > 2 and parts[-2] in _FUSED:
                 fused, index = _FUSED[parts[-2]]
                 parts[-2] = fused

@@ -24,10 +24,12 @@ from pagedserve.device.executor import ExecutorError
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.frontend.llm_engine import LLMEngine
 from pagedserve.model import parallel
+from pagedserve.model.eagle3 import eagle3_config
 from pagedserve.model.loader import read_model_config
 from pagedserve.model.parallel import TensorParallel
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.params import StructuredOutputsParams
+from tests.spec.heads import write_eagle3_head
 
 CHOICES = ["alpha", "beta", "gamma"]
 NUM_BLOCKS = 24  # blocks of 4 tokens: fewer than the batch needs at once
@@ -40,13 +42,15 @@ def kv_bytes_per_block(folder: str, tp: int, block_size: int = 4) -> int:
     return 2 * config.num_layers * block_size * kv_heads * config.head_dim * 4
 
 
-def engine(folder: str, tp: int, **options) -> LLM:
+def engine(folder: str, tp: int, draft_block_bytes: int = 0, **options) -> LLM:
     """The core in this process, so that the workers are its children (the fault tests
-    kill them and watch them go)."""
+    kill them and watch them go). `draft_block_bytes`: a model proposer's share of a
+    rank's block."""
     return LLM.from_engine(LLMEngine.from_options(
         folder, device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
         max_num_batched_tokens=24, seed=0, tensor_parallel_size=tp,
-        kv_cache_memory=NUM_BLOCKS * kv_bytes_per_block(folder, tp), **options))
+        kv_cache_memory=NUM_BLOCKS * (kv_bytes_per_block(folder, tp) + draft_block_bytes),
+        **options))
 
 
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:
@@ -128,6 +132,68 @@ def test_tp2_with_ngram_speculation_gives_tp1s_tokens(llama):
     assert got[2].outputs[0].text in CHOICES
     assert_same_outputs([[(c.token_ids, c.logprobs) for c in o.outputs] for o in got],
                         [[(c.token_ids, c.logprobs) for c in o.outputs] for o in want])
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory) -> str:
+    """Random EAGLE-3 heads for the tiny Llama (hidden 256; 4 query heads over 2 KV heads,
+    which two ranks split), reading the streams entering its layers 1, 1 and 2."""
+    folder = tmp_path_factory.mktemp("tp-eagle3") / "head"
+    return str(write_eagle3_head(folder, {"hidden_size": 256, "vocab_size": 2001,
+                                          "max_position_embeddings": 4096}, [0, 0, 1], 300))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_tp2_with_a_model_proposer_gives_tp1s_tokens(llama, eagle3_head, method):
+    """The draft (the target's own checkpoint) or the EAGLE-3 heads sharded over the ranks
+    as the target is, under async scheduling (pipelined while the batch is too large to
+    draft for): greedy rows (one with penalties and logprobs) over chunked prompts give
+    TP=1's tokens without speculation, and TP=1's acceptance with the same proposer (the
+    same drafts); the target drafting for itself has every draft accepted, which needs
+    each rank's shard of the draft's KV right."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (30, 9, 41)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = [greedy, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                     logprobs=2, frequency_penalty=0.5), greedy]
+    model = llama if method == "draft_model" else eagle3_head
+    spec = {"method": method, "model": model, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 2}  # pipelined while all three run (async scheduling)
+    want = engine(llama, 1).generate(prompts, params, use_tqdm=False)
+    runs = []
+    for tp in (1, 2):
+        llm = engine(llama, tp, draft_block_bytes=draft_bytes_per_block(spec, tp),
+                     speculative_config=spec, async_scheduling=True)
+        try:
+            assert llm.llm_engine.num_blocks == NUM_BLOCKS
+            runs.append((llm.generate(prompts, params, use_tqdm=False), stats(llm)))
+        finally:
+            llm.llm_engine.shutdown()
+    (_, s1), (got, s2) = runs
+    assert_same_outputs([[(c.token_ids, c.logprobs) for c in o.outputs] for o in got],
+                        [[(c.token_ids, c.logprobs) for c in o.outputs] for o in want])
+    assert (s2.spec_num_draft_tokens, s2.spec_num_accepted_tokens) == (
+        s1.spec_num_draft_tokens, s1.spec_num_accepted_tokens)
+    assert s2.spec_num_draft_tokens > 0
+    if method == "draft_model":
+        assert s2.spec_num_accepted_tokens == s2.spec_num_draft_tokens
+
+
+def draft_bytes_per_block(spec: dict, tp: int, block_size: int = 4) -> int:
+    """A rank's share of a block for the proposer's KV in float32 (its KV heads split as
+    the target's)."""
+    config = (eagle3_config(spec["model"]) if spec["method"] == "eagle3"
+              else read_model_config(spec["model"]))
+    kv_heads = len(parallel.local_kv_heads(config, TensorParallel(0, tp)))
+    return 2 * config.num_layers * block_size * kv_heads * config.head_dim * 4
+
+
+def test_a_draft_the_ranks_cannot_split_is_refused_before_any_worker_starts(llama, tmp_path):
+    head = write_eagle3_head(tmp_path / "head", {"hidden_size": 256, "vocab_size": 2001,
+                                                 "max_position_embeddings": 4096},
+                             [0, 0, 1], 300, heads=1, kv_heads=1)
+    with pytest.raises(ValueError, match="speculative_config.model: num_heads"):
+        engine(llama, 2, speculative_config={"method": "eagle3", "model": str(head)})
 
 
 def test_tp2_tokens_equal_tp1_when_kv_heads_do_not_split(llama_kv3):
