@@ -26,6 +26,8 @@ Only decode-only steps replay a graph; steps with a prefill chunk run eagerly.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,7 +36,6 @@ from pagedserve.attention.backend import AttentionBackend, set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.device.input_batch import StepBuffers
 from pagedserve.device.lora_slots import LoRASlots
-from pagedserve.model.decoder import Decoder
 from pagedserve.model.lora import lora_context
 
 
@@ -47,8 +48,12 @@ def batch_size_ladder(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Decoder, backend: AttentionBackend, buffers: StepBuffers,
-                 max_batch: int, max_model_len: int, lora: LoRASlots | None = None) -> None:
+    def __init__(self, model: Callable[[Tensor, Tensor], Any], backend: AttentionBackend,
+                 buffers: StepBuffers, max_batch: int, max_model_len: int,
+                 lora: LoRASlots | None = None) -> None:
+        """`model`: the forward a graph captures, of the step's input ids and positions (the
+        runner's `Decoder`, or a drafter's step, which may read buffers of its own); its
+        output, whatever its structure, is what `replay` returns."""
         self.model = model
         self.backend = backend
         self.buffers = buffers
@@ -57,7 +62,7 @@ class DecodeGraphs:
         self.lora = lora
         # (size, with LoRA) -> the graph and its output
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._hidden: dict[tuple[int, bool], Tensor] = {}
+        self._hidden: dict[tuple[int, bool], Any] = {}
 
     def padded_size(self, batch: int) -> int | None:
         """The captured size that runs `batch` decodes, or None when it is too large."""
@@ -72,7 +77,7 @@ class DecodeGraphs:
             seq_lens=b.seq_lens.device[:size], query_start_loc=b.query_start_loc.device[:size + 1],
             max_query_len=1, max_seq_len=self.max_model_len)
 
-    def _forward(self, size: int, with_lora: bool) -> Tensor:
+    def _forward(self, size: int, with_lora: bool) -> Any:
         b = self.buffers
         lora = self.lora.graph_batch(size) if with_lora else None
         with set_forward_context(self._meta(size), self.backend), lora_context(lora):
@@ -102,9 +107,9 @@ class DecodeGraphs:
                 self._graphs[size, with_lora] = graph
         torch.cuda.synchronize()
 
-    def replay(self, size: int, with_lora: bool = False) -> Tensor:
+    def replay(self, size: int, with_lora: bool = False) -> Any:
         """Run the captured step over the current buffers, with the adapters' kernels or
-        without (only steps with an adapter row need them); returns hidden states
-        [size, H]."""
+        without (only steps with an adapter row need them); returns its output (the
+        decoder's: hidden states [size, H])."""
         self._graphs[size, with_lora and self.lora is not None].replay()
         return self._hidden[size, with_lora and self.lora is not None]

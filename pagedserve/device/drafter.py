@@ -20,10 +20,12 @@ nulls the table entries of blocks out of its window, which a draft without one w
 zeros. Either can only lower acceptance, never change the output.)
 
 A drafting request's positions past its known tokens are allocated with its step (the
-scheduler's lookahead) and given back after it. A draft model's single-token steps go
-through step buffers of their own and, on CUDA, replay captured graphs
-(`cuda_graphs.DecodeGraphs`, sized up to disable_by_batch_size requests); EAGLE-3's read the
-head's hidden states and run eagerly. Drafts are the draft's argmax: a deterministic
+scheduler's lookahead) and given back after it. The single-token draft steps (every draft
+after a request's first) go through step buffers of their own and, on CUDA, replay captured
+graphs (`cuda_graphs.DecodeGraphs`, sized up to disable_by_batch_size requests): a draft
+model's forward, or the EAGLE-3 head's, which reads the hidden states of the step before
+from a buffer of its own. The first draft comes from the forward over the step's chunks,
+eager (its lengths vary). Drafts are the draft's argmax: a deterministic
 proposer, which the verify treats as one-hot (`rejection.py`), exact for any sampling of the
 target.
 
@@ -108,6 +110,8 @@ class Drafter(abc.ABC):
         self.layers, self.config, self.dtype = layers, config, dtype
         self.device, self.block_size, self.backend = device, block_size, backend
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
+        self.buffers: StepBuffers | None = None  # the single-token draft steps' (`setup`)
+        self.graphs: DecodeGraphs | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -178,15 +182,67 @@ class Drafter(abc.ABC):
         return self._collect(drafting, drafts)
 
     def setup(self, max_batch: int, max_model_len: int, graphs: bool) -> None:
-        """What the draft's single-token steps need once the caches are bound (`max_batch`:
-        the most requests drafted for at once; `graphs`: CUDA graphs allowed)."""
+        """Step buffers for the single-token draft steps and, on CUDA, their graphs (as the
+        target's decode steps: a draft step is mostly launches at small batch). `max_batch`:
+        the most requests drafted for at once; `graphs`: CUDA graphs allowed."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.buffers = StepBuffers(max_batch, max_batch, max_blocks, self.device)
+        if graphs and self.backend.capturable:
+            self.graphs = DecodeGraphs(self._step_forward, self.backend, self.buffers,
+                                       max_batch, max_model_len)
+            self.graphs.capture()
 
     def _decode(self, table: np.ndarray, chunks: list[_Chunk], tokens: Tensor,
                 hidden: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """A draft step of one token per chunk (`tokens`, at each chunk's start)."""
-        positions, meta = self._batch(table, chunks, [1] * len(chunks))
-        every = torch.arange(len(chunks), device=self.device)
-        return self._draft(tokens, positions, meta, hidden, every)
+        """A draft step of one token per chunk (`tokens`, at each chunk's start), through
+        the step buffers (and a graph of the smallest captured size that holds it, padded
+        with rows that write nothing) where they hold it."""
+        b, n, bs = self.buffers, len(chunks), self.block_size
+        if b is None or n > b.seq_lens.np.shape[0]:
+            positions, meta = self._batch(table, chunks, [1] * n)
+            every = torch.arange(n, device=self.device)
+            return self._draft(tokens, positions, meta, hidden, every)
+        size = self.graphs.padded_size(n) if self.graphs is not None else n
+        positions = np.array([c.start for c in chunks], dtype=np.int64)
+        b.wait_for_uploads()
+        b.fill_block_tables(table, np.array([c.row for c in chunks]), size,
+                            -(-int(positions.max() + 1) // bs))
+        b.positions.np[:n], b.positions.np[n:size] = positions, 0
+        b.slot_mapping.np[:n] = (b.block_tables.np[np.arange(n), positions // bs]
+                                 .astype(np.int64) * bs + positions % bs)
+        b.slot_mapping.np[n:size] = -1  # padding rows write nothing
+        b.seq_lens.np[:n], b.seq_lens.np[n:size] = positions + 1, 1
+        b.query_start_loc.np[:size + 1] = np.arange(size + 1)
+        meta = AttentionMetadata(
+            num_decodes=size, num_decode_tokens=size, slot_mapping=b.slot_mapping.upload(size),
+            block_tables=b.block_tables.upload(size), seq_lens=b.seq_lens.upload(size),
+            query_start_loc=b.query_start_loc.upload(size + 1), max_query_len=1,
+            max_seq_len=int(positions.max() + 1))
+        ids, step_positions = b.input_ids.device[:size], b.positions.upload(size)
+        b.mark_uploaded()
+        ids[n:].zero_()
+        ids[:n].copy_(tokens)
+        self._stage(hidden, n, size)
+        if self.graphs is not None:
+            out = self.graphs.replay(size)
+        else:
+            with set_forward_context(meta, self.backend):
+                out = self._step_forward(ids, step_positions)
+        return self._step_output(out, n)
+
+    def _stage(self, hidden: Tensor | None, n: int, size: int) -> None:
+        """Write a draft step's inputs beyond its token ids (EAGLE-3: the hidden states it
+        reads) into buffers of the drafter's own, which the step's graph reads."""
+
+    @abc.abstractmethod
+    def _step_forward(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+        """A single-token draft step's forward over the step buffers, as a graph captures
+        it (no host work, fixed addresses)."""
+
+    @abc.abstractmethod
+    def _step_output(self, out: tuple[Tensor, ...], n: int) -> tuple[Tensor, Tensor | None]:
+        """The greedy tokens of a draft step's first `n` rows and what the next step reads
+        there (see `_draft`), from `_step_forward`'s output."""
 
     def profile(self, ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 aux: Tensor | None, max_num_seqs: int) -> None:
@@ -264,49 +320,12 @@ class DraftModel(Drafter):
         super().__init__(model.attention_layers(), model.config,
                          model.embed_tokens.weight.dtype, device, block_size, backend)
         self.model = model
-        self.buffers: StepBuffers | None = None
-        self.graphs: DecodeGraphs | None = None
 
-    def setup(self, max_batch: int, max_model_len: int, graphs: bool) -> None:
-        """Step buffers for the single-token draft steps and, on CUDA, their graphs (as the
-        target's decode steps: a draft step is mostly launches at small batch)."""
-        max_blocks = -(-max_model_len // self.block_size)
-        self.buffers = StepBuffers(max_batch, max_batch, max_blocks, self.device)
-        if graphs and self.backend.capturable:
-            self.graphs = DecodeGraphs(self.model, self.backend, self.buffers, max_batch,
-                                       max_model_len)
-            self.graphs.capture()
+    def _step_forward(self, ids, positions):
+        return (self.model(ids, positions),)
 
-    def _decode(self, table, chunks, tokens, hidden):
-        b, n, bs = self.buffers, len(chunks), self.block_size
-        if b is None or n > b.seq_lens.np.shape[0]:
-            return super()._decode(table, chunks, tokens, hidden)
-        size = self.graphs.padded_size(n) if self.graphs is not None else n
-        positions = np.array([c.start for c in chunks], dtype=np.int64)
-        b.wait_for_uploads()
-        b.fill_block_tables(table, np.array([c.row for c in chunks]), size,
-                            -(-int(positions.max() + 1) // bs))
-        b.positions.np[:n], b.positions.np[n:size] = positions, 0
-        b.slot_mapping.np[:n] = (b.block_tables.np[np.arange(n), positions // bs]
-                                 .astype(np.int64) * bs + positions % bs)
-        b.slot_mapping.np[n:size] = -1  # padding rows write nothing
-        b.seq_lens.np[:n], b.seq_lens.np[n:size] = positions + 1, 1
-        b.query_start_loc.np[:size + 1] = np.arange(size + 1)
-        meta = AttentionMetadata(
-            num_decodes=size, num_decode_tokens=size, slot_mapping=b.slot_mapping.upload(size),
-            block_tables=b.block_tables.upload(size), seq_lens=b.seq_lens.upload(size),
-            query_start_loc=b.query_start_loc.upload(size + 1), max_query_len=1,
-            max_seq_len=int(positions.max() + 1))
-        ids, step_positions = b.input_ids.device[:size], b.positions.upload(size)
-        b.mark_uploaded()
-        ids[n:].zero_()
-        ids[:n].copy_(tokens)
-        if self.graphs is not None:
-            out = self.graphs.replay(size)
-        else:
-            with set_forward_context(meta, self.backend):
-                out = self.model(ids, step_positions)
-        return self.model.compute_logits(out[:n]).argmax(-1), None
+    def _step_output(self, out, n):
+        return self.model.compute_logits(out[0][:n]).argmax(-1), None
 
     def _chunk(self, state, row, start, kept, first_row, count):
         # a drafting request's new token too: the first draft follows it
@@ -328,6 +347,26 @@ class Eagle3Drafter(Drafter):
         super().__init__(head.attention_layers(), head.config, head.fc.weight.dtype, device,
                          block_size, backend)
         self.head, self.capture = head, capture
+        self.hidden: Tensor | None = None  # a draft step's input states (`setup`)
+
+    def setup(self, max_batch: int, max_model_len: int, graphs: bool) -> None:
+        """Also the buffer of the hidden states a draft step reads (the head's pre-norm
+        output of the step before), which its graphs read in place."""
+        self.hidden = torch.zeros(max_batch, self.config.hidden_size, dtype=self.dtype,
+                                  device=self.device)
+        super().setup(max_batch, max_model_len, graphs)
+
+    def _stage(self, hidden, n, size):
+        self.hidden[:n].copy_(hidden)
+        self.hidden[n:size].zero_()  # padding rows: finite inputs, whose outputs are unread
+
+    def _step_forward(self, ids, positions):
+        return self.head(ids, positions, self.hidden[:ids.shape[0]])
+
+    def _step_output(self, out, n):
+        normed, prenorm = out
+        # a copy: a graph's output buffer is overwritten by its next replay
+        return self.head.draft_tokens(normed[:n]), prenorm[:n].clone()
 
     def _chunk(self, state, row, start, kept, first_row, count):
         tokens = state.all_token_ids[start + 1:start + kept + 1]

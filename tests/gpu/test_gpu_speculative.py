@@ -201,6 +201,42 @@ def test_async_engine_with_a_model_proposer_pipelines_large_batches(loaded, chec
             stats.spec_num_accepted_tokens, stats.spec_num_draft_tokens)
 
 
+def drafts_per_step(engine, prompt_list, params_list) -> list[dict[str, list[int]]]:
+    """The requests' drafts after each step (`ModelRunnerOutput.draft_token_ids`), stepped
+    by hand through the scheduler and the runner's three calls (synchronously)."""
+    core = engine.engine_core
+    for i, (ids, params) in enumerate(zip(prompt_list, params_list)):
+        engine.add_request(f"c{i}", None, params, prompt_token_ids=ids)
+    runner, steps = core.model_runner, []
+    while core.scheduler.has_unfinished_requests():
+        out = core.scheduler.schedule()
+        result = runner.sample_tokens(runner.launch(runner.prepare_step(out))).result()
+        core.scheduler.update_from_output(out, result)
+        steps.append(result.draft_token_ids or {})
+    return steps
+
+
+@torch.inference_mode()
+def test_eagle3_draft_steps_replay_graphs_that_draft_as_the_eager_steps(loaded, tmp_path):
+    """EAGLE-3's single-token draft steps replay CUDA graphs (three requests in the graph of
+    four, a padding row that writes nothing): after every step each request's drafts are
+    those of the same engine with enforce_eager (the target's steps, with EAGLE-3 always
+    eager, and each first draft are the same code in both: only the later draft steps
+    differ)."""
+    head = eagle3_head(loaded, tmp_path / "eagle3")
+    prompt_list = prompts(3, seed=51)
+    params = [greedy(24)] * 3
+    runs = []
+    for eager in (True, False):
+        engine = make_engine(loaded, enforce_eager=eager, speculative_config={
+            "method": "eagle3", "model": head, "num_speculative_tokens": 4})
+        runs.append(drafts_per_step(engine, prompt_list, params))
+    # steps that drafted four for all three: draft steps of three rows, in the graph of four
+    assert any(len(step) == 3 and all(len(d) == 4 for d in step.values())
+               for step in runs[1])
+    assert runs[1] == runs[0]
+
+
 def top(entry: dict, k: int) -> list[float]:
     return sorted((lp.logprob for lp in entry.values()), reverse=True)[:k]
 
