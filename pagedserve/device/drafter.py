@@ -51,6 +51,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineConfig
 from pagedserve.device.cuda_graphs import DecodeGraphs
 from pagedserve.device.input_batch import CachedRequestState, StepBuffers
+from pagedserve.kernels.penalties import to_device
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model import parallel
@@ -143,7 +144,10 @@ class Drafter(abc.ABC):
     @torch.inference_mode()
     def propose(self, step: DraftStep) -> dict[str, list[int]]:
         """Run the draft over what the step's target kept (writing its KV), then draft;
-        once the step's tokens are appended to its states."""
+        once the step's tokens are appended to its states. Its inputs go up through pinned
+        memory without waiting (`to_device`): under async scheduling the run over a step
+        that drafts for none comes while the next step runs, which a blocking copy would
+        wait for."""
         chunks, first, table = [], 0, step.table
         for row, (state, start, num) in enumerate(zip(step.states, step.starts,
                                                       step.num_scheduled)):
@@ -155,14 +159,14 @@ class Drafter(abc.ABC):
             first += num
         chunks.sort(key=lambda c: len(c.token_ids) != 1)  # single-token sequences first
         drafting = [c for c in chunks if c.count]
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)
+        ids = to_device(torch.tensor([t for c in chunks for t in c.token_ids]), self.device)
         hidden = None
         if step.aux is not None:
             hidden = torch.cat([step.aux[c.hidden] for c in chunks])
         positions, meta = self._batch(table, chunks, [len(c.token_ids) for c in chunks])
         last = np.cumsum([len(c.token_ids) for c in chunks]) - 1
-        last_rows = torch.tensor([last[i] for i, c in enumerate(chunks) if c.count],
-                                 dtype=torch.long, device=self.device)
+        last_rows = to_device(torch.tensor([last[i] for i, c in enumerate(chunks) if c.count],
+                                           dtype=torch.long), self.device)
         tokens, hidden = self._draft(ids, positions, meta, hidden, last_rows)
         if not drafting:
             return {}
@@ -171,7 +175,7 @@ class Drafter(abc.ABC):
         for j in range(1, max(c.count for c in drafting)):
             still = [i for i, c in enumerate(before) if c.count > j]
             if len(still) < len(before):  # fewer drafts were asked of some: they stop
-                index = torch.tensor(still, dtype=torch.long, device=self.device)
+                index = to_device(torch.tensor(still, dtype=torch.long), self.device)
                 tokens = tokens.index_select(0, index)
                 hidden = hidden.index_select(0, index) if hidden is not None else None
             before = [before[i] for i in still]
@@ -284,7 +288,8 @@ class Drafter(abc.ABC):
         num_decodes = int(np.argmax(num != 1)) if (num != 1).any() else len(chunks)
 
         def upload(values: np.ndarray, dtype: torch.dtype) -> Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, dtype)
+            return to_device(torch.from_numpy(np.ascontiguousarray(values)).to(dtype),
+                             self.device)
 
         meta = AttentionMetadata(
             num_decodes=num_decodes, num_decode_tokens=num_decodes,
