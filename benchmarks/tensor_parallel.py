@@ -170,7 +170,7 @@ def one_engine(spec: dict, run: dict) -> dict:
                                       for t, lp in o.outputs[0].logprobs[0].items()}
                                      for o in outputs]
         if "tpot" in parts:
-            out["tpot_ms"] = tpot_batch1(llm, scale.tpot_tokens)
+            out["tpot_ms"], out["tpot_steps"] = tpot_batch1(llm, scale.tpot_tokens)
         if "workload" in parts:
             out.update(run_workload(llm, scale))
     finally:
@@ -182,18 +182,41 @@ def one_engine(spec: dict, run: dict) -> dict:
     return out
 
 
-def tpot_batch1(llm, tokens: int) -> float:
+def tpot_batch1(llm, tokens: int) -> tuple[float, dict]:
     """Mean ms per output token after the first, one request of 128 prompt tokens (the
-    median of 3 requests)."""
+    median of 3 requests), and where the 3 requests' steps went (`step_costs`)."""
     from pagedserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
     times = []
+    before, t0 = llm.llm_engine.get_stats(), time.perf_counter()
     for seed in range(3):
         prompt = [(seed * 131 + i * 7) % 10_000 for i in range(128)]
         m = llm.generate([prompt], params, use_tqdm=False)[0].metrics
         times.append((m.finished_time - m.first_token_time) / tokens * 1e3)
-    return round(statistics.median(times), 3)
+    costs = step_costs(before, llm.llm_engine.get_stats(), time.perf_counter() - t0)
+    return round(statistics.median(times), 3), costs
+
+
+def step_costs(before, after, seconds: float) -> dict:
+    """Per step, in ms: its wall time; the engine core's time blocked on a step's tokens
+    (core_wait: the ranks' host work for the next step, the transport, and the device);
+    rank 0's time blocked on the device (device_wait: near zero means the step is bound by
+    host work, not the GPU); the scheduler's; and the host time outside the core's wait
+    (host: scheduling, output processing, messages)."""
+    steps = after.num_steps - before.num_steps
+    if not steps:
+        return {"steps": 0}
+
+    def per_step(field: str) -> float:
+        return round(1e3 * (getattr(after, field) - getattr(before, field)) / steps, 4)
+
+    wall = 1e3 * seconds / steps
+    return {"steps": steps, "step_ms": round(wall, 4),
+            "core_wait_ms": per_step("step_wait_seconds"),
+            "device_wait_ms": per_step("device_wait_seconds"),
+            "schedule_ms": per_step("schedule_seconds"),
+            "host_ms": round(wall - per_step("step_wait_seconds"), 4)}
 
 
 def run_workload(llm, scale: Scale) -> dict:
@@ -525,7 +548,8 @@ def report_engines(res: Results, scale: Scale, shape: str, runs: dict[str, dict]
     for label, run in runs.items():
         tp = int(label.split("-")[0])
         if "tpot_ms" in run:
-            res.add(tp, shape, "tpot_batch1_ms", run["tpot_ms"], run=label)
+            res.add(tp, shape, "tpot_batch1_ms", run["tpot_ms"], run=label,
+                    **run["tpot_steps"])
         if "output_tok_per_s" in run:
             res.add(tp, shape, "workload_A_output_tok_per_s", run["output_tok_per_s"],
                     run=label, seconds=run["workload_s"], output_tokens=run["output_tokens"],

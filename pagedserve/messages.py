@@ -145,6 +145,13 @@ class SchedulerStats(Message):
     # waiting requests passed over in a step because their hit was being recalled, since start
     tier_recall_pass_overs: int = 0
     schedule_seconds: float = 0.0  # the scheduler's host time in schedule(), since start
+    # where the steps' time goes, since start (a host-bound step from a device-bound one):
+    # steps that launched a forward pass, the core's time blocked on a step's tokens (its
+    # runner's, or the ranks' under tensor parallelism), and the runner's (rank 0's) own
+    # time blocked on the device for them
+    num_steps: int = 0
+    step_wait_seconds: float = 0.0
+    device_wait_seconds: float = 0.0
 
 
 class EngineCoreOutputs(Message, tag="outputs"):
@@ -271,6 +278,7 @@ class ModelRunnerOutput(Message, array_like=True):
     # a proposer on the device: the drafts for each request of num_lookahead_tokens, to
     # follow its tokens as they stand after this step (the next step verifies them)
     draft_token_ids: dict[str, list[int]] | None = None
+    device_wait_seconds: float = 0.0  # the runner's time blocked on the device for this step
 
 
 # -- engine-core process start-up (core_proc.py -> core_client.py) ----------------------------

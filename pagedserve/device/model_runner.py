@@ -128,8 +128,11 @@ class PendingRunnerOutput:
             drafts = self._propose() if self._propose is not None else None
             return ModelRunnerOutput([], [], None, self._prompt_logprobs, None,
                                      *self.tiers, draft_token_ids=drafts)
+        waited = 0.0
         if self._ready is not None:
+            start = time.perf_counter()
             self._ready.synchronize()
+            waited = time.perf_counter() - start
         tokens = self._tokens.tolist()
         accepted = self._accepted
         for row, (state, token) in enumerate(zip(self.states, tokens)):
@@ -144,7 +147,8 @@ class PendingRunnerOutput:
                                      lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist())
         drafts = self._propose() if self._propose is not None else None
         return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs,
-                                 accepted, *self.tiers, draft_token_ids=drafts)
+                                 accepted, *self.tiers, draft_token_ids=drafts,
+                                 device_wait_seconds=waited)
 
 
 def _to_host(tensor: Tensor) -> Tensor:

@@ -50,7 +50,7 @@ import torch
 
 from pagedserve.config import EngineConfig, resolve_batch_limits
 from pagedserve.device.executor import (
-    Executor, InFlightStep, MultiprocExecutor, UniprocExecutor)
+    Executor, InFlightStep, MultiprocExecutor, PendingOutput, UniprocExecutor)
 from pagedserve.device.loading import LoadedModel
 from pagedserve.device.model_runner import ModelRunner
 from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
@@ -115,6 +115,7 @@ class EngineCore:
         logger.info("engine core started in %s", phases)
         # async scheduling: the step launched by the last `step()`, handed to the next one
         self.in_flight: InFlightStep | None = None
+        self.step_times = StepTimes()
 
     def _setup(self, config: EngineConfig, executor: Executor, phases: StartupPhases) -> None:
         self.model_config = executor.model_config
@@ -265,11 +266,12 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.is_empty:  # finished ids alone still reach the runner
             step, _ = self.executor.execute_model(scheduler_output)
+            self.step_times.steps += 1
             rows = self._grammar_rows(scheduler_output, 0)
             grammar = (self.structured.grammar_bitmask(rows, scheduler_output.draft_token_ids)
                        if rows is not None else None)
             tokens = self.executor.sample_tokens(step, grammar)
-            outputs = outputs + self._update(scheduler_output, tokens.result())
+            outputs = outputs + self._update(scheduler_output, self._result(tokens))
         return self._step_outputs(failed + outputs)
 
     def step_pipelined(self, in_flight: InFlightStep | None
@@ -287,6 +289,7 @@ class EngineCore:
             previous = self.executor.sample_awaiting(in_flight) if in_flight else None
             return self._step_outputs(failed + self._complete(previous)), None
         step, previous = self.executor.execute_model(scheduler_output, in_flight)
+        self.step_times.steps += 1
         rows = self._grammar_rows(scheduler_output, 1)
         if rows is None:
             launched = InFlightStep(scheduler_output, step, self.executor.sample_tokens(step))
@@ -320,7 +323,14 @@ class EngineCore:
             if next_rows is not None:
                 self.structured.submit((), next_rows)
             return []
-        return self._update(step.scheduler_output, step.tokens.result(), next_rows)
+        return self._update(step.scheduler_output, self._result(step.tokens), next_rows)
+
+    def _result(self, tokens: PendingOutput) -> ModelRunnerOutput:
+        """A sampled step's tokens, the wait for them counted (`StepTimes`)."""
+        start = time.perf_counter()
+        output = tokens.result()
+        self.step_times.waited(time.perf_counter() - start, output.device_wait_seconds)
+        return output
 
     def _grammar_rows(self, scheduler_output: SchedulerOutput,
                       num_unseen: int) -> list[str] | None:
@@ -415,6 +425,9 @@ class EngineCore:
             spec_accepted_per_position=list(scheduler.spec_stats.accepted_per_position),
             kv_block_bytes=self.executor.block_bytes,
             schedule_seconds=scheduler.schedule_seconds,
+            num_steps=self.step_times.steps,
+            step_wait_seconds=self.step_times.wait_seconds,
+            device_wait_seconds=self.step_times.device_wait_seconds,
             **_tier_stats(scheduler))
 
 
@@ -432,6 +445,20 @@ def _proposer(config: SpeculativeConfig | None) -> Proposer | None:
     if config is None or config.on_device:
         return None
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """Where the steps' time goes, since start: a step whose tokens were ready when the
+    core asked (its device wait near zero) was bound by host work, not by the device."""
+
+    steps: int = 0  # steps that launched a forward pass
+    wait_seconds: float = 0.0  # the core blocked on a step's tokens
+    device_wait_seconds: float = 0.0  # of which the runner (rank 0) blocked on the device
+
+    def waited(self, seconds: float, device_seconds: float) -> None:
+        self.wait_seconds += seconds
+        self.device_wait_seconds += device_seconds
 
 
 def _tier_stats(scheduler: Scheduler) -> dict[str, int | float]:
