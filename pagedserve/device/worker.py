@@ -85,8 +85,9 @@ class Worker:
         self.device = device = self.rank_device(config)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        else:  # the ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
+        # the ranks share the host's cores: a full thread pool per rank (torch's default)
+        # oversubscribes them, and a GPU rank's host work between launches waits on it
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
         parallel.init_tensor_parallel(
             self.rank, self.size, device, self.init_method,
             peer_all_reduce_max_bytes=config.peer_all_reduce_max_bytes)
