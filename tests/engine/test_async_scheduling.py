@@ -287,6 +287,17 @@ def test_no_step_is_scheduled_past_max_tokens(loaded):
     assert scheduled == [10, 1, 1, 1, 1]  # the 5th token is never fed back
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_stats_count_the_steps_and_the_waits_for_their_tokens(loaded, async_scheduling):
+    engine = make(loaded, async_scheduling=async_scheduling)
+    before = engine.get_stats()
+    run(engine, [Arrival(0, "m", prompts(6, [10])[0], greedy(5))])
+    after = engine.get_stats()
+    assert after.num_steps - before.num_steps == 5  # the prompt, then a token per step
+    assert after.step_wait_seconds > before.step_wait_seconds
+    assert after.device_wait_seconds == 0.0  # the CPU runs a step before its tokens are asked
+
+
 def test_scheduler_places_tokens_in_flight_and_caches_blocks_once_known():
     """Two steps scheduled before the first one's token is back: the second decodes the
     placeholder. The block that placeholder completes is cached only when its token is
