@@ -17,8 +17,9 @@ Parts, in this order:
            module, the engine core's module), summed by top-level package
   engine   an in-process `LLMEngine` build over the warm caches: import and build seconds
 
-Python's own bytecode cache (__pycache__) is left as it is: a user's install has one, and a
-read-only tree recompiles every module every run (set PYTHONDONTWRITEBYTECODE=1 to see that).
+Python's bytecode goes to a folder of the run (PYTHONPYCACHEPREFIX) that the cold run fills, as
+an install's own .pyc files would: a read-only install (a device image's site-packages) would
+otherwise compile every module in every run, which no user's warm start pays.
 Writes DIR/startup.json and prints a summary.
 """
 
@@ -52,7 +53,8 @@ def free_port() -> int:
 
 def child_env(caches: Path) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"),
-               PAGEDSERVE_CACHE=str(caches / "pagedserve"))
+               PAGEDSERVE_CACHE=str(caches / "pagedserve"),
+               PYTHONPYCACHEPREFIX=str(caches / "pycache"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 

@@ -1,4 +1,5 @@
-"""Where pagedserve keeps what it derives from its inputs: converted GGUF files, built kernels.
+"""Where pagedserve keeps what it derives from its inputs: converted GGUF files, built kernels,
+read model configs.
 
 A module of its own, importing nothing of the package, so that anything may use it (the
 native kernels' build is imported by the model, which the GGUF reader belongs to).
