@@ -122,8 +122,8 @@ def run_engines(checkpoint: str, dtype: str, runs: dict[str, dict]) -> dict[str,
     prompt_list = prompts(16, seed=3)
     tokens = {}
     for name, options in runs.items():
-        engine = LLMEngine.from_options(checkpoint, device="cuda", dtype=dtype,
-                                        max_model_len=1024, kv_cache_memory=2 << 30, **options)
+        engine = LLMEngine.from_options(checkpoint, device="cuda", max_model_len=1024,
+                                        kv_cache_memory=2 << 30, **{"dtype": dtype, **options})
         tokens[name] = generate(engine, prompt_list, max_tokens=16)
         engine.shutdown()
         del engine
@@ -144,16 +144,26 @@ def test_tp2_engines_after_a_tp1_engine_in_one_process_float32(checkpoint):
     assert same >= 14, f"{same} of 16 sequences equal"
 
 
+def agreeing_prefix(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """The mean count of tokens before a sequence first differs from the reference's."""
+    return sum(next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(t))
+               for t, r in zip(tokens, reference)) / len(tokens)
+
+
 @torch.inference_mode()
 def test_tp2_bf16_tokens_agree_with_tp1_within_noise(checkpoint):
-    """bf16 rounds each rank's partial sums before they are added: the first tokens agree,
-    and most sequences throughout."""
-    tokens = run_engines(checkpoint, "bfloat16", {"tp1": dict(tensor_parallel_size=1),
-                                                  "tp2": dict(tensor_parallel_size=2)})
-    first = sum(a[0] == b[0] for a, b in zip(tokens["tp1"], tokens["tp2"]))
-    assert first >= 15, f"{first} of 16 first tokens equal"
-    same = sum(a == b for a, b in zip(tokens["tp1"], tokens["tp2"]))
-    assert same >= 10, f"{same} of 16 sequences equal"
+    """bf16 rounds each rank's partial sums before they are added, so TP=2's tokens drift
+    from TP=1's on random weights' near-ties. The noise to hold it to is bf16's own: TP=2 in
+    bf16 must follow the float32 engine about as far as TP=1 in bf16 does."""
+    tokens = run_engines(checkpoint, "bfloat16", {
+        "float32": dict(tensor_parallel_size=1, dtype="float32"),
+        "tp1": dict(tensor_parallel_size=1), "tp2": dict(tensor_parallel_size=2)})
+    reference = tokens["float32"]
+    firsts = {name: sum(a[0] == b[0] for a, b in zip(tokens[name], reference))
+              for name in ("tp1", "tp2")}
+    assert firsts["tp2"] >= min(firsts["tp1"], 15) - 1, firsts
+    prefix = {name: agreeing_prefix(tokens[name], reference) for name in ("tp1", "tp2")}
+    assert prefix["tp2"] >= 0.5 * prefix["tp1"], prefix
 
 
 @torch.inference_mode()
