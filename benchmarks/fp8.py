@@ -63,6 +63,7 @@ from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.entrypoints.llm import LLM  # noqa: E402
 from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel  # noqa: E402
+from pagedserve.kernels.int4pack import Int4Weight  # noqa: E402
 from pagedserve.kernels.triton.attention import DecodeConfig, paged_decode  # noqa: E402
 from pagedserve.kernels.triton.attention.decode import FP8_DECODE  # noqa: E402
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig  # noqa: E402
@@ -89,7 +90,14 @@ def num_blocks(engine: LLMEngine) -> int:
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    return sum(p.numel() * p.element_size() for p in engine.model_runner.model.parameters())
+    """The model's parameters, and the 4-bit weights converted at load to torch's int4
+    layout, which their matmuls hold instead of parameters (`int_linear.prepare`)."""
+    model = engine.model_runner.model
+    held = [getattr(getattr(m, "matmul", None), "weight", None) for m in model.modules()]
+    held.append(getattr(getattr(model, "lm_head_matmul", None), "weight", None))
+    tensors = [*model.parameters()] + [t for w in held if isinstance(w, Int4Weight)
+                                       for t in (w.packed, w.scales_and_offsets)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def roofline(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int],

@@ -4,14 +4,15 @@
         [--append]
 
 Parts (all by default; about 6 minutes on an H100 with a cold Triton cache):
-  gemv    Llama-3-8B's projections (K x N: qkv, o, gate_up, down) at 1, 16 and 256 rows:
+  gemv    Llama-3-8B's projections (K x N: qkv, o, gate_up, down) at 1 to 256 rows:
           `kernels/triton/int_linear.linear` on W4A16 group 128 (symmetric, and with zero
           points as GPTQ / AWQ / asymmetric compressed-tensors load) and W8A16 group 128,
           against the bf16 matmul; time, packed bytes over time and, at 1 row, % of the copy
           bandwidth. Timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step
           reads them). With --sweep also each GEMV candidate of `GEMV_CANDIDATES` at 1 row.
   memory  the weights' device bytes for the 8B shape per format (bf16, W4A16 g128 sym /
-          with zeros, W4A16 per channel, W8A16 g128), from the tensors each keeps
+          with zeros, W4A16 per channel, W8A16 g128, and a 4-bit format as the engine keeps
+          it: converted to torch's int4 layout alone), from the tensors each keeps
   8b      the 8B shape (random bf16 weights made on the GPU, `load_format dummy`), its dense
           projections quantized on the GPU by round to nearest to W4A16 group 128 (the
           layout a compressed-tensors / GPTQ / AWQ checkpoint loads to; the values do not
@@ -45,7 +46,10 @@ from pagedserve.kernels.weight_formats import IntWeight, pack_codes  # noqa: E40
 from pagedserve.model.int_weights import IntMatmul  # noqa: E402
 
 SHAPES = LLAMA3_8B_PROJECTIONS
-ROWS = (1, 4, 16, 256)
+ROWS = (1, 4, 16, 32, 64, 256)
+# a weight in torch's int4 layout on torch's kernel at any row count: where it stops paying
+# against the dequantization for cuBLAS (`int4pack_max_rows`)
+ALL_TORCH_KERNEL = replace(int_linear.DEFAULT, int4pack_max_rows=1 << 30)
 GEMV_CANDIDATES = {f"gemv n{n} k{k} w{w}": replace(int_linear.DEFAULT, int_gemv_block_n=n,
                                                    int_gemv_block_k=k, int_gemv_warps=w)
                    for n, k, w in [(4, 256, 2), (4, 512, 2), (8, 256, 4), (8, 512, 4),
@@ -76,9 +80,10 @@ def quantize(w: torch.Tensor, bits: int, group: int, zeros: bool) -> IntWeight:
                      bits, group, k)
 
 
-def weight_bytes(w: IntWeight) -> int:
-    return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros)
-               if t is not None)
+def weight_bytes(w: IntWeight | int4pack.Int4Weight) -> int:
+    tensors = ((w.packed, w.scales_and_offsets) if isinstance(w, int4pack.Int4Weight)
+               else (w.qweight, w.scales, w.zeros))
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 FORMATS = {"w4a16 g128": (4, 128, False), "w4a16 g128 zeros": (4, 128, True),
@@ -111,6 +116,10 @@ def part_gemv(res: ResultRows, bandwidth: float, sweep: bool) -> None:
                 methods[f"{label} prepared"] = (
                     [lambda w=w: int_linear.linear(x, w) for w in ws], weight_bytes(ws[0]),
                     int_linear.DEFAULT)
+                if rows > int_linear.DEFAULT.int4pack_max_rows:  # torch's kernel past it
+                    methods[f"{label} prepared torch kernel"] = (
+                        [lambda w=w: int_linear.linear(x, w, None, ALL_TORCH_KERNEL)
+                         for w in ws], weight_bytes(ws[0]), ALL_TORCH_KERNEL)
             if sweep and rows == 1:
                 ws = weights["w4a16 g128"]
                 for label, cfg in GEMV_CANDIDATES.items():
@@ -150,11 +159,13 @@ def part_memory(res: ResultRows) -> None:
         total = float_bytes + per_layer * layers
         res.add("memory", format=label, weight_gb=round(total / 1e9, 3),
                 ratio_vs_bf16=round(total / (float_bytes + 2 * dense), 3))
-        if bits == 4 and group in int4pack.GROUP_SIZES:  # + the copy in torch's int4 layout
-            copy = sum(n * k // 2 + (k // group) * n * 4 for k, n in projections) * layers
+        if bits == 4 and group in int4pack.GROUP_SIZES:  # in torch's int4 layout alone:
+            # the same codes, a (scale, offset) pair in bf16 per group
+            prepared = float_bytes + sum(n * k // 2 + (k // group) * n * 4
+                                         for k, n in projections) * layers
             res.add("memory", format=f"{label} prepared (engine)",
-                    weight_gb=round((total + copy) / 1e9, 3),
-                    ratio_vs_bf16=round((total + copy) / (float_bytes + 2 * dense), 3))
+                    weight_gb=round(prepared / 1e9, 3),
+                    ratio_vs_bf16=round(prepared / (float_bytes + 2 * dense), 3))
 
 
 def pack_model(model, bits: int = 4, group: int = 128) -> None:
@@ -162,10 +173,13 @@ def pack_model(model, bits: int = 4, group: int = 128) -> None:
     packing, as the loader leaves an integer checkpoint's layers (`int_weights`)."""
     for linear in model.dense_linears():
         w = quantize(linear.weight.detach(), bits, group, False)
+        prepared = int_linear.prepare(w)
         linear.weight = None
-        linear.qweight = nn.Parameter(w.qweight, requires_grad=False)
-        linear.scales = nn.Parameter(w.scales, requires_grad=False)
-        linear.matmul = IntMatmul(int_linear.linear, int_linear.prepare(w))
+        if prepared is w:  # else torch's int4 layout is the only copy, as the loader keeps
+            linear.qweight = nn.Parameter(w.qweight, requires_grad=False)
+            linear.scales = nn.Parameter(w.scales, requires_grad=False)
+        linear.matmul = IntMatmul(int_linear.linear, prepared)
+        del w
     model.quantization = f"w{bits}a16"
     torch.cuda.empty_cache()
 

@@ -33,7 +33,6 @@ the same `format`, `kernel_args`, `shape` and `dequantize` members as `IntWeight
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from enum import IntEnum
@@ -109,9 +108,6 @@ class IntWeight:
     bits: int
     group_size: int  # columns per group; K (or more) for one scale per output channel
     in_features: int
-    # a copy in torch's int4 layout for steps of a few rows (`kernels/int4pack.py`), made at
-    # load where that kernel reads this weight (`kernels/triton/int_linear.prepare`)
-    int4pack: object | None = dataclasses.field(default=None, compare=False, repr=False)
 
     format = WeightFormat.INT
 

@@ -450,8 +450,9 @@ def _attach_int_matmuls(model: Decoder, packed: list[str],
     """The packed layers' matmuls: `ops.int_linear` on their weights, or with `native` (the
     CPU's fast mode) the native int8-activation kernels where a layer's (or an expert's)
     weight fits them (`model.int_native`: the blocks are a copy, so the packed parameters
-    they were made from are dropped); MoE experts through the fused kernel where the ops
-    have one."""
+    they were made from are dropped; so are a layer's whose `ops.int_prepare` converted its
+    weight, at once, so that the two layouts are not held together); MoE experts through
+    the fused kernel where the ops have one."""
     weights, by_expert = {}, {}  # each matmul's weight by name; MoE layers' expert count
     for target in packed:
         module = model.get_submodule(target)
@@ -466,7 +467,10 @@ def _attach_int_matmuls(model: Decoder, packed: list[str],
                     weights[f"{target}.experts.{e}.{base}"] = weight
             by_expert[target] = len(experts)
             continue
-        weights[target] = ops.int_prepare(int_weights.int_weight(module, scheme))
+        weight = int_weights.int_weight(module, scheme)
+        weights[target] = ops.int_prepare(weight)
+        if weights[target] is not weight:  # converted to another layout: the only copy kept
+            int_weights.drop_packed(module)
     reference = partial(int_weights.IntMatmul, ops.int_linear)
     matmuls = (int_native.int_matmuls(weights, reference) if native
                else {name: reference(weight) for name, weight in weights.items()})

@@ -58,8 +58,9 @@ class Ops:
     # x, a packed weight (`kernels.weight_formats`), bias -> y (`int_weights.reference_linear`)
     int_linear: Callable[[Tensor, object, Tensor | None], Tensor] = (
         int_weights.reference_linear)
-    # a packed weight -> what `int_linear` takes for it, once at load (CUDA: a copy in the
-    # layout of torch's int4 kernel where it fits, `kernels/triton/int_linear.prepare`)
+    # a packed weight -> what `int_linear` takes for it, once at load (CUDA: the weight in
+    # the layout of torch's int4 kernel where it fits, `kernels/triton/int_linear.prepare`;
+    # a weight returned converted is the only copy kept: the loader drops the packed one)
     int_prepare: Callable[[object], object] = lambda weight: weight  # noqa: E731
     # x, w13 (or the experts' (gate, up) kept quantized), w2, routing weights, expert ids ->
     # the MoE output (`kernels/triton/moe.fused_moe`); None: expert by expert

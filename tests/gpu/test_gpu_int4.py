@@ -1,7 +1,9 @@
 """Integer weight-only layers on CUDA (CI skips this file): the compiled GEMV and GEMM against
 the dequantizing reference at the Llama-3-8B projection shapes and ragged ones, bf16 and
-fp16; then tiny compressed-tensors / GPTQ / AWQ checkpoints (benchmarks/quantize_int.py)
-loaded on CUDA give the CPU reference's logits (float32: same dequantized weights)."""
+fp16; torch's int4 layout (the emulated packing against the real one, the Triton
+dequantization from it, the row counts on each side of `int4pack_max_rows`); then tiny
+compressed-tensors / GPTQ / AWQ checkpoints (benchmarks/quantize_int.py) loaded on CUDA give
+the CPU reference's logits (float32: same dequantized weights)."""
 
 from __future__ import annotations
 
@@ -62,12 +64,54 @@ def test_quantized_checkpoints_on_cuda_give_the_cpu_logits(fmt, options, tmp_pat
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 64])
+def _cuda(w):
+    return type(w)(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v)
+                      for f, v in vars(w).items()})
+
+
+@pytest.mark.parametrize("n,k", [(1032, 4096), (8, 128), (4096, 14336)])
+def test_pack_reference_is_cudas_int4_layout_bit_for_bit(n, k):
+    """tests/kernels/test_int4pack.py's emulation of `_convert_weight_to_int4pack` (from
+    int4mm.cu) is the real CUDA conversion, and `int4pack.unpack_reference` inverts it."""
+    from pagedserve.kernels import int4pack
+    from tests.kernels.test_int4pack import pack_reference, pairs_of
+
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    real = torch.ops.aten._convert_weight_to_int4pack(pairs_of(codes).cuda(),
+                                                      int4pack.INNER_K_TILES).cpu()
+    assert torch.equal(real, pack_reference(pairs_of(codes)))
+    assert torch.equal(int4pack.unpack_reference(real, n, k), codes.int())
+
+
+@pytest.mark.parametrize("group,zeros", [(128, False), (32, True), (256, True)])
+def test_triton_dequant_of_torchs_layout_is_the_reference(group, zeros):
+    """`int_linear.dequantize` of a weight `prepare` converted (the real CUDA layout) equals
+    the reference dequantization of that layout, float32 and bfloat16, bit for bit (both
+    round once, to nearest); a symmetric weight's float32 values are the original
+    `IntWeight`'s exactly."""
+    from pagedserve.kernels.int4pack import Int4Weight
+    from pagedserve.kernels.triton.int_linear import dequantize, prepare
+    from tests.kernels.test_int_linear import random_weight
+
+    gen = torch.Generator().manual_seed(group)
+    w = _cuda(random_weight(1024 + 8, 4096, 4, group, zeros, False, torch.bfloat16, gen))
+    prepared = prepare(w)
+    assert isinstance(prepared, Int4Weight)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize(prepared, dtype), prepared.dequantize(dtype))
+    if not zeros:
+        assert torch.equal(dequantize(prepared, torch.float32), w.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 17, 64])
 @pytest.mark.parametrize("group,zeros", [(128, False), (32, True), (256, False)])
 def test_prepared_weights_take_torchs_int4_kernel_for_a_few_rows(rows, group, zeros):
-    """`prepare` gives a 4-bit weight in column order its copy in torch's int4 layout; up to
-    `int4pack_max_rows` rows run there, more on the Triton kernels, all within bf16's noise
-    of the reference. A weight it cannot read (g_idx, 8 bits, float16 scales) is unchanged."""
+    """`prepare` converts a 4-bit weight in column order to torch's int4 layout (its only
+    copy); up to `int4pack_max_rows` rows run on torch's kernel, more on the weight
+    dequantized from that layout, all within bf16's noise of the reference. A weight it
+    cannot read (g_idx, 8 bits, float16 scales) is returned unchanged."""
+    from pagedserve.kernels.int4pack import Int4Weight
     from pagedserve.kernels.triton.int_linear import linear, prepare
     from tests.kernels.test_int_linear import random_weight
 
@@ -77,7 +121,7 @@ def test_prepared_weights_take_torchs_int4_kernel_for_a_few_rows(rows, group, ze
     w = type(w)(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v)
                    for f, v in vars(w).items()})
     prepared = prepare(w)
-    assert prepared.int4pack is not None
+    assert isinstance(prepared, Int4Weight)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
     expected = x.float() @ w.dequantize().float().t() + bias.float()
@@ -89,4 +133,4 @@ def test_prepared_weights_take_torchs_int4_kernel_for_a_few_rows(rows, group, ze
                   random_weight(n, k, 4, 128, False, False, torch.float16, gen)):
         other = type(other)(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v)
                                for f, v in vars(other).items()})
-        assert prepare(other).int4pack is None
+        assert prepare(other) is other

@@ -3,17 +3,19 @@ unpacked in registers by `dequant.dequant_tile`.
 
 Why several kernels, chosen by the call's row count: a decode step at batch 1 reads each
 weight once and does two flops per weight, so its time is the packed bytes over memory
-bandwidth, and the unpacking must cost less than the bytes take to arrive. Up to
-`int4pack_max_rows` rows a 4-bit weight that torch's own int4 kernel reads runs there (its
-copy made once, at load: `prepare`, `kernels/int4pack.py`). One row otherwise takes a GEMV
-(no tl.dot, whose smallest tile would waste 15 of 16 rows; the row loops are `gemv.py`'s):
-`_int_gemv_kernel` for integer codes in column order, which turns codes into floats with an
-OR of the float32 exponent instead of a conversion and applies each group's scale per word,
-and `_gemv_kernel` for the rest (g_idx, GGUF blocks). A few rows take `_gemm_kernel`, a
-tiled GEMM whose B operand is dequantized per tile through tl.dot. From `dequant_min_rows`
-rows the GEMM is compute-bound and cuBLAS is far faster than a Triton GEMM unpacking in its
-inner loop, so the weight is dequantized once into a scratch tensor (`_dequant_kernel`) and
-multiplied by cuBLAS.
+bandwidth, and the unpacking must cost less than the bytes take to arrive. A 4-bit weight
+that torch's own int4 kernel reads is converted to that kernel's layout once, at load
+(`prepare`, `kernels/int4pack.py`), and kept ONLY there: up to `int4pack_max_rows` rows run
+on torch's kernel, more rows (or activations other than bfloat16) dequantize it from that
+layout (`_int4pack_dequant_kernel`) into a scratch tensor for cuBLAS. Other weights keep
+their checkpoint's layout: one row takes a GEMV (no tl.dot, whose smallest tile would waste
+15 of 16 rows; the row loops are `gemv.py`'s): `_int_gemv_kernel` for integer codes in
+column order, which turns codes into floats with an OR of the float32 exponent instead of a
+conversion and applies each group's scale per word, and `_gemv_kernel` for the rest (g_idx,
+GGUF blocks). A few rows take `_gemm_kernel`, a tiled GEMM whose B operand is dequantized
+per tile through tl.dot. From `dequant_min_rows` rows the GEMM is compute-bound and cuBLAS
+is far faster than a Triton GEMM unpacking in its inner loop, so the weight is dequantized
+once into a scratch tensor (`_dequant_kernel`) and multiplied by cuBLAS.
 
 Rounding: the GEMMs round each dequantized weight to the activation dtype (the tl.dot
 operand; cuBLAS's input), as a float model built from the dequantized weights holds it, and
@@ -23,7 +25,7 @@ the float model (float32 activations: the same to the last bits).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,12 +38,15 @@ from pagedserve.kernels.triton.gemv import int_row_dot, tile_row_dot
 from pagedserve.kernels.triton.precision import dot_precision
 from pagedserve.kernels.weight_formats import IntWeight, Stacked, WeightFormat
 
+
 @dataclass(frozen=True)
 class IntLinearConfig:
     """Tile sizes: the GEMV's rows per program and columns per step; the GEMM's tile, and a
     narrower one for decode batches (up to `small_max_rows` rows), whose few M tiles would
     otherwise leave most SMs idle (N / 64 programs). Rows up to `gemv_max_rows` take the
-    GEMV, one pass per row."""
+    GEMV, one pass per row. A weight in torch's int4 layout runs on torch's kernel up to
+    `int4pack_max_rows` rows and is dequantized for cuBLAS beyond (its cost per row grows
+    with the batch, where the dequantization's is paid once per call)."""
 
     gemv_block_n: int = 16
     gemv_block_k: int = 256
@@ -59,7 +64,7 @@ class IntLinearConfig:
     int_gemv_block_n: int = 4
     int_gemv_block_k: int = 512
     int_gemv_warps: int = 2
-    int4pack_max_rows: int = 4
+    int4pack_max_rows: int = 16
     dequant_min_rows: int = 64
     dequant_block_n: int = 32
     dequant_block_k: int = 256
@@ -150,31 +155,58 @@ def _dequant_kernel(w_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stri
              w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
+@triton.jit
+def _int4pack_dequant_kernel(w_ptr, packed_ptr, table_ptr, N, K, GROUP: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A weight in torch's int4 layout (`kernels/int4pack.py`'s formula) written out [N, K]
+    in w's dtype, a tile per program: weight (n, k) is nibble 4 * (k % 2) + (k // 8) % 4 of
+    word [n // 8, k // 128, (n % 8) * 4 + (k // 2) % 4, (k // 32) % 4], i.e. of word
+    (n // 8) * K + (n % 8) * 16 + (k // 128) * 128 + ((k // 2) % 4) * 4 + (k // 32) % 4;
+    each word is read by the 8 lanes that need one of its codes (from cache)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask, k_mask = offs_n < N, offs_k < K
+    mask = n_mask[:, None] & k_mask[None, :]
+    n64 = offs_n.to(tl.int64)
+    row_word = (n64 // 8) * K + (n64 % 8) * 16
+    col_word = (offs_k // 128) * 128 + ((offs_k // 2) % 4) * 4 + (offs_k // 32) % 4
+    words = tl.load(packed_ptr + row_word[:, None] + col_word[None, :], mask=mask, other=0)
+    shifts = (4 * (offs_k % 2) + (offs_k // 8) % 4) * 4
+    codes = (words >> shifts[None, :]) & 0xF
+    entry = ((offs_k // GROUP).to(tl.int64)[None, :] * N + n64[:, None]) * 2
+    scale = tl.load(table_ptr + entry, mask=mask, other=0.0).to(tl.float32)
+    offset = tl.load(table_ptr + entry + 1, mask=mask, other=0.0).to(tl.float32)
+    w = (codes - 8).to(tl.float32) * scale + offset
+    tl.store(w_ptr + n64[:, None] * K + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=mask)
+
+
 def prepare(weight):
-    """At load, once per layer: an `IntWeight` that torch's int4 kernel reads gets its copy
-    in that kernel's layout (`kernels/int4pack.py`); other weights are returned as they are."""
+    """At load, once per layer: an `IntWeight` that torch's int4 kernel reads is returned in
+    that kernel's layout (`int4pack.Int4Weight`), which every row count then reads, so the
+    caller may drop the original packed tensors; other weights are returned as they are."""
     if isinstance(weight, IntWeight) and int4pack.fits(weight):
-        return replace(weight, int4pack=int4pack.pack(weight))
+        return int4pack.pack(weight)
     return weight
 
 
 def linear(x: Tensor, weight, bias: Tensor | None = None,
            config: IntLinearConfig = DEFAULT) -> Tensor:
     """x [..., K] (float16, bfloat16 or float32) @ weight^T (+ bias) -> [..., N] in x's
-    dtype, for any `weight_formats` weight (its `kernel_args`)."""
+    dtype, for any `weight_formats` weight (its `kernel_args`) or an `int4pack.Int4Weight`."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    pack = getattr(weight, "int4pack", None)
+    torchs_layout = isinstance(weight, int4pack.Int4Weight)
     if m == 0:
         y = torch.empty((0, n), dtype=x.dtype, device=x.device)
-    elif pack is not None and m <= config.int4pack_max_rows and x.dtype == torch.bfloat16:
-        y = int4pack.matmul(rows, pack)
+    elif torchs_layout and m <= config.int4pack_max_rows and x.dtype == torch.bfloat16:
+        y = int4pack.matmul(rows, weight)
         if bias is not None:
             y += bias
-    elif m >= config.dequant_min_rows:
+    elif torchs_layout or m >= config.dequant_min_rows:
         y = torch.nn.functional.linear(rows, dequantize(weight, x.dtype, config), bias)
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -184,7 +216,9 @@ def linear(x: Tensor, weight, bias: Tensor | None = None,
 
 def dequantize(weight, dtype: torch.dtype, config: IntLinearConfig = DEFAULT) -> Tensor:
     """The weight [N, K] in `dtype`, or a `Stacked`'s experts [E, N, K], by
-    `_dequant_kernel`."""
+    `_dequant_kernel` (or `_int4pack_dequant_kernel` for a weight in torch's int4 layout)."""
+    if isinstance(weight, int4pack.Int4Weight):
+        return _dequantize_int4pack(weight, dtype, config)
     if isinstance(weight, Stacked):
         (e, n, k), steps = weight.shape, weight.strides
     else:
@@ -197,6 +231,18 @@ def dequantize(weight, dtype: torch.dtype, config: IntLinearConfig = DEFAULT) ->
                           GROUP=a.group_size, HAS_ZEROS=a.has_zeros, HAS_G_IDX=a.has_g_idx,
                           BLOCK_N=config.dequant_block_n, BLOCK_K=config.dequant_block_k)
     return w if isinstance(weight, Stacked) else w[0]
+
+
+def _dequantize_int4pack(weight: int4pack.Int4Weight, dtype: torch.dtype,
+                         config: IntLinearConfig) -> Tensor:
+    """A weight in torch's int4 layout [N, K] in `dtype`, by `_int4pack_dequant_kernel`."""
+    n, k = weight.shape
+    w = torch.empty((n, k), dtype=dtype, device=weight.packed.device)
+    grid = (triton.cdiv(n, config.dequant_block_n), triton.cdiv(k, config.dequant_block_k))
+    _int4pack_dequant_kernel[grid](w, weight.packed, weight.scales_and_offsets, n, k,
+                                   GROUP=weight.group_size, BLOCK_N=config.dequant_block_n,
+                                   BLOCK_K=config.dequant_block_k)
+    return w
 
 
 def _launch(rows: Tensor, y: Tensor, weight, bias: Tensor | None,
