@@ -1237,7 +1237,7 @@ def w_quant(ctx: Ctx) -> None:
     n = 200 if ctx.gpu else 40
     int_cases = [(4, 128, True, False, 1000), (4, 32, False, True, 264),
                  (8, 64, False, False, 328), (4, 1 << 20, True, False, 136),
-                 (4, 128, False, False, 1024)]  # the last two rows: torch's int4 kernel
+                 (4, 128, False, False, 1024)]  # the last: torch's int4 layout alone
     for bits, group, zeros, g_idx, k in int_cases:
         groups = -(-k // group)
         codes = torch.randint(0, 1 << bits, (n, k), generator=gen)

@@ -328,10 +328,11 @@ def int_weight(linear: nn.Module, scheme: IntScheme) -> IntWeight:
 
 
 class IntMatmul:
-    """A packed layer's matmul: the model's int linear (`Ops.int_linear`) on its weight; the
-    float `weight` argument (None) is ignored."""
+    """A packed layer's matmul: the model's int linear (`Ops.int_linear`) on its weight (an
+    `IntWeight`, or what `Ops.int_prepare` made of it); the float `weight` argument (None)
+    is ignored."""
 
-    def __init__(self, linear, weight: IntWeight) -> None:
+    def __init__(self, linear, weight) -> None:
         self.linear, self.weight = linear, weight
 
     def __call__(self, x: Tensor, weight: Tensor | None, bias: Tensor | None = None) -> Tensor:

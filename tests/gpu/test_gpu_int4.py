@@ -134,3 +134,34 @@ def test_prepared_weights_take_torchs_int4_kernel_for_a_few_rows(rows, group, ze
         other = type(other)(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v)
                                for f, v in vars(other).items()})
         assert prepare(other) is other
+
+
+def test_a_bf16_checkpoint_on_cuda_keeps_its_4bit_weights_in_torchs_layout_alone(tmp_path):
+    """A 4-bit checkpoint whose every projection torch's int4 kernel reads, loaded in bf16 on
+    CUDA: the packed int32 parameters are gone (the converted weight is the only copy) and
+    the logits of a prefill (rows past `int4pack_max_rows`: dequantized for cuBLAS), a
+    decode step and a short prefill (torch's kernel) are the CPU reference's within bf16's
+    noise."""
+    from transformers import Qwen3Config
+
+    from pagedserve.model import load_model
+    from tests.model.paged import PagedDriver
+    from tests.model.test_decoder import TINY, make_checkpoint
+
+    from benchmarks.quantize_int import quantize_folder
+
+    config = {**TINY, "hidden_size": 128, "intermediate_size": 256}
+    make_checkpoint(Qwen3Config(**config, head_dim=32, tie_word_embeddings=False),
+                    tmp_path / "float")
+    quantize_folder(tmp_path / "float", tmp_path / "q", "compressed-tensors", bits=4,
+                    group=32)
+    cpu, _, _ = load_model(tmp_path / "q", torch.float32, "cpu")
+    gpu, _, _ = load_model(tmp_path / "q", torch.bfloat16, "cuda")
+    assert not [name for name, p in gpu.named_parameters() if p.dtype == torch.int32]
+    cpu_driver, gpu_driver = PagedDriver(cpu), PagedDriver(gpu)
+    for feeds in ({"a": list(range(3, 40))}, {"a": [7]}, {"b": list(range(50, 55))}):
+        expected = cpu_driver.step(feeds)
+        got = gpu_driver.step(feeds)
+        for seq, logits in expected.items():
+            err = (got[seq].float().cpu() - logits).abs().max()
+            assert err <= 0.05 * logits.abs().max() + 0.02, (feeds.keys(), float(err))
