@@ -3,14 +3,18 @@ below emulates CUDA's `_convert_weight_to_int4pack` (aten/src/ATen/native/cuda/i
 `matrix_to_m16n8k16_Bint4_layout`, line for line; tests/gpu/test_gpu_int4.py holds it to the
 real conversion bit for bit), `int4pack.unpack_reference` must invert it, and the Triton
 dequantization (`int_linear.dequantize`, TRITON_INTERPRET=1) must read (code - 8) * scale +
-offset out of it. The CPU's own `_convert_weight_to_int4pack_for_cpu` uses another layout
-and is not what these emulate."""
+offset out of it. torch on the CPU cannot run the CUDA conversion, but two of its parts
+check what they can here: the conversion's meta kernel declares its shape, and the CPU's own
+int4 matmul (`_weight_int4pack_mm_for_cpu`, another layout of the codes, the same
+(scale, offset) table as CUDA's) gives the products of the reference dequantization."""
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pagedserve.kernels import int4pack
 from pagedserve.kernels.triton.int_linear import IntLinearConfig, dequantize, linear
+from pagedserve.kernels.weight_formats import unpack_codes
 from tests.kernels.test_int_linear import random_weight
 from tests.kernels.test_kernels import fresh_seed
 
@@ -60,6 +64,54 @@ def test_unpack_reference_inverts_the_cuda_packing():
     lone = torch.zeros(n, k, dtype=torch.long)
     lone[13, 77] = 5
     assert int(pack_reference(pairs_of(lone)).ne(0).sum()) == 1
+
+
+@pytest.mark.parametrize("inner_k_tiles", [2, 4, 8])
+def test_emulated_packing_has_the_shapes_torch_declares(inner_k_tiles):
+    """torch's shape rules for its CUDA int4 ops, which run without CUDA on fake tensors: the
+    conversion's output has the emulation's shape, and the int4 matmul reads N as 8 rows
+    per first index, as `Int4Weight.shape` does."""
+    cases = [(8, 128), (24, 384), (1032, 256)]
+    emulated = [pack_reference(torch.zeros(n, k // 2, dtype=torch.uint8), inner_k_tiles)
+                for n, k in cases]
+    with FakeTensorMode():
+        for (n, k), packed in zip(cases, emulated):
+            declared = torch.ops.aten._convert_weight_to_int4pack(
+                torch.empty(n, k // 2, dtype=torch.uint8), inner_k_tiles)
+            assert declared.dtype == torch.int32 and declared.shape == packed.shape
+            y = torch.ops.aten._weight_int4pack_mm(
+                torch.empty(5, k, dtype=torch.bfloat16),
+                torch.empty(packed.shape, dtype=torch.int32), 128,
+                torch.empty(k // 128, n, 2, dtype=torch.bfloat16))
+            assert tuple(y.shape) == (5, n)
+    assert int4pack.Int4Weight(emulated[1], None, 128, 384).shape == (24, 384)
+
+
+@pytest.mark.parametrize("group,zeros", [(32, True), (128, False), (256, True)])
+def test_torchs_cpu_int4_kernel_gives_the_reference_products(group, zeros):
+    """torch's CPU int4 matmul, on a weight's codes (in the CPU's layout) and the table
+    `int4pack.scales_and_offsets` made, equals x @ the reference dequantization of the
+    emulated CUDA layout in float32: the table means to torch's kernels what the reference
+    and the Triton dequantization take it to mean (zero points' offsets included), and the
+    codes come back out of the layout where they went in. A symmetric weight's reference
+    values are the checkpoint's own, exactly."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 32, 512  # the CPU's conversion takes N in multiples of 16
+    w = random_weight(n, k, 4, group, zeros, False, torch.bfloat16, gen)
+    codes = unpack_codes(w.qweight, 4, k)
+    table = int4pack.scales_and_offsets(w)
+    reference = int4pack.Int4Weight(pack_reference(pairs_of(codes)), table, group,
+                                    k).dequantize(torch.float32)
+    x = torch.randn(5, k, generator=gen)
+    cpu_codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(),
+                                                                   int4pack.INNER_K_TILES)
+    got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, cpu_codes, group, table.float())
+    expected = x @ reference.t()
+    bound = x.abs() @ reference.abs().t()  # float32 sums in another order: ~1e-6 of it
+    assert ((got - expected).abs() <= 2**-16 * bound).all(), f"seed {seed}"
+    if not zeros:
+        assert torch.equal(reference, w.dequantize(torch.float32))
 
 
 def int4_weight(n: int, k: int, group: int, zeros: bool, gen: torch.Generator):
