@@ -165,3 +165,53 @@ def test_a_bf16_checkpoint_on_cuda_keeps_its_4bit_weights_in_torchs_layout_alone
         for seq, logits in expected.items():
             err = (got[seq].float().cpu() - logits).abs().max()
             assert err <= 0.05 * logits.abs().max() + 0.02, (feeds.keys(), float(err))
+
+
+@torch.inference_mode()
+def test_a_one_copy_4bit_engine_under_cuda_graphs_gives_the_reference_logprobs(tmp_path):
+    """The engine (CUDA graphs on) serving a bf16 4-bit checkpoint kept in torch's int4
+    layout alone: 20 greedy requests of different lengths, so decode batches run past
+    `int4pack_max_rows` (the weight dequantized from the layout, inside a graph) and, as
+    requests finish, below it (torch's kernel in a graph). Each generated token's logprob is
+    the float32 CPU reference's at that position (the prompt and the tokens before it fed
+    whole), and the token is the reference's argmax within bf16's noise."""
+    import random
+
+    from transformers import Qwen3Config
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.entrypoints.llm import LLM
+    from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel
+    from pagedserve.model import load_model
+    from pagedserve.sampling_params import SamplingParams
+    from tests.model.paged import PagedDriver
+    from tests.model.test_decoder import TINY, make_checkpoint
+
+    from benchmarks.quantize_int import quantize_folder
+
+    config = {**TINY, "hidden_size": 128, "intermediate_size": 256}
+    make_checkpoint(Qwen3Config(**config, head_dim=32, tie_word_embeddings=False),
+                    tmp_path / "float")
+    quantize_folder(tmp_path / "float", tmp_path / "q", "compressed-tensors", bits=4,
+                    group=32)
+    loaded = LoadedModel.load(EngineConfig(model=str(tmp_path / "q"), device="cuda",
+                                           dtype="bfloat16"))
+    engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_model_len=128,
+                                    max_num_seqs=32, kv_cache_memory=64 << 20), loaded)
+    assert engine.model_runner.graphs is not None
+    rng = random.Random(5)
+    prompts = [[rng.randrange(300) for _ in range(rng.randint(3, 30))] for _ in range(20)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True, logprobs=0)
+              for i in range(20)]
+    outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
+    cpu, _, _ = load_model(tmp_path / "q", torch.float32, "cpu")
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        tokens, logprobs = list(out.outputs[0].token_ids), out.outputs[0].logprobs
+        assert len(tokens) == 4 + i and len(logprobs) == len(tokens)
+        fed = PagedDriver(cpu).step({"r": prompt + tokens[:-1]})["r"][len(prompt) - 1:]
+        reference = torch.log_softmax(fed, dim=-1)
+        tol = 0.1 * fed.abs().max(dim=-1).values + 0.04  # twice the logits' bf16 bound
+        for j, token in enumerate(tokens):
+            got = logprobs[j][token].logprob
+            assert abs(got - float(reference[j, token])) <= tol[j], (i, j)
+            assert reference[j, token] >= reference[j].max() - tol[j], (i, j)
