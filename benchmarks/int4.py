@@ -11,8 +11,9 @@ Parts (all by default; about 6 minutes on an H100 with a cold Triton cache):
           bandwidth. Timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step
           reads them). With --sweep also each GEMV candidate of `GEMV_CANDIDATES` at 1 row.
   memory  the weights' device bytes for the 8B shape per format (bf16, W4A16 g128 sym /
-          with zeros, W4A16 per channel, W8A16 g128, and a 4-bit format as the engine keeps
-          it: converted to torch's int4 layout alone), from the tensors each keeps
+          with zeros, W4A16 per channel, W8A16 g128): the checkpoint's packing (computed)
+          and what the engine keeps (a 4-bit weight torch's int4 kernel reads: that layout
+          alone), measured on one layer's projections quantized and prepared on the GPU
   8b      the 8B shape (random bf16 weights made on the GPU, `load_format dummy`), its dense
           projections quantized on the GPU by round to nearest to W4A16 group 128 (the
           layout a compressed-tensors / GPTQ / AWQ checkpoint loads to; the values do not
@@ -143,29 +144,50 @@ def part_gemv(res: ResultRows, bandwidth: float, sweep: bool) -> None:
 
 def part_memory(res: ResultRows) -> None:
     """Device bytes of the 8B shape's weights per format: the dense projections packed, the
-    embedding, LM head and norms in bf16."""
+    embedding, LM head and norms in bf16. `weight_gb`: the checkpoint's packing, computed;
+    `kept_gb`: what the engine keeps, measured (`kept_layer`) and taken over the layers."""
     config = json.loads((HERE / "configs" / "llama3-8b.json").read_text())
     h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     kv = config["num_key_value_heads"] * config["head_dim"]
     projections = [(h, h + 2 * kv), (h, h), (h, 2 * i), (i, h)]  # (K, N)
     float_bytes = 2 * (2 * config["vocab_size"] * h + (2 * layers + 1) * h)
-    dense = sum(k * n for k, n in projections) * layers
-    res.add("memory", format="bf16", weight_gb=round((float_bytes + 2 * dense) / 1e9, 3))
+    bf16 = float_bytes + 2 * sum(k * n for k, n in projections) * layers
+    res.add("memory", format="bf16", weight_gb=round(bf16 / 1e9, 3))
     for label, (bits, group, zeros) in {**FORMATS, "w4a16 channel": (4, 0, False)}.items():
         per_layer = 0
         for k, n in projections:
             groups = 1 if group == 0 else k // group
             per_layer += n * k * bits // 8 + n * groups * 2 * (2 if zeros else 1)
-        total = float_bytes + per_layer * layers
-        res.add("memory", format=label, weight_gb=round(total / 1e9, 3),
-                ratio_vs_bf16=round(total / (float_bytes + 2 * dense), 3))
-        if bits == 4 and group in int4pack.GROUP_SIZES:  # in torch's int4 layout alone:
-            # the same codes, a (scale, offset) pair in bf16 per group
-            prepared = float_bytes + sum(n * k // 2 + (k // group) * n * 4
-                                         for k, n in projections) * layers
-            res.add("memory", format=f"{label} prepared (engine)",
-                    weight_gb=round(prepared / 1e9, 3),
-                    ratio_vs_bf16=round(prepared / (float_bytes + 2 * dense), 3))
+        kept, allocated, layout = kept_layer(projections, bits, group, zeros)
+        res.add("memory", format=label,
+                weight_gb=round((float_bytes + per_layer * layers) / 1e9, 3),
+                kept_gb=round((float_bytes + kept * layers) / 1e9, 3),
+                allocated_gb=round((float_bytes + allocated * layers) / 1e9, 3),
+                kept_layout=layout, ratio_vs_bf16=round((float_bytes + kept * layers) / bf16, 3))
+
+
+def kept_layer(projections, bits: int, group: int, zeros: bool) -> tuple[int, int, str]:
+    """One decoder layer's projections quantized on the GPU and prepared as the loader
+    prepares them (`int_linear.prepare`, the checkpoint's packed tensors then dropped where
+    it converted them): (bytes of the tensors kept, the allocator's growth while they are
+    held, the layout kept)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    kept = []
+    for k, n in projections:
+        w = quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, bits, group,
+                     zeros)
+        kept.append(int_linear.prepare(w))
+        del w
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated() - before
+    layout = ("torch int4" if all(isinstance(w, int4pack.Int4Weight) for w in kept)
+              else "checkpoint")
+    nbytes = sum(weight_bytes(w) for w in kept)
+    del kept
+    torch.cuda.empty_cache()
+    return nbytes, allocated, layout
 
 
 def pack_model(model, bits: int = 4, group: int = 128) -> None:
@@ -230,9 +252,9 @@ def main() -> None:
                 not args.no_workload)
     print("summary:", flush=True)
     for row in res.rows:
-        keys = ("format", "weight_gb", "layer", "rows", "method", "us", "gb_per_s",
-                "pct_copy_bw", "variant", "measure", "tpot_ms", "ratio_vs_bf16",
-                "output_tok_per_s", "graph_ms")
+        keys = ("format", "weight_gb", "kept_gb", "allocated_gb", "kept_layout", "layer",
+                "rows", "method", "us", "gb_per_s", "pct_copy_bw", "variant", "measure",
+                "tpot_ms", "ratio_vs_bf16", "output_tok_per_s", "graph_ms")
         print(row["part"], {k: row[k] for k in keys if k in row}, flush=True)
 
 
