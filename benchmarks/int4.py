@@ -237,11 +237,13 @@ def main() -> None:
     parser.add_argument("--parts", default="gemv,memory,8b")
     parser.add_argument("--sweep", action="store_true", help="gemv: also the GEMV candidates")
     parser.add_argument("--no-workload", action="store_true", help="8b: TPOT only")
-    parser.add_argument("--append", action="store_true", help="keep the rows already in "
-                        "DIR/int4.json (a run split in parts, or other formats' rows)")
+    parser.add_argument("--append", action="store_true", help="keep the other parts' rows "
+                        "already in DIR/int4.json (a run split in parts, moe_int4.py's rows); "
+                        "the parts run replace their own")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    res = ResultRows(args.out / "int4.json", keep=lambda row: args.append)
+    res = ResultRows(args.out / "int4.json",
+                     keep=lambda row: args.append and row.get("part") not in parts)
     bandwidth = throughput.copy_bandwidth()
     if "memory" in parts:
         part_memory(res)

@@ -168,7 +168,8 @@ def test_a_bf16_checkpoint_on_cuda_keeps_its_4bit_weights_in_torchs_layout_alone
 
 
 @torch.inference_mode()
-def test_a_one_copy_4bit_engine_under_cuda_graphs_gives_the_reference_logprobs(tmp_path):
+def test_an_engine_on_4bit_weights_in_torchs_layout_alone_gives_the_reference_logprobs(
+        tmp_path):
     """The engine (CUDA graphs on) serving a bf16 4-bit checkpoint kept in torch's int4
     layout alone: 20 greedy requests of different lengths, so decode batches run past
     `int4pack_max_rows` (the weight dequantized from the layout, inside a graph) and, as
