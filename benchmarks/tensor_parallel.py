@@ -199,11 +199,13 @@ def tpot_batch1(llm, tokens: int) -> tuple[float, dict]:
 
 
 def step_costs(before, after, seconds: float) -> dict:
-    """Per step, in ms: its wall time; the engine core's time blocked on a step's tokens
-    (core_wait: the ranks' host work for the next step, the transport, and the device);
-    rank 0's time blocked on the device (device_wait: near zero means the step is bound by
-    host work, not the GPU); the scheduler's; and the host time outside the core's wait
-    (host: scheduling, output processing, messages)."""
+    """Per step, in ms: its wall time; the GPU's time on it (device: rank 0's CUDA events
+    from its launch to its tokens; step less device is the GPU idle between steps, which
+    host work causes); the engine core's time blocked on a step's tokens (core_wait: the
+    ranks' host work for the next step, the transport, and the device); rank 0's time
+    blocked on the device (device_wait: near zero means the step is bound by host work, not
+    the GPU); the scheduler's; and the host time outside the core's wait (host: scheduling,
+    output processing, messages)."""
     steps = after.num_steps - before.num_steps
     if not steps:
         return {"steps": 0}
@@ -212,7 +214,7 @@ def step_costs(before, after, seconds: float) -> dict:
         return round(1e3 * (getattr(after, field) - getattr(before, field)) / steps, 4)
 
     wall = 1e3 * seconds / steps
-    return {"steps": steps, "step_ms": round(wall, 4),
+    return {"steps": steps, "step_ms": round(wall, 4), "device_ms": per_step("device_seconds"),
             "core_wait_ms": per_step("step_wait_seconds"),
             "device_wait_ms": per_step("device_wait_seconds"),
             "schedule_ms": per_step("schedule_seconds"),

@@ -147,11 +147,13 @@ class SchedulerStats(Message):
     schedule_seconds: float = 0.0  # the scheduler's host time in schedule(), since start
     # where the steps' time goes, since start (a host-bound step from a device-bound one):
     # steps that launched a forward pass, the core's time blocked on a step's tokens (its
-    # runner's, or the ranks' under tensor parallelism), and the runner's (rank 0's) own
-    # time blocked on the device for them
+    # runner's, or the ranks' under tensor parallelism), the runner's (rank 0's) own time
+    # blocked on the device for them, and the device's time on the steps (rank 0's CUDA
+    # events, launch to tokens; 0 on the CPU)
     num_steps: int = 0
     step_wait_seconds: float = 0.0
     device_wait_seconds: float = 0.0
+    device_seconds: float = 0.0
 
 
 class EngineCoreOutputs(Message, tag="outputs"):
@@ -279,6 +281,7 @@ class ModelRunnerOutput(Message, array_like=True):
     # follow its tokens as they stand after this step (the next step verifies them)
     draft_token_ids: dict[str, list[int]] | None = None
     device_wait_seconds: float = 0.0  # the runner's time blocked on the device for this step
+    device_seconds: float = 0.0  # the device's, from the step's launch to its tokens (CUDA)
 
 
 # -- engine-core process start-up (core_proc.py -> core_client.py) ----------------------------

@@ -88,6 +88,9 @@ class PendingRunnerOutput:
 
     On CUDA they are copied without blocking into pinned memory, followed by an event:
     `result()` waits for that event only, not for whatever steps were queued after this one.
+    With the event recorded at the step's launch (`started`), `result()` also reports the
+    device's time on the step: the device idle between steps is the step's wall time less
+    that, which tells host-bound steps from device-bound ones.
     On the CPU the step has already run and the tensors are the results. `result()` also
     appends each token to its request's state (by object, not id: a finished request's id
     may already name a new request when a step in flight completes). The sampled tensor
@@ -98,11 +101,13 @@ class PendingRunnerOutput:
                  prompt_logprobs: dict[str, LogprobsLists] | None = None,
                  accepted: list[list[int]] | None = None,
                  tiers: TierReport = NO_TIER_WORK,
-                 propose: Callable[[], dict[str, list[int]]] | None = None) -> None:
+                 propose: Callable[[], dict[str, list[int]]] | None = None,
+                 started: torch.cuda.Event | None = None) -> None:
         """`accepted`: speculative decoding's accepted drafts per row (on the host: the
         verify has waited for the step), placed before each row's sampled token.
         `propose`: a proposer on the device, run once the tokens are placed (it reads
-        them): its drafts go out with them."""
+        them): its drafts go out with them. `started`: a timing event recorded before the
+        step's forward pass (CUDA)."""
         self.states = states
         self._propose = propose
         self._accepted = accepted
@@ -117,9 +122,10 @@ class PendingRunnerOutput:
             self._logprobs = LogprobsTensors(
                 _to_host(lp.top_token_ids), _to_host(lp.top_logprobs),
                 _to_host(lp.sampled_logprobs), _to_host(lp.sampled_ranks))
-        self._ready = None
+        self._ready = self._started = None
         if sampled is not None and sampled.sampled_token_ids.is_cuda:
-            self._ready = torch.cuda.Event()
+            self._started = started
+            self._ready = torch.cuda.Event(enable_timing=started is not None)
             self._ready.record()
 
     def result(self) -> ModelRunnerOutput:
@@ -128,11 +134,13 @@ class PendingRunnerOutput:
             drafts = self._propose() if self._propose is not None else None
             return ModelRunnerOutput([], [], None, self._prompt_logprobs, None,
                                      *self.tiers, draft_token_ids=drafts)
-        waited = 0.0
+        waited = busy = 0.0
         if self._ready is not None:
             start = time.perf_counter()
             self._ready.synchronize()
             waited = time.perf_counter() - start
+            if self._started is not None:
+                busy = self._started.elapsed_time(self._ready) / 1e3
         tokens = self._tokens.tolist()
         accepted = self._accepted
         for row, (state, token) in enumerate(zip(self.states, tokens)):
@@ -148,7 +156,17 @@ class PendingRunnerOutput:
         drafts = self._propose() if self._propose is not None else None
         return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs,
                                  accepted, *self.tiers, draft_token_ids=drafts,
-                                 device_wait_seconds=waited)
+                                 device_wait_seconds=waited, device_seconds=busy)
+
+
+def _timing_event(device: torch.device) -> torch.cuda.Event | None:
+    """On CUDA, a timing event recorded now on the current stream: where a step's device
+    time starts (`PendingRunnerOutput`)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _to_host(tensor: Tensor) -> Tensor:
@@ -198,6 +216,7 @@ class StepHandle:
     ordinary: list[int] | None = None
     tiers: TierReport = NO_TIER_WORK
     draft: DraftStep | None = None  # a proposer on the device: what it drafts from
+    started: torch.cuda.Event | None = None  # recorded before its forward pass (CUDA)
 
 
 class ModelRunner:
@@ -653,11 +672,13 @@ class ModelRunner:
         output, inputs, tiers = prepared
         if inputs is None:
             return StepHandle([], None, None, None, tiers=tiers)
+        started = _timing_event(self.device)
         if inputs.placeholder_ids:
             self._copy_last_sampled(inputs, previous)
         self.buffers.mark_uploaded()
         hidden, aux = self._forward(inputs)
         handle = self._handle(output, inputs, hidden, tiers)
+        handle.started = started
         if self.drafter is not None:
             handle.draft = draft_step(
                 [self.requests[r] for r in output.req_ids], output.num_computed_tokens,
@@ -725,7 +746,8 @@ class ModelRunner:
                 self._attach_bitmask(step.sampling, step.states, grammar)
             sampled = self._sample(step.logits, step.sampling)
         return PendingRunnerOutput(step.states, sampled, step.prompt_logprobs,
-                                   tiers=step.tiers, propose=self._proposal(step.draft))
+                                   tiers=step.tiers, propose=self._proposal(step.draft),
+                                   started=step.started)
 
     def _proposal(self, draft: DraftStep | None) -> Callable[[], dict[str, list[int]]] | None:
         """The drafter's run over a step, for its output to make once its tokens are placed
@@ -772,7 +794,7 @@ class ModelRunner:
                                      (ordinary_logprobs, ordinary), (verified.logprobs, rows.index))
         return PendingRunnerOutput(states, SamplerOutput(tokens, logprobs),
                                    step.prompt_logprobs, accepted, step.tiers,
-                                   self._proposal(step.draft))
+                                   self._proposal(step.draft), step.started)
 
     def _compute_prompt_logprobs(self, output: SchedulerOutput, hidden: Tensor
                                  ) -> dict[str, LogprobsLists] | None:

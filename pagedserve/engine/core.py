@@ -329,7 +329,7 @@ class EngineCore:
         """A sampled step's tokens, the wait for them counted (`StepTimes`)."""
         start = time.perf_counter()
         output = tokens.result()
-        self.step_times.waited(time.perf_counter() - start, output.device_wait_seconds)
+        self.step_times.waited(time.perf_counter() - start, output)
         return output
 
     def _grammar_rows(self, scheduler_output: SchedulerOutput,
@@ -428,6 +428,7 @@ class EngineCore:
             num_steps=self.step_times.steps,
             step_wait_seconds=self.step_times.wait_seconds,
             device_wait_seconds=self.step_times.device_wait_seconds,
+            device_seconds=self.step_times.device_seconds,
             **_tier_stats(scheduler))
 
 
@@ -455,10 +456,12 @@ class StepTimes:
     steps: int = 0  # steps that launched a forward pass
     wait_seconds: float = 0.0  # the core blocked on a step's tokens
     device_wait_seconds: float = 0.0  # of which the runner (rank 0) blocked on the device
+    device_seconds: float = 0.0  # the device's time on the steps (CUDA)
 
-    def waited(self, seconds: float, device_seconds: float) -> None:
+    def waited(self, seconds: float, output: ModelRunnerOutput) -> None:
         self.wait_seconds += seconds
-        self.device_wait_seconds += device_seconds
+        self.device_wait_seconds += output.device_wait_seconds
+        self.device_seconds += output.device_seconds
 
 
 def _tier_stats(scheduler: Scheduler) -> dict[str, int | float]:

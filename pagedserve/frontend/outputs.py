@@ -103,11 +103,13 @@ class EngineStats:
     tier_stream_seconds: float = 0.0  # the copy stream's time in them (CUDA)
     tier_recall_pass_overs: int = 0  # waiting requests passed over: their hit was landing
     schedule_seconds: float = 0.0  # the scheduler's host time in schedule()
-    # steps that launched a forward pass; the core's time blocked on their tokens, and the
-    # runner's (rank 0's) time blocked on the device for them (see SchedulerStats)
+    # steps that launched a forward pass; the core's time blocked on their tokens, the
+    # runner's (rank 0's) time blocked on the device for them, the device's time on them
+    # (see SchedulerStats)
     num_steps: int = 0
     step_wait_seconds: float = 0.0
     device_wait_seconds: float = 0.0
+    device_seconds: float = 0.0
     # speculative decoding: verifies, draft tokens, accepted drafts, and accepted drafts at
     # each position of a draft
     spec_num_drafts: int = 0

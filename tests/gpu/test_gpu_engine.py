@@ -133,6 +133,23 @@ def test_cuda_graphs_give_the_eager_tokens(loaded):
     REPORT["graph_vs_eager_batch13_identical_requests"] = sum(a == b for a, b in zip(g, e))
 
 
+@torch.inference_mode()
+def test_stats_time_the_device_per_step(loaded):
+    """The device's time on the steps (CUDA events from each launch to its tokens) is real
+    and fits in the wall time, and the core's wait includes the runner's wait on the GPU."""
+    import time
+
+    engine = make_engine(loaded)
+    before, start = engine.get_stats(), time.perf_counter()
+    generate(engine, prompts(4, seed=5), 16)
+    wall, after = time.perf_counter() - start, engine.get_stats()
+    device = after.device_seconds - before.device_seconds
+    assert after.num_steps - before.num_steps >= 16
+    assert 0 < device <= wall
+    assert (after.step_wait_seconds - before.step_wait_seconds
+            >= after.device_wait_seconds - before.device_wait_seconds)
+
+
 def test_swap_round_trip_is_bitwise_and_engines_finish(loaded):
     """The runner's swap moves exact bits GPU -> pinned CPU -> other GPU blocks. Token
     agreement of swap, recompute and no preemption is reported, not asserted: the batch
