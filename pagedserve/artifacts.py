@@ -1,5 +1,4 @@
-"""Where pagedserve keeps what it derives from its inputs: converted GGUF files, built kernels,
-read model configs.
+"""Where pagedserve keeps what it derives from its inputs: converted GGUF files, built kernels.
 
 A module of its own, importing nothing of the package, so that anything may use it (the
 native kernels' build is imported by the model, which the GGUF reader belongs to).

@@ -7,17 +7,12 @@ and the engine (KV sizing, max length, stop tokens) never look at a checkpoint f
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.metadata
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from pagedserve.artifacts import cache_root
 
 # HF `architectures[0]` -> our family name. One decoder serves them all; the families differ
 # only in the switches `from_hf_folder` sets.
@@ -162,34 +157,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path, architecture: str | None = None) -> ModelConfig:
-        """Read config.json (and generation_config.json for stop tokens) through transformers,
-        once: the result is kept in the artifact cache under a key of those files' bytes,
-        `architecture`, this module's source and transformers' version.
+        """Read config.json (and generation_config.json for stop tokens) through transformers.
 
-        Why a cache: importing transformers' config machinery pulls in much of transformers
-        (and, in some versions, torch.distributed.tensor and scikit-learn), which was most of
-        the engine core's warm start-up; our own JSON reads back in milliseconds.
+        AutoConfig normalises old and new config layouts (rope_scaling vs rope_parameters,
+        missing head_dim), so we read its attributes rather than the raw JSON.
         `architecture`: read it as this one, not the one it names (an EAGLE-3 head's folder
         names its own, over a Llama layer's config).
         """
-        folder = Path(folder)
-        cached = _cached_config_path(folder, architecture)
-        if cached is not None and cached.exists():
-            try:
-                return cls.from_json(cached.read_text())
-            except (OSError, ValueError, TypeError, KeyError):
-                pass  # unreadable (a partial or older entry): read the folder again
-        config = cls._read_hf_folder(folder, architecture)
-        if cached is not None:
-            _write_quietly(cached, config.to_json())
-        return config
-
-    @classmethod
-    def _read_hf_folder(cls, folder: Path, architecture: str | None) -> ModelConfig:
-        """AutoConfig normalises old and new config layouts (rope_scaling vs rope_parameters,
-        missing head_dim), so we read its attributes rather than the raw JSON."""
         from transformers import AutoConfig
 
+        folder = Path(folder)
         raw = json.loads((folder / "config.json").read_text())
         arch = architecture or (raw.get("architectures") or [None])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -307,39 +284,6 @@ def _as_list(ids: int | list[int] | None) -> list[int]:
     if ids is None:
         return []
     return [ids] if isinstance(ids, int) else list(ids)
-
-
-def _cached_config_path(folder: Path, architecture: str | None) -> Path | None:
-    """Where `from_hf_folder`'s result for these inputs is kept (None: caching is off)."""
-    root = cache_root()
-    if root is None:
-        return None
-    digest = hashlib.sha256()
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        digest.update(path.read_bytes() if path.exists() else b"-")
-    digest.update(f"{architecture}|{_transformers_version()}".encode())
-    digest.update(Path(__file__).read_bytes())
-    return root / "model-configs" / f"{digest.hexdigest()[:32]}.json"
-
-
-def _transformers_version() -> str:
-    try:
-        return importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
-
-
-def _write_quietly(path: Path, text: str) -> None:
-    """Written whole or not at all (a rename), so a reader never sees half an entry; a
-    cache that cannot be written only costs the next start-up its time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(text)
-        os.replace(partial, path)
-    except OSError:
-        pass
 
 
 def _hf_eos_ids(folder: Path, config_eos: int | list[int] | None) -> list[int]:
