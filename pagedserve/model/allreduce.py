@@ -41,9 +41,10 @@ logger = logging.getLogger(__name__)
 DTYPES = (torch.bfloat16, torch.float32)  # the symmetric-memory kernels' types
 WORLD_SIZES = (2, 4, 8)
 ALIGNMENT = 16  # bytes: the kernels move 16-byte vectors
-# up to this, one-shot (every rank reads every buffer); beyond, two-shot. The benchmark
-# (benchmarks/tensor_parallel.py --only allreduce) measures where the two cross.
-ONE_SHOT_MAX_BYTES = {2: 512 << 10, 4: 256 << 10, 8: 128 << 10}
+# up to this, one-shot (every rank reads every buffer); beyond, two-shot. Where the two cross
+# on NVLink at 2 and 4 ranks was measured (benchmarks/tensor_parallel.py --only allreduce;
+# docs/benchmarks.md, "All-reduce, 8 KiB-256 MiB"); 8 ranks is still a guess.
+ONE_SHOT_MAX_BYTES = {2: 512 << 10, 4: 512 << 10, 8: 128 << 10}
 
 
 @dataclass(frozen=True)
