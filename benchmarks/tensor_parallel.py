@@ -22,8 +22,13 @@ size; the engines run TP=1, 2 (and 4 when N is 4), and TP=N once more with NCCL 
   moe        Qwen3-30B-A3B's shape (MoE, experts sharded) workload A at every TP size
   big        Llama-3-70B's shape (141 GB in bf16: two H200s or four H100s) at TP=N:
              start-up time, batch-1 TPOT, workload A
+  profile    (not in the default) Llama-3-8B decode steps at batch 1 and 64 at every TP
+             size under torch.profiler on rank 0 (Executor.start_profile): per step the
+             kernel time and count, the top kernels (in the CUDA graph or eager after it),
+             the GPU's idle time, the gaps between kernels and the time outside the graph;
+             the Chrome traces go to DIR/profile_tp{N}_b{B}.json.gz
 
-logits, tpot and workload share one engine per TP size. Weights are random (load_format
+logits, tpot, workload and profile share one engine per TP size. Weights are random (load_format
 dummy: no checkpoint to write; the same weights at every TP size, see pagedserve/model/
 dummy.py); a folder holds only config.json and a byte-level tokenizer. The engines of a part
 are built one after another in one process, the engine core in that process, each shut down
@@ -59,8 +64,9 @@ HERE = Path(__file__).resolve().parent
 # this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-PARTS = ("topo", "allreduce", "logits", "tpot", "workload", "moe", "big")
-ENGINE_PARTS = ("logits", "tpot", "workload")
+PARTS = ("topo", "allreduce", "logits", "tpot", "workload", "moe", "big", "profile")
+DEFAULT_PARTS = PARTS[:-1]
+ENGINE_PARTS = ("logits", "tpot", "workload", "profile")
 CHILD_TIMEOUT_S = 540
 BANDWIDTH_TIMEOUT_S = 180  # NCCL and symmetric-memory start-up, then every size and kind
 GRAPH_CHECK_TIMEOUT_S = 60  # a captured all-reduce that hangs on replay must not eat the run
@@ -83,6 +89,8 @@ class Scale:
         self.lengths = (10, 40) if tiny else (100, 1024)
         self.tpot_tokens = 16 if tiny else 128
         self.logit_prompts = 4 if tiny else 16
+        self.profile_steps = 3 if tiny else 20
+        self.profile_batches = (1, 4) if tiny else (1, 64)
         self.allreduce_bytes = ([8 << 10, 1 << 20] if tiny else
                                 [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20,
                                  32 << 20, 256 << 20])
@@ -173,6 +181,11 @@ def one_engine(spec: dict, run: dict) -> dict:
             out["tpot_ms"], out["tpot_steps"] = tpot_batch1(llm, scale.tpot_tokens)
         if "workload" in parts:
             out.update(run_workload(llm, scale))
+        if "profile" in parts:
+            out["profile"] = [
+                profile_decode(llm, batch, scale.profile_steps,
+                               Path(spec["out"]) / f"profile_tp{run['label']}_b{batch}.json.gz")
+                for batch in scale.profile_batches]
     finally:
         llm.llm_engine.shutdown()
         del llm
@@ -219,6 +232,152 @@ def step_costs(before, after, seconds: float) -> dict:
             "device_wait_ms": per_step("device_wait_seconds"),
             "schedule_ms": per_step("schedule_seconds"),
             "host_ms": round(wall - per_step("step_wait_seconds"), 4)}
+
+
+def profile_decode(llm, batch: int, steps: int, trace_path: Path) -> dict:
+    """`steps` decode steps of `batch` requests (prompts of 128 tokens, past their prefills
+    and 3 more steps under a first trace) traced by rank 0's profiler; the trace summarised per step. step_ms
+    is the host's time per step under the profiler (its CPU tracing adds to the host work:
+    the tpot rows give the untraced time)."""
+    from pagedserve import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    ids = [f"profile-b{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        prompt = [(i * 131 + j * 7) % 10_000 for j in range(128)]
+        engine.add_request(request_id, None, params, prompt_token_ids=prompt)
+    scheduler = engine.scheduler
+    while len(scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
+                                        for r in scheduler.running):
+        engine.step()
+    executor = engine.engine_core.executor
+    executor.start_profile()  # a first trace pays the profiler's set-up: thrown away
+    for _ in range(3):
+        engine.step()
+    executor.stop_profile(str(trace_path))
+    executor.start_profile()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = 1e3 * (time.perf_counter() - t0) / steps
+    executor.stop_profile(str(trace_path))
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    summary = summarize_trace(trace_path, steps)
+    return {"batch": batch, "steps": steps, "step_ms": round(step_ms, 4),
+            "idle_ms": round(step_ms - summary["busy_ms"], 4), **summary,
+            "trace": trace_path.name}
+
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def summarize_trace(path: Path, steps: int, top: int = 25) -> dict:
+    """Per step, in ms: the kernels' summed time (kernel_ms) and count, the time some kernel
+    ran (busy_ms: their union over the streams), the first kernel's start to the last's end
+    (span_ms) and the gaps inside it (gap_ms = span - busy), the time inside the CUDA graph
+    replays (each replay's first kernel start to its last's end) and outside them
+    (outside_graph_ms: the eager part of the step and the gaps around it), the eager kernels'
+    time and count; the `top` kernels by time (`where`: graph or eager; count per step, mean
+    µs) and the largest gaps by the kernel pair around them. On the CPU (no kernels) the
+    outermost profiled ops stand in for kernels."""
+    import gzip
+
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    graph_launches = {e["args"]["correlation"] for e in events
+                      if "GraphLaunch" in e["name"] and "correlation" in e.get("args", {})}
+    kernels = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
+    if not kernels:
+        kernels = outermost([e for e in events if e.get("cat") == "cpu_op"])
+    if not kernels:
+        return {"kernels": 0, "busy_ms": 0.0}
+
+    def where(e: dict) -> str:
+        return "graph" if e.get("args", {}).get("correlation") in graph_launches else "eager"
+
+    kernels.sort(key=lambda e: e["ts"])
+    per_step = 1e-3 / steps  # trace µs -> ms per step
+    busy, gaps = union_and_gaps(kernels)
+    span = max(e["ts"] + e["dur"] for e in kernels) - kernels[0]["ts"]
+    replays: dict[int, list[float]] = {}
+    for e in kernels:
+        if where(e) == "graph":
+            lo_hi = replays.setdefault(e["args"]["correlation"], [e["ts"], e["ts"] + e["dur"]])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], e["ts"]), max(lo_hi[1], e["ts"] + e["dur"])
+    in_graph = sum(hi - lo for lo, hi in replays.values())
+    eager = [e for e in kernels if where(e) == "eager"]
+    return {"kernel_ms": round(sum(e["dur"] for e in kernels) * per_step, 4),
+            "kernels": round(len(kernels) / steps, 1), "busy_ms": round(busy * per_step, 4),
+            "span_ms": round(span * per_step, 4), "gap_ms": round((span - busy) * per_step, 4),
+            "graph_launches": round(len(replays) / steps, 2),
+            "in_graph_ms": round(in_graph * per_step, 4),
+            "outside_graph_ms": round((span - in_graph) * per_step, 4),
+            "eager_kernel_ms": round(sum(e["dur"] for e in eager) * per_step, 4),
+            "eager_kernels": round(len(eager) / steps, 1),
+            "top": top_kernels(kernels, where, steps, top),
+            "top_gaps": top_gaps(gaps, where, steps)}
+
+
+def outermost(ops: list[dict]) -> list[dict]:
+    """The ops no other op of their thread encloses (nested ops would count twice)."""
+    kept, end = [], {}
+    for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
+        thread = (e.get("pid"), e.get("tid"))
+        if e["ts"] >= end.get(thread, float("-inf")):
+            kept.append(e)
+            end[thread] = e["ts"] + e["dur"]
+    return kept
+
+
+def union_and_gaps(kernels: list[dict]) -> tuple[float, list[tuple[float, dict, dict]]]:
+    """The time covered by the kernels (sorted by start), and each gap between them: (µs,
+    the kernel that ended last before it, the one after it)."""
+    busy, gaps = 0.0, []
+    first = kernels[0]
+    lo, hi, last = first["ts"], first["ts"] + first["dur"], first
+    for e in kernels[1:]:
+        end = e["ts"] + e["dur"]
+        if e["ts"] > hi:
+            busy += hi - lo
+            gaps.append((e["ts"] - hi, last, e))
+            lo, hi, last = e["ts"], end, e
+        elif end > hi:
+            hi, last = end, e
+    return busy + hi - lo, gaps
+
+
+def short(name: str) -> str:
+    return name if len(name) <= 120 else name[:117] + "..."
+
+
+def top_kernels(kernels: list[dict], where, steps: int, top: int) -> list[dict]:
+    totals: dict[tuple[str, str], list[float]] = {}
+    for e in kernels:
+        total = totals.setdefault((short(e["name"]), where(e)), [0.0, 0])
+        total[0] += e["dur"]
+        total[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": name, "where": place, "per_step": round(n / steps, 2),
+             "mean_us": round(us / n, 2), "ms_per_step": round(us / steps / 1e3, 4)}
+            for (name, place), (us, n) in ranked]
+
+
+def top_gaps(gaps: list[tuple[float, dict, dict]], where, steps: int,
+             top: int = 10) -> list[dict]:
+    totals: dict[tuple[str, str], list[float]] = {}
+    for us, before, after in gaps:
+        key = (f"{short(before['name'])} ({where(before)})",
+               f"{short(after['name'])} ({where(after)})")
+        total = totals.setdefault(key, [0.0, 0])
+        total[0] += us
+        total[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"from": a, "to": b, "per_step": round(n / steps, 2),
+             "mean_us": round(us / n, 2), "ms_per_step": round(us / steps / 1e3, 4)}
+            for (a, b), (us, n) in ranked]
 
 
 def run_workload(llm, scale: Scale) -> dict:
@@ -515,7 +674,8 @@ def engine_runs(res: Results, scale: Scale, root: Path, shape: str, runs: list[d
     """The engines of `runs` ({label, tp, peer, parts}) on `shape`, one after another in one
     child process; their start-up rows reported here."""
     folder = model_folder(root, shape)
-    spec = {"runs": runs, "folder": str(folder), "tiny": scale.tiny, "eager_tp": scale.eager_tp}
+    spec = {"runs": runs, "folder": str(folder), "tiny": scale.tiny, "eager_tp": scale.eager_tp,
+            "out": str(res.path.parent)}
     done = run_child("engines", spec, timeout=timeout)
     results = {}
     for run in runs:
@@ -552,6 +712,11 @@ def report_engines(res: Results, scale: Scale, shape: str, runs: dict[str, dict]
         if "tpot_ms" in run:
             res.add(tp, shape, "tpot_batch1_ms", run["tpot_ms"], run=label,
                     **run["tpot_steps"])
+        for profile in run.get("profile", []):
+            table = res.path.parent / profile["trace"].replace(".json.gz", ".txt")
+            table.write_text(profile_table(tp, shape, profile))
+            res.add(tp, shape, "profile_decode_kernel_ms", profile.pop("kernel_ms", None),
+                    run=label, table=table.name, **profile)
         if "output_tok_per_s" in run:
             res.add(tp, shape, "workload_A_output_tok_per_s", run["output_tok_per_s"],
                     run=label, seconds=run["workload_s"], output_tokens=run["output_tokens"],
@@ -569,6 +734,22 @@ def report_engines(res: Results, scale: Scale, shape: str, runs: dict[str, dict]
     top = runs.get(str(scale.ranks), {})
     if "greedy" in one and "greedy" in top:
         report_logits(res, scale, one, top)
+
+
+def profile_table(tp: int, shape: str, p: dict) -> str:
+    """A profile row for people: the per-step figures, then the kernels and the gaps."""
+    head = (f"{shape} TP={tp} batch {p['batch']}: {p['steps']} decode steps, per step (ms): "
+            + ", ".join(f"{k} {p[k]}" for k in (
+                "step_ms", "kernel_ms", "kernels", "busy_ms", "idle_ms", "span_ms", "gap_ms",
+                "graph_launches", "in_graph_ms", "outside_graph_ms", "eager_kernel_ms",
+                "eager_kernels") if k in p))
+    lines = [head, "", f"{'ms/step':>8} {'n/step':>7} {'mean us':>8}  where  kernel"]
+    lines += [f"{k['ms_per_step']:8.4f} {k['per_step']:7.2f} {k['mean_us']:8.2f}  "
+              f"{k['where']:<5}  {k['name']}" for k in p.get("top", [])]
+    lines += ["", f"{'ms/step':>8} {'n/step':>7} {'mean us':>8}  gap from -> to"]
+    lines += [f"{g['ms_per_step']:8.4f} {g['per_step']:7.2f} {g['mean_us']:8.2f}  "
+              f"{g['from']} -> {g['to']}" for g in p.get("top_gaps", [])]
+    return "\n".join(lines) + "\n"
 
 
 def report_logits(res: Results, scale: Scale, one: dict, other: dict) -> None:
@@ -606,7 +787,8 @@ def part_big(res: Results, scale: Scale, root: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="folder for tensor_parallel.json")
-    parser.add_argument("--only", default=",".join(PARTS), help=f"parts of {PARTS}")
+    parser.add_argument("--only", default=",".join(DEFAULT_PARTS),
+                        help=f"parts of {PARTS} (default: all but profile)")
     parser.add_argument("--tiny", action="store_true", help="the CPU check (gloo, tiny)")
     parser.add_argument("--ranks", type=int, default=2, choices=(2, 4),
                         help="GPUs: the all-reduce's ranks and the largest TP size")

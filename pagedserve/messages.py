@@ -424,8 +424,23 @@ class WorkerBye(Message, tag="bye"):
     """The answer to ShutdownWorker: the engine may close its socket now."""
 
 
+class StartProfile(Message, tag="start_profile"):
+    """Rank 0: run torch.profiler over the calls that follow (device/step_profile.py)."""
+
+
+class StopProfile(Message, tag="stop_profile"):
+    """Rank 0: stop the profiler and write its Chrome trace to `trace_path`; every rank
+    answers ProfileStopped (then the file is complete)."""
+
+    trace_path: str
+
+
+class ProfileStopped(Message, tag="profile_stopped"):
+    """The answer to StopProfile."""
+
+
 # what each side of a rank's channel may send (ipc.Channel: tagged, one frame each)
 ToWorker = (LoadWeights | ProfileMemory | KVCacheSpec | SchedulerOutput | SampleTokens
-            | CollectOutput | ShutdownWorker)
+            | CollectOutput | ShutdownWorker | StartProfile | StopProfile)
 FromWorker = (WorkerHello | WorkerLoaded | WorkerBlocks | WorkerInitialized | CollectedOutput
-              | WorkerFailure | WorkerBye)
+              | WorkerFailure | WorkerBye | ProfileStopped)

@@ -64,12 +64,13 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pagedserve import ipc
 from pagedserve.config import EngineConfig
-from pagedserve.device import drafter
+from pagedserve.device import drafter, step_profile
 from pagedserve.device.model_runner import ModelRunner, StepHandle
 from pagedserve.messages import (
     CollectedOutput, CollectOutput, FromWorker, GrammarBitmask, KVCacheSpec, LoadWeights, ModelRunnerOutput,
-    ProfileMemory, SampleTokens, SchedulerOutput, ShutdownWorker, WorkerBlocks, WorkerBye,
-    WorkerFailure, WorkerHello, WorkerInitialized, WorkerLoaded)
+    ProfileMemory, ProfileStopped, SampleTokens, SchedulerOutput, ShutdownWorker, StartProfile,
+    StopProfile, WorkerBlocks, WorkerBye, WorkerFailure, WorkerHello, WorkerInitialized,
+    WorkerLoaded)
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -154,6 +155,16 @@ class Executor(ABC):
         return replace(step, tokens=self.sample_tokens(step.step, step.bitmask()),
                        bitmask=None)
 
+    @abstractmethod
+    def start_profile(self) -> None:
+        """Trace the steps that follow (device/step_profile.py): this process's runner, or
+        rank 0's."""
+
+    @abstractmethod
+    def stop_profile(self, trace_path: str) -> None:
+        """Stop tracing once the steps launched so far have run; write the Chrome trace to
+        `trace_path` (nothing if no trace was started). Returns once it is written."""
+
     def check_health(self) -> None:
         """Raise if the executor can no longer run steps (a worker has died); for an idle
         engine, which would otherwise find out only at its next step."""
@@ -200,6 +211,7 @@ class UniprocExecutor(Executor):
         self.dtype = dtype_name(model.embed_tokens.weight.dtype)
         self.quantization = model.quantization
         self.model_runner: ModelRunner | None = None
+        self.profiler: torch.profiler.profile | None = None  # between start and stop_profile
 
     def memory_info(self) -> tuple[int | None, int]:
         return total_memory(self.device), weight_bytes(self.model)
@@ -227,6 +239,15 @@ class UniprocExecutor(Executor):
     def sample_tokens(self, step: StepHandle,
                       grammar: GrammarOutput | None = None) -> PendingOutput:
         return self.model_runner.sample_tokens(step, grammar)
+
+    def start_profile(self) -> None:
+        if self.profiler is None:
+            self.profiler = step_profile.start(self.device)
+
+    def stop_profile(self, trace_path: str) -> None:
+        if self.profiler is not None:
+            step_profile.stop(self.profiler, self.device, trace_path)
+            self.profiler = None
 
 
 class RemoteStep:
@@ -346,6 +367,12 @@ class MultiprocExecutor(Executor):
             message = GrammarBitmask(grammar.req_ids, bitmask.tobytes(), bitmask.shape[1])
         self._send_all(SampleTokens(message))
         return self._launch()
+
+    def start_profile(self) -> None:
+        self._send_all(StartProfile())
+
+    def stop_profile(self, trace_path: str) -> None:
+        self._call(StopProfile(trace_path), ProfileStopped)
 
     def _launch(self) -> RemotePendingOutput:
         self._launched += 1

@@ -40,13 +40,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pagedserve import ipc
 from pagedserve.config import EngineConfig
+from pagedserve.device import step_profile
 from pagedserve.device.executor import (
     rank_identity, set_heartbeat, dtype_name, initialize_runner, total_memory, weight_bytes)
 from pagedserve.device.loading import load_on_device, resolve_device
 from pagedserve.device.model_runner import ModelRunner, PendingRunnerOutput, StepHandle
 from pagedserve.messages import (
-    CollectedOutput, CollectOutput, KVCacheSpec, LoadWeights, ProfileMemory, SampleTokens, SchedulerOutput,
-    ShutdownWorker, ToWorker, WorkerBlocks, WorkerBye, WorkerFailure, WorkerHello,
+    CollectedOutput, CollectOutput, KVCacheSpec, LoadWeights, ProfileMemory, ProfileStopped,
+    SampleTokens, SchedulerOutput, ShutdownWorker, StartProfile, StopProfile, ToWorker, WorkerBlocks, WorkerBye, WorkerFailure, WorkerHello,
     WorkerInitialized, WorkerLoaded)
 from pagedserve.model import parallel
 from pagedserve.structured.manager import GrammarOutput
@@ -64,9 +65,11 @@ class Worker:
         # collected
         self.launched: collections.deque[StepHandle] = collections.deque()
         self.pending: collections.deque[PendingRunnerOutput] = collections.deque()
+        self.profiler: torch.profiler.profile | None = None  # between StartProfile and Stop
         self.handlers = {LoadWeights: self.load, ProfileMemory: self.profile,
                          KVCacheSpec: self.initialize, SchedulerOutput: self.execute_model,
-                         SampleTokens: self.sample_tokens, CollectOutput: self.collect}
+                         SampleTokens: self.sample_tokens, CollectOutput: self.collect,
+                         StartProfile: self.start_profile, StopProfile: self.stop_profile}
 
     def serve(self) -> None:
         """Handle calls until told to stop."""
@@ -136,6 +139,18 @@ class Worker:
         output = self.pending.popleft().result()
         if self.rank == 0:
             self.channel.send(CollectedOutput(output))
+
+    # -- profiling (rank 0 alone traces: the ranks run the same kernels) ------------------
+
+    def start_profile(self, _: StartProfile) -> None:
+        if self.rank == 0 and self.profiler is None:
+            self.profiler = step_profile.start(self.device)
+
+    def stop_profile(self, message: StopProfile) -> None:
+        if self.profiler is not None:
+            step_profile.stop(self.profiler, self.device, message.trace_path)
+            self.profiler = None
+        self.channel.send(ProfileStopped())
 
 
 def _watch(monitor: zmq.Socket, parent_pid: int | None, stopping: threading.Event) -> None:
