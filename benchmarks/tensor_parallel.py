@@ -97,6 +97,7 @@ class Scale:
         # TP>1 without CUDA graphs: set when the all-reduce part finds a captured all-reduce
         # that does not replay right (the engines would then hang or compute garbage)
         self.eager_tp = False
+        self.child_timeout = CHILD_TIMEOUT_S  # an engine part's child process, in seconds
 
     def engine_options(self, tp: int, peer: bool = True) -> dict:
         if self.tiny:
@@ -669,14 +670,14 @@ def part_allreduce(res: Results, scale: Scale) -> None:
                 {str(b): name for b, (_, name) in sorted(fastest.items())})
 
 
-def engine_runs(res: Results, scale: Scale, root: Path, shape: str, runs: list[dict],
-                timeout: float = CHILD_TIMEOUT_S) -> dict[str, dict]:
+def engine_runs(res: Results, scale: Scale, root: Path, shape: str,
+                runs: list[dict]) -> dict[str, dict]:
     """The engines of `runs` ({label, tp, peer, parts}) on `shape`, one after another in one
     child process; their start-up rows reported here."""
     folder = model_folder(root, shape)
     spec = {"runs": runs, "folder": str(folder), "tiny": scale.tiny, "eager_tp": scale.eager_tp,
             "out": str(res.path.parent)}
-    done = run_child("engines", spec, timeout=timeout)
+    done = run_child("engines", spec, timeout=scale.child_timeout)
     results = {}
     for run in runs:
         label = run["label"]
@@ -795,6 +796,9 @@ def main() -> None:
     parser.add_argument("--tps", default=None,
                         help="the TP sizes the engine parts run, e.g. 1,2 (default: 1, 2 and "
                         "4 with --ranks 4), to split a part over several device calls")
+    parser.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT_S,
+                        help="seconds an engine part's child process may run before it is "
+                        "killed with its ranks (default %(default)s)")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -808,6 +812,7 @@ def main() -> None:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     args.out.mkdir(parents=True, exist_ok=True)
     scale, res = Scale(args.tiny, args.ranks), Results(args.out)
+    scale.child_timeout = args.child_timeout
     if args.tps:
         scale.tps = [int(tp) for tp in args.tps.split(",")]
         if not set(scale.tps) <= {1, 2, 4} or max(scale.tps) > args.ranks:
