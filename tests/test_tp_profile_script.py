@@ -1,0 +1,73 @@
+"""benchmarks/tensor_parallel.py's profile summary without a GPU: a Chrome trace shaped as
+torch.profiler writes one for CUDA graph replays (kernels under the correlation id of their
+`cudaGraphLaunch`) and eager kernels after them, and a CPU trace of nested ops."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks.tensor_parallel import summarize_trace
+
+
+def kernel(name: str, start: float, end: float, correlation: int, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": end - start,
+            "pid": 0, "tid": 7, "args": {"correlation": correlation}}
+
+
+def step(t: float, graph: int) -> list[dict]:
+    """A replay of A, B, A, then the eager LM head and a copy, from t (µs)."""
+    return [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t - 90, "dur": 5,
+         "pid": 1, "tid": 1, "args": {"correlation": graph}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t - 80, "dur": 3,
+         "pid": 1, "tid": 1, "args": {"correlation": graph + 1}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t - 81, "dur": 6, "pid": 1,
+         "tid": 1, "args": {}},
+        kernel("A", t, t + 10, graph), kernel("B", t + 12, t + 22, graph),
+        kernel("A", t + 25, t + 35, graph),
+        kernel("lm_head", t + 40, t + 64, graph + 1),
+        kernel("Memcpy DtoH", t + 65, t + 67, graph + 2, cat="gpu_memcpy"),
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "step", "ts": t, "dur": 67,
+         "pid": 0, "tid": 8, "args": {}},
+    ]
+
+
+def write(path, events: list[dict]) -> None:
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_graph_and_eager_kernels_per_step(tmp_path):
+    path = tmp_path / "trace.json.gz"
+    write(path, step(100, 10) + step(200, 20))
+    s = summarize_trace(path, steps=2)
+    # per step: 30 µs in the replay's kernels, 26 eager; the timeline runs 100-267 µs
+    assert s["kernel_ms"] == pytest.approx(0.056) and s["busy_ms"] == pytest.approx(0.056)
+    assert s["kernels"] == 5 and s["eager_kernels"] == 2 and s["graph_launches"] == 1
+    assert s["span_ms"] == pytest.approx(0.0835) and s["gap_ms"] == pytest.approx(0.0275)
+    assert s["in_graph_ms"] == pytest.approx(0.035)  # each replay: 35 µs first to last
+    assert s["outside_graph_ms"] == pytest.approx(0.0485)
+    assert s["eager_kernel_ms"] == pytest.approx(0.026)
+    top = [(k["name"], k["where"], k["per_step"], k["mean_us"]) for k in s["top"]]
+    assert top == [("lm_head", "eager", 1, 24), ("A", "graph", 2, 10), ("B", "graph", 1, 10),
+                   ("Memcpy DtoH", "eager", 1, 2)]
+    first = s["top_gaps"][0]  # between the steps: the copy's end to the next replay
+    assert (first["from"], first["to"]) == ("Memcpy DtoH (eager)", "A (graph)")
+    assert first["mean_us"] == 33 and first["per_step"] == 0.5
+    assert {(g["from"], g["to"]): g["mean_us"] for g in s["top_gaps"]}[
+        ("A (graph)", "lm_head (eager)")] == 5
+
+
+def test_cpu_trace_counts_outermost_ops(tmp_path):
+    path = tmp_path / "trace.json.gz"
+    op = {"ph": "X", "cat": "cpu_op", "pid": 1, "tid": 1, "args": {}}
+    write(path, [dict(op, name="aten::linear", ts=0, dur=100),
+                 dict(op, name="aten::mm", ts=10, dur=20),  # inside aten::linear
+                 dict(op, name="aten::argmax", ts=150, dur=10)])
+    s = summarize_trace(path, steps=1)
+    assert s["kernels"] == 2 and s["busy_ms"] == pytest.approx(0.11)
+    assert s["gap_ms"] == pytest.approx(0.05) and s["graph_launches"] == 0
+    assert [k["name"] for k in s["top"]] == ["aten::linear", "aten::argmax"]
