@@ -237,9 +237,9 @@ def step_costs(before, after, seconds: float) -> dict:
 
 def profile_decode(llm, batch: int, steps: int, trace_path: Path) -> dict:
     """`steps` decode steps of `batch` requests (prompts of 128 tokens, past their prefills
-    and 3 more steps under a first trace) traced by rank 0's profiler; the trace summarised per step. step_ms
-    is the host's time per step under the profiler (its CPU tracing adds to the host work:
-    the tpot rows give the untraced time)."""
+    and 3 more steps under a first trace) traced by the runner's process (rank 0's); the
+    trace summarised per step. step_ms is the host's time per step under the profiler (its
+    CPU tracing adds host work: the tpot rows give the untraced time)."""
     from pagedserve import SamplingParams
 
     engine = llm.llm_engine

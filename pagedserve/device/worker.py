@@ -47,8 +47,8 @@ from pagedserve.device.loading import load_on_device, resolve_device
 from pagedserve.device.model_runner import ModelRunner, PendingRunnerOutput, StepHandle
 from pagedserve.messages import (
     CollectedOutput, CollectOutput, KVCacheSpec, LoadWeights, ProfileMemory, ProfileStopped,
-    SampleTokens, SchedulerOutput, ShutdownWorker, StartProfile, StopProfile, ToWorker, WorkerBlocks, WorkerBye, WorkerFailure, WorkerHello,
-    WorkerInitialized, WorkerLoaded)
+    SampleTokens, SchedulerOutput, ShutdownWorker, StartProfile, StopProfile, ToWorker,
+    WorkerBlocks, WorkerBye, WorkerFailure, WorkerHello, WorkerInitialized, WorkerLoaded)
 from pagedserve.model import parallel
 from pagedserve.structured.manager import GrammarOutput
 
