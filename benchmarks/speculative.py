@@ -28,6 +28,12 @@ Parts (each a key of the JSON written to --out, merged into what is there):
         --out docs/results/speculative.json
     python benchmarks/speculative.py --parts crossover --device cuda \
         --out docs/results/speculative.json
+    # a dry run of every part's path on the CPU (tiny shapes, a small KV pool; no figures):
+    python benchmarks/speculative.py --parts oracle,load,crossover --device cpu \
+        --shape tiny-llama3 --draft-shape tiny-llama3 --load-shape tiny-qwen3 \
+        --oracle-tokens 8 --num-requests 2 --batches 1,2 --kv-cache-memory 256M
+
+A part that fails writes its error as its row and the others still run (exit status 1).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,6 +62,7 @@ import torch  # noqa: E402
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.entrypoints.chat_template import encode_chat  # noqa: E402
+from pagedserve.entrypoints.engine_args import parse_size  # noqa: E402
 from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 
 PASSAGE = (
@@ -206,7 +214,7 @@ def oracle(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as root:
         folder = shape_folder(Path(root), args.shape)
         base = dict(model=str(folder), load_format="dummy", device=args.device,
-                    max_model_len=4096, kv_cache_memory=4 << 30)
+                    max_model_len=4096, kv_cache_memory=args.kv_cache_memory or 4 << 30)
         loaded = LoadedModel.load(EngineConfig(**base))
         rng = random.Random(0)
         vocab = loaded.model_config.vocab_size
@@ -253,7 +261,7 @@ def load(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as root:
         folder = shape_folder(Path(root), args.load_shape)
         base = dict(model=str(folder), load_format="dummy", device=args.device,
-                    kv_cache_memory=24 << 30)
+                    kv_cache_memory=args.kv_cache_memory or 24 << 30)
         loaded = LoadedModel.load(EngineConfig(**base))
         prompts, out_lens = workload_prompts()
         prompts, out_lens = prompts[:args.num_requests], out_lens[:args.num_requests]
@@ -305,7 +313,8 @@ def crossover(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as root:
         folder = shape_folder(Path(root), args.shape)
         base = dict(model=str(folder), load_format="dummy", device=args.device,
-                    max_model_len=1024, kv_cache_memory=8 << 30, max_num_seqs=max(batches))
+                    max_model_len=1024, kv_cache_memory=args.kv_cache_memory or 8 << 30,
+                    max_num_seqs=max(batches))
         loaded = LoadedModel.load(EngineConfig(**base))
         rng = random.Random(0)
         vocab = loaded.model_config.vocab_size
@@ -368,21 +377,36 @@ def main() -> None:
                         help="load: the first N of workload A's requests")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64",
                         help="crossover: the batch sizes")
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                        help="oracle, load, crossover: the KV pool (default 4G, 24G, 8G; "
+                             "smaller for a dry run on the CPU)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     parts = {"grounded": grounded, "oracle": oracle, "load": load, "crossover": crossover}
     results = json.loads(args.out.read_text()) if args.out and args.out.exists() else {}
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    unknown = set(args.parts.split(",")) - set(parts)
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from {sorted(parts)}")
+    failed = []
     for part in args.parts.split(","):
         key = f"{part}_{'cuda' if device.startswith('cuda') else 'cpu'}"
         if part == "grounded" and args.dtype != "auto":
             key += f"_{args.dtype}"
-        results[key] = parts[part](args) | {
+        try:  # a part that fails (a missing model, say) leaves the others their run
+            row = parts[part](args)
+        except Exception:  # noqa: BLE001 - written as the part's row, the run goes on
+            failed.append(part)
+            row = {"error": traceback.format_exc()[-3000:]}
+        results[key] = row | {
             "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "cpus": os.cpu_count()}
         print(json.dumps({key: results[key]}, indent=1), flush=True)
         if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1) + "\n")
+    if failed:
+        sys.exit(f"failed parts: {', '.join(failed)} (their rows hold the error)")
 
 
 if __name__ == "__main__":
