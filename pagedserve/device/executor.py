@@ -67,10 +67,10 @@ from pagedserve.config import EngineConfig
 from pagedserve.device import drafter, step_profile
 from pagedserve.device.model_runner import ModelRunner, StepHandle
 from pagedserve.messages import (
-    CollectedOutput, CollectOutput, FromWorker, GrammarBitmask, KVCacheSpec, LoadWeights, ModelRunnerOutput,
-    ProfileMemory, ProfileStopped, SampleTokens, SchedulerOutput, ShutdownWorker, StartProfile,
-    StopProfile, WorkerBlocks, WorkerBye, WorkerFailure, WorkerHello, WorkerInitialized,
-    WorkerLoaded)
+    CollectedOutput, CollectOutput, FromWorker, GrammarBitmask, KVCacheSpec, LoadWeights,
+    ModelRunnerOutput, ProfileMemory, ProfileStopped, SampleTokens, SchedulerOutput,
+    ShutdownWorker, StartProfile, StopProfile, WorkerBlocks, WorkerBye, WorkerFailure,
+    WorkerHello, WorkerInitialized, WorkerLoaded)
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -211,7 +211,7 @@ class UniprocExecutor(Executor):
         self.dtype = dtype_name(model.embed_tokens.weight.dtype)
         self.quantization = model.quantization
         self.model_runner: ModelRunner | None = None
-        self.profiler: torch.profiler.profile | None = None  # between start and stop_profile
+        self.profile = step_profile.StepProfile(self.device)
 
     def memory_info(self) -> tuple[int | None, int]:
         return total_memory(self.device), weight_bytes(self.model)
@@ -241,13 +241,10 @@ class UniprocExecutor(Executor):
         return self.model_runner.sample_tokens(step, grammar)
 
     def start_profile(self) -> None:
-        if self.profiler is None:
-            self.profiler = step_profile.start(self.device)
+        self.profile.start()
 
     def stop_profile(self, trace_path: str) -> None:
-        if self.profiler is not None:
-            step_profile.stop(self.profiler, self.device, trace_path)
-            self.profiler = None
+        self.profile.stop(trace_path)
 
 
 class RemoteStep:

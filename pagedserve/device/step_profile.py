@@ -15,19 +15,32 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def start(device: torch.device) -> profile:
-    """A running profiler over this process's CPU work, and the device's when it is CUDA."""
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    profiler = profile(activities=activities)
-    profiler.start()
-    return profiler
+class StepProfile:
+    """This process's trace of the steps between `start` and `stop`, owned in one place for
+    the in-process executor and rank 0's worker alike: a second start keeps the running
+    trace, a stop without a start writes nothing."""
 
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._profiler: profile | None = None
 
-def stop(profiler: profile, device: torch.device, trace_path: str) -> None:
-    """Wait for the steps launched so far (their kernels belong to the trace), stop, write."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    profiler.stop()
-    profiler.export_chrome_trace(trace_path)
+    def start(self) -> None:
+        """Trace this process's CPU work from now on, and the device's when it is CUDA."""
+        if self._profiler is not None:
+            return
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities)
+        self._profiler.start()
+
+    def stop(self, trace_path: str) -> None:
+        """Wait for the steps launched so far (their kernels belong to the trace), stop,
+        write the trace to `trace_path`."""
+        if self._profiler is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._profiler.stop()
+        self._profiler.export_chrome_trace(trace_path)
+        self._profiler = None

@@ -65,7 +65,7 @@ class Worker:
         # collected
         self.launched: collections.deque[StepHandle] = collections.deque()
         self.pending: collections.deque[PendingRunnerOutput] = collections.deque()
-        self.profiler: torch.profiler.profile | None = None  # between StartProfile and Stop
+        self.step_profile: step_profile.StepProfile | None = None  # rank 0's (`load`)
         self.handlers = {LoadWeights: self.load, ProfileMemory: self.profile,
                          KVCacheSpec: self.initialize, SchedulerOutput: self.execute_model,
                          SampleTokens: self.sample_tokens, CollectOutput: self.collect,
@@ -86,6 +86,8 @@ class Worker:
     def load(self, message: LoadWeights) -> None:
         config = message.config
         self.device = device = self.rank_device(config)
+        if self.rank == 0:  # the one rank that traces (see start_profile)
+            self.step_profile = step_profile.StepProfile(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         # the ranks share the host's cores: a full thread pool per rank (torch's default)
@@ -143,13 +145,12 @@ class Worker:
     # -- profiling (rank 0 alone traces: the ranks run the same kernels) ------------------
 
     def start_profile(self, _: StartProfile) -> None:
-        if self.rank == 0 and self.profiler is None:
-            self.profiler = step_profile.start(self.device)
+        if self.step_profile is not None:
+            self.step_profile.start()
 
     def stop_profile(self, message: StopProfile) -> None:
-        if self.profiler is not None:
-            step_profile.stop(self.profiler, self.device, message.trace_path)
-            self.profiler = None
+        if self.step_profile is not None:
+            self.step_profile.stop(message.trace_path)
         self.channel.send(ProfileStopped())
 
 
