@@ -93,20 +93,30 @@ def test_greedy_tokens_match_the_engine_without_speculation(loaded, models, plai
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
 
 
+def mixed_batch_runs(loaded, free_run, runs: list[tuple[dict | None, dict]]):
+    """The mixed batch (`mixed_batch`, p3's 13th free-run token made an EOS so a request
+    stops mid-batch) on an engine per (speculative config, `make` options) of `runs`: each
+    run's summary, and the engines."""
+    arrivals = mixed_batch(free_run)
+    eos = free_run["p3"].token_ids[12]
+    results, engines = [], []
+    for config, options in runs:
+        engine = make(loaded, config, **options)
+        engine.engine_core.eos_token_ids = frozenset({eos})
+        results.append(summary(run(engine, arrivals)))
+        engines.append(engine)
+    return results, engines
+
+
 @pytest.mark.parametrize("name, method, layers", [("self", None, 2), ("eagle3", "eagle3", 1)])
 def test_a_mixed_batch_matches(loaded, models, free_run, name, method, layers):
     """Stops, n > 1, penalties, logprobs and a JSON schema in one batch, drafted for by the
     target itself or EAGLE-3 heads: the same outputs, logprobs included, as without
     speculation."""
-    arrivals = mixed_batch(free_run)
-    eos = free_run["p3"].token_ids[12]
-    results = []
-    for config, draft_layers in ((None, 0), (spec(models, name, method), layers)):
-        engine = make(loaded, config, draft_layers=draft_layers)
-        engine.engine_core.eos_token_ids = frozenset({eos})
-        results.append(summary(run(engine, arrivals)))
+    results, engines = mixed_batch_runs(loaded, free_run, [
+        (None, {}), (spec(models, name, method), {"draft_layers": layers})])
     assert results[1] == results[0]
-    stats = engine.get_stats()
+    stats = engines[1].get_stats()
     assert stats.spec_num_draft_tokens > 0
     if name == "self":
         assert stats.spec_num_accepted_tokens > 0
@@ -136,19 +146,13 @@ def test_async_scheduling_drafts_in_small_batches_and_pipelines_large_ones(
     mixed batch, whose size passes disable_by_batch_size and comes back under it, gives
     the outputs of the synchronous engine without speculation. The target drafting for
     itself has every draft accepted: the pipelined steps kept the draft's KV right."""
-    arrivals = mixed_batch(free_run)
-    eos = free_run["p3"].token_ids[12]
-    results = []
-    for config, async_scheduling in ((None, False), (spec(models, name, method), True)):
-        if config is not None:
-            config |= {"disable_by_batch_size": 3}
-        engine = make(loaded, config, draft_layers=layers if config else 0,
-                      async_scheduling=async_scheduling)
-        assert engine.async_scheduling is async_scheduling
-        engine.engine_core.eos_token_ids = frozenset({eos})
-        results.append(summary(run(engine, arrivals)))
+    results, engines = mixed_batch_runs(loaded, free_run, [
+        (None, {"async_scheduling": False}),
+        (spec(models, name, method) | {"disable_by_batch_size": 3},
+         {"draft_layers": layers, "async_scheduling": True})])
+    assert [engine.async_scheduling for engine in engines] == [False, True]
     assert results[1] == results[0]
-    stats = engine.get_stats()
+    stats = engines[1].get_stats()
     assert stats.spec_num_draft_tokens > 0
     if name == "self":
         assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens

@@ -8,14 +8,11 @@ module's time, and all of tests/gpu has to run in one process.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.gpu.checkpoints import QWEN3_0_6B, random_checkpoint
 
 if not torch.cuda.is_available():
     collect_ignore_glob = ["test_*.py"]
@@ -28,12 +25,7 @@ def checkpoint(tmp_path_factory) -> str:
     path = os.environ.get("PAGEDSERVE_GPU_CHECKPOINT")
     if path:
         return path
-    out = tmp_path_factory.mktemp("qwen3-random")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/make_checkpoint.py"),
-                    str(ROOT / "benchmarks/configs/qwen3-0.6b.json"), str(out),
-                    "--dtype", "bfloat16", "--tokenizer", "bytes", "--lm-head-scale", "25"],
-                   check=True)
-    return str(out)
+    return random_checkpoint(tmp_path_factory.mktemp("qwen3-random"), QWEN3_0_6B, "bfloat16")
 
 
 @pytest.fixture(scope="session")

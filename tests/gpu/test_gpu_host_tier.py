@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from tests.gpu.checkpoints import QWEN3_0_6B, random_checkpoint
 from tests.gpu.test_gpu_engine import make_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -127,20 +128,12 @@ def test_copies_in_descending_slot_order_put_each_block_in_place(loaded):
 def float32_loaded(tmp_path_factory):
     """A float32 random checkpoint (LM head x25): under load the batches differ between
     the runs compared, and float32 leaves no near-tie for another batch shape to flip."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from pagedserve.config import EngineConfig
     from pagedserve.frontend.llm_engine import LoadedModel
 
-    root = Path(__file__).resolve().parents[2]
-    out = tmp_path_factory.mktemp("qwen3-random-fp32")
-    subprocess.run([sys.executable, str(root / "benchmarks/make_checkpoint.py"),
-                    str(root / "benchmarks/configs/qwen3-0.6b.json"), str(out),
-                    "--dtype", "float32", "--tokenizer", "bytes", "--lm-head-scale", "25"],
-                   check=True)
-    return LoadedModel.load(EngineConfig(model=str(out), device="cuda", dtype="float32"))
+    out = random_checkpoint(tmp_path_factory.mktemp("qwen3-random-fp32"), QWEN3_0_6B,
+                            "float32")
+    return LoadedModel.load(EngineConfig(model=out, device="cuda", dtype="float32"))
 
 
 def under_load(engine, count: int = 8) -> dict[str, list[int]]:

@@ -23,35 +23,22 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.gpu.checkpoints import QWEN3_8_LAYERS, random_checkpoint
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-ROOT = Path(__file__).resolve().parents[2]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
-VOCAB = 32000
-CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "bos_token_id": 1,
-          "eos_token_id": 2, "head_dim": 128, "hidden_size": 1024, "intermediate_size": 3072,
-          "max_position_embeddings": 4096, "num_attention_heads": 16, "num_hidden_layers": 8,
-          "num_key_value_heads": 8, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-          "tie_word_embeddings": False, "torch_dtype": "float32", "vocab_size": VOCAB}
+VOCAB = QWEN3_8_LAYERS["vocab_size"]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("spec-fp32")
-    config = folder / "config.json"
-    config.write_text(json.dumps(CONFIG))
-    out = folder / "model"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks/make_checkpoint.py"), str(config),
-                    str(out), "--dtype", "float32", "--tokenizer", "bytes",
-                    "--lm-head-scale", "25", "--seed", "0"], check=True)
-    return str(out)
+    return random_checkpoint(tmp_path_factory.mktemp("spec-fp32"), QWEN3_8_LAYERS, "float32")
 
 
 @pytest.fixture(scope="module")
