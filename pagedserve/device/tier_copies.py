@@ -15,7 +15,8 @@ with the compute stream, all on the device, so the host waits for none of them:
   from runs of consecutive host slots (no gather on the host), then scattered into the
   request's blocks. Both copy their pairs in host-slot order: a request's blocks come back
   from the pool tail first, so its chain sits in descending slots, and in chain order every
-  block would be a run of its own (one copy per block and layer instead of one per run). The scheduler does not run the request in the step that queues its
+  block would be a run of its own (one copy per block and layer instead of one per run).
+  The scheduler does not run the request in the step that queues its
   recall (`engine/scheduler.py`); the next step's compute stream waits for the recall's
   event before anything else (`await_recalls`), so the copy overlaps a whole forward pass
   and no other request waits for it. Every tensor-parallel rank does the same from the same
