@@ -211,7 +211,7 @@ class UniprocExecutor(Executor):
         self.dtype = dtype_name(model.embed_tokens.weight.dtype)
         self.quantization = model.quantization
         self.model_runner: ModelRunner | None = None
-        self.profile = step_profile.StepProfile(self.device)
+        self.step_profile = step_profile.StepProfile(self.device)
 
     def memory_info(self) -> tuple[int | None, int]:
         return total_memory(self.device), weight_bytes(self.model)
@@ -241,10 +241,10 @@ class UniprocExecutor(Executor):
         return self.model_runner.sample_tokens(step, grammar)
 
     def start_profile(self) -> None:
-        self.profile.start()
+        self.step_profile.start()
 
     def stop_profile(self, trace_path: str) -> None:
-        self.profile.stop(trace_path)
+        self.step_profile.stop(trace_path)
 
 
 class RemoteStep:
