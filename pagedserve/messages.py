@@ -154,6 +154,10 @@ class SchedulerStats(Message):
     step_wait_seconds: float = 0.0
     device_wait_seconds: float = 0.0
     device_seconds: float = 0.0
+    # sampled steps that replayed a CUDA graph, since start: decode graphs, verify graphs
+    # (speculative decoding: k + 1 tokens a request)
+    num_decode_graph_steps: int = 0
+    num_verify_graph_steps: int = 0
 
 
 class EngineCoreOutputs(Message, tag="outputs"):
@@ -282,6 +286,9 @@ class ModelRunnerOutput(Message, array_like=True):
     draft_token_ids: dict[str, list[int]] | None = None
     device_wait_seconds: float = 0.0  # the runner's time blocked on the device for this step
     device_seconds: float = 0.0  # the device's, from the step's launch to its tokens (CUDA)
+    # the query length of the CUDA graph the step replayed (1: decodes; k + 1: verifies);
+    # 0: it ran eagerly
+    graph_query_len: int = 0
 
 
 # -- engine-core process start-up (core_proc.py -> core_client.py) ----------------------------

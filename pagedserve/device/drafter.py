@@ -22,7 +22,7 @@ zeros. Either can only lower acceptance, never change the output.)
 A drafting request's positions past its known tokens are allocated with its step (the
 scheduler's lookahead) and given back after it. The single-token draft steps (every draft
 after a request's first) go through step buffers of their own and, on CUDA, replay captured
-graphs (`cuda_graphs.DecodeGraphs`, sized up to disable_by_batch_size requests): a draft
+graphs (`cuda_graphs.StepGraphs`, sized up to disable_by_batch_size requests): a draft
 model's forward, or the EAGLE-3 head's, which reads the hidden states of the step before
 from a buffer of its own. The first draft comes from the forward over the step's chunks,
 eager (its lengths vary). Drafts are the draft's argmax: a deterministic
@@ -49,7 +49,7 @@ from pagedserve.attention.backend import AttentionBackend, AttentionShape, set_f
 from pagedserve.attention.selector import get_attention_backend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineConfig
-from pagedserve.device.cuda_graphs import DecodeGraphs
+from pagedserve.device.cuda_graphs import StepGraphs
 from pagedserve.device.input_batch import CachedRequestState, StepBuffers
 from pagedserve.kernels.penalties import to_device
 from pagedserve.model.config import ModelConfig
@@ -112,7 +112,7 @@ class Drafter(abc.ABC):
         self.device, self.block_size, self.backend = device, block_size, backend
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         self.buffers: StepBuffers | None = None  # the single-token draft steps' (`setup`)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -192,8 +192,8 @@ class Drafter(abc.ABC):
         max_blocks = -(-max_model_len // self.block_size)
         self.buffers = StepBuffers(max_batch, max_batch, max_blocks, self.device)
         if graphs and self.backend.capturable:
-            self.graphs = DecodeGraphs(self._step_forward, self.backend, self.buffers,
-                                       max_batch, max_model_len)
+            self.graphs = StepGraphs(self._step_forward, self.backend, self.buffers,
+                                     max_batch, max_model_len)
             self.graphs.capture()
 
     def _decode(self, table: np.ndarray, chunks: list[_Chunk], tokens: Tensor,
@@ -211,12 +211,12 @@ class Drafter(abc.ABC):
         b.wait_for_uploads()
         b.fill_block_tables(table, np.array([c.row for c in chunks]), size,
                             -(-int(positions.max() + 1) // bs))
-        b.positions.np[:n], b.positions.np[n:size] = positions, 0
+        b.positions.np[:n] = positions
         b.slot_mapping.np[:n] = (b.block_tables.np[np.arange(n), positions // bs]
                                  .astype(np.int64) * bs + positions % bs)
-        b.slot_mapping.np[n:size] = -1  # padding rows write nothing
-        b.seq_lens.np[:n], b.seq_lens.np[n:size] = positions + 1, 1
-        b.query_start_loc.np[:size + 1] = np.arange(size + 1)
+        b.seq_lens.np[:n] = positions + 1
+        b.query_start_loc.np[:n + 1] = np.arange(n + 1)
+        b.pad_rows(n, n, size, 1)  # padding rows write nothing
         meta = AttentionMetadata(
             num_decodes=size, num_decode_tokens=size, slot_mapping=b.slot_mapping.upload(size),
             block_tables=b.block_tables.upload(size), seq_lens=b.seq_lens.upload(size),

@@ -99,6 +99,24 @@ class StepBuffers:
             host[num_seqs:rows, :int(padding.max())] = 0
             padding[:] = 0
 
+    def pad_rows(self, num_seqs: int, num_tokens: int, rows: int, query_len: int) -> int:
+        """Pad a step of `num_seqs` requests and `num_tokens` tokens, written already, to
+        `rows` requests of `query_len` tokens each, the shape a captured graph runs
+        (`cuda_graphs.py`); returns the padded step's token rows. A padding request's
+        tokens are id 0 at positions 0 .. query_len - 1 that write nothing (slot -1) and
+        attend causally to as many positions of its block-table row, which
+        `fill_block_tables` fills with the null block: finite rows nothing reads."""
+        pad = rows - num_seqs
+        token_rows = num_tokens + pad * query_len
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[num_seqs + 1:rows + 1] = (
+            num_tokens + query_len * np.arange(1, pad + 1))
+        self.input_ids.np[num_tokens:token_rows] = 0
+        self.positions.np[num_tokens:token_rows] = np.tile(np.arange(query_len), pad)
+        self.slot_mapping.np[num_tokens:token_rows] = -1
+        self.seq_lens.np[num_seqs:rows] = query_len
+        return token_rows
+
     def wait_for_uploads(self) -> None:
         if self._uploaded is not None:
             self._uploaded.synchronize()

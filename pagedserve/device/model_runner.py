@@ -34,6 +34,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
 from typing import NamedTuple
 
@@ -49,7 +50,7 @@ from pagedserve.attention.backend import AttentionShape, set_forward_context
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.selector import get_attention_backend
 from pagedserve.config import EngineConfig
-from pagedserve.device.cuda_graphs import DecodeGraphs
+from pagedserve.device.cuda_graphs import StepGraphs, graph_shape
 from pagedserve.device.disk_tier import DiskBlocks
 from pagedserve.device.drafter import DraftStep, draft_step, make_drafter
 from pagedserve.device.input_batch import BlockTableRows, CachedRequestState, StepBuffers
@@ -102,13 +103,15 @@ class PendingRunnerOutput:
                  accepted: list[list[int]] | None = None,
                  tiers: TierReport = NO_TIER_WORK,
                  propose: Callable[[], dict[str, list[int]]] | None = None,
-                 started: torch.cuda.Event | None = None) -> None:
+                 started: torch.cuda.Event | None = None, graph_query_len: int = 0) -> None:
         """`accepted`: speculative decoding's accepted drafts per row (on the host: the
         verify has waited for the step), placed before each row's sampled token.
         `propose`: a proposer on the device, run once the tokens are placed (it reads
         them): its drafts go out with them. `started`: a timing event recorded before the
-        step's forward pass (CUDA)."""
+        step's forward pass (CUDA). `graph_query_len`: the query length of the CUDA graph the
+        step replayed (1: decodes; k + 1: verifies), 0: none."""
         self.states = states
+        self.graph_query_len = graph_query_len
         self._propose = propose
         self._accepted = accepted
         self.tiers = tiers
@@ -133,7 +136,8 @@ class PendingRunnerOutput:
         if self._tokens is None:
             drafts = self._propose() if self._propose is not None else None
             return ModelRunnerOutput([], [], None, self._prompt_logprobs, None,
-                                     *self.tiers, draft_token_ids=drafts)
+                                     *self.tiers, draft_token_ids=drafts,
+                                     graph_query_len=self.graph_query_len)
         waited = busy = 0.0
         if self._ready is not None:
             start = time.perf_counter()
@@ -156,7 +160,8 @@ class PendingRunnerOutput:
         drafts = self._propose() if self._propose is not None else None
         return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs,
                                  accepted, *self.tiers, draft_token_ids=drafts,
-                                 device_wait_seconds=waited, device_seconds=busy)
+                                 device_wait_seconds=waited, device_seconds=busy,
+                                 graph_query_len=self.graph_query_len)
 
 
 def _timing_event(device: torch.device) -> torch.cuda.Event | None:
@@ -182,7 +187,10 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: Tensor  # rows of the hidden states that get sampled
     sampling_states: list[CachedRequestState]
-    graph_size: int | None  # the captured decode graph that runs this step, if any
+    # the captured graphs (decode or verify) that run this step, if any, and the padded
+    # batch size they run it at
+    graphs: StepGraphs | None
+    graph_size: int | None
     # the placeholder rows of input_ids, which the launch fills on the device from the
     # previous step's sampled tokens (of these requests)
     placeholder_ids: list[str]
@@ -217,6 +225,7 @@ class StepHandle:
     tiers: TierReport = NO_TIER_WORK
     draft: DraftStep | None = None  # a proposer on the device: what it drafts from
     started: torch.cuda.Event | None = None  # recorded before its forward pass (CUDA)
+    graph_query_len: int = 0  # its CUDA graph's query length (1 or k + 1); 0: eager
 
 
 class ModelRunner:
@@ -398,20 +407,40 @@ class ModelRunner:
         self.block_rows = BlockTableRows(max_blocks, capacity=2 * config.max_num_seqs)
         if self.loras is not None:
             self.loras.allocate(max(config.max_num_batched_tokens, config.max_num_seqs))
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         warm_up_sampler(self.sampler, self.model_config.vocab_size, self.dtype, self.device,
                         config.max_num_seqs)
         graphs = self.device.type == "cuda" and not config.enforce_eager
         if graphs and self.backend.capturable:
             self._bind_kv_cache()
-            self.graphs = DecodeGraphs(self.model, self.backend, self.buffers,
-                                       config.max_num_seqs, max_model_len,
-                                       lora=self.loras)
-            self.graphs.capture()
+            self._capture_graphs(max_model_len)
         if self.drafter is not None:  # it drafts for at most disable_by_batch_size requests
             self.drafter.setup(min(config.max_num_seqs,
                                    config.speculative_config.disable_by_batch_size),
                                max_model_len, graphs)
+
+    def _capture_graphs(self, max_model_len: int) -> None:
+        """The decode graphs and, with speculative decoding, the verify graphs (k + 1 tokens
+        a request, up to disable_by_batch_size requests: no drafts above it), in one memory
+        pool (a step replays one graph). With an EAGLE-3 drafter both also return the
+        residual streams it reads."""
+        config, spec = self.config, self.config.speculative_config
+        capture = self.drafter.capture if self.drafter is not None else ()
+        forward = (partial(self.model.forward_capturing, capture=capture) if capture
+                   else self.model)
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs = StepGraphs(forward, self.backend, self.buffers, config.max_num_seqs,
+                                 max_model_len, lora=self.loras)
+        self.graphs.capture(pool)
+        if spec is None:
+            return
+        query_len = spec.num_speculative_tokens + 1
+        max_batch = min(config.max_num_seqs, spec.disable_by_batch_size,
+                        self.buffers.input_ids.np.shape[0] // query_len)
+        if max_batch >= 1:
+            self.verify_graphs = StepGraphs(forward, self.backend, self.buffers, max_batch,
+                                            max_model_len, query_len=query_len)
+            self.verify_graphs.capture(pool)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -446,56 +475,48 @@ class ModelRunner:
         num_computed = np.array(output.num_computed_tokens, dtype=np.int64)
         seq_lens = num_computed + num_new
         num_tokens = int(num_new.sum())
-        graph_size = None
-        if (self.graphs is not None and output.num_decodes == num_seqs
-                and not (self.drafter is not None and self.drafter.capture)):
-            graph_size = self.graphs.padded_size(num_seqs)  # (no graph captures EAGLE's rows)
+        drafts = output.draft_token_ids
+        num_drafts = np.zeros(num_seqs, dtype=np.int64)
+        if drafts:  # a verify's drafts are known to the step, after its last token
+            num_drafts[:] = [len(drafts.get(r, ())) for r in output.req_ids]
+        lora_slots = (self.loras.slots([r.lora_request for r in requests])
+                      if self.loras is not None else None)
+        graphs, graph_size = self._step_graph(num_new, num_drafts, lora_slots)
+        query_len = graphs.query_len if graphs is not None else 1
         rows = num_seqs if graph_size is None else graph_size  # padded rows for a graph
-        token_rows = num_tokens if graph_size is None else rows  # a graph's rows: 1 token each
 
         b = self.buffers
         b.wait_for_uploads()
         query_start_loc = b.query_start_loc.np[:rows + 1]
         query_start_loc[0] = 0
         np.cumsum(num_new, out=query_start_loc[1:num_seqs + 1])
-        query_start_loc[num_seqs + 1:] = num_tokens + np.arange(1, rows - num_seqs + 1)
         req_index = np.repeat(np.arange(num_seqs), num_new)
-        positions = b.positions.np[:token_rows]
-        positions[:num_tokens] = (np.arange(num_tokens) - query_start_loc[req_index]
-                                  + num_computed[req_index])
-        positions[num_tokens:] = 0
+        token_pos = b.positions.np[:num_tokens]
+        token_pos[:] = (np.arange(num_tokens) - query_start_loc[req_index]
+                        + num_computed[req_index])
         num_known = np.fromiter((len(r.all_token_ids) for r in requests), dtype=np.int64,
-                                count=num_seqs)
-        drafts = output.draft_token_ids
-        num_drafts = np.zeros(num_seqs, dtype=np.int64)
-        if drafts:  # a verify's drafts are known to the step, after its last token
-            num_drafts[:] = [len(drafts.get(r, ())) for r in output.req_ids]
-            num_known += num_drafts
+                                count=num_seqs) + num_drafts
         # a chunk that ends past the known tokens ends on a placeholder (only ever one)
         placeholders = np.flatnonzero(seq_lens > num_known)
         placeholder_rows = query_start_loc[placeholders + 1] - 1
         self._fill_known_input_ids(requests, num_computed, np.minimum(seq_lens, num_known),
                                    placeholder_rows, num_tokens, drafts)
-        b.input_ids.np[num_tokens:token_rows] = 0
 
         bs = self.block_size
         b.fill_block_tables(self.block_rows.table, self.block_rows.rows(output.req_ids), rows,
                             -(-int(seq_lens.max()) // bs))
         block_tables = b.block_tables.np
-        token_pos = positions[:num_tokens]
-        slot_mapping = b.slot_mapping.np
-        slot_mapping[:num_tokens] = (block_tables[req_index, token_pos // bs].astype(np.int64)
-                                     * bs + token_pos % bs)
-        slot_mapping[num_tokens:token_rows] = -1
+        b.slot_mapping.np[:num_tokens] = (
+            block_tables[req_index, token_pos // bs].astype(np.int64) * bs + token_pos % bs)
         b.seq_lens.np[:num_seqs] = seq_lens
-        b.seq_lens.np[num_seqs:rows] = 1
+        token_rows = b.pad_rows(num_seqs, num_tokens, rows, query_len)
 
         samples = np.array(output.samples, dtype=bool)
         sample_rows = _sample_rows(query_start_loc[1:num_seqs + 1][samples],
                                    num_drafts[samples])
         b.logits_indices.np[:len(sample_rows)] = sample_rows
         num_decodes, max_query_len = output.num_decodes, int(num_new.max())
-        if self._verifies_as_decodes(drafts, num_new, num_drafts, num_tokens, graph_size):
+        if self._verifies_as_decodes(drafts, num_new, num_drafts, num_tokens, graphs):
             self._decode_rows(output, num_new, token_pos, seq_lens)
             num_decodes = rows = num_tokens
             max_query_len = 1
@@ -508,8 +529,7 @@ class ModelRunner:
             max_query_len=max_query_len, max_seq_len=int(seq_lens.max()))
         lora = None
         if self.loras is not None:
-            lora = self.loras.batch(self.loras.slots([r.lora_request for r in requests]),
-                                    num_new, token_rows, graph_size is not None)
+            lora = self.loras.batch(lora_slots, num_new, token_rows, graphs is not None)
         inputs = StepInputs(
             input_ids=b.input_ids.upload(token_rows),
             positions=b.positions.upload(token_rows),
@@ -517,22 +537,40 @@ class ModelRunner:
             logits_indices=b.logits_indices.upload(len(sample_rows)),
             sampling_states=self._sampling_states(requests, output.samples,
                                                   seq_lens - num_drafts),
-            graph_size=graph_size,
+            graphs=graphs, graph_size=graph_size,
             placeholder_ids=[output.req_ids[i] for i in placeholders.tolist()],
             placeholder_rows=placeholder_rows, lora=lora,
             drafts=([drafts.get(r, []) for r, sample in zip(output.req_ids, output.samples)
                      if sample] if drafts else None))
         return inputs
 
+    def _step_graph(self, num_new: np.ndarray, num_drafts: np.ndarray,
+                    lora_slots: np.ndarray | None) -> tuple[StepGraphs | None, int | None]:
+        """The captured graphs that run the step and the padded size it runs at
+        (`cuda_graphs.graph_shape`); (None, None): eager. Verify graphs have no LoRA
+        variant: a verify with an adapter row runs eagerly."""
+        ladders = {graphs.query_len: graphs.sizes for graphs in (self.graphs,
+                                                                 self.verify_graphs)
+                   if graphs is not None}
+        shape = graph_shape(num_new, num_drafts, ladders)
+        if shape is None:
+            return None, None
+        query_len, size = shape
+        if query_len == 1:
+            return self.graphs, size
+        if lora_slots is not None and (lora_slots >= 0).any():
+            return None, None
+        return self.verify_graphs, size
+
     def _verifies_as_decodes(self, drafts: dict[str, list[int]], num_new: np.ndarray,
                              num_drafts: np.ndarray, num_tokens: int,
-                             graph_size: int | None) -> bool:
+                             graphs: StepGraphs | None) -> bool:
         """Whether a step of decodes and verifies only runs as one decode per token (the CPU
         backend, no LoRA, no graph, the rows within the step buffers): the CPU's whole-step
         decode (`model/fast_decode.py`) then takes it, which a verify chunk would otherwise
         leave for the per-op path at several times a decode's cost."""
         return (bool(drafts) and self.backend.name == "cpu" and self.loras is None
-                and graph_size is None and num_tokens <= self.config.max_num_seqs
+                and graphs is None and num_tokens <= self.config.max_num_seqs
                 and bool(np.all(num_new == num_drafts + 1)))
 
     def _decode_rows(self, output: SchedulerOutput, num_new: np.ndarray,
@@ -679,6 +717,7 @@ class ModelRunner:
         hidden, aux = self._forward(inputs)
         handle = self._handle(output, inputs, hidden, tiers)
         handle.started = started
+        handle.graph_query_len = inputs.graphs.query_len if inputs.graphs is not None else 0
         if self.drafter is not None:
             handle.draft = draft_step(
                 [self.requests[r] for r in output.req_ids], output.num_computed_tokens,
@@ -747,7 +786,8 @@ class ModelRunner:
             sampled = self._sample(step.logits, step.sampling)
         return PendingRunnerOutput(step.states, sampled, step.prompt_logprobs,
                                    tiers=step.tiers, propose=self._proposal(step.draft),
-                                   started=step.started)
+                                   started=step.started,
+                                   graph_query_len=step.graph_query_len)
 
     def _proposal(self, draft: DraftStep | None) -> Callable[[], dict[str, list[int]]] | None:
         """The drafter's run over a step, for its output to make once its tokens are placed
@@ -794,7 +834,8 @@ class ModelRunner:
                                      (ordinary_logprobs, ordinary), (verified.logprobs, rows.index))
         return PendingRunnerOutput(states, SamplerOutput(tokens, logprobs),
                                    step.prompt_logprobs, accepted, step.tiers,
-                                   self._proposal(step.draft), step.started)
+                                   self._proposal(step.draft), step.started,
+                                   step.graph_query_len)
 
     def _compute_prompt_logprobs(self, output: SchedulerOutput, hidden: Tensor
                                  ) -> dict[str, LogprobsLists] | None:
@@ -880,9 +921,12 @@ class ModelRunner:
         """The final hidden states, and those of the layers an EAGLE-3 drafter reads (else
         None)."""
         self._bind_kv_cache()
-        if inputs.graph_size is not None:
-            return self.graphs.replay(inputs.graph_size, inputs.lora is not None), None
         capture = self.drafter.capture if self.drafter is not None else ()
+        if inputs.graphs is not None:
+            out = inputs.graphs.replay(inputs.graph_size, inputs.lora is not None)
+            # the streams outlive the step's launches (the drafter reads them once its
+            # tokens are back, after the next step's replay under async scheduling)
+            return (out[0], out[1].clone()) if capture else (out, None)
         with set_forward_context(inputs.meta, self.backend), lora_context(inputs.lora):
             if capture:
                 return self.model.forward_capturing(inputs.input_ids, inputs.positions,

@@ -429,6 +429,8 @@ class EngineCore:
             step_wait_seconds=self.step_times.wait_seconds,
             device_wait_seconds=self.step_times.device_wait_seconds,
             device_seconds=self.step_times.device_seconds,
+            num_decode_graph_steps=self.step_times.decode_graph_steps,
+            num_verify_graph_steps=self.step_times.verify_graph_steps,
             **_tier_stats(scheduler))
 
 
@@ -457,11 +459,15 @@ class StepTimes:
     wait_seconds: float = 0.0  # the core blocked on a step's tokens
     device_wait_seconds: float = 0.0  # of which the runner (rank 0) blocked on the device
     device_seconds: float = 0.0  # the device's time on the steps (CUDA)
+    decode_graph_steps: int = 0  # sampled steps that replayed a decode graph
+    verify_graph_steps: int = 0  # and a verify graph (k + 1 tokens a request)
 
     def waited(self, seconds: float, output: ModelRunnerOutput) -> None:
         self.wait_seconds += seconds
         self.device_wait_seconds += output.device_wait_seconds
         self.device_seconds += output.device_seconds
+        self.decode_graph_steps += output.graph_query_len == 1
+        self.verify_graph_steps += output.graph_query_len > 1
 
 
 def _tier_stats(scheduler: Scheduler) -> dict[str, int | float]:

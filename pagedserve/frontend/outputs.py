@@ -110,6 +110,10 @@ class EngineStats:
     step_wait_seconds: float = 0.0
     device_wait_seconds: float = 0.0
     device_seconds: float = 0.0
+    # sampled steps that replayed a CUDA graph of decodes, and of verifies (see
+    # SchedulerStats)
+    num_decode_graph_steps: int = 0
+    num_verify_graph_steps: int = 0
     # speculative decoding: verifies, draft tokens, accepted drafts, and accepted drafts at
     # each position of a draft
     spec_num_drafts: int = 0
