@@ -11,7 +11,10 @@ Parts (each a key of the JSON written to --out, merged into what is there):
             accepted with probability --acceptance: the engine's own cost of a verify with a
             drafter that costs nothing; then the same with a draft model of --draft-shape
             (default Llama-3.2-1B, dummy weights) running as it would, its proposals
-            overridden by the same oracle: what running a draft model costs
+            overridden by the same oracle: what running a draft model costs; each row's
+            `graph_steps` counts the steps that replayed a CUDA graph (decode, and verify:
+            every request its last token and k drafts), so a TPOT says whether the verifies
+            ran as graphs
   load      (GPU) workload A (benchmarks/throughput.py's 256 requests) with ngram against
             without, same run: output tokens/s (speculation switches itself off at this
             batch and the engine pipelines its steps; the synchronous engine is measured
@@ -128,7 +131,15 @@ def spec_stats(engine: LLMEngine) -> dict:
             "accepted_per_position": stats.spec_accepted_per_position,
             "acceptance_rate": (stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
                                 if stats.spec_num_draft_tokens else 0.0),
-            "mean_accepted_length": stats.spec_mean_accepted_length}
+            "mean_accepted_length": stats.spec_mean_accepted_length,
+            "graph_steps": graph_steps(engine)}
+
+
+def graph_steps(engine: LLMEngine) -> dict:
+    """Sampled steps that replayed a CUDA graph since start: of decodes, of verifies."""
+    stats = engine.get_stats()
+    return {"decode": stats.num_decode_graph_steps, "verify": stats.num_verify_graph_steps,
+            "steps": stats.num_steps}
 
 
 def grounded(args: argparse.Namespace) -> dict:
@@ -229,11 +240,13 @@ def oracle(args: argparse.Namespace) -> dict:
             tokens, decode_s, _ = run_one(none, p, params)
             recorded[tuple(p)] = p + tokens
             none_tpot.append(decode_s / (len(tokens) - 1))
+        none_graphs = graph_steps(none)
         release(none)
         draft = shape_folder(Path(root), args.draft_shape)
         result = {"shape": args.shape, "k": 4, "acceptance_set": args.acceptance,
                   "output_tokens": args.oracle_tokens,
-                  "tpot_ms_none": round(1e3 * statistics.median(none_tpot), 3)}
+                  "tpot_ms_none": round(1e3 * statistics.median(none_tpot), 3),
+                  "graph_steps_none": none_graphs}
         for name, config in (("oracle", {"method": "ngram"}),
                              ("draft_model_oracle", {"model": str(draft)})):
             spec = engine_over(loaded, base, config | {"num_speculative_tokens": 4})

@@ -88,7 +88,7 @@ class EngineConfig:
     kv_offload_disk: int = 16 << 30
     # execution
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "triton"
-    enforce_eager: bool = False  # CUDA: True skips CUDA graphs for decode; CPU is always eager
+    enforce_eager: bool = False  # CUDA: no CUDA graphs (decode, verify); the CPU: always eager
     # schedule and launch step N+1 before waiting for step N's tokens, so the CPU work of a
     # step overlaps the GPU's; None = on for CUDA, off for the CPU (which runs a step
     # synchronously: there is nothing to overlap)

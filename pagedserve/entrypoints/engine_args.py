@@ -133,7 +133,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("attention_backend", "auto = triton on CUDA; on the CPU the native kernels "
               "(cpu) when they build, else the PyTorch reference (torch)",
               choices=ATTENTION_BACKENDS),
-    EngineArg("enforce_eager", "CUDA: run decode steps eagerly instead of as CUDA graphs"),
+    EngineArg("enforce_eager", "CUDA: run decode and verify steps eagerly instead of as CUDA "
+                              "graphs"),
     EngineArg("async_scheduling", "prepare step N+1 on the CPU while the device runs step N",
               default_text="on for CUDA, off on the CPU"),
     EngineArg("grammar_process", "structured outputs: keep the grammar matchers in a process "

@@ -2,8 +2,8 @@
 the default engine (async scheduling, CUDA graphs), same weights; each speculative engine
 runs with async scheduling too (CUDA's default).
 
-float32, so that a difference is a bug and not noise: a verify runs eagerly through the
-paged prefill kernel while plain decodes replay graphs of the decode kernel, and in bf16 an
+float32, so that a difference is a bug and not noise: a verify goes through the paged
+prefill kernel while plain decodes go through the decode kernel, and in bf16 an
 LM head scaled x25 puts logits near 64-128 where bf16 steps by 0.5, so a near-tie flips
 whenever the two kernels round differently (a logprob moves by ~0.25 when one logit moves
 one step). In float32 (IEEE dots, not TF32) the same sums in another order move logits by
@@ -16,6 +16,11 @@ and made here, once for the module.
 The draft model is the target's own checkpoint (so nearly every draft is accepted, which
 needs the draft's KV in the target's blocks to be right); the EAGLE-3 heads are random, in
 the published layout (tests/spec/heads.py), reading the target's default three layers.
+Verify steps (every request its last token and k drafts) replay CUDA graphs of their own,
+and EAGLE-3's target steps replay graphs that also return its three layers' streams: each
+proposer's engine gives the tokens of the same engine with enforce_eager, with requests
+arriving while others verify (steps mixing prefills and verifies run eagerly), and the
+engine's stats show the graphs replayed.
 No bf16 case: a verify takes the same code in either dtype (its logits read as float32), so
 bf16 would only add near-tie flips and its own kernels' compile time."""
 
@@ -207,9 +212,9 @@ def drafts_per_step(engine, prompt_list, params_list) -> list[dict[str, list[int
 def test_eagle3_draft_steps_replay_graphs_that_draft_as_the_eager_steps(loaded, tmp_path):
     """EAGLE-3's single-token draft steps replay CUDA graphs (three requests in the graph of
     four, a padding row that writes nothing): after every step each request's drafts are
-    those of the same engine with enforce_eager (the target's steps, with EAGLE-3 always
-    eager, and each first draft are the same code in both: only the later draft steps
-    differ)."""
+    those of the same engine with enforce_eager (whose target steps, and the streams they
+    hand the head, are eager too; float32 keeps the two within rounding, far below the
+    head's argmax gaps)."""
     head = eagle3_head(loaded, tmp_path / "eagle3")
     prompt_list = prompts(3, seed=51)
     params = [greedy(24)] * 3
@@ -295,3 +300,54 @@ def test_seeded_sampled_rows_repeat_under_speculation(loaded):
         accepted.append(engine.get_stats().spec_num_accepted_tokens)
     assert_same_tokens(outs[0], outs[1])
     assert min(accepted) > 0
+
+
+def run_arrivals(engine, arrivals: list[tuple[int, list[int], object]]) -> list[list[int]]:
+    """Each request's greedy tokens, the requests added at their step of the run (so that
+    later prompts are prefilled in steps that verify the earlier requests' drafts)."""
+    pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
+    done, step = {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1][0] <= step:
+            i, (_, ids, params) = pending.pop(0)
+            engine.add_request(f"c{i}", None, params, prompt_token_ids=ids)
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0].token_ids
+        step += 1
+    assert engine.get_stats().kv_cache_usage == 0.0
+    return [done[f"c{i}"] for i in range(len(arrivals))]
+
+
+def proposer_config(method: str, loaded, checkpoint: str, folder: Path) -> dict:
+    if method == "ngram":
+        return NGRAM
+    if method == "draft_model":
+        return {"model": checkpoint, "num_speculative_tokens": 4}
+    return {"method": "eagle3", "model": eagle3_head(loaded, folder),
+            "num_speculative_tokens": 3}
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_verify_graphs_give_the_eager_engines_tokens(loaded, checkpoint, tmp_path, method):
+    """Three requests, two more arriving while they verify and a sixth later (their
+    prefills in steps beside verifies, which run eagerly; five running: drafting off, plain
+    decodes; fewer: verifies padded into the graph of the next size): the same greedy
+    tokens as with enforce_eager, verify and decode graphs replayed (EAGLE-3's target's
+    too), none in the eager engine."""
+    spec = proposer_config(method, loaded, checkpoint, tmp_path / "eagle3")
+    spec = spec | {"disable_by_batch_size": 4}
+    prompt_list = repeating_prompts(6, seed=61)
+    arrivals = [(step, ids, greedy(24 + 6 * i))
+                for i, (step, ids) in enumerate(zip([0, 0, 0, 5, 5, 14], prompt_list))]
+    outs, stats = [], []
+    for eager in (True, False):
+        engine = make_engine(loaded, enforce_eager=eager, speculative_config=spec)
+        outs.append(run_arrivals(engine, arrivals))
+        stats.append(engine.get_stats())
+    assert_same_tokens(outs[0], outs[1])
+    eager, graphs = stats
+    assert eager.num_verify_graph_steps == eager.num_decode_graph_steps == 0
+    assert graphs.spec_num_drafts > 0 and graphs.num_verify_graph_steps > 0, graphs
+    assert graphs.num_decode_graph_steps > 0, graphs  # five requests: no drafts
