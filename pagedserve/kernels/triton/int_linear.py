@@ -35,6 +35,7 @@ from torch import Tensor
 from pagedserve.kernels import int4pack
 from pagedserve.kernels.triton.dequant import dequant_tile
 from pagedserve.kernels.triton.gemv import int_row_dot, tile_row_dot
+from pagedserve.kernels.triton.int4pack_gemm import int4pack_tile
 from pagedserve.kernels.triton.precision import dot_precision
 from pagedserve.kernels.weight_formats import IntWeight, Stacked, WeightFormat
 
@@ -156,29 +157,18 @@ def _dequant_kernel(w_ptr, data_ptr, scales_ptr, zeros_ptr, g_idx_ptr, data_stri
 
 
 @triton.jit
-def _int4pack_dequant_kernel(w_ptr, packed_ptr, table_ptr, N, K, GROUP: tl.constexpr,
+def _int4pack_dequant_kernel(w_ptr, packed_ptr, pairs_ptr, N, K, GROUP: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A weight in torch's int4 layout (`kernels/int4pack.py`'s formula) written out [N, K]
-    in w's dtype, a tile per program: weight (n, k) is nibble 4 * (k % 2) + (k // 8) % 4 of
-    word [n // 8, k // 128, (n % 8) * 4 + (k // 2) % 4, (k // 32) % 4], i.e. of word
-    (n // 8) * K + (n % 8) * 16 + (k // 128) * 128 + ((k // 2) % 4) * 4 + (k // 32) % 4;
-    each word is read by the 8 lanes that need one of its codes (from cache)."""
+    """A weight in torch's int4 layout written out [N, K] in w's dtype, a tile per program
+    (`int4pack_gemm.int4pack_tile`: the layout's one reader)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_mask, k_mask = offs_n < N, offs_k < K
-    mask = n_mask[:, None] & k_mask[None, :]
-    n64 = offs_n.to(tl.int64)
-    row_word = (n64 // 8) * K + (n64 % 8) * 16
-    col_word = (offs_k // 128) * 128 + ((offs_k // 2) % 4) * 4 + (offs_k // 32) % 4
-    words = tl.load(packed_ptr + row_word[:, None] + col_word[None, :], mask=mask, other=0)
-    shifts = (4 * (offs_k % 2) + (offs_k // 8) % 4) * 4
-    codes = (words >> shifts[None, :]) & 0xF
-    entry = ((offs_k // GROUP).to(tl.int64)[None, :] * N + n64[:, None]) * 2
-    scale = tl.load(table_ptr + entry, mask=mask, other=0.0).to(tl.float32)
-    offset = tl.load(table_ptr + entry + 1, mask=mask, other=0.0).to(tl.float32)
-    w = (codes - 8).to(tl.float32) * scale + offset
-    tl.store(w_ptr + n64[:, None] * K + offs_k[None, :], w.to(w_ptr.dtype.element_ty),
-             mask=mask)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_mask = offs_n < N
+    w = int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K, GROUP, BLOCK_N,
+                      BLOCK_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+             w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
 def prepare(weight):
@@ -239,8 +229,9 @@ def _dequantize_int4pack(weight: int4pack.Int4Weight, dtype: torch.dtype,
     n, k = weight.shape
     w = torch.empty((n, k), dtype=dtype, device=weight.packed.device)
     grid = (triton.cdiv(n, config.dequant_block_n), triton.cdiv(k, config.dequant_block_k))
-    _int4pack_dequant_kernel[grid](w, weight.packed, weight.scales_and_offsets, n, k,
-                                   GROUP=weight.group_size, BLOCK_N=config.dequant_block_n,
+    pairs = weight.scales_and_offsets.view(torch.int32)
+    _int4pack_dequant_kernel[grid](w, weight.packed, pairs, n, k, GROUP=weight.group_size,
+                                   BLOCK_N=config.dequant_block_n,
                                    BLOCK_K=config.dequant_block_k)
     return w
 
