@@ -1,15 +1,22 @@
 """4-bit (and 8-bit) integer weights on a CUDA GPU: the Llama-3-8B shape, one run.
 
-    PYTHONPATH=. python benchmarks/int4.py --out DIR [--parts gemv,memory,8b] [--sweep]
+    PYTHONPATH=. python benchmarks/int4.py --out DIR [--parts gemv,gemm,memory,8b] [--sweep]
         [--append]
 
-Parts (all by default; about 6 minutes on an H100 with a cold Triton cache):
+Parts (all by default; about 8 minutes on an H100 with a cold Triton cache):
   gemv    Llama-3-8B's projections (K x N: qkv, o, gate_up, down) at 1 to 256 rows:
           `kernels/triton/int_linear.linear` on W4A16 group 128 (symmetric, and with zero
           points as GPTQ / AWQ / asymmetric compressed-tensors load) and W8A16 group 128,
           against the bf16 matmul; time, packed bytes over time and, at 1 row, % of the copy
           bandwidth. Timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step
           reads them). With --sweep also each GEMV candidate of `GEMV_CANDIDATES` at 1 row.
+  gemm    decode batches (16 to 256 rows) on Llama-3-8B's projections, W4A16 group 128 in
+          torch's int4 layout as the engine keeps it: the fused GEMM
+          (`kernels/triton/int4pack_gemm.matmul`, tiles by its `config_for` rule) against the
+          dequantization into a bf16 scratch tensor + cuBLAS, torch's int4 kernel and the bf16
+          matmul, in the same graphs as `gemv`; each row's `max_rel_err` is the fused output
+          against dequantize + cuBLAS. With --sweep also each of `GEMM_CANDIDATES` (tiles,
+          split-K, warps, stages), to place the rule.
   memory  the weights' device bytes for the 8B shape per format (bf16, W4A16 g128 sym /
           with zeros, W4A16 per channel, W8A16 g128): the checkpoint's packing (computed)
           and what the engine keeps (a 4-bit weight torch's int4 kernel reads: that layout
@@ -42,7 +49,9 @@ from torch import nn  # noqa: E402
 from benchmarks.common import (LLAMA3_8B_PROJECTIONS, ResultRows,  # noqa: E402
                                rotation_copies, sibling)
 from pagedserve.kernels import int4pack  # noqa: E402
-from pagedserve.kernels.triton import int_linear  # noqa: E402
+from pagedserve.kernels.triton import int4pack_gemm, int_linear  # noqa: E402
+from pagedserve.kernels.triton.fp8_linear import num_sms  # noqa: E402
+from pagedserve.kernels.triton.int4pack_gemm import Int4GemmConfig  # noqa: E402
 from pagedserve.kernels.weight_formats import IntWeight, pack_codes  # noqa: E402
 from pagedserve.model.int_weights import IntMatmul  # noqa: E402
 
@@ -55,6 +64,15 @@ GEMV_CANDIDATES = {f"gemv n{n} k{k} w{w}": replace(int_linear.DEFAULT, int_gemv_
                                                    int_gemv_block_k=k, int_gemv_warps=w)
                    for n, k, w in [(4, 256, 2), (4, 512, 2), (8, 256, 4), (8, 512, 4),
                                    (4, 1024, 4), (16, 512, 8)]}
+
+GEMM_ROWS = (16, 32, 64, 128, 256)
+# (block_m, block_n, block_k, split_k, warps, stages); each fits an H100's shared memory
+GEMM_CANDIDATES = [Int4GemmConfig(*c) for c in [
+    (16, 64, 128, 1, 4, 4), (16, 64, 128, 2, 4, 4), (16, 64, 128, 4, 4, 4),
+    (16, 128, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
+    (32, 64, 128, 2, 4, 4), (32, 128, 128, 1, 4, 3), (64, 64, 128, 1, 4, 3),
+    (64, 128, 128, 1, 8, 3), (64, 128, 128, 1, 4, 4), (64, 256, 128, 1, 8, 3),
+    (128, 64, 128, 1, 4, 3), (128, 128, 128, 1, 8, 3), (128, 128, 128, 1, 8, 4)]]
 
 
 fp8_bench = sibling("fp8")
@@ -139,6 +157,53 @@ def part_gemv(res: ResultRows, bandwidth: float, sweep: bool) -> None:
                     row.update(asdict(cfg))
                 res.add("gemv", **row)
         del weights, bf16
+        torch.cuda.empty_cache()
+
+
+def part_gemm(res: ResultRows, sweep: bool) -> None:
+    """The fused GEMM on torch's int4 layout against the paths a decode batch has without it
+    (module docstring, `gemm`)."""
+    for name, (k_dim, n_dim) in SHAPES.items():
+        one = int4pack.pack(quantize(torch.randn(n_dim, k_dim, device="cuda",
+                                                 dtype=torch.bfloat16) * 0.02, 4, 128, False))
+        ws = [one] + [int4pack.Int4Weight(one.packed.clone(), one.scales_and_offsets.clone(),
+                                          one.group_size, one.in_features)
+                      for _ in range(rotation_copies(weight_bytes(one)) - 1)]
+        copies = rotation_copies(n_dim * k_dim * 2)
+        bf16 = torch.randn(copies, n_dim, k_dim, device="cuda", dtype=torch.bfloat16) * 0.02
+        for rows in GEMM_ROWS:
+            x = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
+            reference = torch.nn.functional.linear(x, int_linear.dequantize(one, x.dtype))
+            methods = {
+                "bf16 matmul": ([lambda r=r: x @ bf16[r].t() for r in range(copies)], None),
+                "w4a16 g128 dequant + cublas": (
+                    [lambda w=w: torch.nn.functional.linear(
+                        x, int_linear.dequantize(w, x.dtype)) for w in ws], None),
+                "w4a16 g128 torch kernel": ([lambda w=w: int4pack.matmul(x, w) for w in ws],
+                                            None),
+                "w4a16 g128 fused": ([lambda w=w: int4pack_gemm.matmul(x, w) for w in ws],
+                                     int4pack_gemm.config_for(
+                                         rows, n_dim, k_dim, num_sms(x.device))),
+            }
+            for cfg in GEMM_CANDIDATES if sweep else ():
+                label = (f"w4a16 g128 fused m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} "
+                         f"s{cfg.split_k} w{cfg.warps} st{cfg.stages}")
+                methods[label] = ([lambda w=w, c=cfg: int4pack_gemm.matmul(x, w, None, c)
+                                   for w in ws], cfg)
+            bf16_us = None
+            for label, (fns, cfg) in methods.items():
+                us = kernels.graph_us(fns)
+                bf16_us = bf16_us or us
+                nbytes = n_dim * k_dim * 2 if label == "bf16 matmul" else weight_bytes(one)
+                row = dict(layer=name, k=k_dim, n=n_dim, rows=rows, method=label,
+                           us=round(us, 2), ratio_vs_bf16=round(us / bf16_us, 3),
+                           gb_per_s=round(nbytes / (us * 1e-6) / 1e9, 1))
+                if "fused" in label:
+                    got = fns[0]().float()  # ws[0] is `one`
+                    err = (got - reference.float()).abs().max() / reference.float().abs().max()
+                    row.update(max_rel_err=float(f"{float(err):.2e}"), **asdict(cfg))
+                res.add("gemm", **row)
+        del ws, bf16, one
         torch.cuda.empty_cache()
 
 
@@ -234,8 +299,9 @@ def part_8b(res: ResultRows, root: Path, bandwidth: float, workload: bool) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for int4.json")
-    parser.add_argument("--parts", default="gemv,memory,8b")
-    parser.add_argument("--sweep", action="store_true", help="gemv: also the GEMV candidates")
+    parser.add_argument("--parts", default="gemv,gemm,memory,8b")
+    parser.add_argument("--sweep", action="store_true",
+                        help="gemv: also the GEMV candidates; gemm: the GEMM candidates")
     parser.add_argument("--no-workload", action="store_true", help="8b: TPOT only")
     parser.add_argument("--append", action="store_true", help="keep the other parts' rows "
                         "already in DIR/int4.json (a run split in parts, moe_int4.py's rows); "
@@ -249,6 +315,8 @@ def main() -> None:
         part_memory(res)
     if "gemv" in parts:
         part_gemv(res, bandwidth, args.sweep)
+    if "gemm" in parts:
+        part_gemm(res, args.sweep)
     if "8b" in parts:
         part_8b(res, Path(tempfile.mkdtemp(prefix="pagedserve-int4-")), bandwidth,
                 not args.no_workload)

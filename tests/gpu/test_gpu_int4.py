@@ -1,7 +1,8 @@
 """Integer weight-only layers on CUDA (CI skips this file): the compiled GEMV and GEMM against
 the dequantizing reference at the Llama-3-8B projection shapes and ragged ones, bf16 and
 fp16; torch's int4 layout (the emulated packing against the real one, the Triton
-dequantization from it, the row counts on each side of `int4pack_max_rows`); then tiny
+dequantization from it, the row counts on each side of `int4pack_max_rows`, the fused GEMM
+on it for decode batches); then tiny
 compressed-tensors / GPTQ / AWQ checkpoints (benchmarks/quantize_int.py) loaded on CUDA give
 the CPU reference's logits (float32: same dequantized weights)."""
 
@@ -216,3 +217,51 @@ def test_an_engine_on_4bit_weights_in_torchs_layout_alone_gives_the_reference_lo
             got = logprobs[j][token].logprob
             assert abs(got - float(reference[j, token])) <= tol[j], (i, j)
             assert reference[j, token] >= reference[j].max() - tol[j], (i, j)
+
+
+@pytest.mark.parametrize("rows", [17, 48, 100, 256])
+@pytest.mark.parametrize("group,zeros", [(128, False), (32, True), (64, False)])
+def test_fused_gemm_on_torchs_layout_is_x_times_its_dequantization(rows, group, zeros):
+    """`int4pack_gemm.matmul` (the tiles of its rule: split-K at 17 rows) on a weight
+    `prepare` converted (the real CUDA layout) is x @ the reference dequantization in bf16
+    (the weight the kernel's tl.dot takes, rounded once) + bias, to float32 summation order
+    and the output's one rounding; N is past the last 64- and 128-row tile."""
+    from pagedserve.kernels.triton.int4pack_gemm import matmul
+    from pagedserve.kernels.triton.int_linear import prepare
+    from tests.kernels.test_int_linear import random_weight
+
+    gen = torch.Generator().manual_seed(rows + group)
+    k, n = 4096, 1024 + 8
+    prepared = prepare(_cuda(random_weight(n, k, 4, group, zeros, False, torch.bfloat16, gen)))
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
+    w = prepared.dequantize(torch.bfloat16).float()
+    expected = x.float() @ w.t() + bias.float()
+    bound = expected.abs() * 2**-8 + (x.float().abs() @ w.abs().t()) * 2**-14 + 1e-6
+    got = matmul(x, prepared, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert ((got.float() - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_gemm_tile_configurations_give_the_same_products(dtype):
+    """Tile configurations of the kinds benchmarks/int4.py sweeps (split-K 2 and 4,
+    BLOCK_K 256, 4 and 8 warps, M tiles of 16 to 128) on the real layout, K and N ragged
+    against the tiles, bf16 and fp16 activations: x @ the dequantized weight rounded to the
+    activation dtype."""
+    from pagedserve.kernels.triton.int4pack_gemm import Int4GemmConfig, matmul
+    from pagedserve.kernels.triton.int_linear import prepare
+    from tests.kernels.test_int_linear import random_weight
+
+    gen = torch.Generator().manual_seed(7)
+    k, n, rows = 128 * 11, 200, 37
+    prepared = prepare(_cuda(random_weight(n, k, 4, 128, True, False, torch.bfloat16, gen)))
+    x = torch.randn(rows, k, generator=gen).to(dtype).cuda()
+    w = prepared.dequantize(torch.float32).to(dtype).float()
+    expected = x.float() @ w.t()
+    bound = expected.abs() * 2**-8 + (x.float().abs() @ w.abs().t()) * 2**-14 + 1e-6
+    for config in (Int4GemmConfig(16, 64, 128, 2, 4, 4), Int4GemmConfig(16, 64, 256, 4, 4, 3),
+                   Int4GemmConfig(32, 128, 128, 1, 4, 3), Int4GemmConfig(64, 256, 128, 1, 8, 3),
+                   Int4GemmConfig(128, 128, 128, 1, 8, 4)):
+        got = matmul(x, prepared, None, config).float()
+        assert ((got - expected).abs() <= bound).all(), config
