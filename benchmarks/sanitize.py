@@ -1218,14 +1218,17 @@ def w_engine(ctx: Ctx, variant: str) -> None:
 
 def w_quant(ctx: Ctx) -> None:
     """The packed-weight matmuls (kernels/triton/int_linear.py) over every format they read:
-    integer weights of 4 and 8 bits (symmetric, zero points, g_idx permutations, per channel)
-    and GGUF blocks of each type kept quantized, at 1 row (the GEMV), a decode batch and a
+    integer weights of 4 and 8 bits (symmetric, zero points, g_idx permutations, per channel;
+    one in torch's int4 layout, also through the fused GEMM `int4pack_gemm.matmul`, which
+    `linear` does not choose yet) and GGUF blocks of each type kept quantized, at 1 row (the GEMV), a decode batch and a
     prefill (the GEMMs), N and K ragged against the tiles, against x @ the weight that the
     torch reference dequantizes from the same bytes."""
     import numpy as np
     import torch
 
     from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight
+    from pagedserve.kernels.int4pack import Int4Weight
+    from pagedserve.kernels.triton import int4pack_gemm
     from pagedserve.kernels.triton.int_linear import linear, prepare
     from pagedserve.kernels.weight_formats import IntWeight, pack_codes
 
@@ -1235,6 +1238,7 @@ def w_quant(ctx: Ctx) -> None:
     rows_cases = (1, 3, 5, 19, 256) if ctx.gpu and not ctx.small else (1, 5)
     gen = torch.Generator().manual_seed(3)
     n = 200 if ctx.gpu else 40
+    fused_split = int4pack_gemm.Int4GemmConfig(16, 64, 256, split_k=2, stages=3)
     int_cases = [(4, 128, True, False, 1000), (4, 32, False, True, 264),
                  (8, 64, False, False, 328), (4, 1 << 20, True, False, 136),
                  (4, 128, False, False, 1024)]  # the last: torch's int4 layout alone
@@ -1254,6 +1258,11 @@ def w_quant(ctx: Ctx) -> None:
             got = linear(x.to(dev), weight)
             ctx.rel_close(got, x.double() @ w.T, f"int{bits} g{group} zeros={zeros} "
                           f"g_idx={g_idx} rows={rows}", tol)
+            if isinstance(weight, Int4Weight):  # the fused GEMM on that layout: its rule's
+                for config in (None, fused_split):  # tiles, and split K on 256-column steps
+                    got = int4pack_gemm.matmul(x.to(dev), weight, None, config)
+                    ctx.rel_close(got, x.double() @ w.T,
+                                  f"int4pack fused gemm {config} rows={rows}", tol)
     rng = np.random.default_rng(3)
     for qtype, (per_block, size) in sorted(BLOCKS.items()):
         k = 3 * 256 if per_block == 256 else 21 * 32
