@@ -248,7 +248,7 @@ def test_fused_gemm_tile_configurations_give_the_same_products(dtype):
     """Tile configurations of the kinds benchmarks/int4.py sweeps (split-K 2 and 4,
     BLOCK_K 256, 4 and 8 warps, M tiles of 16 to 128) on the real layout, K and N ragged
     against the tiles, bf16 and fp16 activations: x @ the dequantized weight rounded to the
-    activation dtype."""
+    activation dtype, + bias (added in the kernel without split-K, after the sum with it)."""
     from pagedserve.kernels.triton.int4pack_gemm import Int4GemmConfig, matmul
     from pagedserve.kernels.triton.int_linear import prepare
     from tests.kernels.test_int_linear import random_weight
@@ -257,11 +257,13 @@ def test_fused_gemm_tile_configurations_give_the_same_products(dtype):
     k, n, rows = 128 * 11, 200, 37
     prepared = prepare(_cuda(random_weight(n, k, 4, 128, True, False, torch.bfloat16, gen)))
     x = torch.randn(rows, k, generator=gen).to(dtype).cuda()
+    bias = torch.randn(n, generator=gen).to(dtype).cuda()
     w = prepared.dequantize(torch.float32).to(dtype).float()
-    expected = x.float() @ w.t()
+    expected = x.float() @ w.t() + bias.float()
     bound = expected.abs() * 2**-8 + (x.float().abs() @ w.abs().t()) * 2**-14 + 1e-6
     for config in (Int4GemmConfig(16, 64, 128, 2, 4, 4), Int4GemmConfig(16, 64, 256, 4, 4, 3),
                    Int4GemmConfig(32, 128, 128, 1, 4, 3), Int4GemmConfig(64, 256, 128, 1, 8, 3),
                    Int4GemmConfig(128, 128, 128, 1, 8, 4)):
-        got = matmul(x, prepared, None, config).float()
-        assert ((got - expected).abs() <= bound).all(), config
+        got = matmul(x, prepared, bias, config)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        assert ((got.float() - expected).abs() <= bound).all(), config
