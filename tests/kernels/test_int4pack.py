@@ -18,8 +18,8 @@ from pagedserve.kernels.weight_formats import unpack_codes
 from tests.kernels.test_int_linear import random_weight
 from tests.kernels.test_kernels import fresh_seed
 
-# small tiles: several programs along N and K, a K tile narrower than the layout's 128
-SMALL = IntLinearConfig(dequant_block_n=16, dequant_block_k=64)
+# small tiles: several programs along N and K
+SMALL = IntLinearConfig(dequant_block_n=16, dequant_block_k=128)
 
 
 def pack_reference(pairs: torch.Tensor, inner_k_tiles: int = int4pack.INNER_K_TILES

@@ -14,9 +14,9 @@ from tests.kernels.test_kernels import fresh_seed
 
 @pytest.mark.parametrize("m,n,k,group,zeros,config", [
     (5, 40, 384, 32, True, Int4GemmConfig(16, 32, 256)),  # N, K ragged; K 1.5 tiles
-    (19, 24, 256, 64, False, Int4GemmConfig(16, 16, 64, split_k=3)),  # splits of 2, 1, 1 steps
+    (19, 24, 256, 64, False, Int4GemmConfig(16, 16, 128, split_k=3)),  # a split of no step
     (33, 16, 512, 128, True, Int4GemmConfig(32, 16, 128, split_k=2)),
-    (3, 8, 512, 256, False, Int4GemmConfig(16, 8, 32)),
+    (3, 8, 768, 256, False, Int4GemmConfig(16, 8, 128, split_k=4)),  # 6 steps: 2, 2, 1, 1
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gemm_is_x_times_the_reference_dequantization(m, n, k, group, zeros, config,

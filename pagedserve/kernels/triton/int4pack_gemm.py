@@ -7,16 +7,20 @@ with the batch), the weight was dequantized into a bf16 scratch tensor and multi
 cuBLAS, which writes and reads again a bf16 copy of the whole weight each call: four times
 the packed bytes, twice. `_int4pack_gemm_kernel` reads each packed word once from memory,
 unpacks and scales it in registers and feeds `tl.dot` on half-precision tiles with float32
-accumulation. For few rows the grid has few M tiles, so split-K (partial sums added
-atomically into a float32 buffer) keeps the SMs busy.
+accumulation. It computes y^T = W x^T, the weight tile as the dot's first operand: on Hopper
+that operand of a warpgroup MMA may come from registers, so the unpacked tile goes to the
+tensor cores without a round trip through shared memory, and a decode batch's few rows are
+the MMA's narrow N (16 or more). For few rows the grid has few output tiles, so split-K
+(partial sums added atomically into a float32 buffer) keeps the SMs busy.
 
 Unpacking: the layout keeps, per 8 output rows and 128 columns, 16 words a row; word
 [n // 8, k // 128, (n % 8) * 4 + q, j] holds columns k = (k // 128) * 128 + j * 32 +
 i * 8 + q * 2 + lo in nibble 4 * lo + i. So a row's 32 columns j * 32 ... are its 4 words
 q = 0..3 at word column j, and one group's (scale, offset) serves all 32 (groups are
-multiples of 32). `int4pack_tile` loads those words as [rows, chunks of 32, q], splits the
-nibbles by broadcasting them into [rows, chunk, i, q, lo], which is column order, and turns
-each code into a float by OR-ing it into the mantissa of 2^23 (exact, no conversion).
+multiples of 32). `int4pack_tile` loads the four words as four tensors of one layout, so
+one thread holds all four, turns each code into a float by OR-ing it into the mantissa of
+2^23 (exact, no conversion), and puts the 32 values in column order with `tl.join`, which
+adds its dimension in the thread's own registers: no data moves between threads.
 """
 
 from __future__ import annotations
@@ -39,32 +43,56 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _value(words, p: tl.constexpr, scale, offset):
+    """Nibble p of each word as (code - 8) * scale + offset: the code OR-ed into the mantissa
+    of 2^23 is 2^23 + code exactly, no conversion."""
+    code = (((words >> (4 * p)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    return (code - 8388616.0) * scale + offset
+
+
+@triton.jit
+def _word(words, lo: tl.constexpr, scale, offset):
+    """A word's four columns 8 * i + lo (nibbles 4 * lo + i), as [..., i // 2, i % 2]."""
+    return tl.join(tl.join(_value(words, 4 * lo, scale, offset),
+                           _value(words, 4 * lo + 2, scale, offset)),
+                   tl.join(_value(words, 4 * lo + 1, scale, offset),
+                           _value(words, 4 * lo + 3, scale, offset)))
+
+
+@triton.jit
+def _columns(w0, w1, w2, w3, lo: tl.constexpr, scale, offset):
+    """Columns 8 * i + 2 * q + lo of the words q = 0..3 of 32 columns, as
+    [..., i // 2, i % 2, q // 2, q % 2]."""
+    return tl.join(tl.join(_word(w0, lo, scale, offset), _word(w2, lo, scale, offset)),
+                   tl.join(_word(w1, lo, scale, offset), _word(w3, lo, scale, offset)))
+
+
+@triton.jit
 def int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K, GROUP: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight rows offs_n, columns k0 .. k0 + BLOCK_K (k0 and BLOCK_K multiples of 32) of a
-    weight in torch's int4 layout, float32 [BLOCK_N, BLOCK_K] in column order, each value
-    (code - 8) * scale + offset (exact products, one rounding); rows past N and columns past
-    K are 0. pairs_ptr: the (scale, offset) table seen as int32 [groups, N], one bf16 pair a
-    word (scale in the low half)."""
+    """Weight rows offs_n, columns k0 .. k0 + BLOCK_K (k0 and BLOCK_K multiples of 128) of a
+    weight in torch's int4 layout, float32 [BLOCK_N, BLOCK_K], each value (code - 8) *
+    scale + offset (exact products, one rounding); rows past N and columns past K are 0.
+    pairs_ptr: the (scale, offset) table seen as int32 [groups, N], one bf16 pair a word
+    (scale in the low half)."""
+    tl.static_assert(BLOCK_K % 128 == 0)
     CHUNKS: tl.constexpr = BLOCK_K // 32
     n64 = offs_n.to(tl.int64)
-    chunk = k0 + tl.arange(0, CHUNKS) * 32  # first column of each 32
-    q = tl.arange(0, 4)
-    row_word = (n64 // 8) * K + (n64 % 8) * 16
-    chunk_word = (chunk // 128) * 128 + (chunk // 32) % 4
-    mask = n_mask[:, None] & (chunk < K)[None, :]
-    words = tl.load(packed_ptr + row_word[:, None, None] + chunk_word[None, :, None]
-                    + q[None, None, :] * 4, mask=mask[:, :, None], other=0)
-    pair = tl.load(pairs_ptr + (chunk // GROUP).to(tl.int64)[None, :] * N + n64[:, None],
+    chunk = tl.arange(0, CHUNKS)
+    first = k0 + chunk * 32  # first column of each 32
+    mask = n_mask[:, None] & (first < K)[None, :]
+    word = (((n64 // 8) * K + (n64 % 8) * 16)[:, None]
+            + (k0 + (chunk // 4) * 128 + chunk % 4)[None, :])  # q = 0; k0: 128 * m
+    w0 = tl.load(packed_ptr + word, mask=mask, other=0)
+    w1 = tl.load(packed_ptr + word + 4, mask=mask, other=0)
+    w2 = tl.load(packed_ptr + word + 8, mask=mask, other=0)
+    w3 = tl.load(packed_ptr + word + 12, mask=mask, other=0)
+    pair = tl.load(pairs_ptr + (first // GROUP).to(tl.int64)[None, :] * N + n64[:, None],
                    mask=mask, other=0)
     scale = (pair << 16).to(tl.float32, bitcast=True)
     offset = ((pair >> 16) << 16).to(tl.float32, bitcast=True)
-    i = tl.arange(0, 4)
-    lo = tl.arange(0, 2)
-    shifts = (4 * lo[None, :] + i[:, None]) * 4  # [i, lo]
-    codes = (words[:, :, None, :, None] >> shifts[None, None, :, None, :]) & 0xF
-    values = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # code - 8
-    w = values * scale[:, :, None, None, None] + offset[:, :, None, None, None]
+    w = tl.join(_columns(w0, w1, w2, w3, 0, scale, offset),
+                _columns(w0, w1, w2, w3, 1, scale, offset))
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
@@ -74,8 +102,8 @@ def _int4pack_gemm_kernel(x_ptr, y_ptr, bias_ptr, packed_ptr, pairs_ptr, M, N, K
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                           PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """y [M, N] = x [M, K] @ W^T (+ bias): a [BLOCK_M, BLOCK_N] tile per program, M tiles
-    first on the grid (programs that share a weight tile run together, so it is read from
+    """y [M, N] = x [M, K] @ W^T (+ bias), as y^T = W x^T (module docstring): a
+    [BLOCK_N, BLOCK_M] tile of y^T per program, M tiles first on the grid (programs that share a weight tile run together, so it is read from
     memory once); with SPLIT_K > 1, program axis 2 takes every SPLIT_K-th K step and adds its
     partial sums into y (float32, zeroed; the bias is the caller's)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -83,32 +111,33 @@ def _int4pack_gemm_kernel(x_ptr, y_ptr, bias_ptr, packed_ptr, pairs_ptr, M, N, K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     dtype = x_ptr.dtype.element_ty
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_x
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # y^T: the weight is operand A
     for k0 in range(pid_k * BLOCK_K, K, SPLIT_K * BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
-                    other=0.0)
+        xt = tl.load(x_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & m_mask[None, :],
+                     other=0.0)
         w = int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K, GROUP, BLOCK_N,
-                          BLOCK_K)
-        w = w.to(dtype)
+                          BLOCK_K).to(dtype)
         if UPCAST:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    out = y_ptr + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
+            xt, w = xt.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+    out = y_ptr + offs_m[None, :].to(tl.int64) * stride_y + offs_n[:, None]
+    mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K > 1:
         tl.atomic_add(out, acc, mask=mask, sem="relaxed")
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
 class Int4GemmConfig:
-    """One launch's tiles: BLOCK_K a multiple of 32 (a power of two), split_k the programs
-    that share one output tile's K steps."""
+    """One launch's tiles (powers of two): BLOCK_K whole 128-column blocks of the layout,
+    split_k the programs that share one output tile's K steps. The weight tile is the
+    tl.dot's first operand (y^T = W x^T), so BLOCK_N is its M: 64 rows per 4 warps take
+    Hopper's warpgroup MMA with the unpacked weight straight from registers."""
 
     block_m: int
     block_n: int
@@ -116,6 +145,10 @@ class Int4GemmConfig:
     split_k: int = 1
     warps: int = 4
     stages: int = 3
+
+    def __post_init__(self):
+        if self.block_k % 128:
+            raise ValueError(f"block_k {self.block_k}: not a multiple of 128")
 
 
 def config_for(m: int, n: int, k: int, sms: int) -> Int4GemmConfig:
