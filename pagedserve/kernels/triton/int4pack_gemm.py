@@ -19,7 +19,7 @@ i * 8 + q * 2 + lo in nibble 4 * lo + i. So a row's 32 columns j * 32 ... are it
 q = 0..3 at word column j, and one group's (scale, offset) serves all 32 (groups are
 multiples of 32). `int4pack_tile` loads the four words as four tensors of one layout, so
 one thread holds all four, turns each code into a float by OR-ing it into the mantissa of
-2^23 (exact, no conversion), and puts the 32 values in column order with `tl.join`, which
+2^23 where it lies (exact, no shift, no conversion; `_value`), and puts the 32 values in column order with `tl.join`, which
 adds its dimension in the thread's own registers: no data moves between threads.
 """
 
@@ -43,36 +43,41 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _value(words, p: tl.constexpr, scale, offset):
-    """Nibble p of each word as (code - 8) * scale + offset: the code OR-ed into the mantissa
-    of 2^23 is 2^23 + code exactly, no conversion."""
-    code = (((words >> (4 * p)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    return (code - 8388616.0) * scale + offset
+def _value(half, i: tl.constexpr, scale, offset, dtype: tl.constexpr):
+    """Nibble i (0..3) of `half` (a word, or its upper half shifted down, OR-ed with the
+    exponent bits of 2^23 0x4B000000) as (code - 8) * scale + offset. The nibble masked
+    where it is, in the mantissa of 2^23, is 2^23 + code * 16^i exactly: one logic op a
+    code (one constant), no shift, no conversion; the scale divided by 16^i is exact too."""
+    bits = half & ((0xF << (4 * i)) | 0x4B000000)
+    scaled = bits.to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * (1 << (4 * i)))
+    return (scaled * (scale * (1.0 / (1 << (4 * i)))) + offset).to(dtype)
 
 
 @triton.jit
-def _word(words, lo: tl.constexpr, scale, offset):
-    """A word's four columns 8 * i + lo (nibbles 4 * lo + i), as [..., i // 2, i % 2]."""
-    return tl.join(tl.join(_value(words, 4 * lo, scale, offset),
-                           _value(words, 4 * lo + 2, scale, offset)),
-                   tl.join(_value(words, 4 * lo + 1, scale, offset),
-                           _value(words, 4 * lo + 3, scale, offset)))
+def _word(half, scale, offset, dtype: tl.constexpr):
+    """The four nibbles of a half word, columns 8 * i (+ 2 * q + lo), as [..., i // 2,
+    i % 2]."""
+    return tl.join(tl.join(_value(half, 0, scale, offset, dtype),
+                           _value(half, 2, scale, offset, dtype)),
+                   tl.join(_value(half, 1, scale, offset, dtype),
+                           _value(half, 3, scale, offset, dtype)))
 
 
 @triton.jit
-def _columns(w0, w1, w2, w3, lo: tl.constexpr, scale, offset):
-    """Columns 8 * i + 2 * q + lo of the words q = 0..3 of 32 columns, as
+def _columns(h0, h1, h2, h3, scale, offset, dtype: tl.constexpr):
+    """Columns 8 * i + 2 * q (+ lo) of the half words q = 0..3 of 32 columns, as
     [..., i // 2, i % 2, q // 2, q % 2]."""
-    return tl.join(tl.join(_word(w0, lo, scale, offset), _word(w2, lo, scale, offset)),
-                   tl.join(_word(w1, lo, scale, offset), _word(w3, lo, scale, offset)))
+    return tl.join(tl.join(_word(h0, scale, offset, dtype), _word(h2, scale, offset, dtype)),
+                   tl.join(_word(h1, scale, offset, dtype), _word(h3, scale, offset, dtype)))
 
 
 @triton.jit
-def int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K, GROUP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K, dtype: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weight rows offs_n, columns k0 .. k0 + BLOCK_K (k0 and BLOCK_K multiples of 128) of a
-    weight in torch's int4 layout, float32 [BLOCK_N, BLOCK_K], each value (code - 8) *
-    scale + offset (exact products, one rounding); rows past N and columns past K are 0.
+    weight in torch's int4 layout, [BLOCK_N, BLOCK_K] in `dtype`, each value (code - 8) *
+    scale + offset in float32 (the product exact) rounded to dtype, as
+    `Int4Weight.dequantize` computes it; rows past N and columns past K are 0.
     pairs_ptr: the (scale, offset) table seen as int32 [groups, N], one bf16 pair a word
     (scale in the low half)."""
     tl.static_assert(BLOCK_K % 128 == 0)
@@ -91,8 +96,10 @@ def int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K, GROUP: tl.con
                    mask=mask, other=0)
     scale = (pair << 16).to(tl.float32, bitcast=True)
     offset = ((pair >> 16) << 16).to(tl.float32, bitcast=True)
-    w = tl.join(_columns(w0, w1, w2, w3, 0, scale, offset),
-                _columns(w0, w1, w2, w3, 1, scale, offset))
+    e = 0x4B000000
+    w = tl.join(_columns(w0 | e, w1 | e, w2 | e, w3 | e, scale, offset, dtype),  # 0..3
+                _columns((w0 >> 16) | e, (w1 >> 16) | e, (w2 >> 16) | e, (w3 >> 16) | e,
+                         scale, offset, dtype))
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
 
@@ -117,8 +124,8 @@ def _int4pack_gemm_kernel(x_ptr, y_ptr, bias_ptr, packed_ptr, pairs_ptr, M, N, K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & m_mask[None, :],
                      other=0.0)
-        w = int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K, GROUP, BLOCK_N,
-                          BLOCK_K).to(dtype)
+        w = int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K, dtype, GROUP,
+                          BLOCK_N, BLOCK_K)
         if UPCAST:
             xt, w = xt.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)

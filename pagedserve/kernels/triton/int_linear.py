@@ -164,11 +164,11 @@ def _int4pack_dequant_kernel(w_ptr, packed_ptr, pairs_ptr, N, K, GROUP: tl.const
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     n_mask = offs_n < N
-    w = int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K, GROUP, BLOCK_N,
-                      BLOCK_K)
+    w = int4pack_tile(packed_ptr, pairs_ptr, offs_n, n_mask, k0, N, K,
+                      w_ptr.dtype.element_ty, GROUP, BLOCK_N, BLOCK_K)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
-             w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
+    tl.store(w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], w,
+             mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
 def prepare(weight):
