@@ -16,7 +16,7 @@ Parts (all by default; about 8 minutes on an H100 with a cold Triton cache):
           dequantization into a bf16 scratch tensor + cuBLAS, torch's int4 kernel and the bf16
           matmul, in the same graphs as `gemv`; each row's `max_rel_err` is the fused output
           against dequantize + cuBLAS. With --sweep also each of `GEMM_CANDIDATES` (tiles,
-          split-K, warps, stages), to place the rule.
+          split-K, warps, stages) whose M tile the rows fill, to place the rule.
   memory  the weights' device bytes for the 8B shape per format (bf16, W4A16 g128 sym /
           with zeros, W4A16 per channel, W8A16 g128): the checkpoint's packing (computed)
           and what the engine keeps (a 4-bit weight torch's int4 kernel reads: that layout
@@ -185,7 +185,7 @@ def part_gemm(res: ResultRows, sweep: bool) -> None:
                                      int4pack_gemm.config_for(
                                          rows, n_dim, k_dim, num_sms(x.device))),
             }
-            for cfg in GEMM_CANDIDATES if sweep else ():
+            for cfg in (c for c in GEMM_CANDIDATES if sweep and c.block_m <= max(16, rows)):
                 label = (f"w4a16 g128 fused m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} "
                          f"s{cfg.split_k} w{cfg.warps} st{cfg.stages}")
                 methods[label] = ([lambda w=w, c=cfg: int4pack_gemm.matmul(x, w, None, c)
