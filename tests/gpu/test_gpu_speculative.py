@@ -320,27 +320,33 @@ def run_arrivals(engine, arrivals: list[tuple[int, list[int], object]]) -> list[
 
 
 def proposer_config(method: str, loaded, checkpoint: str, folder: Path) -> dict:
+    """Drafting off above four requests. ngram at k = 1: prompt lookup proposes fewer than k
+    tokens where the output repeats a short cycle (the latest match is a cycle back), and
+    a request with fewer than k drafts runs eagerly; one token is what any match gives."""
     if method == "ngram":
-        return NGRAM
-    if method == "draft_model":
-        return {"model": checkpoint, "num_speculative_tokens": 4}
-    return {"method": "eagle3", "model": eagle3_head(loaded, folder),
-            "num_speculative_tokens": 3}
+        config = NGRAM | {"num_speculative_tokens": 1}
+    elif method == "draft_model":
+        config = {"model": checkpoint, "num_speculative_tokens": 4}
+    else:
+        config = {"method": "eagle3", "model": eagle3_head(loaded, folder),
+                  "num_speculative_tokens": 3}
+    return config | {"disable_by_batch_size": 4}
 
 
 @torch.inference_mode()
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_verify_graphs_give_the_eager_engines_tokens(loaded, checkpoint, tmp_path, method):
-    """Three requests, two more arriving while they verify and a sixth later (their
-    prefills in steps beside verifies, which run eagerly; five running: drafting off, plain
-    decodes; fewer: verifies padded into the graph of the next size): the same greedy
-    tokens as with enforce_eager, verify and decode graphs replayed (EAGLE-3's target's
-    too), none in the eager engine."""
+    """Three requests verifying (in the graph of four), three more arriving beside them
+    (a step of prefills and verifies: eager), six decoding with drafting off (decode
+    graphs: EAGLE-3's target's too), back to verifies as they finish, a seventh arriving
+    beside those, and the longest alone at the end (verifies in the graph of one): the
+    same greedy tokens as with enforce_eager, verify and decode graphs replayed, none in
+    the eager engine."""
     spec = proposer_config(method, loaded, checkpoint, tmp_path / "eagle3")
-    spec = spec | {"disable_by_batch_size": 4}
-    prompt_list = repeating_prompts(6, seed=61)
-    arrivals = [(step, ids, greedy(24 + 6 * i))
-                for i, (step, ids) in enumerate(zip([0, 0, 0, 5, 5, 14], prompt_list))]
+    prompt_list = repeating_prompts(7, seed=61)
+    max_tokens = [24, 30, 36, 42, 48, 96, 20]
+    arrivals = [(step, ids, greedy(n))
+                for step, ids, n in zip([0, 0, 0, 2, 2, 2, 30], prompt_list, max_tokens)]
     outs, stats = [], []
     for eager in (True, False):
         engine = make_engine(loaded, enforce_eager=eager, speculative_config=spec)
@@ -350,4 +356,4 @@ def test_verify_graphs_give_the_eager_engines_tokens(loaded, checkpoint, tmp_pat
     eager, graphs = stats
     assert eager.num_verify_graph_steps == eager.num_decode_graph_steps == 0
     assert graphs.spec_num_drafts > 0 and graphs.num_verify_graph_steps > 0, graphs
-    assert graphs.num_decode_graph_steps > 0, graphs  # five requests: no drafts
+    assert graphs.num_decode_graph_steps > 0, graphs
