@@ -11,7 +11,8 @@ Per step it builds every input in one go with numpy (no per-token Python loop) i
 persistent host buffers, uploaded without blocking (`input_batch.py`): input preparation
 must stay far below a step's GPU time. Only the last token of each request whose chunk
 reaches the end of its scheduled tokens goes through the LM head and the sampler. On CUDA,
-decode-only steps replay a captured graph (`cuda_graphs.py`).
+decode-only steps, and steps whose requests all verify k drafts, replay a captured graph
+(`cuda_graphs.py`).
 
 A step is three calls, each taking the value the one before returned, so nothing about a
 step waits in the runner between them: `prepare_step` (the runner's request states, swaps,
