@@ -105,6 +105,9 @@ class EngineConfig:
     # tensor parallelism on one host's GPUs: all-reduces up to this many bytes go through
     # peer-mapped memory (model/allreduce.py), larger ones through NCCL; 0 = NCCL for all
     peer_all_reduce_max_bytes: int = 8 << 20
+    # ... and where peer memory takes it, the all-reduce after o_proj and down_proj fused
+    # with the residual add and RMSNorm that follow: one kernel (model/allreduce.py)
+    fuse_all_reduce_norm: bool = True
     # LoRA adapters (model/lora.py): requests may name one; at most max_loras distinct ones
     # run in a step (device slots of rank up to max_lora_rank), max_cpu_loras stay loaded in
     # host memory behind them (None: max_loras)

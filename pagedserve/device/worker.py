@@ -95,7 +95,8 @@ class Worker:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
         parallel.init_tensor_parallel(
             self.rank, self.size, device, self.init_method,
-            peer_all_reduce_max_bytes=config.peer_all_reduce_max_bytes)
+            peer_all_reduce_max_bytes=config.peer_all_reduce_max_bytes,
+            fuse_all_reduce_norm=config.fuse_all_reduce_norm)
         torch.manual_seed(config.seed)  # unseeded sampling draws alike on every rank
         self.model, self.model_config, _ = load_on_device(config, device)
         self.channel.send(WorkerLoaded(

@@ -149,6 +149,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "all-reduces up to this size read the peers' memory directly (one-shot or "
               "two-shot), larger ones go through NCCL; 0 = NCCL for all",
               parse=parse_size, metavar="SIZE"),
+    EngineArg("fuse_all_reduce_norm", "tensor parallelism on peer memory: sum o_proj's and "
+              "down_proj's partial products, add the residual and apply the next RMSNorm in "
+              "one kernel"),
     EngineArg("enable_lora", "serve LoRA adapters (PEFT format) on top of the base model"),
     EngineArg("max_loras", "LoRA: distinct adapters in one step (device slots)", metavar="N"),
     EngineArg("max_lora_rank", "LoRA: the largest adapter rank the slots hold", metavar="R"),

@@ -19,6 +19,14 @@ write peers' memory through ordinary loads and stores: never NVLink multicast (m
 which the workers turn off (`TORCH_SYMM_MEM_DISABLE_MULTICAST`, `NCCL_NVLS_ENABLE=0`). Both run
 inside CUDA graphs, so the captured decode steps take them too.
 
+A row-parallel layer writes its partial product straight into the buffer when its message
+takes peer memory (`PeerAllReduce.target`), so nothing is copied before the reduction. And
+where a norm follows (the residual add and RMSNorm after o_proj and down_proj), a message
+one-shot takes goes through `FusedAllReduceNorm` instead: one kernel reads the peers' partial
+products, sums them, adds the residual and normalises (`kernels/triton/allreduce_norm.py`),
+in place of the reduction and the norm's own kernel. It has two buffers of its own, which
+the layers alternate between (o_proj's, down_proj's), as that kernel ends without a barrier.
+
 The choice is made once, at start-up (`plan`), and agreed by every rank: peer memory only on
 CUDA, one host, world sizes the kernels support, every GPU able to reach every other, symmetric
 memory available, and a first all-reduce of each kind equal to NCCL's; otherwise NCCL for
@@ -30,6 +38,7 @@ order.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -55,6 +64,11 @@ class AllReducePlan:
     max_bytes: int
     one_shot_max_bytes: int
 
+    def fuses_norm(self, nbytes: int, dtype: torch.dtype) -> bool:
+        """Whether a contiguous message of `nbytes` whose sum a norm follows takes the fused
+        one-shot all-reduce + add + RMSNorm (`FusedAllReduceNorm`): where one-shot takes it."""
+        return self.algorithm(nbytes, dtype, True) == "one_shot"
+
     def algorithm(self, nbytes: int, dtype: torch.dtype, contiguous: bool) -> str:
         """"one_shot", "two_shot" or "nccl" for a message of `nbytes` bytes."""
         if (nbytes == 0 or nbytes > self.max_bytes or nbytes % ALIGNMENT or not contiguous
@@ -76,8 +90,10 @@ def plan(world_size: int, max_bytes: int, device_type: str, one_host: bool,
 
 class PeerAllReduce:
     """A symmetric-memory buffer of `plan.max_bytes` mapped by every rank of `group`, and the
-    two reductions over it. A message is copied into the buffer, reduced into its own
-    storage (so the result never aliases what peers still read)."""
+    two reductions over it. A message written into the buffer by its producer (`target`) is
+    reduced into a new tensor; any other is copied into the buffer and reduced into its own
+    storage (the result never aliases what peers still read). Both of torch's kernels end
+    with a barrier, so the buffer is free again when a reduction returns."""
 
     def __init__(self, plan: AllReducePlan, group: dist.ProcessGroup,
                  device: torch.device) -> None:
@@ -93,15 +109,63 @@ class PeerAllReduce:
         self.buffer = symm_mem.empty(plan.max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
 
+    def target(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The buffer as a tensor of `shape`, for a producer to write a message into."""
+        return self.buffer[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
     def __call__(self, x: torch.Tensor, algorithm: str) -> torch.Tensor:
-        flat = x.view(-1)
-        staged = self.buffer[:x.numel() * x.element_size()].view(x.dtype)
-        staged.copy_(flat)
+        """The sum of x over the ranks: x itself, summed in place, or a new tensor when x
+        is the buffer (`target`)."""
+        if x.data_ptr() == self.buffer.data_ptr():
+            staged, out = x.view(-1), torch.empty_like(x)
+            flat = out.view(-1)
+        else:
+            flat, out = x.view(-1), x
+            staged = self.buffer[:x.numel() * x.element_size()].view(x.dtype)
+            staged.copy_(flat)
         if algorithm == "one_shot":
             torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out=flat)
         else:
             torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, flat)
-        return x
+        return out
+
+
+class FusedAllReduceNorm:
+    """Two buffers (slots) of symmetric memory of `slot_bytes` each, and the one-shot
+    all-reduce + residual add + RMSNorm over them (`kernels/triton/allreduce_norm.py`).
+    Callers alternate the slots: the kernel has no closing barrier, so a slot is written
+    again only after a reduction over the other one (see that module)."""
+
+    def __init__(self, slot_bytes: int, group: dist.ProcessGroup,
+                 device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from pagedserve.kernels.triton import allreduce_norm
+
+        self.kernel = allreduce_norm.all_reduce_add_rms_norm
+        self.slot_bytes = slot_bytes
+        self.buffer = symm_mem.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        pad_bytes = getattr(handle, "signal_pad_size", None)
+        needed = 4 * allreduce_norm.signal_words(handle.world_size)
+        if pad_bytes is not None and pad_bytes < needed:
+            raise RuntimeError(f"signal pad of {pad_bytes} bytes, the barriers need {needed}")
+        self.rank = handle.rank
+        self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+
+    def target(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Slot `slot` as a tensor of `shape`, for the partial product to be written into."""
+        start = slot * self.slot_bytes
+        return self.buffer[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(
+            shape)
+
+    def __call__(self, slot: int, partial: torch.Tensor, residual: torch.Tensor,
+                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + the sum of `partial`, which is `target(slot, ...)`, over the
+        ranks), that sum, written into `residual`)."""
+        return self.kernel(self.buffers, self.signals, self.rank, slot, self.slot_bytes,
+                           partial, residual, weight, eps)
 
 
 def start(world_size: int, rank: int, group: dist.ProcessGroup, device: torch.device,
@@ -129,6 +193,52 @@ def start(world_size: int, rank: int, group: dist.ProcessGroup, device: torch.de
     logger.info("all-reduce: peer memory up to %d bytes (one-shot up to %d), NCCL above",
                 chosen.max_bytes, chosen.one_shot_max_bytes)
     return peer
+
+
+def start_fused(peer: PeerAllReduce | None, rank: int, group: dist.ProcessGroup,
+                device: torch.device) -> FusedAllReduceNorm | None:
+    """Set up the fused all-reduce + add + RMSNorm beside `peer` for the messages one-shot
+    takes (a collective call: every rank makes it and all get the same answer); None where
+    there is no peer memory, or where its first results differ from NCCL's sum normalised."""
+    if peer is None:  # alike on every rank (`start` agreed): no collective
+        return None
+    try:
+        fused = FusedAllReduceNorm(peer.plan.one_shot_max_bytes, group, device)
+        ok = _fused_matches_nccl(fused, rank, group, device)
+    except Exception:  # noqa: BLE001 - any failure here means the unfused path, on every rank
+        logger.exception("fused all-reduce + RMSNorm unavailable; the norm runs on its own")
+        fused, ok = None, False
+    if not _agree(ok, group, device):
+        logger.info("all-reduce: the norm after it runs on its own (the fused kernel failed "
+                    "its first reductions)")
+        return None
+    logger.info("all-reduce: fused with the residual add and RMSNorm up to %d bytes",
+                fused.slot_bytes)
+    return fused
+
+
+def _fused_matches_nccl(fused: FusedAllReduceNorm, rank: int, group: dist.ProcessGroup,
+                        device: torch.device) -> bool:
+    """One message through each slot, fused, and through NCCL and the norm's own kernel:
+    equal? Integer values, so that any order of the sum gives the same result."""
+    from pagedserve.kernels.triton import model_ops
+
+    shape = (4, 256)
+    weight = torch.arange(shape[1], dtype=torch.float32, device=device).remainder_(7).add_(1)
+    for slot in (0, 1):
+        x = torch.arange(math.prod(shape), dtype=torch.float32, device=device).view(shape)
+        x.remainder_(97).add_(rank + slot)
+        residual = torch.ones(shape, device=device)
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        want_out, want_sum = model_ops.rms_norm(want, weight, 1e-6, residual.clone())
+        partial = fused.target(slot, shape, torch.float32)
+        partial.copy_(x)
+        out, total = fused(slot, partial, residual, weight, 1e-6)
+        if not (torch.equal(out, want_out) and torch.equal(total, want_sum)):
+            logger.warning("fused all-reduce + RMSNorm (slot %d) disagrees with NCCL's", slot)
+            return False
+    return True
 
 
 def _host() -> str:

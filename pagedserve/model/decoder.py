@@ -14,8 +14,11 @@ is built, so `forward` is the same math for every family, with explicit argument
 Q/K/V and gate/up are fused into one matmul each (fewer, larger GEMMs: less per-layer Python and
 kernel-launch overhead); the loader fills the fused weights shard by shard.
 
-The residual stream is carried apart from the sublayers' outputs (`h, residual`), so each
-residual add is fused into the RMSNorm that follows it. The elementwise work (norms, RoPE,
+The residual stream is carried apart from the sublayers' outputs (`x, residual`), so each
+residual add is fused into the RMSNorm that follows it; each sublayer hands its output to that
+norm itself (the attention to the post-attention norm, the MLP to the next layer's input norm
+or the final norm), so that under tensor parallelism the all-reduce before the add can be fused
+with it too (`RowParallelLinear`). The elementwise work (norms, RoPE,
 SiLU), the float and FP8 matmuls and the MoE experts take the implementations of the `Ops`
 the model is built with (`ops.select_ops`: chosen once, from the device and dtype, when the
 model loads); each module keeps what it was given. Numerics follow transformers op for op
@@ -37,7 +40,7 @@ from pagedserve.attention.backend import get_forward_context
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.moe import SparseMoE
-from pagedserve.model.ops import Matmul, Ops
+from pagedserve.model.ops import Matmul, Ops, matmul_into
 from pagedserve.model.rope import RotaryEmbedding
 
 
@@ -62,19 +65,44 @@ class Linear(nn.Linear):
 
 class RowParallelLinear(Linear):
     """A Linear over this rank's slice of the input features (tensor parallelism): the
-    partial products are summed over the ranks (all-reduce), then the bias is added once."""
+    partial products are summed over the ranks (all-reduce), then the bias is added once.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    Given the RMSNorm that follows (`norm`, with the residual stream), it returns that norm's
+    (output, stream) instead: the layers hand their norms here, so that where peer memory
+    takes the sum, one kernel sums, adds the residual and normalises (`parallel.fuses_norm`;
+    `slot`: which of the fused kernel's two buffers, alternated by the attention's and the
+    MLP's). Either way the partial product is written where the sum reads it
+    (`parallel.partial_target`), with no copy for a float weight's matmul."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 matmul: Matmul, slot: int = 0) -> None:
+        super().__init__(in_features, out_features, bias=bias, matmul=matmul)
+        self.slot = slot
+
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None):
         if parallel.get_tp().size == 1:
-            return super().forward(x)
-        y = self.matmul(x, self.weight, None)
+            y = super().forward(x)
+            return y if norm is None else norm(y, residual)
+        shape = (x.shape[0], self.out_features)
+        fused = (norm is not None and norm.fuses_with_all_reduce and residual is not None
+                 and self.bias is None and parallel.fuses_norm(shape, x.dtype))
+        target = parallel.partial_target(shape, x.dtype, self.slot if fused else None)
+        y = matmul_into(self.matmul, x, self.weight, target)
         if self.lora is not None:  # this rank's partial shrink, expanded: summed below
             self.lora(x, y)
+        if fused:
+            return parallel.all_reduce_add_rms_norm_(y, residual, norm.weight, norm.eps,
+                                                     self.slot)
         y = parallel.all_reduce_(y)
-        return y if self.bias is None else y.add_(self.bias)
+        y = y if self.bias is None else y.add_(self.bias)
+        return y if norm is None else norm(y, residual)
 
 
 class RMSNorm(nn.Module):
+    # its arithmetic is the fused all-reduce kernel's (`RowParallelLinear`)
+    fuses_with_all_reduce = True
+
     def __init__(self, dim: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.eps = eps
@@ -99,6 +127,8 @@ class UnitOffsetRMSNorm(RMSNorm):
     Kept eager on every device: the fused kernels round before the weight multiply (Llama's
     order), which for Gemma would change results in bf16.
     """
+
+    fuses_with_all_reduce = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
@@ -138,7 +168,7 @@ class Attention(nn.Module):
                                (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
                                bias=config.qkv_bias, matmul=ops.matmul())
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
-                                        bias=config.o_bias, matmul=ops.matmul())
+                                        bias=config.o_bias, matmul=ops.matmul(), slot=0)
         self.q_norm = make_norm(config, config.head_dim, ops) if config.qk_norm else None
         self.k_norm = make_norm(config, config.head_dim, ops) if config.qk_norm else None
         self.rotate_qk_ = ops.rotate_qk_
@@ -152,9 +182,11 @@ class Attention(nn.Module):
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
         self.checkpoint_kv_scales: dict[str, torch.Tensor] = {}
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None):
+        """The attention output, or with `norm` that norm's (output, stream) of it added to
+        `residual` (see `RowParallelLinear`)."""
         T = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
@@ -172,7 +204,7 @@ class Attention(nn.Module):
         out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale,
                                   window=self.window, softcap=self.softcap,
                                   kv_scales=self.kv_scales)
-        return self.o_proj(out.reshape(T, hq * self.head_dim))
+        return self.o_proj(out.reshape(T, hq * self.head_dim), norm, residual)
 
 
 class MLP(nn.Module):
@@ -182,12 +214,15 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=config.mlp_bias,
                                    matmul=ops.matmul())
         self.down_proj = RowParallelLinear(intermediate, config.hidden_size,
-                                           bias=config.mlp_bias, matmul=ops.matmul())
+                                           bias=config.mlp_bias, matmul=ops.matmul(), slot=1)
         act_and_mul = {"silu": ops.silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
         self.act_and_mul = act_and_mul[config.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None):
+        """The MLP output, or with `norm` that norm's (output, stream) of it added to
+        `residual` (see `RowParallelLinear`)."""
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)), norm, residual)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -204,7 +239,9 @@ _EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h + attn(norm(h)), then + mlp(norm(...))."""
+    """Pre-norm block: h + attn(norm(h)), then + mlp(norm(...)). Each sublayer's output goes
+    to the norm after it (the post-attention norm; the next layer's input norm, or the final
+    norm), so that under tensor parallelism the all-reduce may be fused with it."""
 
     def __init__(self, config: ModelConfig, layer: int, ops: Ops) -> None:
         super().__init__()
@@ -213,20 +250,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(config, config.hidden_size, ops)
         self.mlp = SparseMoE(config, ops) if config.num_experts else MLP(config, ops)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: the previous layer's MLP output, not yet added to `residual` (None before the
-        first layer, where h is the embedding). Returns this layer's (MLP output, residual)."""
-        x, residual = self.input_layernorm(h, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, positions, cos, sin),
-                                                    residual)
-        return self.mlp(x), residual
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input, normalised from the residual stream `residual` (by the
+        layer before, or the decoder for the first). Returns `next_norm`'s (output, stream)
+        after this layer: the next layer's input, or the final hidden states."""
+        x, residual = self.self_attn(x, positions, cos, sin, self.post_attention_layernorm,
+                                     residual)
+        if isinstance(self.mlp, MLP):
+            return self.mlp(x, next_norm, residual)
+        return next_norm(self.mlp(x), residual)
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -239,18 +273,12 @@ class SandwichDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = make_norm(config, config.hidden_size, ops)
         self.post_feedforward_layernorm = make_norm(config, config.hidden_size, ops)
 
-    def forward(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm(h, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.post_attention_layernorm.normalize(self.self_attn(x, positions, cos, sin))
         x, residual = self.pre_feedforward_layernorm(attn, residual)
-        return self.post_feedforward_layernorm.normalize(self.mlp(x)), residual
+        return next_norm(self.post_feedforward_layernorm.normalize(self.mlp(x)), residual)
 
 
 class Decoder(nn.Module):
@@ -324,16 +352,18 @@ class Decoder(nn.Module):
         if self.embed_scale is not None:  # rounded to the model dtype first, as Gemma does
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         tables = {t: rotary.tables(h.device, h.dtype) for t, rotary in self.rotary.items()}
-        residual = None
+        x, residual = self.layers[0].input_layernorm(h, None)  # the stream starts at h
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         streams: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            if i in capture:  # the layer adds h into residual in place: a copy first
-                streams[i] = h.clone() if residual is None else h + residual
-            h, residual = layer(h, residual, positions, *tables[layer.self_attn.layer_type])
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            if i in capture:  # the layers add into the stream in place: a copy
+                streams[i] = residual.clone()
+            x, residual = layer(x, residual, positions, *tables[layer.self_attn.layer_type],
+                                next_norm)
         if len(self.layers) in capture:
-            streams[len(self.layers)] = h + residual
+            streams[len(self.layers)] = residual.clone()
         captured = torch.cat([streams[i] for i in capture], -1) if capture else None
-        return self.norm(h, residual)[0], captured
+        return x, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] (usually one row per sequence) -> logits [S, vocab] in the model's

@@ -76,6 +76,17 @@ class Ops:
         return F.linear if self.packing is None else PackedWeight(self.packing)
 
 
+def matmul_into(matmul: Matmul, x: Tensor, weight: Tensor, out: Tensor | None) -> Tensor:
+    """matmul(x, weight) with no bias, written into `out` when it is given (a tensor-parallel
+    layer's peer memory, `parallel.partial_target`): F.linear's product lands there directly
+    (torch.mm's out=, the same GEMM), another matmul's is copied in."""
+    if out is None:
+        return matmul(x, weight, None)
+    if matmul is F.linear:
+        return torch.mm(x, weight.t(), out=out)
+    return out.copy_(matmul(x, weight, None))
+
+
 def select_ops(device: torch.device | str, dtype: torch.dtype) -> Ops:
     """The implementations for a model on `device` in `dtype`: Triton's on CUDA, the native
     kernels for float32 on the CPU (where the library builds), eager torch otherwise."""

@@ -54,6 +54,9 @@ class TensorParallel:
     group: dist.ProcessGroup | None = None  # the device collectives: NCCL on CUDA, gloo on CPU
     # small all-reduces over peer memory (`allreduce`); None: every one through `group`
     peer: allreduce.PeerAllReduce | None = None
+    # the one-shot all-reduce fused with the residual add and RMSNorm after it; None: the
+    # norm runs on its own after `all_reduce_`
+    fused: allreduce.FusedAllReduceNorm | None = None
 
 
 _STATE = TensorParallel()
@@ -65,10 +68,12 @@ def get_tp() -> TensorParallel:
 
 def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str,
                          timeout: timedelta = timedelta(seconds=60),
-                         peer_all_reduce_max_bytes: int = 0) -> TensorParallel:
+                         peer_all_reduce_max_bytes: int = 0,
+                         fuse_all_reduce_norm: bool = True) -> TensorParallel:
     """Join the group of `size` ranks (NCCL on CUDA, gloo on the CPU), and on CUDA set up the
     peer-memory all-reduce for messages up to `peer_all_reduce_max_bytes` where every rank
-    can (`allreduce.start`; 0: NCCL for all).
+    can (`allreduce.start`; 0: NCCL for all), and with it, unless `fuse_all_reduce_norm` is
+    off, the all-reduce fused with the norm after it (`allreduce.start_fused`).
 
     The timeout bounds every collective and the rendezvous: a rank that never arrives (a dead
     or missing worker) makes the others fail instead of waiting forever.
@@ -87,7 +92,9 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
                                f"{dist.get_world_size()}, expected rank {rank} of {size}")
         group = dist.group.WORLD
         peer = allreduce.start(size, rank, group, device, peer_all_reduce_max_bytes)
-        _STATE = TensorParallel(rank, size, group, peer)
+        fused = (allreduce.start_fused(peer, rank, group, device) if fuse_all_reduce_norm
+                 else None)
+        _STATE = TensorParallel(rank, size, group, peer, fused)
     else:
         _STATE = TensorParallel()
     return _STATE
@@ -96,8 +103,42 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
 # -- collectives ----------------------------------------------------------------------------
 
 
+def fuses_norm(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether a row-parallel product of `shape` whose sum an RMSNorm follows is summed and
+    normalised in one kernel (`all_reduce_add_rms_norm_`): peer memory with the fused
+    kernel, a message one-shot takes."""
+    tp = _STATE
+    return tp.fused is not None and tp.peer.plan.fuses_norm(math.prod(shape) * dtype.itemsize,
+                                                            dtype)
+
+
+def partial_target(shape: tuple[int, int], dtype: torch.dtype,
+                   fused_slot: int | None = None) -> torch.Tensor | None:
+    """Where a row-parallel layer should write its partial product of `shape`, so that its
+    sum reads it without a copy: slot `fused_slot` of the fused kernel's memory (when
+    `fuses_norm`), else the peer all-reduce's buffer when `all_reduce_` will take peer
+    memory; None: anywhere (NCCL, one rank)."""
+    tp = _STATE
+    if fused_slot is not None:
+        return tp.fused.target(fused_slot, shape, dtype)
+    if tp.peer is None or tp.peer.plan.algorithm(math.prod(shape) * dtype.itemsize, dtype,
+                                                 True) == "nccl":
+        return None
+    return tp.peer.target(shape, dtype)
+
+
+def all_reduce_add_rms_norm_(partial: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor, eps: float,
+                             slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + the sum of `partial` over the ranks), that sum, written into
+    `residual`) in one kernel, `partial` being `partial_target(..., slot)`: see `fuses_norm`
+    and `allreduce.FusedAllReduceNorm`."""
+    return _STATE.fused(slot, partial, residual, weight, eps)
+
+
 def all_reduce_(x: torch.Tensor) -> torch.Tensor:
-    """Sum x over the ranks, in place (a no-op with one rank)."""
+    """Sum x over the ranks (a no-op with one rank): in place, or into a new tensor when x is
+    the peer buffer (`partial_target`), which the next reduction reuses."""
     tp = _STATE
     if tp.size == 1:
         return x

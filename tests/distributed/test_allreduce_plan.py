@@ -46,6 +46,35 @@ def test_messages_the_kernels_cannot_take_go_to_nccl():
     assert plan.algorithm(4 * MiB, torch.bfloat16, True) == "two_shot"
 
 
+def test_the_fused_all_reduce_norm_takes_what_one_shot_takes():
+    """The fused sum + add + RMSNorm is a one-shot: a decode token's message, up to the
+    one-shot limit; two-shot's and NCCL's sizes and the types the kernels lack are summed
+    apart from the norm."""
+    plan = AllReducePlan(max_bytes=8 * MiB, one_shot_max_bytes=512 << 10)
+    assert plan.fuses_norm(8 << 10, torch.bfloat16)  # one token of a 4096-wide model
+    assert plan.fuses_norm(512 << 10, torch.float32)
+    assert not plan.fuses_norm((512 << 10) + 16, torch.bfloat16)  # two-shot
+    assert not plan.fuses_norm(16 * MiB, torch.bfloat16)  # NCCL
+    assert not plan.fuses_norm(8 << 10, torch.float16)
+    assert not plan.fuses_norm(0, torch.bfloat16)
+
+
+def gloo_fusion_and_target() -> tuple[bool, bool, bool]:
+    """On a gloo rank: (fused kernel set up, a decode token's sum fused with its norm, a
+    peer-memory place to write its partial product)."""
+    tp = parallel.init_tensor_parallel(parallel.get_tp().rank, parallel.get_tp().size,
+                                       torch.device("cpu"), "unused",
+                                       peer_all_reduce_max_bytes=8 * MiB)
+    shape = (1, 64)
+    return (tp.fused is not None, parallel.fuses_norm(shape, torch.float32),
+            parallel.partial_target(shape, torch.float32) is not None)
+
+
+def test_a_cpu_group_never_fuses_nor_writes_into_peer_memory():
+    results = run_on_ranks(gloo_fusion_and_target, size=2)
+    assert results == [(False, False, False)] * 2
+
+
 def small_limit_plan_and_sum(limit: int) -> tuple[bool, list[float]]:
     """On a gloo rank: is there a peer all-reduce, and all_reduce_'s sums."""
     tp = parallel.init_tensor_parallel(parallel.get_tp().rank, parallel.get_tp().size,

@@ -8,7 +8,10 @@ access (the memory-profiling prefill read past the RoPE table, device/profile_ru
 float32 TP=2's greedy tokens are TP=1's (the two all-reduce halves are added in another order
 than one GEMM's sum, which may tip a rare near-tie late in a sequence, never a first token on
 this checkpoint's x25 LM head). Two ranks' sum is the same whichever way it is taken (a + b
-either way), so the peer all-reduce gives NCCL's tokens exactly."""
+either way), so the peer all-reduce gives NCCL's tokens exactly, and the all-reduce fused with
+the residual add and RMSNorm after it (kernels/triton/allreduce_norm.py) gives the unfused
+path's, to the bit: against NCCL and the norm's own kernel, layer after layer, eager and in a
+CUDA graph, then in engines."""
 
 from __future__ import annotations
 
@@ -33,19 +36,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, size: int, port: int, results) -> None:
+def _rank(check, rank: int, size: int, port: int, results) -> None:
     try:
-        results.put((rank, _check_rank(rank, size, port)))
+        results.put((rank, check(rank, size, port)))
     except BaseException:  # noqa: BLE001 - the parent reports it
         results.put((rank, traceback.format_exc()))
 
 
-def _check_rank(rank: int, size: int, port: int) -> dict:
-    """{(algorithm, bytes, dtype, eager|graph): equal to NCCL's sum}, and the plan's
-    presence."""
+def _join(rank: int, size: int, port: int):
+    """This rank's GPU and its place in the group, set up as the workers do."""
     import os
-
-    import torch.distributed as dist
 
     from pagedserve.device.executor import WORKER_ENV
     from pagedserve.model import parallel
@@ -53,8 +53,18 @@ def _check_rank(rank: int, size: int, port: int) -> dict:
     os.environ.update(WORKER_ENV)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    tp = parallel.init_tensor_parallel(rank, size, device, f"tcp://127.0.0.1:{port}",
-                                       peer_all_reduce_max_bytes=8 << 20)
+    return device, parallel.init_tensor_parallel(rank, size, device, f"tcp://127.0.0.1:{port}",
+                                                 peer_all_reduce_max_bytes=8 << 20)
+
+
+def _check_rank(rank: int, size: int, port: int) -> dict:
+    """{(algorithm, bytes, dtype, eager|graph): equal to NCCL's sum}, and the plan's
+    presence."""
+    import torch.distributed as dist
+
+    from pagedserve.model import parallel
+
+    device, tp = _join(rank, size, port)
     out = {"peer": tp.peer is not None}
     if tp.peer is None:
         return out
@@ -90,15 +100,17 @@ def _check_rank(rank: int, size: int, port: int) -> dict:
     return out
 
 
-def test_peer_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
+def on_two_ranks(check) -> dict:
+    """{rank: check(rank, 2, port)'s result, or its traceback}, each rank in a process of its
+    own (GPU r)."""
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(check, r, 2, port, results)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        got = dict(results.get(timeout=240) for _ in procs)
+        return dict(results.get(timeout=240) for _ in procs)
     except queue.Empty:
         pytest.fail("a rank gave no result in 240 s (a hung all-reduce?)")
     finally:
@@ -106,6 +118,10 @@ def test_peer_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def test_peer_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
+    got = on_two_ranks(_check_rank)
     for rank, result in got.items():
         assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
         assert result.pop("peer"), "two GPUs of one host should reduce through peer memory"
@@ -113,6 +129,91 @@ def test_peer_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
         assert {"one_shot", "two_shot"} <= algorithms
         wrong = [key for key, ok in result.items() if not ok]
         assert not wrong, f"rank {rank}: differs from NCCL at {wrong}"
+
+
+# (rows, hidden): a decode token of Llama-3-8B, a small batch, one program per row, programs
+# that loop over rows (all within one-shot's 512 KiB at two ranks, in float32 too)
+FUSED_SHAPES = [(1, 4096), (7, 1024), (64, 1024), (100, 1024)]
+LAYERS = 12
+
+
+def _layers(x, residual, weight, rank: int, fused: bool):
+    """LAYERS sublayers in a row as the decoder runs them: each rank's "partial product" (the
+    normed input times rank + 1, written where `parallel.partial_target` says), summed, added
+    to the stream and normalised; fused (slots alternating) or through NCCL and the norm's
+    own kernel. The last (output, stream)."""
+    import torch.distributed as dist
+
+    from pagedserve.kernels.triton import model_ops
+    from pagedserve.model import parallel
+
+    for layer in range(LAYERS):
+        slot = layer % 2
+        if fused:
+            partial = parallel.partial_target(x.shape, x.dtype, slot)
+            torch.mul(x, rank + 1, out=partial)
+            x, residual = parallel.all_reduce_add_rms_norm_(partial, residual, weight, 1e-6,
+                                                            slot)
+        else:
+            partial = x * (rank + 1)
+            dist.all_reduce(partial)
+            x, residual = model_ops.rms_norm(partial, weight, 1e-6, residual)
+    return x, residual
+
+
+def _check_fused_rank(rank: int, size: int, port: int) -> dict:
+    """{(rows, dtype, eager|graph): the fused layers' (output, stream) equal to NCCL's and the
+    norm kernel's}, and whether the fused kernel was set up."""
+    from pagedserve.model import parallel
+
+    device, tp = _join(rank, size, port)
+    out = {"fused": tp.fused is not None}
+    if tp.fused is None:
+        return out
+    gen = torch.Generator(device).manual_seed(0)  # the same inputs on every rank
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, hidden in FUSED_SHAPES:
+            weight = (1 + 0.3 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
+            assert parallel.fuses_norm((rows, hidden), dtype)
+            x = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
+            residual = (3 * torch.randn(rows, hidden, generator=gen, device=device)).to(dtype)
+            want = _layers(x, residual.clone(), weight, rank, fused=False)
+            got = _layers(x, residual.clone(), weight, rank, fused=True)
+            key = (rows, str(dtype))
+            out[key + ("eager",)] = all(map(torch.equal, got, want))
+            static_x, static_res = x.clone(), residual.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up, as the runner does before capturing
+                _layers(static_x.clone(), static_res.clone(), weight, rank, fused=True)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                stream = static_res.clone()
+                captured = _layers(static_x, stream, weight, rank, fused=True)
+            ok = True
+            for step in range(3):  # replays between eager NCCL and fused calls
+                static_x.copy_(x * (step + 1))
+                static_res.copy_(residual)
+                graph.replay()
+                eager = _layers(x * (step + 1), residual.clone(), weight, rank, fused=False)
+                _layers(x, residual.clone(), weight, rank, fused=True)
+                torch.cuda.synchronize()
+                ok &= all(map(torch.equal, captured, eager))
+            out[key + ("graph",)] = ok
+    return out
+
+
+def test_fused_all_reduce_norm_equals_nccl_then_the_norm_eager_and_in_cuda_graphs():
+    """Two ranks' sum is a + b whichever way it is taken, and the fused kernel normalises
+    with the norm kernel's own arithmetic: equal to the bit, in bf16 and float32."""
+    got = on_two_ranks(_check_fused_rank)
+    for rank, result in got.items():
+        assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
+        assert result.pop("fused"), "two GPUs of one host should get the fused kernel"
+        assert len(result) == 2 * len(FUSED_SHAPES) * 2
+        wrong = [key for key, ok in result.items() if not ok]
+        assert not wrong, f"rank {rank}: differs from NCCL + RMSNorm at {wrong}"
 
 
 def run_engines(checkpoint: str, dtype: str, runs: dict[str, dict]) -> dict[str, list]:
@@ -142,6 +243,18 @@ def test_tp2_engines_after_a_tp1_engine_in_one_process_float32(checkpoint):
     assert [t[0] for t in tokens["tp2-peer"]] == [t[0] for t in tokens["tp1"]]
     same = sum(a == b for a, b in zip(tokens["tp1"], tokens["tp2-peer"]))
     assert same >= 14, f"{same} of 16 sequences equal"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@torch.inference_mode()
+def test_tp2_fused_all_reduce_norm_gives_the_unfused_tokens(checkpoint, dtype):
+    """Under CUDA graphs, the decode steps' all-reduces fused with their norms (prefill
+    chunks too large for one-shot take the unfused path in both): two ranks' sums are the
+    same either way, so are the greedy tokens, in float32 and in bf16."""
+    tokens = run_engines(checkpoint, dtype, {
+        "unfused": dict(tensor_parallel_size=2, fuse_all_reduce_norm=False),
+        "fused": dict(tensor_parallel_size=2)})
+    assert tokens["fused"] == tokens["unfused"]
 
 
 def agreeing_prefix(tokens: list[list[int]], reference: list[list[int]]) -> float:

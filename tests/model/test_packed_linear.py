@@ -94,3 +94,19 @@ def test_bfloat16_packs_where_the_kernel_is(rows):
     torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-4)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=2**-7,
                                atol=1e-4)
+
+
+def test_matmul_into_writes_the_product_into_the_given_tensor(packing):
+    """`ops.matmul_into`, how a tensor-parallel layer puts its partial product in peer
+    memory: F.linear's (torch.mm into it) and a packed weight's (copied in) equal the
+    matmul's own product, in the tensor given; no tensor: the matmul's own."""
+    from pagedserve.model.ops import matmul_into
+
+    x, weight = torch.randn(3, 48), torch.randn(40, 48)
+    for matmul in (F.linear, PackedWeight(packing)):
+        want = matmul(x, weight, None)
+        out = torch.full((3, 40), float("nan"))
+        got = matmul_into(matmul, x, weight, out)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(out, want)
+        assert torch.equal(matmul_into(matmul, x, weight, None), want)

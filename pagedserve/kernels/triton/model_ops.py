@@ -34,16 +34,25 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, strid
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    add_rms_norm_row(x, res_ptr + row * stride_res, w_ptr, out_ptr + row * stride_out, offs,
+                     mask, eps, N, HAS_RESIDUAL)
+
+
+@triton.jit
+def add_rms_norm_row(x, res_row_ptr, w_ptr, out_row_ptr, offs, mask, eps, N: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+    """One row's residual add (written back) and RMSNorm, `x` in float32: the arithmetic of
+    `rms_norm`, shared with the fused all-reduce (`allreduce_norm.py`) so both round alike."""
+    dtype = out_row_ptr.dtype.element_ty
     if HAS_RESIDUAL:
-        res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        res = tl.load(res_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x = round_to(x + res, dtype)  # the residual stream is stored in the activation dtype
-        tl.store(res_ptr + row * stride_res + offs, x.to(dtype), mask=mask)
+        tl.store(res_row_ptr + offs, x.to(dtype), mask=mask)
     var = tl.sum(x * x, axis=0) / N
     y = round_to(x * tl.rsqrt(var + eps), dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (y * w).to(dtype), mask=mask)
+    tl.store(out_row_ptr + offs, (y * w).to(dtype), mask=mask)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float,
@@ -60,7 +69,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float,
         res = x if residual is None else residual  # an unused pointer when there is none
         _rms_norm_kernel[(num_rows,)](
             x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps,
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=norm_warps(block),
             **pdl.launch_options())
     return out, x if residual is None else residual
 
@@ -152,10 +161,10 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(n, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), N=n, BLOCK=block,
-            num_warps=_num_warps(block), **pdl.launch_options())
+            num_warps=norm_warps(block), **pdl.launch_options())
     return out
 
 
-def _num_warps(block: int) -> int:
+def norm_warps(block: int) -> int:
     """One warp per 256 elements of a row (8 bf16 per thread), between 1 and 8 warps."""
     return min(8, max(1, block // 256))

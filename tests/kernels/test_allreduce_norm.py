@@ -1,0 +1,94 @@
+"""The fused one-shot all-reduce + residual add + RMSNorm (kernels/triton/allreduce_norm.py)
+under TRITON_INTERPRET=1 (conftest), its ranks simulated in one process: each rank's buffer
+and signal pad a tensor, their addresses in the tables the kernel reads, the ranks launched
+one after another.
+
+A rank's kernel waits at its barrier for every other rank's flag, so before rank r runs, the
+flags of the ranks after it (not yet launched) are raised in r's pad on their behalf; the
+ranks before it raised theirs when they ran. At the end each rank must have lowered every
+flag in its own pad and raised its own in every pad: exactly the flags raised on a later
+rank's behalf are up again. Sums against torch's in rank order, then `model_ops.rms_norm`
+(the unfused kernel: equal to the bit) and the eager reference (to its tolerance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels.triton import allreduce_norm, model_ops
+from pagedserve.model import ops
+from tests.kernels.test_model_ops import assert_matches, exact_bf16, fresh_seed  # noqa: F401
+
+SLOT_BYTES = 1 << 16
+
+
+def simulate(partials: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
+             slot: int) -> tuple[list, list, list[torch.Tensor], int]:
+    """Each rank's (out, residual) from the kernel, its signal pad after every rank ran, and
+    the program count."""
+    world = len(partials)
+    rows, n = partials[0].shape
+    buffers = [torch.zeros(2 * SLOT_BYTES, dtype=torch.uint8) for _ in range(world)]
+    pads = [torch.zeros(allreduce_norm.signal_words(world), dtype=torch.int32)
+            for _ in range(world)]
+    buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    signal_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+    programs = min(rows, allreduce_norm.MAX_PROGRAMS)
+    flags = [slot * allreduce_norm.MAX_PROGRAMS * world + p * world for p in range(programs)]
+    views = []
+    for rank, partial in enumerate(partials):
+        start = slot * SLOT_BYTES
+        view = buffers[rank][start:start + partial.numel() * partial.element_size()]
+        views.append(view.view(partial.dtype).view(rows, n))
+        views[-1].copy_(partial)
+    outs, sums = [], []
+    for rank in range(world):
+        for flag in flags:  # the ranks not yet launched have arrived
+            pads[rank][flag + rank + 1:flag + world] = 1
+        out, total = allreduce_norm.all_reduce_add_rms_norm(
+            buffer_table, signal_table, rank, slot, SLOT_BYTES, views[rank], residual.clone(),
+            weight, 1e-6)
+        outs.append(out)
+        sums.append(total)
+    return outs, sums, pads, programs
+
+
+@pytest.mark.usefixtures("exact_bf16")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world,rows,hidden,slot", [
+    (2, 1, 64, 0), (2, 3, 96, 1), (4, 5, 128, 0), (2, 67, 32, 1)])
+def test_sum_add_and_norm_equal_the_unfused_kernels_on_every_rank(dtype, world, rows, hidden,
+                                                                 slot):
+    seed = fresh_seed()
+    partials = [(2 * torch.randn(rows, hidden)).to(dtype) for _ in range(world)]
+    residual = (3 * torch.randn(rows, hidden)).to(dtype)
+    weight = (1 + 0.3 * torch.randn(hidden)).to(dtype)
+    outs, sums, pads, programs = simulate(partials, residual, weight, slot)
+
+    reduced = torch.zeros(rows, hidden)
+    for partial in partials:  # rank order, in float32, rounded once: the kernel's sum
+        reduced += partial.float()
+    reduced = reduced.to(dtype)
+    want_out, want_sum = model_ops.rms_norm(reduced, weight, 1e-6, residual.clone())
+    ref_out, ref_sum = ops.eager_fused_add_rms_norm(reduced, residual.clone(), weight, 1e-6)
+    msg = f"seed {seed}"
+    for rank in range(world):
+        assert torch.equal(sums[rank], want_sum), f"{msg}: rank {rank}'s residual stream"
+        assert torch.equal(outs[rank], want_out), f"{msg}: rank {rank}'s output"
+    assert_matches(sums[0], ref_sum, msg, exact=True)
+    assert_matches(outs[0], ref_out, msg)
+
+    base = slot * allreduce_norm.MAX_PROGRAMS * world
+    for rank, pad in enumerate(pads):
+        want = torch.zeros_like(pad)
+        for program in range(programs):  # the later ranks' flags, raised by them
+            want[base + program * world + rank + 1:base + (program + 1) * world] = 1
+        assert torch.equal(pad, want), f"rank {rank}'s signal pad after the barrier"
+
+
+def test_an_empty_message_launches_nothing():
+    empty = torch.empty(0, 64)
+    table = torch.zeros(2, dtype=torch.int64)  # never read
+    out, total = allreduce_norm.all_reduce_add_rms_norm(table, table, 0, 0, SLOT_BYTES, empty,
+                                                        empty.clone(), torch.ones(64), 1e-6)
+    assert out.shape == (0, 64) and total.shape == (0, 64)
