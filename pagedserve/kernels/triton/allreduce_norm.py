@@ -10,7 +10,8 @@ kernel then, per program:
 1. meets the same program on every rank at a barrier of flags in the peers' signal pads
    (each rank raises its flag in every peer's pad, then waits for every peer's flag in its
    own and lowers it: a flag only goes 0 -> 1 by its sender and 1 -> 0 by its owner, so the
-   pads are all zero again after every use);
+   pads are all zero again after every use); one barrier where torch's one-shot kernel has
+   two (one on entry, one on exit);
 2. reads every rank's partial row through the peers' buffer pointers, in rank order, and
    sums in float32 (the same order on every rank: every rank's sum is the same, bit for bit),
    rounded to the activation dtype as the all-reduce's output would be;
@@ -47,16 +48,23 @@ def signal_words(world_size: int, slots: int = 2) -> int:
 @triton.jit
 def _barrier(signals_ptr, offset, rank, WORLD: tl.constexpr):
     """Meet the same program of every rank: raise our flag in each pad, then take down each
-    rank's flag in ours. Release and acquire at system scope: the partial products written
-    before are visible to the peers' reads after."""
-    for peer in tl.static_range(WORLD):
-        pad = tl.load(signals_ptr + peer).to(tl.pointer_type(tl.int32))
-        while tl.atomic_cas(pad + offset + rank, 0, 1, sem="release", scope="sys") != 0:
-            pass
-    own = tl.load(signals_ptr + rank).to(tl.pointer_type(tl.int32))
-    for peer in tl.static_range(WORLD):
-        while tl.atomic_cas(own + offset + peer, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
+    rank's flag in ours, the ranks' flags side by side (one lane each, so the round trips to
+    the peers overlap). Release and acquire at system scope: the partial products written
+    before are visible to the peers' reads after. A lane already done compares against 2, a
+    value no flag holds: its retries change nothing."""
+    peers = tl.arange(0, WORLD)
+    ours = tl.load(signals_ptr + peers).to(tl.pointer_type(tl.int32)) + offset + rank
+    done = tl.zeros([WORLD], dtype=tl.int32)
+    while tl.sum(done, axis=0) < WORLD:
+        old = tl.atomic_cas(ours, tl.where(done == 1, 2, 0), tl.where(done == 1, 2, 1),
+                            sem="release", scope="sys")
+        done = tl.maximum(done, (old == 0).to(tl.int32))
+    theirs = tl.load(signals_ptr + rank).to(tl.pointer_type(tl.int32)) + offset + peers
+    done = tl.zeros([WORLD], dtype=tl.int32)
+    while tl.sum(done, axis=0) < WORLD:
+        old = tl.atomic_cas(theirs, tl.where(done == 1, 2, 1), tl.where(done == 1, 2, 0),
+                            sem="acquire", scope="sys")
+        done = tl.maximum(done, (old == 1).to(tl.int32))
 
 
 @triton.jit
