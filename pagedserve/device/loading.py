@@ -64,16 +64,20 @@ class LoadedModel:
 
     model: Decoder
     model_config: ModelConfig
+    # the transformers tokenizer, or a TokenizerRef (`read_tokenizer`)
     tokenizer: object
     tokenizer_source: str | None = None  # what `tokenizer` was loaded from, for another process
 
     @classmethod
-    def load(cls, config: EngineConfig, timed: Timer = _untimed) -> LoadedModel:
-        """`timed(phase)`: a context that times each part (`load_on_device`'s, "tokenizer")."""
+    def load(cls, config: EngineConfig, timed: Timer = _untimed,
+             read_tokenizer: Callable[[str], object] = load_tokenizer) -> LoadedModel:
+        """`timed(phase)`: a context that times each part (`load_on_device`'s, "tokenizer").
+        `read_tokenizer(source)`: `TokenizerRef.read` for an engine core that needs only
+        the tokenizer's size and EOS id (it then does not import transformers)."""
         model, model_config, _ = load_on_device(config, resolve_device(config.device), timed)
         source = tokenizer_source(config.model, config.tokenizer)
         with timed("tokenizer"):
-            tokenizer = load_tokenizer(source)
+            tokenizer = read_tokenizer(source)
         return cls(model, model_config, tokenizer, source)
 
 

@@ -63,7 +63,8 @@ from pagedserve.messages import (
     EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, KVCacheSpec, LogprobsLists,
     ModelRunnerOutput, SchedulerOutput, SchedulerStats, TokenLogprobs)
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.loader import load_tokenizer, read_model_config, tokenizer_source
+from pagedserve.model.loader import read_model_config, tokenizer_source
+from pagedserve.model.tokenizer_ref import TokenizerRef
 from pagedserve.spec.config import SpeculativeConfig
 from pagedserve.spec.ngram import NgramProposer, Proposer
 from pagedserve.structured.grammar import GrammarCache
@@ -103,7 +104,8 @@ class EngineCore:
         torch.manual_seed(config.seed)
         phases = StartupPhases()
         if loaded is None and config.tensor_parallel_size == 1:
-            loaded = LoadedModel.load(config, phases.timed)  # its tokenizer serves this core
+            # the core needs only the tokenizer's size and EOS id: no transformers import
+            loaded = LoadedModel.load(config, phases.timed, TokenizerRef.read)
         self.loaded = loaded
         with phases.timed("weights"):  # the ranks' (tensor parallelism)
             self.executor = executor = _make_executor(config, loaded)
@@ -125,7 +127,7 @@ class EngineCore:
         else:  # the workers load the weights
             with phases.timed("tokenizer"):
                 self.tokenizer_source = tokenizer_source(config.model, config.tokenizer)
-                self.tokenizer = load_tokenizer(self.tokenizer_source)
+                self.tokenizer = TokenizerRef.read(self.tokenizer_source)
         self.config = config = _resolve_limits(config, executor)
         with phases.timed("memory profile"):
             self.num_blocks = num_blocks = executor.determine_num_blocks(config)

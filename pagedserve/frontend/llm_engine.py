@@ -35,6 +35,7 @@ from pagedserve.frontend.lora_registry import LoRARegistry
 from pagedserve.frontend.processor import Processor
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.messages import LoRARequest
+from pagedserve.model.tokenizer_ref import as_loaded
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.structured.manager import StructuredOutputManager
 from pagedserve.structured.remote import GrammarProcess
@@ -56,7 +57,7 @@ class LLMEngine:
         self.config = core.config  # with the batch limits resolved
         self.loaded = core.loaded
         self.model_config = core.model_config
-        self.tokenizer = core.tokenizer
+        self.tokenizer = as_loaded(core.tokenizer)  # the core itself keeps a TokenizerRef
         loras = (LoRARegistry(self.model_config, self.config.max_lora_rank)
                  if self.config.enable_lora else None)
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size,

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.model.hf_config import read_hf_config
+
 # HF `architectures[0]` -> our family name. One decoder serves them all; the families differ
 # only in the switches `from_hf_folder` sets.
 SUPPORTED_ARCHITECTURES = {
@@ -157,15 +159,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path, architecture: str | None = None) -> ModelConfig:
-        """Read config.json (and generation_config.json for stop tokens) through transformers.
+        """Read config.json (and generation_config.json for stop tokens) as transformers does.
 
-        AutoConfig normalises old and new config layouts (rope_scaling vs rope_parameters,
-        missing head_dim), so we read its attributes rather than the raw JSON.
+        `hf_config.read_hf_config` applies transformers' defaults and normalisations (old and
+        new rope layouts, missing head_dim, derived sliding windows) without importing it, so
+        we read its attributes rather than the raw JSON.
         `architecture`: read it as this one, not the one it names (an EAGLE-3 head's folder
         names its own, over a Llama layer's config).
         """
-        from transformers import AutoConfig
-
         folder = Path(folder)
         raw = json.loads((folder / "config.json").read_text())
         arch = architecture or (raw.get("architectures") or [None])[0]
@@ -175,7 +176,7 @@ class ModelConfig:
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        hf = AutoConfig.from_pretrained(folder)
+        hf = read_hf_config(folder)
         layer_types = getattr(hf, "layer_types", None)
         rope, local_rope = _rope_parameters(hf, layer_types)
         rope_theta = float(rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0)))

@@ -18,6 +18,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.model.tokenizer_ref import as_loaded
 from pagedserve.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -44,9 +45,11 @@ def grammar_vocab_size(tokenizer: Any, vocab_size: int) -> int:
 
 class GrammarCache:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        """`vocab_size`: the model's logits width, which may exceed the tokenizer's (padding
-        rows); the extra ids are never allowed. The token table covers
-        `grammar_vocab_size` ids (`self.vocab_size`)."""
+        """`tokenizer`: a transformers tokenizer, or the engine core's TokenizerRef (loaded
+        here: a grammar needs the whole vocabulary). `vocab_size`: the model's logits width,
+        which may exceed the tokenizer's (padding rows); the extra ids are never allowed. The
+        token table covers `grammar_vocab_size` ids (`self.vocab_size`)."""
+        tokenizer = as_loaded(tokenizer)
         # imported with the first cache, not with this module: the API process imports this
         # module at start-up, and xgrammar brings transformers' generation code with it
         import xgrammar as xgr
