@@ -57,7 +57,7 @@ class LLMEngine:
         self.config = core.config  # with the batch limits resolved
         self.loaded = core.loaded
         self.model_config = core.model_config
-        self.tokenizer = as_loaded(core.tokenizer)  # the core itself keeps a TokenizerRef
+        self.tokenizer = as_loaded(core.tokenizer)  # a core built alone reads only a ref
         loras = (LoRARegistry(self.model_config, self.config.max_lora_rank)
                  if self.config.enable_lora else None)
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size,
