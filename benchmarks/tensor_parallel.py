@@ -14,7 +14,9 @@ default, in this order):
   allreduce  bf16 all-reduce at 8 KiB-256 MiB over N ranks, each size by NCCL, one-shot and
              two-shot (peer memory), every call captured in a CUDA graph (as decode steps
              run them): time and bus bandwidth; the fastest per size shows where the
-             thresholds belong. Also whether an NCCL all-reduce captured in a graph replays
+             thresholds belong. Up to one-shot's limit also the all-reduce followed by the
+             residual add + RMSNorm of [bytes / 8 KiB, 4096] rows (a decode step's chain):
+             one-shot then the norm kernel against the fused kernel. Also whether an NCCL all-reduce captured in a graph replays
              right between eager collectives (if not, the TP engines run --enforce-eager)
   logits     Llama-3-8B shape, TP=1 and TP=N on the same random weights: the first generated
              token's top-20 logprobs of 16 prompts (largest difference), greedy agreement
@@ -477,8 +479,9 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
                 row = {"bytes": nbytes, "algorithm": name, "error":
                        traceback.format_exc()[-1500:]}
             rows.append(row)
+    norm_rows = [] if peer is None else _norm_chain_rows(peer, spec["sizes"], device)
     if rank == 0:
-        queue.put({"rows": rows, "peer_error": peer_error,
+        queue.put({"rows": rows, "norm_rows": norm_rows, "peer_error": peer_error,
                    "device": torch.cuda.get_device_name() if cuda else "cpu"})
     verdict = None
     if cuda:
@@ -489,6 +492,53 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
             verdict = False
     if rank == 0:
         queue.put(verdict)
+
+
+def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
+    """Per size up to one-shot's limit, in µs per call: one-shot into a new tensor then the
+    residual add + RMSNorm kernel (the unfused engine's chain: the partial product already in
+    the buffer), and the fused kernel (slots alternating, as the layers do)."""
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+
+    from pagedserve.kernels.triton import model_ops
+    from pagedserve.model.allreduce import ONE_SHOT_MAX_BYTES, FusedAllReduceNorm
+
+    limit = ONE_SHOT_MAX_BYTES[dist.get_world_size()]
+    rows = []
+    try:
+        fused = FusedAllReduceNorm(limit, dist.group.WORLD, device)
+    except Exception:  # noqa: BLE001 - the all-reduce rows still come
+        return [{"algorithm": "fused_rms_norm", "error": traceback.format_exc()[-1500:]}]
+    hidden = 4096
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    for nbytes in [b for b in sizes if b <= limit and b % (2 * hidden) == 0]:
+        shape = (nbytes // (2 * hidden), hidden)
+        residual = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        peer.target(shape, torch.bfloat16).fill_(0.001)
+        for slot in (0, 1):
+            fused.target(slot, shape, torch.bfloat16).fill_(0.001)
+        slots = itertools.cycle((0, 1))
+
+        def unfused():
+            total = peer(peer.target(shape, torch.bfloat16), "one_shot")
+            model_ops.rms_norm(total, weight, 1e-6, residual)
+
+        def fused_call():
+            slot = next(slots)
+            fused(slot, fused.target(slot, shape, torch.bfloat16), residual, weight, 1e-6)
+
+        for name, fn in (("one_shot+rms_norm", unfused), ("fused_rms_norm", fused_call)):
+            try:
+                seconds = _time_calls(fn, 100, True)
+                rows.append({"bytes": nbytes, "algorithm": name,
+                             "us": round(seconds * 1e6, 2), "rows": shape[0]})
+            except Exception:  # noqa: BLE001 - one failing size or kind is a row
+                rows.append({"bytes": nbytes, "algorithm": name,
+                             "error": traceback.format_exc()[-1500:]})
+    return rows
 
 
 def _peer_all_reduce(size: int, max_bytes: int, device):
@@ -673,6 +723,10 @@ def part_allreduce(res: Results, scale: Scale) -> None:
     if any(name != "nccl" for _, name in fastest.values()):
         res.add(n, None, "allreduce_fastest_by_bytes",
                 {str(b): name for b, (_, name) in sorted(fastest.items())})
+    for row in result.get("norm_rows", []):
+        row = dict(row)
+        res.add(n, None, "allreduce_add_rms_norm_us", row.pop("us", None), dtype="bfloat16",
+                hidden=4096, cuda_graph=True, **row)
 
 
 def engine_runs(res: Results, scale: Scale, root: Path, shape: str,
