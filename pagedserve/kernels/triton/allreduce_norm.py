@@ -11,7 +11,7 @@ kernel then, per program:
    (each rank raises its flag in every peer's pad, then waits for every peer's flag in its
    own and lowers it: a flag only goes 0 -> 1 by its sender and 1 -> 0 by its owner, so the
    pads are all zero again after every use); one barrier where torch's one-shot kernel has
-   two (one on entry, one on exit);
+   two (one on entry, one on exit), and its raise a posted write, not a round trip;
 2. reads every rank's partial row through the peers' buffer pointers, in rank order, and
    sums in float32 (the same order on every rank: every rank's sum is the same, bit for bit),
    rounded to the activation dtype as the all-reduce's output would be;
@@ -48,21 +48,19 @@ def signal_words(world_size: int, slots: int = 2) -> int:
 @triton.jit
 def _barrier(signals_ptr, offset, rank, WORLD: tl.constexpr):
     """Meet the same program of every rank: raise our flag in each pad, then take down each
-    rank's flag in ours, the ranks' flags side by side (one lane each, so the round trips to
-    the peers overlap). Release and acquire at system scope: the partial products written
-    before are visible to the peers' reads after. A lane already done compares against 2, a
-    value no flag holds: its retries change nothing."""
+    rank's flag in ours, one lane per rank (the peers' round trips overlap). The raise is an
+    atomic add whose result is unused, which compiles to a posted reduction (`red`): no
+    round trip. Release and acquire at system scope: the partial products written before
+    are visible to the peers' reads after. A flag is always down when raised (the slots
+    alternate, see the module docstring); a lane already done compares against -1, a value
+    no flag holds, so its retries change nothing."""
     peers = tl.arange(0, WORLD)
     ours = tl.load(signals_ptr + peers).to(tl.pointer_type(tl.int32)) + offset + rank
-    done = tl.zeros([WORLD], dtype=tl.int32)
-    while tl.sum(done, axis=0) < WORLD:
-        old = tl.atomic_cas(ours, tl.where(done == 1, 2, 0), tl.where(done == 1, 2, 1),
-                            sem="release", scope="sys")
-        done = tl.maximum(done, (old == 0).to(tl.int32))
+    tl.atomic_add(ours, 1, sem="release", scope="sys")
     theirs = tl.load(signals_ptr + rank).to(tl.pointer_type(tl.int32)) + offset + peers
     done = tl.zeros([WORLD], dtype=tl.int32)
     while tl.sum(done, axis=0) < WORLD:
-        old = tl.atomic_cas(theirs, tl.where(done == 1, 2, 1), tl.where(done == 1, 2, 0),
+        old = tl.atomic_cas(theirs, tl.where(done == 1, -1, 1), tl.where(done == 1, -1, 0),
                             sem="acquire", scope="sys")
         done = tl.maximum(done, (old == 1).to(tl.int32))
 
