@@ -146,7 +146,8 @@ class FusedAllReduceNorm:
         self.slot_bytes = slot_bytes
         self.buffer = symm_mem.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        pad_bytes = getattr(handle, "signal_pad_size", None)
+        pad_size = getattr(symm_mem, "get_signal_pad_size", None)  # not in older PyTorch
+        pad_bytes = None if pad_size is None else pad_size()
         needed = 4 * allreduce_norm.signal_words(handle.world_size)
         if pad_bytes is not None and pad_bytes < needed:
             raise RuntimeError(f"signal pad of {pad_bytes} bytes, the barriers need {needed}")
