@@ -14,9 +14,11 @@ default, in this order):
   allreduce  bf16 all-reduce at 8 KiB-256 MiB over N ranks, each size by NCCL, one-shot and
              two-shot (peer memory), every call captured in a CUDA graph (as decode steps
              run them): time and bus bandwidth; the fastest per size shows where the
-             thresholds belong. Up to one-shot's limit also the all-reduce followed by the
-             residual add + RMSNorm of [bytes / 8 KiB, 4096] rows (a decode step's chain):
-             one-shot then the norm kernel against the fused kernel. Also whether an NCCL all-reduce captured in a graph replays
+             thresholds belong. Up to 2 MiB also the all-reduce followed by the residual
+             add + RMSNorm of [bytes / 8 KiB, 4096] rows (a decode step's chain): the
+             engine's unfused chain (one-shot up to its limit, two-shot above, then the norm
+             kernel) against the fused kernel (which the engine takes up to one-shot's limit:
+             the rows above it say whether that limit should move). Also whether an NCCL all-reduce captured in a graph replays
              right between eager collectives (if not, the TP engines run --enforce-eager)
   logits     Llama-3-8B shape, TP=1 and TP=N on the same random weights: the first generated
              token's top-20 logprobs of 16 prompts (largest difference), greedy agreement
@@ -494,10 +496,14 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
         queue.put(verdict)
 
 
+NORM_CHAIN_MAX_BYTES = 2 << 20
+
+
 def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
-    """Per size up to one-shot's limit, in µs per call: one-shot into a new tensor then the
-    residual add + RMSNorm kernel (the unfused engine's chain: the partial product already in
-    the buffer), and the fused kernel (slots alternating, as the layers do)."""
+    """Per size up to NORM_CHAIN_MAX_BYTES, in µs per call: the unfused engine's chain (the
+    partial product already in the buffer, one-shot or two-shot as the engine's plan picks,
+    into a new tensor, then the residual add + RMSNorm kernel), and the fused kernel (slots
+    alternating, as the layers do)."""
     import itertools
 
     import torch
@@ -506,15 +512,17 @@ def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
     from pagedserve.kernels.triton import model_ops
     from pagedserve.model.allreduce import ONE_SHOT_MAX_BYTES, FusedAllReduceNorm
 
-    limit = ONE_SHOT_MAX_BYTES[dist.get_world_size()]
+    one_shot_limit = ONE_SHOT_MAX_BYTES[dist.get_world_size()]
     rows = []
     try:
-        fused = FusedAllReduceNorm(limit, dist.group.WORLD, device)
+        fused = FusedAllReduceNorm(NORM_CHAIN_MAX_BYTES, dist.group.WORLD, device)
     except Exception:  # noqa: BLE001 - the all-reduce rows still come
         return [{"algorithm": "fused_rms_norm", "error": traceback.format_exc()[-1500:]}]
     hidden = 4096
     weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
-    for nbytes in [b for b in sizes if b <= limit and b % (2 * hidden) == 0]:
+    for nbytes in [b for b in sizes
+                   if b <= NORM_CHAIN_MAX_BYTES and b % (2 * hidden) == 0]:
+        algorithm = "one_shot" if nbytes <= one_shot_limit else "two_shot"
         shape = (nbytes // (2 * hidden), hidden)
         residual = torch.zeros(shape, dtype=torch.bfloat16, device=device)
         peer.target(shape, torch.bfloat16).fill_(0.001)
@@ -523,14 +531,14 @@ def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
         slots = itertools.cycle((0, 1))
 
         def unfused():
-            total = peer(peer.target(shape, torch.bfloat16), "one_shot")
+            total = peer(peer.target(shape, torch.bfloat16), algorithm)
             model_ops.rms_norm(total, weight, 1e-6, residual)
 
         def fused_call():
             slot = next(slots)
             fused(slot, fused.target(slot, shape, torch.bfloat16), residual, weight, 1e-6)
 
-        for name, fn in (("one_shot+rms_norm", unfused), ("fused_rms_norm", fused_call)):
+        for name, fn in ((f"{algorithm}+rms_norm", unfused), ("fused_rms_norm", fused_call)):
             try:
                 seconds = _time_calls(fn, 100, True)
                 rows.append({"bytes": nbytes, "algorithm": name,
