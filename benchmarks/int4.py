@@ -10,7 +10,7 @@ Parts (all by default; about 8 minutes on an H100 with a cold Triton cache):
           against the bf16 matmul; time, packed bytes over time and, at 1 row, % of the copy
           bandwidth. Timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step
           reads them). With --sweep also each GEMV candidate of `GEMV_CANDIDATES` at 1 row.
-  gemm    decode batches (16 to 256 rows) on Llama-3-8B's projections, W4A16 group 128 in
+  gemm    decode batches (1 to 256 rows) on Llama-3-8B's projections, W4A16 group 128 in
           torch's int4 layout as the engine keeps it: the fused GEMM
           (`kernels/triton/int4pack_gemm.matmul`, tiles by its `config_for` rule) against the
           dequantization into a bf16 scratch tensor + cuBLAS, torch's int4 kernel and the bf16
@@ -58,21 +58,22 @@ from pagedserve.model.int_weights import IntMatmul  # noqa: E402
 SHAPES = LLAMA3_8B_PROJECTIONS
 ROWS = (1, 4, 16, 32, 64, 256)
 # a weight in torch's int4 layout on torch's kernel at any row count: where it stops paying
-# against the dequantization for cuBLAS (`int4pack_max_rows`)
+# against the fused GEMM and the dequantization for cuBLAS (`int4pack_max_rows`)
 ALL_TORCH_KERNEL = replace(int_linear.DEFAULT, int4pack_max_rows=1 << 30)
 GEMV_CANDIDATES = {f"gemv n{n} k{k} w{w}": replace(int_linear.DEFAULT, int_gemv_block_n=n,
                                                    int_gemv_block_k=k, int_gemv_warps=w)
                    for n, k, w in [(4, 256, 2), (4, 512, 2), (8, 256, 4), (8, 512, 4),
                                    (4, 1024, 4), (16, 512, 8)]}
 
-GEMM_ROWS = (16, 32, 64, 128, 256)
+GEMM_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)  # below 17: where torch's kernel stops paying
 # (block_m, block_n, block_k, split_k, warps, stages); each fits an H100's shared memory
 GEMM_CANDIDATES = [Int4GemmConfig(*c) for c in [
     (16, 64, 128, 1, 4, 4), (16, 64, 128, 2, 4, 4), (16, 64, 128, 4, 4, 4),
     (16, 128, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
     (32, 64, 128, 2, 4, 4), (32, 128, 128, 1, 4, 3), (64, 64, 128, 1, 4, 3),
-    (64, 128, 128, 1, 8, 3), (64, 128, 128, 1, 4, 4), (64, 256, 128, 1, 8, 3),
-    (128, 64, 128, 1, 4, 3), (128, 128, 128, 1, 8, 3), (128, 128, 128, 1, 8, 4)]]
+    (64, 64, 128, 2, 4, 3), (64, 128, 128, 1, 8, 3), (64, 128, 128, 1, 4, 4),
+    (64, 256, 128, 1, 8, 3), (128, 64, 128, 1, 4, 3), (128, 64, 128, 2, 4, 3),
+    (128, 128, 128, 1, 8, 3), (128, 128, 128, 1, 8, 4)]]
 
 
 fp8_bench = sibling("fp8")
@@ -133,11 +134,11 @@ def part_gemv(res: ResultRows, bandwidth: float, sweep: bool) -> None:
                                   weight_bytes(ws[0]), int_linear.DEFAULT)
             for label, ws in prepared.items():  # as the engine loads them (`prepare`)
                 methods[f"{label} prepared"] = (
-                    [lambda w=w: int_linear.linear(x, w) for w in ws], weight_bytes(ws[0]),
-                    int_linear.DEFAULT)
+                    [lambda w=w: int_linear.int4pack_linear(x, w) for w in ws],
+                    weight_bytes(ws[0]), int_linear.DEFAULT)
                 if rows > int_linear.DEFAULT.int4pack_max_rows:  # torch's kernel past it
                     methods[f"{label} prepared torch kernel"] = (
-                        [lambda w=w: int_linear.linear(x, w, None, ALL_TORCH_KERNEL)
+                        [lambda w=w: int_linear.int4pack_linear(x, w, None, ALL_TORCH_KERNEL)
                          for w in ws], weight_bytes(ws[0]), ALL_TORCH_KERNEL)
             if sweep and rows == 1:
                 ws = weights["w4a16 g128"]
@@ -260,12 +261,12 @@ def pack_model(model, bits: int = 4, group: int = 128) -> None:
     packing, as the loader leaves an integer checkpoint's layers (`int_weights`)."""
     for linear in model.dense_linears():
         w = quantize(linear.weight.detach(), bits, group, False)
-        prepared = int_linear.prepare(w)
+        matmul, prepared = int_linear.for_layer(w)
         linear.weight = None
         if prepared is w:  # else torch's int4 layout is the only copy, as the loader keeps
             linear.qweight = nn.Parameter(w.qweight, requires_grad=False)
             linear.scales = nn.Parameter(w.scales, requires_grad=False)
-        linear.matmul = IntMatmul(int_linear.linear, prepared)
+        linear.matmul = IntMatmul(matmul, prepared)
         del w
     model.quantization = f"w{bits}a16"
     torch.cuda.empty_cache()

@@ -1219,8 +1219,8 @@ def w_engine(ctx: Ctx, variant: str) -> None:
 def w_quant(ctx: Ctx) -> None:
     """The packed-weight matmuls (kernels/triton/int_linear.py) over every format they read:
     integer weights of 4 and 8 bits (symmetric, zero points, g_idx permutations, per channel;
-    one in torch's int4 layout, also through the fused GEMM `int4pack_gemm.matmul`, which
-    `linear` does not choose yet) and GGUF blocks of each type kept quantized, at 1 row (the
+    one in torch's int4 layout, by `int4pack_linear`'s row rule and through the fused GEMM
+    `int4pack_gemm.matmul` with a split-K tile besides) and GGUF blocks of each type kept quantized, at 1 row (the
     GEMV), a decode batch and a prefill (the GEMMs), N and K ragged against the tiles,
     against x @ the weight that the torch reference dequantizes from the same bytes."""
     import numpy as np
@@ -1229,7 +1229,7 @@ def w_quant(ctx: Ctx) -> None:
     from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight
     from pagedserve.kernels.int4pack import Int4Weight
     from pagedserve.kernels.triton import int4pack_gemm
-    from pagedserve.kernels.triton.int_linear import linear, prepare
+    from pagedserve.kernels.triton.int_linear import for_layer, linear
     from pagedserve.kernels.weight_formats import IntWeight, pack_codes
 
     dev = ctx.device
@@ -1249,13 +1249,13 @@ def w_quant(ctx: Ctx) -> None:
         zero = (torch.randint(0, 1 << bits, (n, groups), generator=gen).to(dtype) if zeros
                 else None)
         order = (torch.randperm(k, generator=gen) // group).to(torch.int32) if g_idx else None
-        weight = prepare(IntWeight(*(None if t is None else t.to(dev) for t in
-                                     (pack_codes(codes, bits), scales, zero, order)),
-                                   bits, group, k))
+        matmul, weight = for_layer(IntWeight(*(None if t is None else t.to(dev) for t in
+                                               (pack_codes(codes, bits), scales, zero, order)),
+                                             bits, group, k))
         w = weight.dequantize().double().cpu()
         for rows in rows_cases:
             x = torch.randn(rows, k, generator=gen).to(dtype)
-            got = linear(x.to(dev), weight)
+            got = matmul(x.to(dev), weight)
             ctx.rel_close(got, x.double() @ w.T, f"int{bits} g{group} zeros={zeros} "
                           f"g_idx={g_idx} rows={rows}", tol)
             if isinstance(weight, Int4Weight):  # the fused GEMM on that layout: its rule's

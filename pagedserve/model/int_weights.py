@@ -328,9 +328,9 @@ def int_weight(linear: nn.Module, scheme: IntScheme) -> IntWeight:
 
 
 class IntMatmul:
-    """A packed layer's matmul: the model's int linear (`Ops.int_linear`) on its weight (an
-    `IntWeight`, or what `Ops.int_prepare` made of it); the float `weight` argument (None)
-    is ignored."""
+    """A packed layer's matmul: the model's int linear on its weight (`Ops.int_linear` on an
+    `IntWeight`, or what `Ops.int_layer` chose for it at load); the float `weight` argument
+    (None) is ignored."""
 
     def __init__(self, linear, weight) -> None:
         self.linear, self.weight = linear, weight

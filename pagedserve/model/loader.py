@@ -450,10 +450,11 @@ def _attach_int_matmuls(model: Decoder, packed: list[str],
     """The packed layers' matmuls: `ops.int_linear` on their weights, or with `native` (the
     CPU's fast mode) the native int8-activation kernels where a layer's (or an expert's)
     weight fits them (`model.int_native`: the blocks are a copy, so the packed parameters
-    they were made from are dropped; so are a layer's whose `ops.int_prepare` converted its
-    weight, at once, so that the two layouts are not held together); MoE experts through
-    the fused kernel where the ops have one."""
+    they were made from are dropped; so are a layer's whose `ops.int_layer` converted its
+    weight, at once, so that the two layouts are not held together, and whose matmul it
+    chose for that layout); MoE experts through the fused kernel where the ops have one."""
     weights, by_expert = {}, {}  # each matmul's weight by name; MoE layers' expert count
+    linears = {}  # the dense layers' matmuls by name, `ops.int_matmul`
     for target in packed:
         module = model.get_submodule(target)
         if isinstance(module, SparseMoE) and ops.fused_moe is not None:
@@ -468,12 +469,13 @@ def _attach_int_matmuls(model: Decoder, packed: list[str],
             by_expert[target] = len(experts)
             continue
         weight = int_weights.int_weight(module, scheme)
-        weights[target] = ops.int_prepare(weight)
+        linears[target], weights[target] = ops.int_matmul(weight)
         if weights[target] is not weight:  # converted to another layout: the only copy kept
             int_weights.drop_packed(module)
     reference = partial(int_weights.IntMatmul, ops.int_linear)
     matmuls = (int_native.int_matmuls(weights, reference) if native
-               else {name: reference(weight) for name, weight in weights.items()})
+               else {name: int_weights.IntMatmul(linears.get(name, ops.int_linear), weight)
+                     for name, weight in weights.items()})
     for target, count in by_expert.items():
         moe = model.get_submodule(target)
         moe.experts = PackedExperts([

@@ -58,10 +58,11 @@ class Ops:
     # x, a packed weight (`kernels.weight_formats`), bias -> y (`int_weights.reference_linear`)
     int_linear: Callable[[Tensor, object, Tensor | None], Tensor] = (
         int_weights.reference_linear)
-    # a packed weight -> what `int_linear` takes for it, once at load (CUDA: the weight in
-    # the layout of torch's int4 kernel where it fits, `kernels/triton/int_linear.prepare`;
-    # a weight returned converted is the only copy kept: the loader drops the packed one)
-    int_prepare: Callable[[object], object] = lambda weight: weight  # noqa: E731
+    # a packed weight -> (its layer's matmul, the weight that matmul takes), once at load
+    # (CUDA: `kernels/triton/int_linear.for_layer`, the weight in the layout of torch's int4
+    # kernel and that layout's matmul where it fits; a weight returned converted is the only
+    # copy kept: the loader drops the packed one); None: (`int_linear`, the weight)
+    int_layer: Callable[[object], tuple[Callable, object]] | None = None
     # x, w13 (or the experts' (gate, up) kept quantized), w2, routing weights, expert ids ->
     # the MoE output (`kernels/triton/moe.fused_moe`); None: expert by expert
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
@@ -74,6 +75,10 @@ class Ops:
     def matmul(self) -> Matmul:
         """A float linear layer's own matmul: a packed copy of its weight, or F.linear."""
         return F.linear if self.packing is None else PackedWeight(self.packing)
+
+    def int_matmul(self, weight) -> tuple[Callable, object]:
+        """A packed layer's matmul and the weight it takes (`int_layer`)."""
+        return (self.int_linear, weight) if self.int_layer is None else self.int_layer(weight)
 
 
 def matmul_into(matmul: Matmul, x: Tensor, weight: Tensor, out: Tensor | None) -> Tensor:
@@ -114,7 +119,7 @@ def triton_ops() -> Ops:
 
     return Ops(add_rms_norm, model_ops.rotate_qk_, model_ops.silu_and_mul,
                fp8_linear=fp8_linear.linear, int_linear=int_linear.linear,
-               int_prepare=int_linear.prepare,
+               int_layer=int_linear.for_layer,
                fused_moe=moe.fused_moe, lora=lora.lora_shrink_expand,
                gguf_linear=int_linear.linear)
 

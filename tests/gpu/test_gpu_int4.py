@@ -1,8 +1,8 @@
 """Integer weight-only layers on CUDA (CI skips this file): the compiled GEMV and GEMM against
 the dequantizing reference at the Llama-3-8B projection shapes and ragged ones, bf16 and
 fp16; torch's int4 layout (the emulated packing against the real one, the Triton
-dequantization from it, the row counts on each side of `int4pack_max_rows`, the fused GEMM
-on it for decode batches); then tiny
+dequantization from it, the row counts on each side of `int4pack_max_rows` and
+`int4pack_gemm_max_rows`, the fused GEMM on it for decode batches); then tiny
 compressed-tensors / GPTQ / AWQ checkpoints (benchmarks/quantize_int.py) loaded on CUDA give
 the CPU reference's logits (float32: same dequantized weights)."""
 
@@ -105,15 +105,16 @@ def test_triton_dequant_of_torchs_layout_is_the_reference(group, zeros):
         assert torch.equal(dequantize(prepared, torch.float32), w.dequantize(torch.float32))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 17, 64, 256, 257])
 @pytest.mark.parametrize("group,zeros", [(128, False), (32, True), (256, False)])
 def test_prepared_weights_take_torchs_int4_kernel_for_a_few_rows(rows, group, zeros):
-    """`prepare` converts a 4-bit weight in column order to torch's int4 layout (its only
-    copy); up to `int4pack_max_rows` rows run on torch's kernel, more on the weight
-    dequantized from that layout, all within bf16's noise of the reference. A weight it
-    cannot read (g_idx, 8 bits, float16 scales) is returned unchanged."""
+    """`for_layer` converts a 4-bit weight in column order to torch's int4 layout (its only
+    copy) with `int4pack_linear`: up to `int4pack_max_rows` rows run on torch's kernel, up to
+    `int4pack_gemm_max_rows` on the fused GEMM, more on the weight dequantized from that
+    layout, all within bf16's noise of the reference. A weight torch's kernel cannot read
+    (g_idx, 8 bits, float16 scales) is returned unchanged, with `linear`."""
     from pagedserve.kernels.int4pack import Int4Weight
-    from pagedserve.kernels.triton.int_linear import linear, prepare
+    from pagedserve.kernels.triton.int_linear import for_layer, linear
     from tests.kernels.test_int_linear import random_weight
 
     gen = torch.Generator().manual_seed(rows + group)
@@ -121,12 +122,12 @@ def test_prepared_weights_take_torchs_int4_kernel_for_a_few_rows(rows, group, ze
     w = random_weight(n, k, 4, group, zeros, False, torch.bfloat16, gen)
     w = type(w)(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v)
                    for f, v in vars(w).items()})
-    prepared = prepare(w)
+    matmul, prepared = for_layer(w)
     assert isinstance(prepared, Int4Weight)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16).cuda()
     bias = torch.randn(n, generator=gen).to(torch.bfloat16).cuda()
     expected = x.float() @ w.dequantize().float().t() + bias.float()
-    got = linear(x, prepared, bias).float()
+    got = matmul(x, prepared, bias).float()
     bound = (x.float().abs() @ w.dequantize().float().abs().t()) * 2**-7 + 1e-2
     assert ((got - expected).abs() <= bound).all()
     for other in (random_weight(n, k, 4, 128, True, True, torch.bfloat16, gen),
@@ -134,15 +135,15 @@ def test_prepared_weights_take_torchs_int4_kernel_for_a_few_rows(rows, group, ze
                   random_weight(n, k, 4, 128, False, False, torch.float16, gen)):
         other = type(other)(**{f: (v.cuda() if isinstance(v, torch.Tensor) else v)
                                for f, v in vars(other).items()})
-        assert prepare(other) is other
+        matmul, kept = for_layer(other)
+        assert matmul is linear and kept is other
 
 
 def test_a_bf16_checkpoint_on_cuda_keeps_its_4bit_weights_in_torchs_layout_alone(tmp_path):
     """A 4-bit checkpoint whose every projection torch's int4 kernel reads, loaded in bf16 on
     CUDA: the packed int32 parameters are gone (the converted weight is the only copy) and
-    the logits of a prefill (rows past `int4pack_max_rows`: dequantized for cuBLAS), a
-    decode step and a short prefill (torch's kernel) are the CPU reference's within bf16's
-    noise."""
+    the logits of a prefill (rows past `int4pack_max_rows`: the fused GEMM), a decode step
+    and a short prefill (torch's kernel) are the CPU reference's within bf16's noise."""
     from transformers import Qwen3Config
 
     from pagedserve.model import load_model
@@ -173,8 +174,8 @@ def test_an_engine_on_4bit_weights_in_torchs_layout_alone_gives_the_reference_lo
         tmp_path):
     """The engine (CUDA graphs on) serving a bf16 4-bit checkpoint kept in torch's int4
     layout alone: 20 greedy requests of different lengths, so decode batches run past
-    `int4pack_max_rows` (the weight dequantized from the layout, inside a graph) and, as
-    requests finish, below it (torch's kernel in a graph). Each generated token's logprob is
+    `int4pack_max_rows` (the fused GEMM on the layout, inside a graph) and, as requests
+    finish, below it (torch's kernel in a graph). Each generated token's logprob is
     the float32 CPU reference's at that position (the prompt and the tokens before it fed
     whole), and the token is the reference's argmax within bf16's noise."""
     import random

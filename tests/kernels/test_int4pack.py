@@ -8,12 +8,15 @@ check what they can here: the conversion's meta kernel declares its shape, and t
 int4 matmul (`_weight_int4pack_mm_for_cpu`, another layout of the codes, the same
 (scale, offset) table as CUDA's) gives the products of the reference dequantization."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pagedserve.kernels import int4pack
-from pagedserve.kernels.triton.int_linear import IntLinearConfig, dequantize, linear
+from pagedserve.kernels.triton.int_linear import (Int4Path, IntLinearConfig, dequantize,
+                                                   int4pack_linear, int4pack_path)
 from pagedserve.kernels.weight_formats import unpack_codes
 from tests.kernels.test_int_linear import random_weight
 from tests.kernels.test_kernels import fresh_seed
@@ -139,18 +142,40 @@ def test_dequantizing_from_the_layout_reads_each_code_its_group(group, zeros):
     assert ((got - expected.to(torch.bfloat16).float()).abs() <= ulp).all(), f"seed {seed}"
 
 
-@pytest.mark.parametrize("rows,dtype", [(3, torch.float32), (17, torch.bfloat16)])
-def test_linear_dequantizes_a_weight_in_torchs_layout_past_its_kernel(rows, dtype):
-    """Rows past `int4pack_max_rows` (or activations torch's kernel does not take) run on
-    the weight dequantized from torch's layout: x @ (the dequantized weight)^T + bias."""
+def test_the_row_rule_takes_the_fused_gemm_between_torchs_kernel_and_the_dequantization():
+    """A weight in torch's int4 layout: torch's kernel for a few bfloat16 rows (a batch-1
+    decode), the fused GEMM for decode batches, verify and short prefill chunks past them up
+    to `int4pack_gemm_max_rows`, dequantize + cuBLAS for longer prefills; activations torch's
+    kernel does not take go to the fused GEMM from one row."""
+    bf16 = torch.bfloat16
+    assert [int4pack_path(m, bf16) for m in (1, 16)] == [Int4Path.TORCH_KERNEL] * 2
+    assert [int4pack_path(m, bf16) for m in (17, 64, 256)] == [Int4Path.FUSED_GEMM] * 3
+    assert [int4pack_path(m, bf16) for m in (257, 4096)] == [Int4Path.DEQUANTIZE] * 2
+    assert int4pack_path(0, bf16) == Int4Path.FUSED_GEMM  # no rows: an empty result
+    for dtype in (torch.float16, torch.float32):
+        assert int4pack_path(1, dtype) == Int4Path.FUSED_GEMM
+        assert int4pack_path(257, dtype) == Int4Path.DEQUANTIZE
+
+
+@pytest.mark.parametrize("rows,dtype,config", [
+    (0, torch.bfloat16, SMALL),
+    (3, torch.float32, SMALL),  # the fused GEMM: activations torch's kernel does not take
+    (17, torch.bfloat16, SMALL),  # the fused GEMM
+    (17, torch.bfloat16, replace(SMALL, int4pack_gemm_max_rows=16)),  # dequantized
+    (5, torch.float32, replace(SMALL, int4pack_gemm_max_rows=4)),  # dequantized
+])
+def test_int4pack_linear_is_x_times_the_reference_dequantization(rows, dtype, config):
+    """`int4pack_linear` past torch's kernel's rows (or on activations it does not take),
+    on the fused GEMM or the weight dequantized from torch's layout, as its rule picks:
+    x @ (the dequantized weight)^T + bias, over leading dims as a linear layer's input."""
     gen = torch.Generator().manual_seed(fresh_seed())
     weight, codes, scales, offsets = int4_weight(16, 256, 64, True, gen)
-    x = torch.randn(rows, 256, generator=gen).to(dtype)
+    x = torch.randn(1, rows, 256, generator=gen).to(dtype)
     bias = torch.randn(16, generator=gen).to(dtype)
     w = ((codes - 8) * scales + offsets).to(dtype)
-    got = linear(x, weight, bias, SMALL)
-    assert got.dtype == dtype and got.shape == (rows, 16)
+    got = int4pack_linear(x, weight, bias, config)
+    assert got.dtype == dtype and got.shape == (1, rows, 16)
     expected = torch.nn.functional.linear(x.float(), w.float(), bias.float())
     bound = x.float().abs() @ w.float().abs().t() + bias.float().abs()
-    ulp = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-6}[dtype]
+    ulp = {torch.float32: 2.0**-20, torch.bfloat16: 2.0**-6}[dtype]
     assert ((got.float() - expected).abs() <= ulp * bound + 1e-6).all()

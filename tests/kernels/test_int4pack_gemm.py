@@ -41,12 +41,16 @@ def test_fused_gemm_is_x_times_the_reference_dequantization(m, n, k, group, zero
 
 
 def test_the_rule_splits_k_only_while_the_tiles_leave_sms_idle():
-    """Decode batches on a 132-SM GPU: few output tiles split K (never below 8 K steps a
-    split), many do not; the M tile grows with the rows."""
-    small = config_for(16, 4096, 4096, 132)
-    assert small.block_m == 16 and small.split_k == 2  # 64 tiles
-    assert config_for(16, 28672, 4096, 132).split_k == 1  # 448 tiles
+    """Decode batches on a 132-SM GPU: 64 weight rows a program, the M tile the smallest that
+    holds the rows (up to 128); K split in four at 16 rows or fewer, in two or four while
+    the output tiles would leave over half of the SMs idle, never below 8 K steps a split."""
+    small = config_for(16, 28672, 4096, 132)
+    assert (small.block_m, small.block_n, small.split_k) == (16, 64, 4)  # 448 tiles
     assert config_for(16, 1024, 1024, 132).split_k == 1  # 8 K steps: no split
-    assert config_for(256, 4096, 4096, 132).block_m == 128
-    for m in (17, 33, 65, 200):
-        assert config_for(m, 4096, 4096, 132).block_m >= min(m, 64)
+    assert config_for(32, 4096, 4096, 132).split_k == 2  # 64 tiles
+    assert config_for(32, 6144, 4096, 132).split_k == 1  # 96 tiles
+    assert config_for(100, 4096, 14336, 132).split_k == 2  # one M tile of 128: 64 tiles
+    assert config_for(256, 4096, 14336, 132).split_k == 1  # 128 tiles
+    for m, block_m in ((17, 32), (33, 64), (64, 64), (65, 128), (256, 128), (4096, 128)):
+        config = config_for(m, 4096, 4096, 132)
+        assert (config.block_m, config.block_n) == (block_m, 64), m

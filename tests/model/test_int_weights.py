@@ -10,6 +10,9 @@ written by benchmarks/quantize_int.py as each format's tool writes them:
 - MoE experts (Mixtral, Qwen3-MoE) likewise, against the float model written from the
   formats' reference dequantization, both expert by expert (the CPU) and through the fused
   MoE kernel that unpacks them in registers (CUDA's path, under TRITON_INTERPRET=1);
+- a 4-bit checkpoint loaded with CUDA's choice of matmul (torch's int4 layout alone, its
+  row rule: the fused GEMM, dequantize + cuBLAS; under TRITON_INTERPRET=1) gives the CPU
+  reference's logits;
 - unsupported variants are refused by name.
 """
 
@@ -32,6 +35,7 @@ from benchmarks.quantize_int import quantize_folder
 from pagedserve.model import load_model
 from pagedserve.model.ops import select_ops
 from tests.model.test_decoder import TINY, make_checkpoint
+from tests.model.paged import PagedDriver
 from tests.model.test_families import check_greedy_generation, check_paged_logits
 
 
@@ -252,3 +256,45 @@ def test_unsupported_variants_are_refused_by_name(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load_model(tmp_path, None, "cpu")
+
+
+def cuda_int4_layer(weight):
+    """CUDA's choice at load (`int_linear.for_layer`) made on the CPU: the 4-bit weight in
+    torch's int4 layout as CUDA's conversion writes it (emulated: tests/kernels/
+    test_int4pack.py), with that layout's matmul."""
+    from pagedserve.kernels import int4pack
+    from pagedserve.kernels.triton.int_linear import int4pack_linear
+    from pagedserve.kernels.weight_formats import unpack_codes
+    from tests.kernels.test_int4pack import pack_reference, pairs_of
+
+    codes = unpack_codes(weight.qweight, 4, weight.in_features)
+    return int4pack_linear, int4pack.Int4Weight(
+        pack_reference(pairs_of(codes)), int4pack.scales_and_offsets(weight),
+        weight.group_size, weight.in_features)
+
+
+def test_weights_in_torchs_int4_layout_give_the_reference_models_logits(tmp_path):
+    """A W4A16 checkpoint loaded with CUDA's int matmuls (torch's int4 layout alone, through
+    `int4pack_linear`; under TRITON_INTERPRET=1, float32 activations) gives the logits of the
+    same checkpoint on the CPU's reference matmul (the dequantized float model's, tests
+    above): a 260-row step (dequantize + cuBLAS's path), a step of a short prefill and two
+    decodes, and a decode batch of three (the fused GEMM)."""
+    config = {**TINY, "hidden_size": 128, "intermediate_size": 256}  # K: 128 columns a tile
+    make = partial(make_checkpoint, Qwen3Config(**config, head_dim=32,
+                                                tie_word_embeddings=False))
+    _, folder = quantized(tmp_path, "ct-w4-g32-sym", make, dtype=torch.bfloat16)
+    ops = replace(select_ops("cpu", torch.float32), int_layer=cuda_int4_layer)
+    model, _, _ = load_model(folder, torch.float32, "cpu", ops=ops)
+    assert not [name for name, p in model.named_parameters() if p.dtype == torch.int32]
+    reference, _, _ = load_model(folder, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    prompts = {s: torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist()
+               for s, n in (("a", 100), ("b", 100), ("c", 60), ("d", 20))}
+    ours, theirs = PagedDriver(model, num_blocks=128), PagedDriver(reference, num_blocks=128)
+    steps = [{s: prompts[s] for s in "abc"}, {"a": [5], "b": [6], "d": prompts["d"]},
+             {"a": [7], "b": [8], "d": [9]}]
+    for i, feeds in enumerate(steps):
+        got, expected = ours.step(feeds), theirs.step(feeds)
+        for seq in feeds:
+            torch.testing.assert_close(got[seq], expected[seq], atol=1e-4, rtol=1e-4,
+                                       msg=f"step {i} seq {seq}")

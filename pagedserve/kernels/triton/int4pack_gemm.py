@@ -34,7 +34,7 @@ compiled sm_90 loop instead of 8.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -207,27 +207,28 @@ class Int4GemmConfig:
 
 
 def config_for(m: int, n: int, k: int, sms: int) -> Int4GemmConfig:
-    """The tiles for an [m, k] @ [k, n] call on a GPU of `sms` SMs: the M tile the smallest
-    that holds the rows (up to 64; 128 from 129 rows, where the unpacking is shared by more
-    rows), and K split in two or four while the output tiles alone would leave over half of
-    the SMs idle and each split still has 8 K steps or more."""
+    """The tiles for an [m, k] @ [k, n] call on a GPU of `sms` SMs (placed by benchmarks/int4.py
+    --sweep, docs/benchmarks.md: per row bucket, best or near it on each projection): 64 weight rows
+    a program, the M tile the smallest power of two that holds the rows up to 128 (one M tile
+    reads the weight once; the unpacking is shared by all its rows). K is split in four at 16
+    rows or fewer (each program's few rows leave the SMs waiting on memory), and in two or four
+    while the output tiles alone would leave over half of the SMs idle, each split keeping 8 K
+    steps or more."""
     if m <= 16:
-        config = Int4GemmConfig(16, 64, stages=4)
+        config = Int4GemmConfig(16, 64, split_k=4, stages=4)
     elif m <= 32:
         config = Int4GemmConfig(32, 64, stages=4)
     elif m <= 64:
         config = Int4GemmConfig(64, 64)
-    elif m <= 128:
-        config = Int4GemmConfig(64, 128, warps=8)
     else:
-        config = Int4GemmConfig(128, 128, warps=8)
+        config = Int4GemmConfig(128, 64)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    split = 1
-    while (split < 4 and tiles * split * 2 <= sms
-           and k // (config.block_k * split * 2) >= 8):
+    split = config.split_k
+    while split < 4 and tiles * split * 2 <= sms:
         split *= 2
-    return Int4GemmConfig(config.block_m, config.block_n, config.block_k, split,
-                          config.warps, config.stages)
+    while split > 1 and k // (config.block_k * split) < 8:
+        split //= 2
+    return replace(config, split_k=split)
 
 
 def matmul(x: Tensor, weight: int4pack.Int4Weight, bias: Tensor | None = None,

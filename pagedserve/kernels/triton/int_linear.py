@@ -5,9 +5,12 @@ Why several kernels, chosen by the call's row count: a decode step at batch 1 re
 weight once and does two flops per weight, so its time is the packed bytes over memory
 bandwidth, and the unpacking must cost less than the bytes take to arrive. A 4-bit weight
 that torch's own int4 kernel reads is converted to that kernel's layout once, at load
-(`prepare`, `kernels/int4pack.py`), and kept ONLY there: up to `int4pack_max_rows` rows run
-on torch's kernel, more rows (or activations other than bfloat16) dequantize it from that
-layout (`_int4pack_dequant_kernel`) into a scratch tensor for cuBLAS. Other weights keep
+(`prepare`, `kernels/int4pack.py`), kept ONLY there and multiplied by `int4pack_linear`
+(`for_layer` picks it at load): up to `int4pack_max_rows` rows (bfloat16) run on torch's
+kernel, whose cost per row grows with the batch; up to `int4pack_gemm_max_rows` on the fused
+GEMM over that layout (`int4pack_gemm.py`), which reads each packed word once; more rows
+dequantize it from that layout (`_int4pack_dequant_kernel`) into a scratch tensor for
+cuBLAS, whose cost is then the dequantization's, paid once per call. Other weights keep
 their checkpoint's layout: one row takes a GEMV (no tl.dot, whose smallest tile would waste
 15 of 16 rows; the row loops are `gemv.py`'s): `_int_gemv_kernel` for integer codes in
 column order, which turns codes into floats with an OR of the float32 exponent instead of a
@@ -25,6 +28,8 @@ the float model (float32 activations: the same to the last bits).
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +40,7 @@ from torch import Tensor
 from pagedserve.kernels import int4pack
 from pagedserve.kernels.triton.dequant import dequant_tile
 from pagedserve.kernels.triton.gemv import int_row_dot, tile_row_dot
+from pagedserve.kernels.triton import int4pack_gemm
 from pagedserve.kernels.triton.int4pack_gemm import int4pack_tile
 from pagedserve.kernels.triton.precision import dot_precision
 from pagedserve.kernels.weight_formats import IntWeight, Stacked, WeightFormat
@@ -46,8 +52,8 @@ class IntLinearConfig:
     narrower one for decode batches (up to `small_max_rows` rows), whose few M tiles would
     otherwise leave most SMs idle (N / 64 programs). Rows up to `gemv_max_rows` take the
     GEMV, one pass per row. A weight in torch's int4 layout runs on torch's kernel up to
-    `int4pack_max_rows` rows and is dequantized for cuBLAS beyond (its cost per row grows
-    with the batch, where the dequantization's is paid once per call)."""
+    `int4pack_max_rows` rows, on the fused GEMM up to `int4pack_gemm_max_rows` and is
+    dequantized for cuBLAS beyond (`int4pack_path`)."""
 
     gemv_block_n: int = 16
     gemv_block_k: int = 256
@@ -66,6 +72,7 @@ class IntLinearConfig:
     int_gemv_block_k: int = 512
     int_gemv_warps: int = 2
     int4pack_max_rows: int = 16
+    int4pack_gemm_max_rows: int = 256
     dequant_min_rows: int = 64
     dequant_block_n: int = 32
     dequant_block_k: int = 256
@@ -180,27 +187,69 @@ def prepare(weight):
     return weight
 
 
+def for_layer(weight) -> tuple[Callable, object]:
+    """At load, once per layer: (its matmul, the weight that matmul takes), `prepare`'s
+    weight with `int4pack_linear` where it converted it, else `weight` with `linear`; a
+    converted weight is the only copy the caller need keep."""
+    prepared = prepare(weight)
+    return (linear, weight) if prepared is weight else (int4pack_linear, prepared)
+
+
 def linear(x: Tensor, weight, bias: Tensor | None = None,
            config: IntLinearConfig = DEFAULT) -> Tensor:
     """x [..., K] (float16, bfloat16 or float32) @ weight^T (+ bias) -> [..., N] in x's
-    dtype, for any `weight_formats` weight (its `kernel_args`) or an `int4pack.Int4Weight`."""
+    dtype, for any `weight_formats` weight (its `kernel_args`)."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    torchs_layout = isinstance(weight, int4pack.Int4Weight)
     if m == 0:
         y = torch.empty((0, n), dtype=x.dtype, device=x.device)
-    elif torchs_layout and m <= config.int4pack_max_rows and x.dtype == torch.bfloat16:
-        y = int4pack.matmul(rows, weight)
-        if bias is not None:
-            y += bias
-    elif torchs_layout or m >= config.dequant_min_rows:
+    elif m >= config.dequant_min_rows:
         y = torch.nn.functional.linear(rows, dequantize(weight, x.dtype, config), bias)
     else:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         _launch(rows, y, weight, bias, config)
+    return y.view(*x.shape[:-1], n)
+
+
+class Int4Path(enum.Enum):
+    """How `int4pack_linear` multiplies a call's rows (`int4pack_path`)."""
+
+    TORCH_KERNEL = "torch's int4 kernel"
+    FUSED_GEMM = "fused GEMM"
+    DEQUANTIZE = "dequantize + cuBLAS"
+
+
+def int4pack_path(rows: int, dtype: torch.dtype,
+                  config: IntLinearConfig = DEFAULT) -> Int4Path:
+    """The row-count rule for a weight in torch's int4 layout (module docstring): torch's
+    kernel (bfloat16 only) up to `int4pack_max_rows` rows, the fused GEMM up to
+    `int4pack_gemm_max_rows` (and no rows), dequantize + cuBLAS beyond."""
+    if 0 < rows <= config.int4pack_max_rows and dtype == torch.bfloat16:
+        return Int4Path.TORCH_KERNEL
+    if rows <= config.int4pack_gemm_max_rows:
+        return Int4Path.FUSED_GEMM
+    return Int4Path.DEQUANTIZE
+
+
+def int4pack_linear(x: Tensor, weight: int4pack.Int4Weight, bias: Tensor | None = None,
+                    config: IntLinearConfig = DEFAULT) -> Tensor:
+    """x [..., K] (float16, bfloat16 or float32) @ weight^T (+ bias) -> [..., N] in x's
+    dtype, for a weight in torch's int4 layout, by `int4pack_path`."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    path = int4pack_path(rows.shape[0], x.dtype, config)
+    if path is Int4Path.TORCH_KERNEL:
+        y = int4pack.matmul(rows, weight)
+        if bias is not None:
+            y += bias
+    elif path is Int4Path.FUSED_GEMM:
+        y = int4pack_gemm.matmul(rows, weight, bias)
+    else:
+        y = torch.nn.functional.linear(rows, _dequantize_int4pack(weight, x.dtype, config),
+                                       bias)
     return y.view(*x.shape[:-1], n)
 
 
