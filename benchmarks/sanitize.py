@@ -1220,9 +1220,10 @@ def w_quant(ctx: Ctx) -> None:
     """The packed-weight matmuls (kernels/triton/int_linear.py) over every format they read:
     integer weights of 4 and 8 bits (symmetric, zero points, g_idx permutations, per channel;
     one in torch's int4 layout, by `int4pack_linear`'s row rule and through the fused GEMM
-    `int4pack_gemm.matmul` with a split-K tile besides) and GGUF blocks of each type kept quantized, at 1 row (the
-    GEMV), a decode batch and a prefill (the GEMMs), N and K ragged against the tiles,
-    against x @ the weight that the torch reference dequantizes from the same bytes."""
+    `int4pack_gemm.matmul` with a split-K tile besides) and GGUF blocks of each type kept
+    quantized, at 1 row (the GEMV), a decode batch and a prefill (the GEMMs), N and K ragged
+    against the tiles, against x @ the weight that the torch reference dequantizes from the
+    same bytes."""
     import numpy as np
     import torch
 
