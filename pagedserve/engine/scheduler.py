@@ -54,7 +54,8 @@ arrive is not scheduled again. A request finished when its token arrives (a stop
 have a step in flight: that step's token is dropped.
 
 Speculative decoding (`pagedserve/spec`; with async scheduling, only in the steps the core
-runs synchronously, `may_draft`): a running request
+runs synchronously, `may_draft`: a small batch, and for a host proposer a lookup that finds
+a draft): a running request
 whose only uncomputed token is its last one asks the proposer for up to k drafts and is
 scheduled with its last token and the drafts, a verify of k + 1 positions (a short prefill
 against its blocks, mixed with the other requests' chunks). Its lookahead slots are
@@ -158,12 +159,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def may_draft(self) -> bool:
-        """The batch is small enough for drafts (`disable_by_batch_size`), of a host proposer
-        or of one on the device: an engine with async scheduling then steps synchronously,
-        so that every running request's tokens are known when it is scheduled (a verify's
-        outcome decides the next step's positions; a proposer on the device drafts from the
-        tokens of the step before)."""
-        return self.spec is not None and len(self.running) <= self.spec.disable_by_batch_size
+        """The batch is small enough for drafts (`disable_by_batch_size`) and a draft is
+        likely: an engine with async scheduling then steps synchronously, so that every
+        running request's tokens are known when it is scheduled (a verify's outcome decides
+        the next step's positions; a proposer on the device drafts from the tokens of the
+        step before). A proposer on the device drafts every step; a host proposer only
+        where its lookup finds something, so it is asked over the tokens known now (a step
+        in flight may hold one more): while nothing running would get a draft, the
+        pipeline is kept, and an engine speculating on text that does not repeat itself
+        runs as fast as one that does not speculate."""
+        if self.spec is None or len(self.running) > self.spec.disable_by_batch_size:
+            return False
+        return self.proposer is None or any(
+            speculates(r.sampling_params) and self.proposer.propose(r.all_token_ids, 1)
+            for r in self.running)
 
     def schedule(self) -> SchedulerOutput:
         """The next step (`_schedule`), its host time counted (`schedule_seconds`): the

@@ -240,3 +240,20 @@ def test_configs_parse_with_async_scheduling():
                         async_scheduling=True).async_scheduling
     parsed = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config
     assert parsed.num_speculative_tokens == 4 and parsed.prompt_lookup_max == 3
+
+
+def test_async_engine_keeps_its_pipeline_until_a_lookup_finds_a_draft(loaded):
+    """With async scheduling a speculating engine steps synchronously only while prompt
+    lookup would draft for a running request: a prompt that never repeats itself keeps the
+    pipeline, one that does switches to drafting."""
+    engine = make(loaded, NGRAM, async_scheduling=True)
+    assert engine.async_scheduling
+    engine.add_request("plain", None, greedy(8), prompt_token_ids=list(range(3, 20)))
+    engine.step()  # the prompt's prefill; its first token is in flight
+    assert not engine.scheduler.may_draft()
+    engine.add_request("looping", None, greedy(8), prompt_token_ids=repeated(0, 5, 30))
+    engine.step()  # admitted beside "plain"
+    assert engine.scheduler.may_draft()
+    engine.abort_request(["plain", "looping"])
+    while engine.has_unfinished_requests():
+        engine.step()
