@@ -54,6 +54,7 @@ ALIGNMENT = 16  # bytes: the kernels move 16-byte vectors
 # on NVLink at 2 and 4 ranks was measured (benchmarks/tensor_parallel.py --only allreduce;
 # docs/benchmarks.md, "All-reduce, 8 KiB-256 MiB"); 8 ranks is still a guess.
 ONE_SHOT_MAX_BYTES = {2: 512 << 10, 4: 512 << 10, 8: 128 << 10}
+FUSED_CHECK_BYTES = 1 << 10  # the fused kernel's first message; smaller limits go without it
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,8 @@ def start_fused(peer: PeerAllReduce | None, rank: int, group: dist.ProcessGroup,
     """Set up the fused all-reduce + add + RMSNorm beside `peer` for the messages one-shot
     takes (a collective call: every rank makes it and all get the same answer); None where
     there is no peer memory, or where its first results differ from NCCL's sum normalised."""
-    if peer is None:  # alike on every rank (`start` agreed): no collective
+    # alike on every rank (`start` agreed on `peer`): no collective
+    if peer is None or peer.plan.one_shot_max_bytes < FUSED_CHECK_BYTES:
         return None
     try:
         fused = FusedAllReduceNorm(peer.plan.one_shot_max_bytes, group, device)
@@ -224,7 +226,7 @@ def _fused_matches_nccl(fused: FusedAllReduceNorm, rank: int, group: dist.Proces
     equal? Integer values, so that any order of the sum gives the same result."""
     from pagedserve.kernels.triton import model_ops
 
-    shape = (4, 256)
+    shape = (2, FUSED_CHECK_BYTES // 8)  # float32
     weight = torch.arange(shape[1], dtype=torch.float32, device=device).remainder_(7).add_(1)
     for slot in (0, 1):
         x = torch.arange(math.prod(shape), dtype=torch.float32, device=device).view(shape)
