@@ -19,8 +19,9 @@ kernel then, per program:
    (`add_rms_norm_row`: one shared body, so the two round alike).
 
 There is no barrier at the end: a rank may leave while its peers still read its buffer. So
-the callers alternate between two buffers (`slot`), and a rank writes a buffer again only
-after the other slot's barrier, which its peers pass only once they have left this kernel.
+the callers alternate between two buffers (`slot`): a rank writes a buffer again only after
+the other slot's barrier (or another collective in between), which it passes only once every
+peer has reached it, and so has left this kernel.
 
 The buffers and pads are given as tables of device addresses (int64, one per rank), which
 lets the CPU tests simulate the ranks as tensors of one process under TRITON_INTERPRET=1.
