@@ -55,6 +55,10 @@ ALIGNMENT = 16  # bytes: the kernels move 16-byte vectors
 # docs/benchmarks.md, "All-reduce, 8 KiB-256 MiB"); 8 ranks is still a guess.
 ONE_SHOT_MAX_BYTES = {2: 512 << 10, 4: 512 << 10, 8: 128 << 10}
 FUSED_CHECK_BYTES = 1 << 10  # the fused kernel's first message; smaller limits go without it
+# the world sizes where the fused all-reduce + add + RMSNorm beat the unfused chain in a decode
+# step (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md, "The fused
+# all-reduce + add + RMSNorm, measured"): faster at 2 ranks, slower at 4, 8 not measured
+FUSED_WORLD_SIZES = (2,)
 
 
 @dataclass(frozen=True)
@@ -201,9 +205,11 @@ def start_fused(peer: PeerAllReduce | None, rank: int, group: dist.ProcessGroup,
                 device: torch.device) -> FusedAllReduceNorm | None:
     """Set up the fused all-reduce + add + RMSNorm beside `peer` for the messages one-shot
     takes (a collective call: every rank makes it and all get the same answer); None where
-    there is no peer memory, or where its first results differ from NCCL's sum normalised."""
+    there is no peer memory, at a world size where it was not the faster
+    (`FUSED_WORLD_SIZES`), or where its first results differ from NCCL's sum normalised."""
     # alike on every rank (`start` agreed on `peer`): no collective
-    if peer is None or peer.plan.one_shot_max_bytes < FUSED_CHECK_BYTES:
+    if (peer is None or peer.plan.one_shot_max_bytes < FUSED_CHECK_BYTES
+            or dist.get_world_size(group) not in FUSED_WORLD_SIZES):
         return None
     try:
         fused = FusedAllReduceNorm(peer.plan.one_shot_max_bytes, group, device)
