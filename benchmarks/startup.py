@@ -12,7 +12,8 @@ Parts, in this order:
   warm     the same, N more times over the caches the cold run filled (min and median)
   phases   the engine core's own start-up line ("engine core started in ...": device init,
            kernels, weights, tokenizer, memory profile, KV cache + sampler warm-up + CUDA
-           graphs, grammar backend) from each run's log
+           graphs, grammar backend) from each run's log, and the API process's ("beside
+           the engine core": its tokenizer's load, then its wait for the core's READY)
   imports  `python -X importtime` of what each process imports (the API process's server
            module, the engine core's module), summed by top-level package
   engine   an in-process `LLMEngine` build over the warm caches: import and build seconds
@@ -42,6 +43,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CORE_LINE = re.compile(r"engine core started in ([\d.]+) s \((.*)\)")
+API_LINE = re.compile(r"beside the engine core: ([\d.]+) s here, then ([\d.]+) s waiting")
 PHASE = re.compile(r"(.+?) ([\d.]+)$")
 
 
@@ -94,7 +96,16 @@ def serve_to_health(model_args: list[str], caches: Path, timeout: float) -> dict
         text = log.read()
     if seconds is None:
         return {"error": text[-3000:]}
-    return {"health_s": round(seconds, 2), "core": core_phases(text)}
+    return {"health_s": round(seconds, 2), "core": core_phases(text), "api": api_beside(text)}
+
+
+def api_beside(log: str) -> dict:
+    """The API process's own work beside the core's start-up (its tokenizer) and how long it
+    then waited for READY (0: the API process, not the core, was the critical path)."""
+    match = API_LINE.search(log)
+    if match is None:
+        return {}
+    return {"tokenizer_s": float(match.group(1)), "waited_for_core_s": float(match.group(2))}
 
 
 def wait_health(proc: subprocess.Popen, port: int, start: float, timeout: float) -> float | None:
