@@ -5,9 +5,10 @@ the number of ids (`len`, which sizes the grammar bitmask) and the end-of-sequen
 token). Loading a transformers tokenizer imports transformers, which took seconds of the
 core's start-up, so these two facts are read from the folder's tokenizer.json with the
 `tokenizers` library (Rust, a fast import) and tokenizer_config.json, where that gives
-exactly what transformers would: an explicit `eos_token`, and every special or added token it
-names already in tokenizer.json under the same id (otherwise transformers adds tokens, and
-this falls back to loading the tokenizer through it). A GGUF's tokenizer is its converted
+exactly what transformers would: an explicit `eos_token` (and bos, unk and pad for a model's
+own tokenizer class, which has defaults for them), and every special or added token it names
+already in tokenizer.json under the same id (otherwise transformers adds tokens, and this
+falls back to loading the tokenizer through it). A GGUF's tokenizer is its converted
 folder in the GGUF cache (`model/gguf.py`); before the first conversion it is loaded whole.
 The full tokenizer is loaded only where a grammar needs it (`as_loaded`).
 """
@@ -22,6 +23,10 @@ from typing import Any
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                  "mask_token")
 _TOKEN_LISTS = ("additional_special_tokens", "extra_special_tokens")
+# the classes with no special tokens of their own: a model's class (GemmaTokenizer, ...) fills
+# those tokenizer_config.json leaves out with its defaults, which may be new tokens
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_DEFAULTED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,10 @@ def _folder_facts(folder: Path) -> tuple[int, int | None] | None:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return None
-    if "eos_token" not in config:  # the tokenizer class's default applies
-        return None
+    generic = config.get("tokenizer_class") in _GENERIC_CLASSES
+    required = ("eos_token",) if generic else _DEFAULTED_TOKENS
+    if not all(key in config for key in required):
+        return None  # the tokenizer class's default applies
     from tokenizers import Tokenizer
 
     try:

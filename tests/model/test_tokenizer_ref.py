@@ -65,3 +65,15 @@ def test_a_config_without_eos_agrees(folder, tmp_path):
 def test_the_default_gguf_gives_its_loaded_tokenizer_facts():
     ref = TokenizerRef.read(default_model_path())
     assert (len(ref), ref.eos_token_id) == _facts(load_tokenizer(default_model_path()))
+
+
+def test_a_model_class_fills_what_the_config_leaves_out(folder, tmp_path):
+    """GemmaTokenizer's default unk and bos tokens ("<unk>", "<bos>") are in neither
+    vocabulary: transformers adds them where tokenizer_config.json names none."""
+    edited = _edit_config(folder, tmp_path, tokenizer_class="GemmaTokenizer")
+    config = json.loads((edited / "tokenizer_config.json").read_text())
+    config.pop("unk_token", None)
+    config.pop("bos_token", None)
+    (edited / "tokenizer_config.json").write_text(json.dumps(config))
+    ref = TokenizerRef.read(edited)
+    assert (len(ref), ref.eos_token_id) == _facts(AutoTokenizer.from_pretrained(edited))
