@@ -21,8 +21,11 @@ or an integer checkpoint's layers converted to them: `model.int_native`).
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
 import json
+import os
 import re
 from collections.abc import Iterator
 from functools import partial
@@ -32,6 +35,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedserve.artifacts import cache_root
 from pagedserve.config import LOAD_FORMATS
 from pagedserve.kernels.native import quant as native_quant
 from pagedserve.kernels.native.quant import QuantizedLinear, QuantizedWeight
@@ -534,23 +538,86 @@ def load_tokenizer(tokenizer_source: str | Path):
     Converting a GGUF vocabulary takes seconds, so the converted tokenizer is saved in the
     GGUF cache (see `pagedserve.model.gguf`) and later loads read that folder instead.
     """
-    from transformers import AutoTokenizer
-
     source = Path(tokenizer_source)
     if source.suffix != ".gguf":
-        return AutoTokenizer.from_pretrained(source)
+        return _load_tokenizer_folder(source)
     from pagedserve.model.gguf import cache_entry, drop_cache_entry, write_cache_entry
     from pagedserve.progress import notice
 
     entry = cache_entry(source, "tokenizer")
     if entry is not None and entry.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(entry)
+            return _load_tokenizer_folder(entry)
         except Exception as e:  # any unreadable entry is a miss, whatever the parser raised
             drop_cache_entry(entry, e)
     notice(f"building the tokenizer from {source.name}"
            + (" (first load only: the result is cached)" if entry is not None else ""))
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     if entry is not None:
         write_cache_entry(entry, tokenizer.save_pretrained)
     return tokenizer
+
+
+def _load_tokenizer_folder(folder: Path):
+    """`AutoTokenizer.from_pretrained(folder)`, through the class it resolved the folder to
+    the first time, when the artifact cache remembers it (`_class_record`).
+
+    Why: importing `AutoTokenizer` imports transformers' model-auto machinery, which pulls
+    in torch.distributed.tensor, torch._dynamo and accelerate: seconds on the start-up path
+    of the API process, where the class alone loads the same tokenizer in a fraction of it.
+    The record is keyed by the transformers version and the folder's configs, the inputs
+    of AutoTokenizer's choice, so a changed folder or another version resolves again."""
+    record = _class_record(folder)
+    cls = _import_class(record.read_text()) if record is not None and record.is_file() else None
+    if cls is not None:
+        return cls.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if record is not None:
+        kind = type(tokenizer)
+        _write_atomically(record, f"{kind.__module__}:{kind.__qualname__}")
+    return tokenizer
+
+
+def _class_record(folder: Path) -> Path | None:
+    """Where the tokenizer class AutoTokenizer picks for `folder` is remembered (None with
+    the artifact cache off)."""
+    root = cache_root()
+    if root is None:
+        return None
+    import transformers
+
+    digest = hashlib.sha256(transformers.__version__.encode())
+    names = sorted(p.name for p in folder.iterdir())
+    digest.update("\0".join(names).encode())
+    for name in ("tokenizer_config.json", "config.json"):
+        if name in names:
+            digest.update(name.encode() + (folder / name).read_bytes())
+    return root / "tokenizer-class" / f"{digest.hexdigest()[:32]}.txt"
+
+
+def _import_class(path: str) -> type | None:
+    """"module:qualname" imported, or None (a record this install cannot honour)."""
+    module, _, name = path.strip().partition(":")
+    try:
+        cls = importlib.import_module(module)
+        for part in name.split("."):
+            cls = getattr(cls, part)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A record written whole or not at all (processes may start side by side); a cache
+    that cannot be written is simply not used."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
