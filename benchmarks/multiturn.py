@@ -186,6 +186,7 @@ def step_costs(steps: int, step_s: float, delta) -> dict:
             "host_tier_offloaded_blocks": delta("host_tier_stores"),
             "host_tier_recalled_blocks": delta("host_tier_hits"),
             "host_tier_dropped_blocks": delta("host_tier_evictions"),
+            "host_tier_declined_blocks": delta("host_tier_declined"),
             "recall_pass_overs": delta("tier_recall_pass_overs")}
 
 

@@ -126,6 +126,7 @@ class SchedulerStats(Message):
     host_tier_hits: int = 0
     host_tier_stores: int = 0
     host_tier_evictions: int = 0
+    host_tier_declined: int = 0  # hit blocks recomputed instead: the recall rule's choice
     # speculative decoding, since start: verifies, draft tokens proposed, drafts accepted,
     # and accepted drafts at each position of a draft (index 0: its first token)
     spec_num_drafts: int = 0
@@ -416,8 +417,25 @@ class ShutdownWorker(Message, tag="shutdown"):
     """Leave: the engine is stopping (the worker answers WorkerBye first)."""
 
 
+class TierCosts(msgspec.Struct, frozen=True):
+    """What a rank measured at start-up for the host tier's recall rule
+    (`engine/recall_rule.py`), in seconds: copying one block from a host slot into the pool
+    (`block_copy_s`, over `copy_blocks` blocks), and a prefill's cost per token (`token_s`)
+    and per token per context token (`token_context_s`, the attention's growth; both fitted to
+    prefills of `prefill_tokens` tokens at two sequence lengths)."""
+
+    block_copy_s: float
+    token_s: float
+    token_context_s: float
+    copy_blocks: int
+    prefill_tokens: int
+
+
 class WorkerInitialized(Message, tag="initialized"):
-    """The KV cache is allocated (the answer to KVCacheSpec)."""
+    """The KV cache is allocated (the answer to KVCacheSpec); with a host tier, what this
+    rank measured of its copies and prefill."""
+
+    tier_costs: TierCosts | None = None
 
 
 class CollectedOutput(Message, tag="output"):

@@ -69,8 +69,8 @@ from pagedserve.device.model_runner import ModelRunner, StepHandle
 from pagedserve.messages import (
     CollectedOutput, CollectOutput, FromWorker, GrammarBitmask, KVCacheSpec, LoadWeights,
     ModelRunnerOutput, ProfileMemory, ProfileStopped, SampleTokens, SchedulerOutput,
-    ShutdownWorker, StartProfile, StopProfile, WorkerBlocks, WorkerBye, WorkerFailure,
-    WorkerHello, WorkerInitialized, WorkerLoaded)
+    ShutdownWorker, StartProfile, StopProfile, TierCosts, WorkerBlocks, WorkerBye,
+    WorkerFailure, WorkerHello, WorkerInitialized, WorkerLoaded)
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -132,8 +132,10 @@ class Executor(ABC):
         blocks fit; with several ranks, the smallest rank's count."""
 
     @abstractmethod
-    def initialize(self, spec: KVCacheSpec) -> None:
-        """Allocate the KV cache (and swap space), set up step buffers and CUDA graphs."""
+    def initialize(self, spec: KVCacheSpec) -> TierCosts | None:
+        """Allocate the KV cache (and swap space), set up step buffers and CUDA graphs.
+        With a host tier, returns what the recall rule weighs (`engine/recall_rule.py`):
+        the slowest rank's copy and prefill costs, as the slowest rank paces a step."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput,
@@ -183,8 +185,9 @@ def total_memory(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def initialize_runner(runner: ModelRunner, spec: KVCacheSpec) -> None:
-    """The runner's set-up once the KV cache is sized, the same on every rank."""
+def initialize_runner(runner: ModelRunner, spec: KVCacheSpec) -> TierCosts | None:
+    """The runner's set-up once the KV cache is sized, the same on every rank; with a host
+    tier, what its recall rule weighs, measured on this rank."""
     runner.initialize_kv_cache(spec.num_blocks)
     if runner.config.preemption_mode == "swap":
         runner.initialize_swap_space(spec.num_cpu_blocks)
@@ -193,6 +196,9 @@ def initialize_runner(runner: ModelRunner, spec: KVCacheSpec) -> None:
     if spec.disk_tier_dir is not None:
         runner.initialize_disk_tier(spec.disk_tier_dir, spec.disk_tier_digest)
     runner.setup(spec.max_model_len)
+    if not spec.num_host_tier_blocks:
+        return None
+    return runner.measure_tier_costs(spec.max_model_len)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -223,8 +229,8 @@ class UniprocExecutor(Executor):
         self.kv_cache_dtype = dtype_name(runner.kv_cache_dtype)
         return runner.determine_num_blocks()
 
-    def initialize(self, spec: KVCacheSpec) -> None:
-        initialize_runner(self.model_runner, spec)
+    def initialize(self, spec: KVCacheSpec) -> TierCosts | None:
+        return initialize_runner(self.model_runner, spec)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       previous: InFlightStep | None = None
@@ -341,8 +347,12 @@ class MultiprocExecutor(Executor):
         self.kv_cache_dtype = blocks[0].kv_cache_dtype
         return min(b.num_blocks for b in blocks)  # the smallest rank's
 
-    def initialize(self, spec: KVCacheSpec) -> None:
-        self._call(spec, WorkerInitialized)
+    def initialize(self, spec: KVCacheSpec) -> TierCosts | None:
+        costs = [r.tier_costs for r in self._call(spec, WorkerInitialized)]
+        if costs[0] is None:
+            return None
+        return TierCosts(*(max(getattr(c, field) for c in costs)
+                           for field in TierCosts.__struct_fields__))
 
     # -- steps ----------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ from pagedserve.device.rejection import Verified, VerifyRows, verify
 from pagedserve.device.sampler import (
     LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs,
     select_sampling_kernels, warm_up_sampler)
-from pagedserve.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from pagedserve.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput, TierCosts
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
@@ -306,21 +306,80 @@ class ModelRunner:
                    - peak_activations)
 
     def _profile_run(self) -> None:
-        """One prefill step of max_num_batched_tokens tokens (`profile_run.profile_batch`)
-        against a throwaway 2-block cache."""
+        """One prefill step of max_num_batched_tokens tokens against a throwaway 2-block
+        cache."""
         self.initialize_kv_cache(2)
-        ids, positions, meta = profile_batch(self.config.max_num_batched_tokens,
-                                             self.model_config.max_model_len, self.block_size,
-                                             self.device)
-        capture = self.drafter.capture if self.drafter is not None else ()
+        self._prefill_probe(self.config.max_num_batched_tokens, self.model_config.max_model_len)
+        self.kv_caches = []
+
+    def _prefill_probe(self, num_tokens: int, max_len: int, whole_step: bool = True) -> None:
+        """A prefill step of `num_tokens` prompt tokens in prompts of at most `max_len`
+        (`profile_run.profile_batch`: it writes no KV, so it may run over any cache); not
+        `whole_step`: the target's forward pass only, what recomputing a prefix hit adds to
+        a step (the logits, the sampling and a draft are the request's either way)."""
+        ids, positions, meta = profile_batch(num_tokens, max_len, self.block_size, self.device)
+        capture = self.drafter.capture if self.drafter is not None and whole_step else ()
         with torch.inference_mode(), set_forward_context(meta, self.backend):
             hidden, aux = (self.model.forward_capturing(ids, positions, capture) if capture
                            else (self.model(ids, positions), None))
+            if not whole_step:
+                return
             logits = self.model.compute_logits(hidden[-self.config.max_num_seqs:])
             self.sampler(logits, _random_sampling_meta(logits))  # its temporaries count too
             if self.drafter is not None:  # the draft's run over the same chunk, after it
                 self.drafter.profile(ids, positions, meta, aux, self.config.max_num_seqs)
-        self.kv_caches = []
+
+    def measure_tier_costs(self, max_model_len: int) -> TierCosts:
+        """What the host tier's recall rule weighs (`engine/recall_rule.py`), measured here
+        once the caches and the host slots exist: forward passes over a prefill's tokens
+        (`_prefill_costs`), and a recall of their blocks through the tier's own copy path
+        (into pool blocks that nothing holds yet)."""
+        token_s, token_context_s, num_tokens = self._prefill_costs(max_model_len)
+        num_slots, num_blocks = self.tiers.num_slots, self.kv_caches[0][0].shape[0]
+        num_copied = max(1, min(num_tokens // self.block_size, num_slots, num_blocks - 1))
+        pairs = [(slot, slot + 1) for slot in range(num_copied)]  # never the null block
+
+        def recall() -> None:
+            self.tiers.recall(self._device_caches(), pairs)
+            self.tiers.await_recalls()
+
+        self._timed(recall)  # warm-up: the staging allocation, the copy stream
+        copy_s = self._timed(recall)
+        self.tiers.take_stream_seconds()  # the probes' copies are no step's
+        return TierCosts(copy_s / num_copied, token_s, token_context_s, num_copied, num_tokens)
+
+    def _prefill_costs(self, max_model_len: int) -> tuple[float, float, int]:
+        """(seconds a token, seconds a token per context token, tokens measured) of the
+        target's forward pass. On CUDA: a step's budget of tokens, as a recompute runs, in
+        prompts of two lengths, fitted to `token_s * l + token_context_s * l * l` a prompt
+        of length l: a long history's recompute pays the attention's growth. On the CPU one
+        block, and no context term (a prefill there is slow at any size, is bound by the
+        weights at the lengths a probe can afford, and this runs at every start with a
+        tier). Each after a warm-up (kernels compiled, allocator grown, the first call's
+        set-up: what the first step would pay otherwise)."""
+        if self.device.type != "cuda":
+            def block() -> None:
+                self._prefill_probe(self.block_size, self.block_size, whole_step=False)
+
+            self._timed(block)
+            return self._timed(block) / self.block_size, 0.0, self.block_size
+        long = min(self.config.max_num_batched_tokens, max_model_len)
+        short = max(1, long // 8)
+        self._timed(lambda: self._prefill_probe(long, short, whole_step=False))
+        t_long = self._timed(lambda: self._prefill_probe(long, long, whole_step=False))
+        t_short = self._timed(lambda: self._prefill_probe(long, short, whole_step=False))
+        token_context_s = max(0.0, (t_long - t_short) / (long * max(1, long - short)))
+        return max(0.0, t_short / long - token_context_s * short), token_context_s, long
+
+    def _timed(self, work: Callable[[], None]) -> float:
+        """Seconds from an idle device to `work` done on it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        work()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate per-layer K and V per the layout contract and bind them to the layers.

@@ -53,6 +53,10 @@ class TierCopies:
         self._copied: torch.cuda.Event | None = None  # the copy stream's latest work
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # not yet read
 
+    @property
+    def num_slots(self) -> int:
+        return self.host_caches[0][0].shape[0]
+
     def await_recalls(self) -> None:
         """Make the compute stream wait for the recalls the step before queued: called first
         in every step, before any kernel of it may read or overwrite their blocks."""

@@ -118,8 +118,7 @@ class Worker:
                                        dtype_name(self.runner.kv_cache_dtype)))
 
     def initialize(self, spec: KVCacheSpec) -> None:
-        initialize_runner(self.runner, spec)
-        self.channel.send(WorkerInitialized())
+        self.channel.send(WorkerInitialized(initialize_runner(self.runner, spec)))
 
     # -- steps ----------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ from pagedserve.device.executor import (
     Executor, InFlightStep, MultiprocExecutor, PendingOutput, UniprocExecutor)
 from pagedserve.device.loading import LoadedModel
 from pagedserve.device.model_runner import ModelRunner
+from pagedserve.engine.recall_rule import recall_rule
 from pagedserve.engine.request import FINISH_REASON_VALUES, Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.startup import StartupPhases
@@ -146,14 +147,16 @@ class EngineCore:
             num_cpu_blocks = config.swap_space // executor.block_bytes
         tiers = build_tiers(config, executor, self.model_config, self.max_model_len,
                             config.kv_events_endpoint is not None)
-        with phases.timed("kv cache + sampler warm-up + cuda graphs"):
-            executor.initialize(KVCacheSpec(
+        with phases.timed("kv cache + sampler warm-up + cuda graphs + tier costs"):
+            tier_costs = executor.initialize(KVCacheSpec(
                 num_blocks, num_cpu_blocks, self.max_model_len,
                 tiers.host.num_slots if tiers.host is not None else 0, tiers.disk_dir,
                 tiers.digest))
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.max_model_len,
                                    num_cpu_blocks, tiers.host,
-                                   _proposer(config.speculative_config), tiers.disk)
+                                   _proposer(config.speculative_config), tiers.disk,
+                                   recall_rule(tier_costs, config.block_size,
+                                               self.max_model_len))
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -478,6 +481,7 @@ def _tier_stats(scheduler: Scheduler) -> dict[str, int | float]:
     if host is not None:
         stats.update(host_tier_hits=scheduler.num_blocks_recalled,
                      host_tier_stores=host.stats.stores, host_tier_evictions=host.stats.evictions,
+                     host_tier_declined=scheduler.num_recalls_declined,
                      tier_copy_seconds=scheduler.tier_copy_seconds,
                      tier_stream_seconds=scheduler.tier_stream_seconds,
                      tier_recall_pass_overs=scheduler.num_recall_pass_overs)

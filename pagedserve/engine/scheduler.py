@@ -34,7 +34,12 @@ admitted (it holds its blocks and is running) but gets no tokens in the step tha
 its recall, and a request whose device hit includes blocks recalled in this step is passed
 over until the next: no step's forward pass, and so no other request, waits for a recall.
 The decision is the scheduler's alone, so every tensor-parallel rank copies the same blocks
-of its own shard and waits for them in the same step.
+of its own shard and waits for them in the same step. A hit is recalled only where the
+recall rule (`recall_rule.py`, from the costs the engine measured at start-up) says its copy
+beats recomputing its tokens; a hit it declines is recomputed as without a tier (and the
+blocks are offloaded again when evicted: the tier already holds them, so nothing is copied).
+Where no hit within the context could pay, the scheduler leaves the tiers alone: no
+lookups, no offloads.
 
 With a disk tier below it (--kv-offload-path) the blocks the host tier drops are written to
 files (`blocks_to_spill`), and a waiting request whose chain continues on disk past its
@@ -92,6 +97,7 @@ from collections.abc import Iterable
 
 from pagedserve.config import EngineConfig
 from pagedserve.device.swap import SwappedRequest, SwapSpace
+from pagedserve.engine.recall_rule import RecallRule
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.kv_cache.host_tier import HostTier
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -105,12 +111,14 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
                  max_model_len: int, num_cpu_blocks: int = 0,
                  host_tier: HostTier | None = None, proposer: Proposer | None = None,
-                 disk_tier: HostTier | None = None) -> None:
+                 disk_tier: HostTier | None = None,
+                 recall_rule: RecallRule | None = None) -> None:
         """`num_cpu_blocks`: the swap space, used when config.preemption_mode is "swap".
         `host_tier`: the prefix cache's host tier, whose slots the runner holds; the
         manager must record its evictions (`record_evictions`). `proposer`: the drafts of
         config.speculative_config's method (None: no speculation). `disk_tier`: the file
-        slots below the host tier (needs `host_tier`)."""
+        slots below the host tier (needs `host_tier`). `recall_rule`: which of the tiers'
+        hits are recalled (None: every one)."""
         self.max_num_seqs = config.max_num_seqs
         # distinct LoRA adapters among the running requests: the runner's device slots
         self.max_loras = config.max_loras if config.enable_lora else 0
@@ -128,7 +136,12 @@ class Scheduler:
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
         self.host_tier = host_tier
+        self.recall_rule = recall_rule
+        # the tiers are used at all: some hit within the context may be worth recalling
+        self.tiers_pay = host_tier is not None and (recall_rule is None
+                                                    or not recall_rule.never_pays)
         self.num_blocks_recalled = 0
+        self.num_recalls_declined = 0  # host-tier hits the rule had recomputed instead
         self.disk_tier = disk_tier
         self.num_blocks_loaded = 0  # read back whole from disk
         self.num_failed_loads = 0
@@ -216,8 +229,10 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled, out)
         scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
         self._advance(scheduled, out)
-        if self.host_tier is not None:
+        if self.tiers_pay:
             self._offload_evicted(out)
+        elif self.host_tier is not None:
+            self.kv_cache_manager.take_evicted()  # nothing stored could ever be recalled
         return out
 
     def _offload_evicted(self, out: SchedulerOutput) -> None:
@@ -413,11 +428,14 @@ class Scheduler:
                 self.num_recall_pass_overs += 1
                 continue
             swapped = self.swapped.get(request.request_id)
-            slots = self._host_hits(request, num_hit) if swapped is None else []
-            if swapped is None and self._waits_for_loads(request, num_hit + len(slots)
-                                                         * self.block_size, out):
+            found = self._host_hits(request, num_hit) if swapped is None else None
+            # a hit the rule declines is recomputed, and nothing is read from disk past it
+            declined = bool(found) and not self._recall_pays(num_hit, len(found))
+            if found is not None and not declined and self._waits_for_loads(
+                    request, num_hit + len(found) * self.block_size, out):
                 skipped += 1  # keeps its place until its blocks are read from disk
                 continue
+            slots = [] if declined or found is None else found
             # tokens whose KV is present before this step: prefix hits, then swapped-in or
             # recalled blocks
             num_ready = (max(num_hit, swapped.num_computed_tokens) if swapped
@@ -432,6 +450,8 @@ class Scheduler:
                     request, num_ready - num_hit + num_new, blocks, num_hit) is None:
                 break
             del self.waiting[skipped]
+            if declined:
+                self.num_recalls_declined += len(found)
             if swapped is not None:
                 self._swap_in(request, swapped, num_hit, out)
             if slots:
@@ -474,14 +494,19 @@ class Scheduler:
         self.num_blocks_swapped_in += max(0, last - first)
         self._release_swap(request)
 
-    def _host_hits(self, request: Request, num_hit: int) -> list[int]:
+    def _host_hits(self, request: Request, num_hit: int) -> list[int] | None:
         """Host slots of the request's prefix blocks past its device hit, while the chain
-        holds (none without a host tier, or for prompt logprobs, which need every
-        position's logits)."""
-        if self.host_tier is None or request.sampling_params.prompt_logprobs is not None:
-            return []
+        holds (prompt logprobs need every position's logits). None when the tiers are not used for it: for prompt logprobs,
+        or where no hit could pay (`tiers_pay`)."""
+        if not self.tiers_pay or request.sampling_params.prompt_logprobs is not None:
+            return None
         return self.host_tier.lookup(
             self.kv_cache_manager.prefix_hashes(request, num_hit // self.block_size))
+
+    def _recall_pays(self, first_token: int, num_blocks: int) -> bool:
+        """The one place a tier's hit is weighed: recalled when the rule says the copy of
+        its `num_blocks` blocks from prompt position `first_token` beats their recompute."""
+        return self.recall_rule is None or self.recall_rule.pays(first_token, num_blocks)
 
     def _waits_for_loads(self, request: Request, num_found: int, out: SchedulerOutput) -> bool:
         """Whether the request waits for blocks read from disk: loads it started and that
@@ -506,8 +531,11 @@ class Scheduler:
         and the host tier has room; the pending host slots to wait for (a block another
         request is loading already is waited for, not loaded twice)."""
         hashes = self.kv_cache_manager.prefix_hashes(request, first)
+        disk_slots = self.disk_tier.lookup(hashes)
+        if disk_slots and not self._recall_pays(first * self.block_size, len(disk_slots)):
+            return []  # a file read and a copy, slower than the recompute
         waits = []
-        for block_hash, disk_slot in zip(hashes, self.disk_tier.lookup(hashes)):
+        for block_hash, disk_slot in zip(hashes, disk_slots):
             slot = self.host_tier.pending_slot(block_hash)
             if slot is None:
                 slot = self.host_tier.store(block_hash, pending=True)

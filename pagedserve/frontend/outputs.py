@@ -94,6 +94,7 @@ class EngineStats:
     host_tier_hits: int = 0  # blocks recalled from the host tier (kv_cache/host_tier.py)
     host_tier_stores: int = 0  # evicted blocks copied into it
     host_tier_evictions: int = 0  # blocks dropped from it
+    host_tier_declined: int = 0  # hit blocks recomputed: the recall rule found that faster
     disk_tier_hits: int = 0  # blocks read back whole from the disk tier (--kv-offload-path)
     disk_tier_stores: int = 0  # blocks written to it
     disk_tier_evictions: int = 0  # blocks dropped from it (their files reused)

@@ -86,3 +86,45 @@ def test_an_engine_without_prefix_caching_refuses_a_tier(make_engine, engine, tm
     with pytest.raises(ValueError, match="kv_offload_memory"):
         make_engine(enable_prefix_caching=False, kv_offload_path=str(tmp_path),
                     kv_offload_memory=64 * engine.model_runner.block_bytes)
+
+
+def costs_declining_early_hits():
+    """Costs under which a copy is slower than recomputing a block near the start of a
+    prompt, faster only near the end of this small engine's context (112 tokens): every
+    hit of this conversation (its first 64 tokens) is recomputed, while the tier stays in
+    use."""
+    from pagedserve.messages import TierCosts
+
+    return TierCosts(block_copy_s=32e-6, token_s=1e-6, token_context_s=6e-9, copy_blocks=4,
+                     prefill_tokens=64)
+
+
+def costs_never_paying():
+    from pagedserve.messages import TierCosts
+
+    return TierCosts(block_copy_s=1e-3, token_s=1e-6, token_context_s=0.0, copy_blocks=4,
+                     prefill_tokens=64)
+
+
+@pytest.mark.parametrize("costs", [costs_declining_early_hits, costs_never_paying])
+def test_a_hit_not_worth_recalling_is_recomputed_exactly(make_engine, engine, reference,
+                                                          tmp_path, monkeypatch, costs):
+    """The rates are the engine's start-up measurements; here they are given. A declined hit
+    is recomputed (same tokens), nothing is copied back, and every block is free again once
+    the requests are done. Where no hit could ever pay, nothing is offloaded either."""
+    from pagedserve.device.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "measure_tier_costs", lambda runner, _: costs())
+    block_bytes = engine.model_runner.block_bytes
+    small = make_engine(kv_cache_memory=8 * block_bytes, kv_offload_memory=64 * block_bytes,
+                        kv_offload_path=str(tmp_path))
+    assert conversation(small) == reference
+    stats = small.get_stats()
+    assert stats.host_tier_hits == 0 and stats.disk_tier_hits == 0
+    assert stats.prefix_cache_evictions > 0
+    if costs is costs_never_paying:
+        assert stats.host_tier_stores == 0 and stats.host_tier_declined == 0
+    else:
+        assert stats.host_tier_stores > 0
+        assert stats.host_tier_declined >= len(SYSTEM) // 16  # turn 2's system prompt
+    assert stats.kv_cache_usage == 0.0

@@ -16,6 +16,18 @@ from tests.gpu.test_gpu_engine import make_engine
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture
+def recalls_pay(monkeypatch):
+    """The copies under test, whatever this GPU's recall rule would decide for the model:
+    the start-up costs given as a copy far cheaper than any prefill (the rule itself:
+    test_the_measured_rule_keeps_the_tokens, tests/engine/test_recall_rule.py)."""
+    from pagedserve.device.model_runner import ModelRunner
+    from pagedserve.messages import TierCosts
+
+    monkeypatch.setattr(ModelRunner, "measure_tier_costs",
+                        lambda runner, _: TierCosts(1e-9, 1e-3, 0.0, 1, 1))
+
+
 def conversations(engine, count: int = 6) -> list[list[int]]:
     """Turn 1 of every conversation, then turn 2 of each (its history and more): with a
     small pool, the later turn-1 prompts evict the earlier ones."""
@@ -39,7 +51,7 @@ def conversations(engine, count: int = 6) -> list[list[int]]:
                       for i, (prompt, answer) in enumerate(zip(firsts, answers))]
 
 
-def test_recalled_conversations_give_the_same_tokens(loaded):
+def test_recalled_conversations_give_the_same_tokens(loaded, recalls_pay):
     # the same max_model_len in both engines: under CUDA graphs the decode grid is sized for it,
     # and another split of the sums would be bf16 noise, not a recall error
     large = make_engine(loaded, max_model_len=512)
@@ -53,7 +65,7 @@ def test_recalled_conversations_give_the_same_tokens(loaded):
     assert stats.prefix_cache_evictions > 0 and stats.host_tier_hits > 0
 
 
-def test_conversations_recalled_from_disk_give_the_same_tokens(loaded, tmp_path):
+def test_conversations_recalled_from_disk_give_the_same_tokens(loaded, tmp_path, recalls_pay):
     """A disk tier under a host tier too small for the conversations: blocks are written
     from pinned host slots once their copies out have landed, read back into slots no copy
     in flight still reads, then recalled; the tokens are those of an engine that kept
@@ -68,6 +80,26 @@ def test_conversations_recalled_from_disk_give_the_same_tokens(loaded, tmp_path)
     stats = engine.get_stats()
     assert stats.disk_tier_stores > 0 and stats.disk_tier_hits > 0
     assert stats.disk_tier_load_failures == 0
+
+
+def test_the_measured_rule_keeps_the_tokens(loaded):
+    """The costs this GPU measures at start-up (the copy through the tier's copy stream,
+    the prefill's forward passes) are real durations, and whatever the rule makes of them
+    the conversations answer as without eviction: each hit is recalled or recomputed, and
+    where no hit could pay nothing is offloaded."""
+    large = make_engine(loaded, max_model_len=512)
+    reference = conversations(large)
+    block_bytes = large.model_runner.block_bytes
+    del large
+    engine = make_engine(loaded, kv_cache_memory=48 * block_bytes, max_model_len=512,
+                         kv_offload_memory=512 * block_bytes)
+    costs = engine.model_runner.measure_tier_costs(512)
+    assert costs.block_copy_s > 0 and costs.token_s > 0 and costs.token_context_s >= 0
+    assert costs.copy_blocks > 1 and costs.prefill_tokens == 512
+    assert conversations(engine) == reference
+    stats = engine.get_stats()
+    assert stats.prefix_cache_evictions > 0
+    assert stats.host_tier_hits + stats.host_tier_declined > 0 or stats.host_tier_stores == 0
 
 
 def test_copies_on_the_copy_stream_keep_every_bit(loaded):
@@ -167,7 +199,7 @@ def under_load(engine, count: int = 8) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("disk", [False, True])
-def test_recalls_under_load_give_the_same_tokens(float32_loaded, disk, tmp_path):
+def test_recalls_under_load_give_the_same_tokens(float32_loaded, disk, tmp_path, recalls_pay):
     """Many requests at once on a small pool, with the host tier (and a disk tier below a
     host tier too small for them): the recalled conversations answer as an engine that
     never evicted them."""

@@ -65,6 +65,8 @@ class _EngineStatsCollector:
          "host tier."),
         ("host_tier_evicted_blocks", "host_tier_evictions", "KV blocks dropped from the host "
          "tier to make room (to the disk tier, if there is one)."),
+        ("host_tier_declined_blocks", "host_tier_declined", "KV blocks found in the host tier "
+         "but recomputed: the recall rule measured at start-up found that faster."),
         ("disk_tier_hit_blocks", "disk_tier_hits", "KV blocks read back whole from the disk "
          "tier (--kv-offload-path) into the host tier, to be recalled from there."),
         ("disk_tier_stored_blocks", "disk_tier_stores", "KV blocks the host tier dropped, "
