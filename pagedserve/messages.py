@@ -420,13 +420,15 @@ class ShutdownWorker(Message, tag="shutdown"):
 class TierCosts(msgspec.Struct, frozen=True):
     """What a rank measured at start-up for the host tier's recall rule
     (`engine/recall_rule.py`), in seconds: copying one block from a host slot into the pool
-    (`block_copy_s`, over `copy_blocks` blocks), and a prefill's cost per token (`token_s`)
+    (`block_copy_s`, over `copy_blocks` blocks), a prefill's cost per token (`token_s`)
     and per token per context token (`token_context_s`, the attention's growth; both fitted to
-    prefills of `prefill_tokens` tokens at two sequence lengths)."""
+    prefills of `prefill_tokens` tokens at two sequence lengths), and the least a step costs
+    (`step_s`: a forward pass over one token), which a recall waits at least."""
 
     block_copy_s: float
     token_s: float
     token_context_s: float
+    step_s: float
     copy_blocks: int
     prefill_tokens: int
 

@@ -331,10 +331,10 @@ class ModelRunner:
 
     def measure_tier_costs(self, max_model_len: int) -> TierCosts:
         """What the host tier's recall rule weighs (`engine/recall_rule.py`), measured here
-        once the caches and the host slots exist: forward passes over a prefill's tokens
-        (`_prefill_costs`), and a recall of their blocks through the tier's own copy path
-        (into pool blocks that nothing holds yet)."""
-        token_s, token_context_s, num_tokens = self._prefill_costs(max_model_len)
+        once the caches and the host slots exist: forward passes (`_prefill_costs`), and a
+        recall of a prefill's blocks through the tier's own copy path (into pool blocks that
+        nothing holds yet), after one to warm it up (the staging, the copy stream)."""
+        token_s, token_context_s, step_s, num_tokens = self._prefill_costs(max_model_len)
         num_slots, num_blocks = self.tiers.num_slots, self.kv_caches[0][0].shape[0]
         num_copied = max(1, min(num_tokens // self.block_size, num_slots, num_blocks - 1))
         pairs = [(slot, slot + 1) for slot in range(num_copied)]  # never the null block
@@ -343,33 +343,38 @@ class ModelRunner:
             self.tiers.recall(self._device_caches(), pairs)
             self.tiers.await_recalls()
 
-        self._timed(recall)  # warm-up: the staging allocation, the copy stream
+        self._timed(recall)
         copy_s = self._timed(recall)
         self.tiers.take_stream_seconds()  # the probes' copies are no step's
-        return TierCosts(copy_s / num_copied, token_s, token_context_s, num_copied, num_tokens)
+        return TierCosts(copy_s / num_copied, token_s, token_context_s, step_s, num_copied,
+                         num_tokens)
 
-    def _prefill_costs(self, max_model_len: int) -> tuple[float, float, int]:
-        """(seconds a token, seconds a token per context token, tokens measured) of the
-        target's forward pass. On CUDA: a step's budget of tokens, as a recompute runs, in
-        prompts of two lengths, fitted to `token_s * l + token_context_s * l * l` a prompt
-        of length l: a long history's recompute pays the attention's growth. On the CPU one
-        block, and no context term (a prefill there is slow at any size, is bound by the
-        weights at the lengths a probe can afford, and this runs at every start with a
-        tier). Each after a warm-up (kernels compiled, allocator grown, the first call's
-        set-up: what the first step would pay otherwise)."""
+    def _prefill_costs(self, max_model_len: int) -> tuple[float, float, float, int]:
+        """(seconds a token, seconds a token per context token, seconds a step at least,
+        tokens measured) of the target's forward pass, each timed after a warm-up (kernels
+        compiled, allocator grown, the first call's set-up: what the first step would pay
+        otherwise). On CUDA: a step's budget of tokens, as a recompute runs, in prompts of
+        two lengths, fitted to `token_s * l + token_context_s * l * l` a prompt of length
+        l (a long history's recompute pays the attention's growth); the step, a pass over
+        one token (eager: at most what a captured decode step costs). On the CPU one block,
+        which is also the step (a pass there is bound by the weights at the lengths a probe
+        can afford), and no context term (this runs at every start with a tier)."""
+        def timed(num_tokens: int, max_len: int) -> float:
+            def forward() -> None:
+                self._prefill_probe(num_tokens, max_len, whole_step=False)
+
+            self._timed(forward)
+            return self._timed(forward)
+
         if self.device.type != "cuda":
-            def block() -> None:
-                self._prefill_probe(self.block_size, self.block_size, whole_step=False)
-
-            self._timed(block)
-            return self._timed(block) / self.block_size, 0.0, self.block_size
+            seconds = timed(self.block_size, self.block_size)
+            return seconds / self.block_size, 0.0, seconds, self.block_size
         long = min(self.config.max_num_batched_tokens, max_model_len)
         short = max(1, long // 8)
-        self._timed(lambda: self._prefill_probe(long, short, whole_step=False))
-        t_long = self._timed(lambda: self._prefill_probe(long, long, whole_step=False))
-        t_short = self._timed(lambda: self._prefill_probe(long, short, whole_step=False))
+        t_long, t_short = timed(long, long), timed(long, short)
         token_context_s = max(0.0, (t_long - t_short) / (long * max(1, long - short)))
-        return max(0.0, t_short / long - token_context_s * short), token_context_s, long
+        token_s = max(0.0, t_short / long - token_context_s * short)
+        return token_s, token_context_s, timed(1, 1), long
 
     def _timed(self, work: Callable[[], None]) -> float:
         """Seconds from an idle device to `work` done on it."""

@@ -11,22 +11,26 @@ the choice follows the model, the dtype, the GPU and its link, not constants.
 
 The model of the costs, in seconds:
 
-* copying n blocks in: `n * block_copy_s`;
+* recalling n blocks: `max(n * block_copy_s, step_s)`: the copy overlaps the step that
+  queues it, and the request computes only in the step after, so it waits at least a step
+  (`step_s`, the least one costs: a forward pass over one token);
 * recomputing the tokens [s, e) of a prompt: `token_s * (e - s) + token_context_s * (e*e - s*s)`,
   a per-token part (weights, MLP) and an attention part growing with the position (a prefill
   of a sequence of length l from zero costs `token_s * l + token_context_s * l * l`).
 
-A hit is recalled when its copy is the cheaper (`pays`). Since a token's recompute grows
-with its position and its copy does not, a rule that declines a short hit early in a prompt
-may accept a long one or one deep in a conversation; `never_pays` says whether no hit within
-the model's context would be recalled, and the scheduler then leaves the host tier alone altogether (no lookups, no
-offloads: nothing it stored could ever be used).
+A hit is recalled when the recall is the cheaper (`pays`; a tie is recomputed). A token's
+recompute grows with its position and its copy does not, and a longer hit spreads the step
+it waits over more blocks: a rule that declines a short hit early in a prompt may accept a
+long one or one deep in a conversation. `never_pays` says whether no hit within the model's
+context would be recalled; the scheduler then leaves the host tier alone altogether (no
+lookups, no offloads: nothing it stored could ever be used).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 
 from pagedserve.messages import TierCosts
 
@@ -50,8 +54,8 @@ class RecallRule:
     block_size: int
     max_model_len: int
 
-    def copy_seconds(self, num_blocks: int) -> float:
-        return num_blocks * self.costs.block_copy_s
+    def recall_seconds(self, num_blocks: int) -> float:
+        return max(num_blocks * self.costs.block_copy_s, self.costs.step_s)
 
     def recompute_seconds(self, first_token: int, num_tokens: int) -> float:
         end = first_token + num_tokens
@@ -60,36 +64,37 @@ class RecallRule:
 
     def pays(self, first_token: int, num_blocks: int) -> bool:
         """Whether the `num_blocks` blocks that start at prompt position `first_token` come
-        back faster by copy than by prefill."""
-        return num_blocks > 0 and self.copy_seconds(num_blocks) < self.recompute_seconds(
+        back sooner by a recall than by a prefill."""
+        return num_blocks > 0 and self.recall_seconds(num_blocks) < self.recompute_seconds(
             first_token, num_blocks * self.block_size)
 
-    @property
+    @cached_property
     def min_tokens(self) -> int | None:
-        """The shortest hit from position 0 that is recalled (whole blocks), or None if none
-        within max_model_len is."""
+        """The shortest hit from position 0 that is recalled (whole blocks; every longer
+        one is too), or None if none within max_model_len is."""
         for num_blocks in range(1, self.max_model_len // self.block_size + 1):
             if self.pays(0, num_blocks):
                 return num_blocks * self.block_size
         return None
 
-    @property
+    @cached_property
     def never_pays(self) -> bool:
-        """No hit within the context pays. A block's recompute costs the more the later its
-        position, and its copy the same anywhere: the context's last block is the one most
-        worth recalling."""
-        last = (self.max_model_len // self.block_size - 1) * self.block_size
-        return not self.pays(max(last, 0), 1)
+        """No hit within the context pays: of the hits that end at the context's end (the
+        most expensive to recompute of their length), none does."""
+        num_blocks = self.max_model_len // self.block_size
+        return not any(self.pays(first * self.block_size, num_blocks - first)
+                       for first in range(num_blocks))
 
     def describe(self) -> str:
         """The inputs and the outcome, for the start-up log."""
         c = self.costs
-        per_block = c.token_s * self.block_size
         outcome = ("recalls never pay within the model's context: the host tier is left "
                    "unused (no offloads, no lookups)" if self.never_pays else
                    f"recalled: hits from position 0 of {self.min_tokens} tokens or more "
-                   "(later positions: shorter ones too)")
+                   "(deeper in a prompt: shorter ones too)" if self.min_tokens is not None
+                   else "recalled: only hits deep in a prompt")
         return (f"copy in {c.block_copy_s * 1e6:.1f} us a block of {self.block_size} tokens "
-                f"(measured over {c.copy_blocks} blocks), prefill {per_block * 1e6:.1f} us a "
-                f"block + {c.token_context_s * 1e9:.3f} ns a token per context token "
+                f"(measured over {c.copy_blocks} blocks), a step at least "
+                f"{c.step_s * 1e3:.2f} ms, prefill {c.token_s * self.block_size * 1e6:.1f} us "
+                f"a block + {c.token_context_s * 1e9:.3f} ns a token per context token "
                 f"(measured over {c.prefill_tokens} tokens); {outcome}")

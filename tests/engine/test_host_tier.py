@@ -95,15 +95,15 @@ def costs_declining_early_hits():
     use."""
     from pagedserve.messages import TierCosts
 
-    return TierCosts(block_copy_s=32e-6, token_s=1e-6, token_context_s=6e-9, copy_blocks=4,
-                     prefill_tokens=64)
+    return TierCosts(block_copy_s=32e-6, token_s=1e-6, token_context_s=6e-9, step_s=1e-6,
+                     copy_blocks=4, prefill_tokens=64)
 
 
 def costs_never_paying():
     from pagedserve.messages import TierCosts
 
-    return TierCosts(block_copy_s=1e-3, token_s=1e-6, token_context_s=0.0, copy_blocks=4,
-                     prefill_tokens=64)
+    return TierCosts(block_copy_s=1e-3, token_s=1e-6, token_context_s=0.0, step_s=1e-3,
+                     copy_blocks=4, prefill_tokens=64)
 
 
 @pytest.mark.parametrize("costs", [costs_declining_early_hits, costs_never_paying])

@@ -13,9 +13,9 @@ from pagedserve.messages import TierCosts
 BLOCK = 16
 
 
-def rule(block_copy_s, token_s, token_context_s=0.0, max_model_len=4096):
-    return RecallRule(TierCosts(block_copy_s, token_s, token_context_s, 8, 256), BLOCK,
-                      max_model_len)
+def rule(block_copy_s, token_s, token_context_s=0.0, step_s=0.0, max_model_len=4096):
+    return RecallRule(TierCosts(block_copy_s, token_s, token_context_s, step_s, 8, 256),
+                      BLOCK, max_model_len)
 
 
 def test_a_copy_faster_than_the_prefill_is_recalled():
@@ -34,8 +34,16 @@ def test_a_copy_slower_than_the_prefill_is_recomputed():
 
 
 def test_equal_costs_are_recomputed():
-    """A recall also waits a step for its copy: at a tie the recompute is kept."""
     assert not rule(block_copy_s=BLOCK * 1e-6, token_s=1e-6).pays(0, 4)
+
+
+def test_a_recall_waits_a_step_however_fast_its_copy():
+    """The request computes in the step after the one that queues its recall: a hit whose
+    recompute is shorter than a step is recomputed, a longer one recalled."""
+    r = rule(block_copy_s=1e-7, token_s=1e-6, step_s=100e-6)  # a step: ~6 blocks' prefill
+    assert not r.pays(0, 6) and r.pays(0, 7)
+    assert r.min_tokens == 7 * BLOCK and not r.never_pays
+    assert r.recall_seconds(7) == pytest.approx(100e-6)
 
 
 def test_the_attention_term_makes_long_or_late_hits_pay():
@@ -61,10 +69,11 @@ def test_no_hit_is_weighed_on_nothing():
 def test_the_rule_logs_its_inputs_once(caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.recall_rule"):
         assert recall_rule(None, BLOCK, 4096) is None
-        built = recall_rule(TierCosts(3e-5, 1e-6, 0.0, 8, 256), BLOCK, 4096)
+        built = recall_rule(TierCosts(3e-5, 1e-6, 0.0, 1e-3, 8, 256), BLOCK, 4096)
     assert built.never_pays
     [record] = caplog.records
-    assert "30.0 us a block" in record.getMessage() and "never pay" in record.getMessage()
+    message = record.getMessage()
+    assert "30.0 us a block" in message and "1.00 ms" in message and "never pay" in message
 
 
 @pytest.mark.parametrize("first", [0, 160, 2000])
@@ -74,4 +83,4 @@ def test_the_costs_add_up_over_the_blocks(first):
     whole = r.recompute_seconds(first, 4 * BLOCK)
     parts = sum(r.recompute_seconds(first + i * BLOCK, BLOCK) for i in range(4))
     assert whole == pytest.approx(parts)
-    assert r.copy_seconds(4) == pytest.approx(4e-5)
+    assert r.recall_seconds(4) == pytest.approx(4e-5)

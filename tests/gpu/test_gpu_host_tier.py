@@ -25,7 +25,7 @@ def recalls_pay(monkeypatch):
     from pagedserve.messages import TierCosts
 
     monkeypatch.setattr(ModelRunner, "measure_tier_costs",
-                        lambda runner, _: TierCosts(1e-9, 1e-3, 0.0, 1, 1))
+                        lambda runner, _: TierCosts(1e-9, 1e-3, 0.0, 1e-9, 1, 1))
 
 
 def conversations(engine, count: int = 6) -> list[list[int]]:
@@ -95,6 +95,7 @@ def test_the_measured_rule_keeps_the_tokens(loaded):
                          kv_offload_memory=512 * block_bytes)
     costs = engine.model_runner.measure_tier_costs(512)
     assert costs.block_copy_s > 0 and costs.token_s > 0 and costs.token_context_s >= 0
+    assert costs.step_s > 0
     assert costs.copy_blocks > 1 and costs.prefill_tokens == 512
     assert conversations(engine) == reference
     stats = engine.get_stats()
