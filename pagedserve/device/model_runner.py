@@ -340,7 +340,7 @@ class ModelRunner:
         pairs = [(slot, slot + 1) for slot in range(num_copied)]  # never the null block
 
         def recall() -> None:
-            self.tiers.recall(self._device_caches(), pairs)
+            self.tiers.recall(pairs)
             self.tiers.await_recalls()
 
         self._timed(recall)
@@ -442,7 +442,7 @@ class ModelRunner:
     def initialize_host_tier(self, num_slots: int) -> None:
         """The prefix cache's host tier: slots for evicted cached blocks (this rank's shard
         of their KV heads) and the copies to and from them (`tier_copies.py`)."""
-        self.tiers = TierCopies(self._host_caches(num_slots), self.device, self.backend)
+        self.tiers = TierCopies(self._device_caches(), num_slots, self.device, self.backend)
 
     def initialize_disk_tier(self, run_dir: str, digest: bytes) -> None:
         """The disk tier below the host tier: this rank's files (`kv_cache.disk_format`)."""
@@ -714,11 +714,11 @@ class ModelRunner:
             tiers.spill(output.blocks_to_spill)
         self._copy_out(self.cpu_kv_caches, output.blocks_to_swap_out)
         if output.blocks_to_offload:
-            tiers.offload(self._device_caches(), output.blocks_to_offload)
+            tiers.offload(output.blocks_to_offload)
         failed = self._load(output.blocks_to_load) if output.blocks_to_load else []
         self._copy_in(self.cpu_kv_caches, output.blocks_to_swap_in)
         if output.blocks_to_recall:
-            tiers.recall(self._device_caches(), output.blocks_to_recall)
+            tiers.recall(output.blocks_to_recall)
         tier_work = (output.blocks_to_spill or output.blocks_to_offload
                      or output.blocks_to_load or output.blocks_to_recall)
         stream = tiers.take_stream_seconds() if tiers is not None else 0.0

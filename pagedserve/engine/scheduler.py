@@ -496,8 +496,8 @@ class Scheduler:
 
     def _host_hits(self, request: Request, num_hit: int) -> list[int] | None:
         """Host slots of the request's prefix blocks past its device hit, while the chain
-        holds (prompt logprobs need every position's logits). None when the tiers are not used for it: for prompt logprobs,
-        or where no hit could pay (`tiers_pay`)."""
+        holds. None when the tiers are not used for it: for prompt logprobs (they need
+        every position's logits), or where no hit could pay (`tiers_pay`)."""
         if not self.tiers_pay or request.sampling_params.prompt_logprobs is not None:
             return None
         return self.host_tier.lookup(
