@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import platform
 import random
 import statistics
@@ -288,6 +289,25 @@ def random_checkpoint(config: Path, device: str) -> tuple[str, str]:
     return str(model_dir), "auto"
 
 
+class RecallRuleLog(logging.Handler):
+    """The host tier's recall rule as the engine logs it at start-up (its measured inputs
+    and what it decided), for the row of the run it governs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.message: str | None = None
+        logger = logging.getLogger("pagedserve.engine.recall_rule")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.message = record.getMessage()
+
+    def take(self) -> str | None:
+        message, self.message = self.message, None
+        return message
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="HF folder; default: a random checkpoint from --config")
@@ -342,6 +362,7 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(old + rows, indent=1) + "\n")
 
+    rules = RecallRuleLog()
     for tier in tiers:
         options = tier_options(tier, args)
         started = time.perf_counter()
@@ -356,6 +377,7 @@ def main() -> None:
                "conversations": args.conversations, "turns": args.turns,
                "system_tokens": args.system_tokens, "answer_tokens": args.answer_tokens,
                "time_scale": args.time_scale, "engine_start_s": started,
+               "recall_rule": rules.take(),
                **run(engine, conversations, args.answer_tokens, base.block_size)}
         keep(row)
         engine.shutdown()
