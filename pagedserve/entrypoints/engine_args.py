@@ -121,8 +121,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("swap_space", "CPU bytes for swapped-out blocks (--preemption-mode swap)",
               parse=parse_size, metavar="SIZE"),
     EngineArg("kv_offload_memory", "host memory for the prefix cache's second tier: cached "
-              "blocks evicted from the device are kept there and recalled on a later hit; "
-              "0 = off (the CPU engine, whose KV cache is host memory already, takes it "
+              "blocks evicted from the device are kept there and recalled on a later hit where "
+              "the copy beats recomputing them (measured at start-up, logged); 0 = off (the CPU engine, whose KV cache is host memory already, takes it "
               "only as the disk tier's staging)", parse=parse_size, metavar="SIZE"),
     EngineArg("kv_offload_path", "directory for the prefix cache's disk tier: blocks that "
               "fall out of the host tier are written to files there (checksummed) and found "
