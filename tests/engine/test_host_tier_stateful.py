@@ -1,7 +1,8 @@
 """The scheduler with a host tier (and a disk tier below it), against a simulated runner
 whose KV slots record what produced them (the token prefix and the salt): random arrivals,
 follow-up turns of finished conversations, aborts, damaged disk files and steps on a small
-device pool (so evictions, preemptions, spills, loads and recalls happen). After every step
+device pool (so evictions, preemptions, spills, loads and recalls happen), under recall
+rules that recall every hit or decline some (recomputed instead). After every step
 each scheduled request's context, read back through its block table, must be its own (a
 recall that copied the wrong slot, an offload or load that overwrote a slot being read, or a
 damaged file's content taken for KV shows up as a mismatch), and the pool's and tiers'
@@ -17,7 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pagedserve.config import EngineConfig
 from pagedserve.kv_cache.host_tier import HostTier
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
-from pagedserve.messages import ModelRunnerOutput, SchedulerOutput, decode, encode
+from pagedserve.messages import ModelRunnerOutput, SchedulerOutput, TierCosts, decode, encode
+from pagedserve.engine.recall_rule import RecallRule
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.engine.scheduler import Scheduler
@@ -25,14 +27,21 @@ from tests.kv_cache.conftest import check_manager_invariants
 
 SYSTEMS = [[], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 9, 9, 9, 9]]
 MAX_LEN = 64
+# the recall rule's costs (engine/recall_rule.py), per block of `bs` tokens: every hit
+# recalled; hits of 2 or 3 blocks and more (a step costs 1.5 or 2.5 blocks' prefill); hits
+# deep in a prompt only (a block's recompute grows with its position past its copy's)
+RULES = {"all": None,
+         "from 2 blocks": lambda bs: TierCosts(0.0, 1.0 / bs, 0.0, 1.5, 1, bs),
+         "from 3 blocks": lambda bs: TierCosts(0.0, 1.0 / bs, 0.0, 2.5, 1, bs),
+         "deep only": lambda bs: TierCosts(1.0, 0.5 / bs, 0.02 / bs**2, 0.0, 1, bs)}
 
 
 class TierMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([2, 4]), num_blocks=st.integers(6, 16),
                 num_slots=st.integers(1, 8), budget=st.sampled_from([8, 64]),
-                disk_slots=st.sampled_from([0, 6, 40]))
+                disk_slots=st.sampled_from([0, 6, 40]), rule=st.sampled_from(sorted(RULES)))
     def setup(self, block_size: int, num_blocks: int, num_slots: int, budget: int,
-              disk_slots: int) -> None:
+              disk_slots: int, rule: str) -> None:
         self.manager = KVCacheManager(num_blocks, block_size, record_evictions=True)
         if disk_slots:  # small steps, so that blocks pass through a small host tier
             budget = 8
@@ -40,8 +49,10 @@ class TierMachine(RuleBasedStateMachine):
                               max_num_batched_tokens=budget)
         self.tier = HostTier(num_slots)
         self.disk_tier = HostTier(disk_slots, medium="DISK") if disk_slots else None
-        self.scheduler = Scheduler(config, self.manager, MAX_LEN, host_tier=self.tier,
-                                   disk_tier=self.disk_tier)
+        costs = RULES[rule]
+        self.scheduler = Scheduler(
+            config, self.manager, MAX_LEN, host_tier=self.tier, disk_tier=self.disk_tier,
+            recall_rule=costs and RecallRule(costs(block_size), block_size, MAX_LEN))
         self.block_size = block_size
         self.device: dict[int, tuple] = {}  # slot (block id * block size + offset) -> label
         self.host: dict[int, tuple] = {}  # host slot * block size + offset -> label
