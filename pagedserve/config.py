@@ -75,6 +75,14 @@ class EngineConfig:
     # SamplingParams.priority (lower first), then arrival; also which running request a full
     # KV cache preempts first (the lowest priority's)
     scheduling_policy: str = "fcfs"
+    # with more requests waiting than the batch has free slots and every running request
+    # decoding, look at the waiting queue at most once every this many steps: a step that
+    # admits a request runs its prefill beside the decodes, eagerly (a CUDA decode graph
+    # serves only steps of decodes), so admitting each freed slot at once makes a step in
+    # three of a long queue eager; held, the freed slots of several steps fill in one.
+    # None = 16 where decode steps replay CUDA graphs (CUDA, not enforce_eager), 1 (every
+    # step) elsewhere
+    admission_interval: int | None = None
     swap_space: int = 4 << 30  # bytes of CPU memory for swapped-out blocks ("swap" mode)
     # bytes of host memory (pinned on CUDA) for the prefix cache's second tier: cached blocks
     # evicted from the device pool are kept there and recalled on a later hit
@@ -138,6 +146,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.admission_interval is not None and self.admission_interval < 1:
+            raise ValueError(f"admission_interval must be >= 1, got {self.admission_interval}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError("async_scheduling must be True, False or None (auto), "
                              f"got {self.async_scheduling!r}")

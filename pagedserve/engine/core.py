@@ -129,7 +129,8 @@ class EngineCore:
             with phases.timed("tokenizer"):
                 self.tokenizer_source = tokenizer_source(config.model, config.tokenizer)
                 self.tokenizer = TokenizerRef.read(self.tokenizer_source)
-        self.config = config = _resolve_limits(config, executor)
+        self.config = config = _resolve_admission(_resolve_limits(config, executor),
+                                                  executor.device_type)
         with phases.timed("memory profile"):
             self.num_blocks = num_blocks = executor.determine_num_blocks(config)
         self.kv_cache_manager = KVCacheManager(
@@ -519,6 +520,16 @@ def _make_executor(config: EngineConfig, loaded: LoadedModel | None) -> Executor
         raise ValueError("tensor_parallel_size > 1 loads the weights in each worker: "
                          "an engine cannot share loaded weights then")
     return MultiprocExecutor(config, read_model_config(config.model))
+
+
+def _resolve_admission(config: EngineConfig, device_type: str) -> EngineConfig:
+    """The config with admission_interval chosen where it was left to auto (None): held
+    admissions pay only where a decode step replays a CUDA graph and a step with a prefill
+    does not (on the CPU every step runs eagerly alike)."""
+    if config.admission_interval is not None:
+        return config
+    graphs = device_type == "cuda" and not config.enforce_eager
+    return dataclasses.replace(config, admission_interval=16 if graphs else 1)
 
 
 def _resolve_limits(config: EngineConfig, executor: Executor) -> EngineConfig:

@@ -128,6 +128,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the tail is preempted first
         self.by_priority = config.scheduling_policy == "priority"  # both queues' order
+        self.admission_interval = config.admission_interval or 1
+        self._steps_held = 0  # steps since the waiting queue was last looked at (when held)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.block_size = kv_cache_manager.block_size
@@ -225,7 +227,7 @@ class Scheduler:
                 break
             scheduled.append((request, num_new))
             budget -= num_new
-        if not out.preempted_req_ids:
+        if not out.preempted_req_ids and not self._holds_admission(scheduled, out):
             budget = self._admit_waiting(budget, scheduled, out)
         scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
         self._advance(scheduled, out)
@@ -234,6 +236,22 @@ class Scheduler:
         elif self.host_tier is not None:
             self.kv_cache_manager.take_evicted()  # nothing stored could ever be recalled
         return out
+
+    def _holds_admission(self, scheduled: list[tuple[Request, int]],
+                         out: SchedulerOutput) -> bool:
+        """Whether this step leaves the waiting queue alone (`admission_interval`): only
+        while the batch is full (more requests wait than there are free slots, so every
+        freed slot would be filled at once, one eager step each) and the step is decodes
+        only (admitting into a step with a prefill chunk costs nothing more), and for at
+        most admission_interval - 1 steps in a row."""
+        full = len(self.waiting) > self.max_num_seqs - len(self.running)
+        decodes_only = (bool(scheduled) and not out.draft_token_ids
+                        and all(num_new == 1 for _, num_new in scheduled))
+        if full and decodes_only and self._steps_held < self.admission_interval - 1:
+            self._steps_held += 1
+            return True
+        self._steps_held = 0
+        return False
 
     def _offload_evicted(self, out: SchedulerOutput) -> None:
         """Copy the cached blocks this step's allocations evicted into the host tier (the

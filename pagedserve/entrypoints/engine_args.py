@@ -118,6 +118,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "by the requests' priority (lower first), then arrival; a running request "
               "yields to a higher one only when the KV cache is full (preemption takes the "
               "lowest priority first)", choices=SCHEDULING_POLICIES),
+    EngineArg("admission_interval", "with a full batch of decodes (more requests waiting "
+              "than free slots), admit waiting requests at most once every N steps, so that "
+              "their prefills share one eager step instead of breaking many CUDA-graph "
+              "decode steps", metavar="N",
+              default_text="16 with CUDA graphs, else 1: every step"),
     EngineArg("swap_space", "CPU bytes for swapped-out blocks (--preemption-mode swap)",
               parse=parse_size, metavar="SIZE"),
     EngineArg("kv_offload_memory", "host memory for the prefix cache's second tier: cached "

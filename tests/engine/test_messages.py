@@ -88,3 +88,5 @@ def test_batch_limits_given_are_kept():
     assert resolve_batch_limits(config, "cpu", None, GIB) == (64, 512)
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="admission_interval"):
+        EngineConfig(admission_interval=0)

@@ -250,3 +250,26 @@ def test_a_request_waiting_for_its_grammar_is_passed_over_and_keeps_its_place():
         scheduler.finish_requests(["r0", "r2", "r3"], RequestStatus.FINISHED_ERROR)
         assert not scheduler.has_unfinished_requests()
         assert scheduler.kv_cache_manager.get_num_free_blocks() == 63
+
+
+def admissions(admission_interval, max_tokens, steps=6) -> list[list[str]]:
+    """The requests each step admits, 3 slots, every prompt of 4 tokens."""
+    scheduler = make(max_num_seqs=3, admission_interval=admission_interval)
+    for i, tokens in enumerate(max_tokens):
+        scheduler.add_request(request(i, 4, tokens))
+    return [[new.req_id for new in run_step(scheduler).scheduled_new_reqs]
+            for _ in range(steps)]
+
+
+def test_admission_interval_fills_a_full_batchs_freed_slots_in_one_step():
+    # r0 finishes after step 1, r1 after step 2; r3, r4, r5 wait for their slots
+    lengths = (2, 3, 20, 20, 20, 20)
+    # every step: each freed slot filled at once, one prefill step per slot
+    assert admissions(None, lengths) == [["r0", "r1", "r2"], [], ["r3"], ["r4"], [], []]
+    # held while the batch decodes (3 steps after the last look): both slots in one step
+    assert admissions(4, lengths) == [["r0", "r1", "r2"], [], [], [], ["r3", "r4"], []]
+
+
+def test_admission_interval_admits_at_once_when_every_waiting_request_fits():
+    # one request waits and r0's slot frees: nothing to coalesce, no wait
+    assert admissions(4, (2, 20, 20, 20)) == [["r0", "r1", "r2"], [], ["r3"], [], [], []]
