@@ -18,8 +18,9 @@ path sees the same tokens); prompt and output lengths are lognormal, median
 [`--min-len`, `--max-prompt-len` / `--max-output-len`]; `ignore_eos`, so each request
 produces exactly its output length. Every offline row runs in a fresh process (its memory is
 back before the next row starts) after a warm-up generate. Rows go to `--out`/serving.json
-(`path`, `output_tok_per_s`, `seconds`, `output_tokens`, `device`, `date`, ...) and the
-latency plot to `--out`/serving_latency.png.
+(`path`, `output_tok_per_s`, `seconds`, `output_tokens`, `device`, `date`, the core's
+`steps` over the row and how many of them replayed a decode graph, `decode_graph_steps`,
+...) and the latency plot to `--out`/serving_latency.png.
 
     python benchmarks/serving.py --model /tmp/qwen3-0.6b-random               # H100
     python benchmarks/serving.py --model /tmp/tiny --num-requests 48 --concurrency 8 \
@@ -311,8 +312,9 @@ def engine_flags(args: argparse.Namespace, tuned: bool) -> dict:
 
 
 def offline_rows(model: str | None, flags: dict, work: list[WorkItem], modes: list[str]
-                 ) -> list[tuple[str, float, int]]:
-    """(mode, seconds, output tokens) per mode, from one LLM; runs in a worker process."""
+                 ) -> list[tuple[str, float, int, dict]]:
+    """(mode, seconds, output tokens, step counts) per mode, from one LLM; runs in a worker
+    process."""
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.entrypoints.llm import LLM
 
@@ -326,15 +328,31 @@ def offline_rows(model: str | None, flags: dict, work: list[WorkItem], modes: li
                                  **SAMPLED) if mode == "sampled" and w.sampled else
                   SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True)
                   for w in work]
+        before = llm.llm_engine.get_stats()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        rows.append((mode, seconds, sum(len(c.token_ids) for o in outs for c in o.outputs)))
+        rows.append((mode, seconds, sum(len(c.token_ids) for o in outs for c in o.outputs),
+                     step_counts(before, llm.llm_engine.get_stats())))
     return rows
 
 
+def step_counts(before, after) -> dict:
+    """The core's steps over a row (`EngineStats`, or /metrics samples as a dict): those that
+    launched a forward pass, and those of them that replayed a decode graph (the rest ran
+    eagerly: a prefill chunk beside the decodes, or the CPU)."""
+    def get(stats, name: str, metric: str) -> float:
+        return stats[metric] if isinstance(stats, dict) else getattr(stats, name)
+
+    steps = get(after, "num_steps", "pagedserve_engine_steps_total") - get(
+        before, "num_steps", "pagedserve_engine_steps_total")
+    graphs = get(after, "num_decode_graph_steps", "pagedserve_decode_graph_steps_total") - get(
+        before, "num_decode_graph_steps", "pagedserve_decode_graph_steps_total")
+    return {"steps": int(steps), "decode_graph_steps": int(graphs)}
+
+
 def run_offline(model: str | None, flags: dict, work: list[WorkItem], modes: list[str]
-                ) -> list[tuple[str, float, int]]:
+                ) -> list[tuple[str, float, int, dict]]:
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(offline_rows, model, flags, work, modes).result()
@@ -436,6 +454,7 @@ def served_rows(args: argparse.Namespace, work: list[WorkItem], flags: dict) -> 
         rows = []
         for rate in [math.inf, *args.rates]:
             subset = work if math.isinf(rate) else work[:args.rate_requests]
+            before = scrape(url)
             results, seconds = drive_procs(
                 url, subset, args.concurrency if math.isinf(rate) else len(subset), rate,
                 args.seed + 1, args.client_procs)
@@ -446,6 +465,7 @@ def served_rows(args: argparse.Namespace, work: list[WorkItem], flags: dict) -> 
             rows.append({"path": path, "output_tok_per_s": tokens / seconds,
                          "seconds": seconds, "output_tokens": tokens,
                          "requests": len(subset), "failed": len(results) - len(done),
+                         **step_counts(before, scrape(url)),
                          "request_rate": None if math.isinf(rate) else rate,
                          "tokens_per_chunk": tokens / max(1, sum(r.chunks for r in done)),
                          "ttft_s": percentiles([r.ttft for r in done]),
@@ -503,15 +523,15 @@ def run_suite(args: argparse.Namespace) -> None:
     tuned = engine_flags(args, tuned=True)
     print(f"{len(work)} requests, {sum(len(w.prompt) for w in work):,} prompt tokens, "
           f"{sum(w.max_tokens for w in work):,} output tokens; flags {tuned}", flush=True)
-    measured = [(f"offline {mode}", seconds, tokens) for mode, seconds, tokens in
-                run_offline(args.model, tuned, work, ["greedy", "sampled"])]
+    measured = [(f"offline {mode}", seconds, tokens, steps) for mode, seconds, tokens, steps
+                in run_offline(args.model, tuned, work, ["greedy", "sampled"])]
     rows = [{"path": p, "output_tok_per_s": t / s, "seconds": s, "output_tokens": t,
-             "requests": len(work)} for p, s, t in measured]
+             "requests": len(work), **steps} for p, s, t, steps in measured]
     rows += served_rows(args, work, tuned)
-    (_, seconds, tokens), = run_offline(args.model, engine_flags(args, tuned=False), work,
-                                        ["greedy"])
+    (_, seconds, tokens, steps), = run_offline(args.model, engine_flags(args, tuned=False),
+                                               work, ["greedy"])
     rows.append({"path": "offline greedy, default flags", "output_tok_per_s": tokens / seconds,
-                 "seconds": seconds, "output_tokens": tokens, "requests": len(work)})
+                 "seconds": seconds, "output_tokens": tokens, "requests": len(work), **steps})
     common = {"device": device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "model": args.model or "default (SmolLM2-135M-Instruct)",
@@ -528,7 +548,8 @@ def run_suite(args: argparse.Namespace) -> None:
     base = rows[0]["output_tok_per_s"]
     for row in rows:
         print(f"{row['path']:<40}{row['output_tok_per_s']:>12,.0f} tok/s"
-              f"{row['output_tok_per_s'] / base:>8.2f}x  {row['seconds']:>8.1f} s")
+              f"{row['output_tok_per_s'] / base:>8.2f}x  {row['seconds']:>8.1f} s"
+              f"  steps {row['steps']:,} (decode graphs {row['decode_graph_steps']:,})")
     print(f"wrote {out / 'serving.json'} and {out / 'serving_latency.png'}")
 
 

@@ -191,6 +191,9 @@ def test_metrics_after_requests(server, client):
     assert m["pagedserve_e2e_request_latency_seconds_count"] > 0
     assert m["pagedserve_num_requests_waiting"] == 0
     assert "pagedserve_num_preemptions_total" in m
+    # every request was prefilled and decoded: steps ran; the CPU has no CUDA graphs
+    assert m["pagedserve_engine_steps_total"] >= 3
+    assert m["pagedserve_decode_graph_steps_total"] == 0
 
 
 LONG_PROMPT = "Paged attention stores the KV cache in fixed-size blocks. " * 8

@@ -86,6 +86,9 @@ class _EngineStatsCollector:
         ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
         ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens "
          "accepted."),
+        ("engine_steps", "num_steps", "Core steps that launched a forward pass."),
+        ("decode_graph_steps", "num_decode_graph_steps", "Steps that replayed a CUDA graph "
+         "of decodes (the others ran eagerly: a prefill chunk, mixed query lengths, the CPU)."),
         ("prompt_tokens", "prompt_tokens_total", "Prompt tokens processed."),
         ("generation_tokens", "generation_tokens_total", "Tokens generated."),
     )
