@@ -6,7 +6,8 @@ side by side (`slots[slot]`, the pieces in the device caches' order), so a run o
 slots is one contiguous range whatever the number of layers. Each copy call then costs a
 few torch ops per run and one per layer, not one per layer and run (each op is a launch or a
 cudaMemcpyAsync queued from Python, on the step's host path: docs/benchmarks.md, issue 34).
-Per-layer views over the slots (`host_caches`) serve the disk tier and the CPU engine. On
+The disk tier writes and reads a slot's row whole; per-layer views over the slots
+(`host_caches`) serve the CPU engine's copies. On
 CUDA the slots are page-locked by registering them (`_pin`), not allocated pinned: torch's
 pinned allocator rounds a request up to a power of two.
 
@@ -70,7 +71,7 @@ class TierCopies:
         self.slots = torch.empty((num_slots, self._offsets[-1]), dtype=torch.uint8)
         if device.type == "cuda":
             _pin(self, self.slots)
-        # each layer's K and V over the slots, for the disk tier's files (and the CPU's copies)
+        # each layer's K and V over the slots, for the CPU engine's copies
         self.host_caches = [(self._slot_view(k, 2 * n), self._slot_view(v, 2 * n + 1))
                             for n, (k, v) in enumerate(device_caches)]
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -145,13 +146,13 @@ class TierCopies:
         """Write (host slot, disk slot, hash) blocks to their files, once the copies into
         those slots have landed."""
         self._host_waits()
-        self.disk.spill(self.host_caches, spills)
+        self.disk.spill(self.slots, spills)
 
     def load(self, loads: list) -> list[bool]:
         """Read (disk slot, host slot, hash) blocks into host slots no queued copy still
         reads; per load, whether its file read back whole."""
         self._host_waits()
-        return self.disk.load(self.host_caches, loads)
+        return self.disk.load(self.slots, loads)
 
     def take_stream_seconds(self) -> float:
         """The copy stream's time in the offloads and recalls that have finished since the
