@@ -334,6 +334,8 @@ def test_cpu_defaults_async_off_and_batch_limits_logged(loaded, caplog):
     assert EngineConfig().max_num_seqs is None and EngineConfig().max_num_batched_tokens is None
     assert (engine.config.max_num_seqs, engine.config.max_num_batched_tokens) == (64, 2048)
     assert engine.scheduler.max_num_seqs == 64
+    # no decode graphs on the CPU: every step is eager, admissions are not held
+    assert EngineConfig().admission_interval is None and engine.config.admission_interval == 1
     logged = [r.getMessage() for r in caplog.records if "batch limits" in r.getMessage()]
     assert len(logged) == 1 and "max_num_seqs=64, max_num_batched_tokens=2048" in logged[0]
     with pytest.raises(ValueError, match="async_scheduling"):

@@ -36,6 +36,7 @@ def sync_and_async(loaded, prompt_list, params_list):
     sync = run(make_engine(loaded, async_scheduling=False, **LOCKSTEP), prompt_list, params_list)
     engine = make_engine(loaded, **LOCKSTEP)
     assert engine.async_scheduling and engine.model_runner.graphs is not None
+    assert engine.config.admission_interval == 16  # decode graphs: admissions held
     return sync, run(engine, prompt_list, params_list)
 
 
