@@ -75,13 +75,13 @@ class EngineConfig:
     # SamplingParams.priority (lower first), then arrival; also which running request a full
     # KV cache preempts first (the lowest priority's)
     scheduling_policy: str = "fcfs"
-    # with more requests waiting than the batch has free slots and every running request
-    # decoding, look at the waiting queue at most once every this many steps: a step that
-    # admits a request runs its prefill beside the decodes, eagerly (a CUDA decode graph
-    # serves only steps of decodes), so admitting each freed slot at once makes a step in
-    # three of a long queue eager; held, the freed slots of several steps fill in one.
-    # None = 16 where decode steps replay CUDA graphs (CUDA, not enforce_eager), 1 (every
-    # step) elsewhere
+    # with more requests waiting than the batch has free slots, fewer slots free than this,
+    # and every running request decoding, look at the waiting queue at most once every this
+    # many steps: a step that admits a request runs its prefill beside the decodes, eagerly
+    # (a CUDA decode graph serves only steps of decodes), so admitting each freed slot at
+    # once makes a step in three of a long queue eager; held, the freed slots of several
+    # steps fill in one. None = 16 where decode steps replay CUDA graphs (CUDA, not
+    # enforce_eager), 1 (every step) elsewhere
     admission_interval: int | None = None
     swap_space: int = 4 << 30  # bytes of CPU memory for swapped-out blocks ("swap" mode)
     # bytes of host memory (pinned on CUDA) for the prefix cache's second tier: cached blocks

@@ -240,11 +240,12 @@ class Scheduler:
     def _holds_admission(self, scheduled: list[tuple[Request, int]],
                          out: SchedulerOutput) -> bool:
         """Whether this step leaves the waiting queue alone (`admission_interval`): only
-        while the batch is full (more requests wait than there are free slots, so every
-        freed slot would be filled at once, one eager step each) and the step is decodes
-        only (admitting into a step with a prefill chunk costs nothing more), and for at
-        most admission_interval - 1 steps in a row."""
-        full = len(self.waiting) > self.max_num_seqs - len(self.running)
+        while the batch is full (more requests wait than there are free slots, and fewer
+        slots are free than the interval: each slot freed would be filled at once, one eager
+        step each) and the step is decodes only (admitting into a step with a prefill chunk
+        costs nothing more), and for at most admission_interval - 1 steps in a row."""
+        free = self.max_num_seqs - len(self.running)
+        full = len(self.waiting) > free and free < self.admission_interval
         decodes_only = (bool(scheduled) and not out.draft_token_ids
                         and all(num_new == 1 for _, num_new in scheduled))
         if full and decodes_only and self._steps_held < self.admission_interval - 1:

@@ -119,7 +119,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "yields to a higher one only when the KV cache is full (preemption takes the "
               "lowest priority first)", choices=SCHEDULING_POLICIES),
     EngineArg("admission_interval", "with a full batch of decodes (more requests waiting "
-              "than free slots), admit waiting requests at most once every N steps, so that "
+              "than free slots, fewer than N free), admit waiting requests at most once every N steps, so that "
               "their prefills share one eager step instead of breaking many CUDA-graph "
               "decode steps", metavar="N",
               default_text="16 with CUDA graphs, else 1: every step"),

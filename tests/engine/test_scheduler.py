@@ -252,9 +252,9 @@ def test_a_request_waiting_for_its_grammar_is_passed_over_and_keeps_its_place():
         assert scheduler.kv_cache_manager.get_num_free_blocks() == 63
 
 
-def admissions(admission_interval, max_tokens, steps=6) -> list[list[str]]:
-    """The requests each step admits, 3 slots, every prompt of 4 tokens."""
-    scheduler = make(max_num_seqs=3, admission_interval=admission_interval)
+def admissions(admission_interval, max_tokens, steps=6, slots=3) -> list[list[str]]:
+    """The requests each step admits, every prompt of 4 tokens."""
+    scheduler = make(max_num_seqs=slots, admission_interval=admission_interval)
     for i, tokens in enumerate(max_tokens):
         scheduler.add_request(request(i, 4, tokens))
     return [[new.req_id for new in run_step(scheduler).scheduled_new_reqs]
@@ -273,3 +273,11 @@ def test_admission_interval_fills_a_full_batchs_freed_slots_in_one_step():
 def test_admission_interval_admits_at_once_when_every_waiting_request_fits():
     # one request waits and r0's slot frees: nothing to coalesce, no wait
     assert admissions(4, (2, 20, 20, 20)) == [["r0", "r1", "r2"], [], ["r3"], [], [], []]
+
+
+def test_admission_interval_holds_only_a_few_free_slots():
+    # 4 slots, interval 3: three slots free at once are filled at once, two are held
+    assert admissions(3, (2, 2, 2, 20, 20, 20, 20, 20), slots=4) == [
+        ["r0", "r1", "r2", "r3"], [], ["r4", "r5", "r6"], [], [], []]
+    assert admissions(3, (2, 2, 20, 20, 20, 20, 20, 20), slots=4) == [
+        ["r0", "r1", "r2", "r3"], [], [], ["r4", "r5"], [], []]
