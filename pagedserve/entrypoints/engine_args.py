@@ -119,16 +119,17 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "yields to a higher one only when the KV cache is full (preemption takes the "
               "lowest priority first)", choices=SCHEDULING_POLICIES),
     EngineArg("admission_interval", "with a full batch of decodes (more requests waiting "
-              "than free slots, fewer than N free), admit waiting requests at most once every N steps, so that "
-              "their prefills share one eager step instead of breaking many CUDA-graph "
-              "decode steps", metavar="N",
+              "than free slots, fewer than N free), admit waiting requests at most once every "
+              "N steps, so that their prefills share one eager step instead of breaking many "
+              "CUDA-graph decode steps", metavar="N",
               default_text="16 with CUDA graphs, else 1: every step"),
     EngineArg("swap_space", "CPU bytes for swapped-out blocks (--preemption-mode swap)",
               parse=parse_size, metavar="SIZE"),
     EngineArg("kv_offload_memory", "host memory for the prefix cache's second tier: cached "
               "blocks evicted from the device are kept there and recalled on a later hit where "
-              "the copy beats recomputing them (measured at start-up, logged); 0 = off (the CPU engine, whose KV cache is host memory already, takes it "
-              "only as the disk tier's staging)", parse=parse_size, metavar="SIZE"),
+              "the copy beats recomputing them (measured at start-up, logged); 0 = off (the "
+              "CPU engine, whose KV cache is host memory already, takes it only as the disk "
+              "tier's staging)", parse=parse_size, metavar="SIZE"),
     EngineArg("kv_offload_path", "directory for the prefix cache's disk tier: blocks that "
               "fall out of the host tier are written to files there (checksummed) and found "
               "again after a restart with the same model, dtypes, block size and "
@@ -156,7 +157,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               parse=parse_size, metavar="SIZE"),
     EngineArg("fuse_all_reduce_norm", "tensor parallelism on peer memory: sum o_proj's and "
               "down_proj's partial products, add the residual and apply the next RMSNorm in "
-              "one kernel"),
+              "one kernel, at the world sizes where it measured faster than the unfused chain "
+              "(2 ranks)"),
     EngineArg("enable_lora", "serve LoRA adapters (PEFT format) on top of the base model"),
     EngineArg("max_loras", "LoRA: distinct adapters in one step (device slots)", metavar="N"),
     EngineArg("max_lora_rank", "LoRA: the largest adapter rank the slots hold", metavar="R"),
