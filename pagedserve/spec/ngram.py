@@ -28,8 +28,8 @@ class NgramProposer:
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         num = len(token_ids)
-        if k < 1 or num < self.min_n + 1:
-            return []
+        if k < 1 or num < self.min_n + 1 or token_ids.index(token_ids[-1]) == num - 1:
+            return []  # (every match ends on an earlier occurrence of the last token)
         tokens = np.asarray(token_ids, dtype=np.int64)
         # candidate ends: earlier positions holding the last token, latest first
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])[::-1]
