@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,7 +40,7 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedserve.artifacts import cache_root
+from pagedserve.artifacts import cache_root, write_cache_entry
 from pagedserve.kernels.native.quant import QuantizedWeight
 from pagedserve.model.config import GEMMA_FAMILIES, ModelConfig, rope_context_len
 from pagedserve.model.gguf_blocks import GGUF_TYPES, from_gguf
@@ -508,25 +506,6 @@ def cache_entry(path: str | Path, kind: str) -> Path | None:
     identity = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|v{CACHE_VERSION}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return root / f"{path.stem}-{key}" / kind
-
-
-def write_cache_entry(entry: Path, fill: Callable[[Path], object]) -> None:
-    """Let `fill` write into a fresh temporary folder, then rename it to `entry` in one step.
-
-    A failure (read-only or full disk, another process renaming its copy first) only costs
-    the cache: it is logged and the caller goes on with what it already has in memory.
-    """
-    tmp = None
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
-        fill(tmp)
-        os.rename(tmp, entry)
-    except OSError as e:
-        logger.warning("could not write the GGUF cache entry %s: %s", entry, e)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def drop_cache_entry(entry: Path, error: Exception) -> None:

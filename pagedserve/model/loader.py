@@ -22,10 +22,9 @@ or an integer checkpoint's layers converted to them: `model.int_native`).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.util
 import json
-import os
+import pkgutil
 import re
 from collections.abc import Iterator
 from functools import partial
@@ -35,7 +34,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedserve.artifacts import cache_root
+from pagedserve.artifacts import cache_root, write_cache_entry
 from pagedserve.config import LOAD_FORMATS
 from pagedserve.kernels.native import quant as native_quant
 from pagedserve.kernels.native.quant import QuantizedLinear, QuantizedWeight
@@ -541,7 +540,7 @@ def load_tokenizer(tokenizer_source: str | Path):
     source = Path(tokenizer_source)
     if source.suffix != ".gguf":
         return _load_tokenizer_folder(source)
-    from pagedserve.model.gguf import cache_entry, drop_cache_entry, write_cache_entry
+    from pagedserve.model.gguf import cache_entry, drop_cache_entry
     from pagedserve.progress import notice
 
     entry = cache_entry(source, "tokenizer")
@@ -570,7 +569,7 @@ def _load_tokenizer_folder(folder: Path):
     The record is keyed by the transformers version and the folder's configs, the inputs
     of AutoTokenizer's choice, so a changed folder or another version resolves again."""
     record = _class_record(folder)
-    cls = _import_class(record.read_text()) if record is not None and record.is_file() else None
+    cls = _recorded_class(record / "class") if record is not None else None
     if cls is not None:
         return cls.from_pretrained(folder)
     from transformers import AutoTokenizer
@@ -578,13 +577,14 @@ def _load_tokenizer_folder(folder: Path):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if record is not None:
         kind = type(tokenizer)
-        _write_atomically(record, f"{kind.__module__}:{kind.__qualname__}")
+        write_cache_entry(record, lambda tmp: (tmp / "class").write_text(
+            f"{kind.__module__}:{kind.__qualname__}"))
     return tokenizer
 
 
 def _class_record(folder: Path) -> Path | None:
-    """Where the tokenizer class AutoTokenizer picks for `folder` is remembered (None with
-    the artifact cache off)."""
+    """The cache entry where the tokenizer class AutoTokenizer picks for `folder` is
+    remembered (None with the artifact cache off)."""
     root = cache_root()
     if root is None:
         return None
@@ -596,28 +596,14 @@ def _class_record(folder: Path) -> Path | None:
     for name in ("tokenizer_config.json", "config.json"):
         if name in names:
             digest.update(name.encode() + (folder / name).read_bytes())
-    return root / "tokenizer-class" / f"{digest.hexdigest()[:32]}.txt"
+    return root / "tokenizer-class" / digest.hexdigest()[:32]
 
 
-def _import_class(path: str) -> type | None:
-    """"module:qualname" imported, or None (a record this install cannot honour)."""
-    module, _, name = path.strip().partition(":")
+def _recorded_class(path: Path) -> type | None:
+    """The class a record names ("module:qualname"), or None: no record, or one this
+    install cannot honour."""
     try:
-        cls = importlib.import_module(module)
-        for part in name.split("."):
-            cls = getattr(cls, part)
-    except (ImportError, AttributeError, ValueError):
+        cls = pkgutil.resolve_name(path.read_text().strip())
+    except (OSError, ImportError, AttributeError, ValueError):
         return None
     return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """A record written whole or not at all (processes may start side by side); a cache
-    that cannot be written is simply not used."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:
-        pass
