@@ -343,7 +343,6 @@ class ModelRunner:
             self.tiers.recall(pairs)
             self.tiers.await_recalls()
 
-        self._timed(recall)
         copy_s = self._timed(recall)
         self.tiers.take_stream_seconds()  # the probes' copies are no step's
         return TierCosts(copy_s / num_copied, token_s, token_context_s, step_s, num_copied,
@@ -360,11 +359,8 @@ class ModelRunner:
         which is also the step (a pass there is bound by the weights at the lengths a probe
         can afford), and no context term (this runs at every start with a tier)."""
         def timed(num_tokens: int, max_len: int) -> float:
-            def forward() -> None:
-                self._prefill_probe(num_tokens, max_len, whole_step=False)
-
-            self._timed(forward)
-            return self._timed(forward)
+            return self._timed(partial(self._prefill_probe, num_tokens, max_len,
+                                       whole_step=False))
 
         if self.device.type != "cuda":
             seconds = timed(self.block_size, self.block_size)
@@ -377,7 +373,9 @@ class ModelRunner:
         return token_s, token_context_s, timed(1, 1), long
 
     def _timed(self, work: Callable[[], None]) -> float:
-        """Seconds from an idle device to `work` done on it."""
+        """Seconds from an idle device to `work` done on it, its second run (the first
+        warms it up: kernels compiled, allocator grown, the first call's set-up)."""
+        work()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
