@@ -173,11 +173,13 @@ class FusedAllReduceNorm:
             shape)
 
     def __call__(self, slot: int, partial: torch.Tensor, residual: torch.Tensor,
-                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 weight: torch.Tensor, eps: float,
+                 split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(residual + the sum of `partial`, which is `target(slot, ...)`, over the
-        ranks), that sum, written into `residual`)."""
+        ranks), that sum, written into `residual`). `split`: programs per row, the kernel's
+        choice from the shape by default."""
         return self.kernel(self.buffers, self.signals, self.rank, slot, self.slot_bytes,
-                           partial, residual, weight, eps)
+                           partial, residual, weight, eps, split)
 
 
 def start(world_size: int, rank: int, group: dist.ProcessGroup, device: torch.device,
