@@ -157,8 +157,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               parse=parse_size, metavar="SIZE"),
     EngineArg("fuse_all_reduce_norm", "tensor parallelism on peer memory: sum o_proj's and "
               "down_proj's partial products, add the residual and apply the next RMSNorm in "
-              "one kernel, at the world sizes where it measured faster than the unfused chain "
-              "(2 ranks)"),
+              "one kernel, at 2 and 4 ranks (other sizes: the norm on its own)"),
     EngineArg("enable_lora", "serve LoRA adapters (PEFT format) on top of the base model"),
     EngineArg("max_loras", "LoRA: distinct adapters in one step (device slots)", metavar="N"),
     EngineArg("max_lora_rank", "LoRA: the largest adapter rank the slots hold", metavar="R"),

@@ -54,11 +54,13 @@ ALIGNMENT = 16  # bytes: the kernels move 16-byte vectors
 # on NVLink at 2 and 4 ranks was measured (benchmarks/tensor_parallel.py --only allreduce;
 # docs/benchmarks.md, "All-reduce, 8 KiB-256 MiB"); 8 ranks is still a guess.
 ONE_SHOT_MAX_BYTES = {2: 512 << 10, 4: 512 << 10, 8: 128 << 10}
-FUSED_CHECK_BYTES = 1 << 10  # the fused kernel's first message; smaller limits go without it
-# the world sizes where the fused all-reduce + add + RMSNorm beat the unfused chain in a decode
-# step (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md, "The fused
-# all-reduce + add + RMSNorm, measured"): faster at 2 ranks, slower at 4, 8 not measured
-FUSED_WORLD_SIZES = (2,)
+FUSED_CHECK_BYTES = 4 << 10  # the fused kernel's largest first message; smaller limits: unfused
+# the world sizes where the fused all-reduce + add + RMSNorm is taken: where it beat the unfused
+# chain in a decode step (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md,
+# "The fused all-reduce + add + RMSNorm, measured"): faster at 2 ranks; at 4 the one program
+# per row was slower, the rows split over several programs is still to be measured; 8 not
+# measured
+FUSED_WORLD_SIZES = (2, 4)
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,10 @@ class FusedAllReduceNorm:
         from pagedserve.kernels.triton import allreduce_norm
 
         self.kernel = allreduce_norm.all_reduce_add_rms_norm
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if allreduce_norm.MAX_PROGRAMS > sms:  # its barrier needs every program resident
+            raise RuntimeError(f"{sms} SMs, the fused kernel may launch "
+                               f"{allreduce_norm.MAX_PROGRAMS} programs")
         self.slot_bytes = slot_bytes
         self.buffer = symm_mem.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, group.group_name)
@@ -167,11 +173,13 @@ class FusedAllReduceNorm:
             shape)
 
     def __call__(self, slot: int, partial: torch.Tensor, residual: torch.Tensor,
-                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 weight: torch.Tensor, eps: float,
+                 split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(residual + the sum of `partial`, which is `target(slot, ...)`, over the
-        ranks), that sum, written into `residual`)."""
+        ranks), that sum, written into `residual`). `split`: programs per row, the kernel's
+        choice from the shape by default."""
         return self.kernel(self.buffers, self.signals, self.rank, slot, self.slot_bytes,
-                           partial, residual, weight, eps)
+                           partial, residual, weight, eps, split)
 
 
 def start(world_size: int, rank: int, group: dist.ProcessGroup, device: torch.device,
@@ -229,12 +237,13 @@ def start_fused(peer: PeerAllReduce | None, rank: int, group: dist.ProcessGroup,
 def _fused_matches_nccl(fused: FusedAllReduceNorm, rank: int, group: dist.ProcessGroup,
                         device: torch.device) -> bool:
     """One message through each slot, fused, and through NCCL and the norm's own kernel:
-    equal? Integer values, so that any order of the sum gives the same result."""
+    equal? Integer values, so that any order of the sum gives the same result. Two rows of
+    one program each, and one row of several programs (`allreduce_norm.programs_per_row`)."""
     from pagedserve.kernels.triton import model_ops
 
-    shape = (2, FUSED_CHECK_BYTES // 8)  # float32
-    weight = torch.arange(shape[1], dtype=torch.float32, device=device).remainder_(7).add_(1)
-    for slot in (0, 1):
+    for slot, shape in ((0, (2, 256)), (1, (2, 256)), (0, (1, FUSED_CHECK_BYTES // 4)),
+                        (1, (1, FUSED_CHECK_BYTES // 4))):  # float32
+        weight = torch.arange(shape[1], dtype=torch.float32, device=device).remainder_(7).add_(1)
         x = torch.arange(math.prod(shape), dtype=torch.float32, device=device).view(shape)
         x.remainder_(97).add_(rank + slot)
         residual = torch.ones(shape, device=device)

@@ -11,7 +11,8 @@ this checkpoint's x25 LM head). Two ranks' sum is the same whichever way it is t
 either way), so the peer all-reduce gives NCCL's tokens exactly, and the all-reduce fused with
 the residual add and RMSNorm after it (kernels/triton/allreduce_norm.py) gives the unfused
 path's, to the bit: against NCCL and the norm's own kernel, layer after layer, eager and in a
-CUDA graph, then in engines."""
+CUDA graph, then in engines. On four GPUs the fused kernel is checked too, on sums that are
+exact in any order (a few rows are each split over several programs there as at two ranks)."""
 
 from __future__ import annotations
 
@@ -100,13 +101,14 @@ def _check_rank(rank: int, size: int, port: int) -> dict:
     return out
 
 
-def on_two_ranks(check) -> dict:
-    """{rank: check(rank, 2, port)'s result, or its traceback}, each rank in a process of its
-    own (GPU r)."""
+def on_ranks(check, size: int = 2) -> dict:
+    """{rank: check(rank, size, port)'s result, or its traceback}, each rank in a process of
+    its own (GPU r)."""
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(check, r, 2, port, results)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(check, r, size, port, results))
+             for r in range(size)]
     for p in procs:
         p.start()
     try:
@@ -121,7 +123,7 @@ def on_two_ranks(check) -> dict:
 
 
 def test_peer_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
-    got = on_two_ranks(_check_rank)
+    got = on_ranks(_check_rank)
     for rank, result in got.items():
         assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
         assert result.pop("peer"), "two GPUs of one host should reduce through peer memory"
@@ -131,17 +133,24 @@ def test_peer_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
         assert not wrong, f"rank {rank}: differs from NCCL at {wrong}"
 
 
-# (rows, hidden): a decode token of Llama-3-8B, a small batch, one program per row, programs
-# that loop over rows (all within one-shot's 512 KiB at two ranks, in float32 too)
-FUSED_SHAPES = [(1, 4096), (7, 1024), (64, 1024), (100, 1024)]
+# (rows, hidden): decode tokens of Llama-3-8B (each row split over 16 programs), a small
+# batch (4 programs a row), one program per row, programs that loop over rows (all within
+# one-shot's 512 KiB at two and four ranks, in float32 too)
+FUSED_SHAPES = [(1, 4096), (3, 4096), (7, 1024), (64, 1024), (100, 1024)]
 LAYERS = 12
 
 
-def _layers(x, residual, weight, rank: int, fused: bool):
+def _layers(x, residual, weight, rank: int, fused: bool, size: int = 2):
     """LAYERS sublayers in a row as the decoder runs them: each rank's "partial product" (the
     normed input times rank + 1, written where `parallel.partial_target` says), summed, added
     to the stream and normalised; fused (slots alternating) or through NCCL and the norm's
-    own kernel. The last (output, stream)."""
+    own kernel. The last (output, stream).
+
+    Two ranks' sum is a + b in any order. At more ranks the orders of NCCL and of the fused
+    kernel (rank order, in float32) would round differently, so the input is first rounded to
+    bf16: times rank + 1 <= 4 it has at most 10 significant bits, and the float32 sum of four
+    such is exact in any order; NCCL then sums in float32, rounded once to the dtype, as the
+    fused kernel does."""
     import torch.distributed as dist
 
     from pagedserve.kernels.triton import model_ops
@@ -149,15 +158,17 @@ def _layers(x, residual, weight, rank: int, fused: bool):
 
     for layer in range(LAYERS):
         slot = layer % 2
+        if size > 2:
+            x = x.to(torch.bfloat16).to(x.dtype)
         if fused:
             partial = parallel.partial_target(x.shape, x.dtype, slot)
             torch.mul(x, rank + 1, out=partial)
             x, residual = parallel.all_reduce_add_rms_norm_(partial, residual, weight, 1e-6,
                                                             slot)
         else:
-            partial = x * (rank + 1)
+            partial = x * (rank + 1) if size == 2 else (x * (rank + 1)).float()
             dist.all_reduce(partial)
-            x, residual = model_ops.rms_norm(partial, weight, 1e-6, residual)
+            x, residual = model_ops.rms_norm(partial.to(x.dtype), weight, 1e-6, residual)
     return x, residual
 
 
@@ -177,27 +188,29 @@ def _check_fused_rank(rank: int, size: int, port: int) -> dict:
             assert parallel.fuses_norm((rows, hidden), dtype)
             x = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
             residual = (3 * torch.randn(rows, hidden, generator=gen, device=device)).to(dtype)
-            want = _layers(x, residual.clone(), weight, rank, fused=False)
-            got = _layers(x, residual.clone(), weight, rank, fused=True)
+            want = _layers(x, residual.clone(), weight, rank, fused=False, size=size)
+            got = _layers(x, residual.clone(), weight, rank, fused=True, size=size)
             key = (rows, str(dtype))
             out[key + ("eager",)] = all(map(torch.equal, got, want))
             static_x, static_res = x.clone(), residual.clone()
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up, as the runner does before capturing
-                _layers(static_x.clone(), static_res.clone(), weight, rank, fused=True)
+                _layers(static_x.clone(), static_res.clone(), weight, rank, fused=True,
+                        size=size)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 stream = static_res.clone()
-                captured = _layers(static_x, stream, weight, rank, fused=True)
+                captured = _layers(static_x, stream, weight, rank, fused=True, size=size)
             ok = True
             for step in range(3):  # replays between eager NCCL and fused calls
                 static_x.copy_(x * (step + 1))
                 static_res.copy_(residual)
                 graph.replay()
-                eager = _layers(x * (step + 1), residual.clone(), weight, rank, fused=False)
-                _layers(x, residual.clone(), weight, rank, fused=True)
+                eager = _layers(x * (step + 1), residual.clone(), weight, rank, fused=False,
+                                size=size)
+                _layers(x, residual.clone(), weight, rank, fused=True, size=size)
                 torch.cuda.synchronize()
                 ok &= all(map(torch.equal, captured, eager))
             out[key + ("graph",)] = ok
@@ -207,10 +220,24 @@ def _check_fused_rank(rank: int, size: int, port: int) -> dict:
 def test_fused_all_reduce_norm_equals_nccl_then_the_norm_eager_and_in_cuda_graphs():
     """Two ranks' sum is a + b whichever way it is taken, and the fused kernel normalises
     with the norm kernel's own arithmetic: equal to the bit, in bf16 and float32."""
-    got = on_two_ranks(_check_fused_rank)
+    got = on_ranks(_check_fused_rank)
     for rank, result in got.items():
         assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
         assert result.pop("fused"), "two GPUs of one host should get the fused kernel"
+        assert len(result) == 2 * len(FUSED_SHAPES) * 2
+        wrong = [key for key, ok in result.items() if not ok]
+        assert not wrong, f"rank {rank}: differs from NCCL + RMSNorm at {wrong}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+def test_fused_all_reduce_norm_at_four_ranks_equals_nccl_then_the_norm():
+    """Four ranks (where a few rows are each split over several programs, the last of which
+    normalises the row): sums exact in any order (see `_layers`), so equal to the bit to NCCL's
+    float32 sum rounded once and the norm kernel, eager and in CUDA graphs, bf16 and float32."""
+    got = on_ranks(_check_fused_rank, 4)
+    for rank, result in got.items():
+        assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
+        assert result.pop("fused"), "four GPUs of one host should get the fused kernel"
         assert len(result) == 2 * len(FUSED_SHAPES) * 2
         wrong = [key for key, ok in result.items() if not ok]
         assert not wrong, f"rank {rank}: differs from NCCL + RMSNorm at {wrong}"

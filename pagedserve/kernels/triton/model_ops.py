@@ -40,15 +40,24 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, strid
 
 
 @triton.jit
+def add_residual(x, res_row_ptr, offs, mask):
+    """`x` (float32) plus the residual stream at `offs`, written back: the stream is stored in
+    the activation dtype, so the sum is rounded to it."""
+    dtype = res_row_ptr.dtype.element_ty
+    res = tl.load(res_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = round_to(x + res, dtype)
+    tl.store(res_row_ptr + offs, x.to(dtype), mask=mask)
+    return x
+
+
+@triton.jit
 def add_rms_norm_row(x, res_row_ptr, w_ptr, out_row_ptr, offs, mask, eps, N: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr):
     """One row's residual add (written back) and RMSNorm, `x` in float32: the arithmetic of
     `rms_norm`, shared with the fused all-reduce (`allreduce_norm.py`) so both round alike."""
     dtype = out_row_ptr.dtype.element_ty
     if HAS_RESIDUAL:
-        res = tl.load(res_row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x = round_to(x + res, dtype)  # the residual stream is stored in the activation dtype
-        tl.store(res_row_ptr + offs, x.to(dtype), mask=mask)
+        x = add_residual(x, res_row_ptr, offs, mask)
     var = tl.sum(x * x, axis=0) / N
     y = round_to(x * tl.rsqrt(var + eps), dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
