@@ -1,7 +1,7 @@
 """Paged attention kernels on a CUDA GPU: correctness in bf16/fp16, then timings.
 
     PYTHONPATH=. python benchmarks/kernels.py --out DIR [--sweep v1 v2 gemv]
-                                              [--only decode prefill cache gemv] [--no-grid]
+                                              [--only [decode prefill cache gemv]] [--no-grid]
 
 Measures, in one run: device-to-device copy bandwidth (the ceiling), paged decode v1 / v2 /
 dispatch against torch SDPA on contiguous K/V and the naive paged path (gather + SDPA) at
@@ -573,8 +573,9 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="+", choices=["v1", "v2", "gemv"], default=[],
                         help="also time these kernels' launch configs (v1/v2: decode, gemv: "
                              "the dense GEMV's tiles)")
-    parser.add_argument("--only", nargs="+", choices=[*PARTS, "gemv"], default=PARTS,
-                        help="measure these parts only (correctness and copy bw always run)")
+    parser.add_argument("--only", nargs="*", choices=[*PARTS, "gemv"], default=PARTS,
+                        help="measure these parts only (correctness and copy bw always run; "
+                             "none: only those and --sweep)")
     parser.add_argument("--no-grid", action="store_true",
                         help="skip the v1-vs-v2 table by context length")
     args = parser.parse_args()

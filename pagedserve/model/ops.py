@@ -114,12 +114,15 @@ def matmul_into(matmul: Matmul, x: Tensor, weight: Tensor, out: Tensor | None) -
     return out.copy_(matmul(x, weight, None))
 
 
-def select_ops(device: torch.device | str, dtype: torch.dtype) -> Ops:
+def select_ops(device: torch.device | str, dtype: torch.dtype, dense_gemv: bool = True) -> Ops:
     """The implementations for a model on `device` in `dtype`: Triton's on CUDA, the native
-    kernels for float32 on the CPU (where the library builds), eager torch otherwise."""
+    kernels for float32 on the CPU (where the library builds), eager torch otherwise.
+    `dense_gemv` (CUDA): the float linears' decode GEMV (`Ops.dense_linear`); False: cuBLAS
+    at every row count (the engine's --no-dense-gemv, to compare)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return triton_ops()
+        ops = triton_ops()
+        return ops if dense_gemv else replace(ops, dense_linear=None)
     ops = native_ops() if device.type == "cpu" and dtype == torch.float32 and (
         native.available()) else TORCH_OPS
     return replace(ops, packing=select_packing(device, dtype))

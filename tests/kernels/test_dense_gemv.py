@@ -101,7 +101,8 @@ def test_linear_takes_the_gemv_up_to_max_rows_then_torch():
 
 def test_cuda_models_take_the_gemv_as_their_float_matmul():
     """The one dispatch rule: on CUDA `Ops.matmul` is the GEMV's `linear`, which
-    `matmul_into` writes straight into the given buffer (no copy); the CPU keeps its own."""
+    `matmul_into` writes straight into the given buffer (no copy); with the engine's
+    --no-dense-gemv it is F.linear (cuBLAS); the CPU keeps its own."""
     seed = fresh_seed()
     x, w, bias = operands(3, 24, 70, torch.float16, seed)
     matmul = ops.select_ops("cuda", torch.float16).matmul()
@@ -109,6 +110,7 @@ def test_cuda_models_take_the_gemv_as_their_float_matmul():
     out = torch.empty(3, 24, dtype=torch.float16)
     assert ops.matmul_into(matmul, x, w, out).data_ptr() == out.data_ptr()
     close(out, x.float() @ w.float().t(), seed)
+    assert ops.select_ops("cuda", torch.float16, dense_gemv=False).matmul() is F.linear
     assert not isinstance(ops.select_ops("cpu", torch.float32).matmul(), ops.IntoMatmul)
 
 
