@@ -159,7 +159,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "down_proj's partial products, add the residual and apply the next RMSNorm in "
               "one kernel, at the world sizes where it measured faster than the unfused chain "
               "(2 ranks)"),
-    EngineArg("dense_gemv", "CUDA: decode steps of up to 8 tokens multiply by the float "
+    EngineArg("dense_gemv", "CUDA: decode steps of up to 8 tokens multiply by the bf16/fp16 "
               "weights with a split-K Triton GEMV (else cuBLAS at every batch size)"),
     EngineArg("enable_lora", "serve LoRA adapters (PEFT format) on top of the base model"),
     EngineArg("max_loras", "LoRA: distinct adapters in one step (device slots)", metavar="N"),

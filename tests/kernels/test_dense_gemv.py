@@ -38,7 +38,7 @@ def close(got: torch.Tensor, want: torch.Tensor, seed: int) -> None:
         tol = dict(atol=1e-4, rtol=1e-4)
     else:
         tol = dict(atol=2e-2, rtol=2 * torch.finfo(got.dtype).eps)
-    torch.testing.assert_close(got.float(), want, **tol, msg=f"seed {seed}")
+    torch.testing.assert_close(got.float(), want.float(), **tol, msg=f"seed {seed}")
 
 
 def operands(num_rows: int, n: int, k: int, dtype: torch.dtype, seed: int):
@@ -84,19 +84,22 @@ def test_gemv_writes_into_a_given_buffer(num_rows):
 
 def test_linear_takes_the_gemv_up_to_max_rows_then_torch():
     """`linear` keeps F.linear's contract at every row count: leading dims, bias, out=;
-    past MAX_ROWS (and while autograd records) it is cuBLAS's (here torch's CPU) F.linear."""
+    past MAX_ROWS, in float32 and while autograd records it is cuBLAS's (here torch's CPU)
+    F.linear."""
     seed = fresh_seed()
-    x, w, bias = operands(2 * (dense_gemv.MAX_ROWS + 1), 24, 70, torch.float32, seed)
+    x, w, bias = operands(2 * (dense_gemv.MAX_ROWS + 1), 24, 70, torch.float16, seed)
     for rows in (1, dense_gemv.MAX_ROWS, dense_gemv.MAX_ROWS + 1, 2 * dense_gemv.MAX_ROWS + 2):
         xs = x[:rows]
         want = F.linear(xs, w, bias)
         close(dense_gemv.linear(xs.view(rows, 1, -1), w, bias).view(rows, -1), want, seed)
-        out = torch.empty(rows, 24)
+        out = torch.empty(rows, 24, dtype=x.dtype)
         assert dense_gemv.linear(xs, w, bias, out).data_ptr() == out.data_ptr()
         close(out, want, seed)
+    x32, w32 = x[:1].float(), w.float()
+    close(dense_gemv.linear(x32, w32), x32 @ w32.t(), seed)
     grad_x = x[:1].clone().requires_grad_()
-    dense_gemv.linear(grad_x, w, bias).sum().backward()
-    torch.testing.assert_close(grad_x.grad, w.sum(0, keepdim=True))
+    dense_gemv.linear(grad_x, w).sum().backward()
+    close(grad_x.grad, w.float().sum(0, keepdim=True), seed)
 
 
 def test_cuda_models_take_the_gemv_as_their_float_matmul():

@@ -1,7 +1,9 @@
 """The decode steps' float matmul on CUDA: y = x W^T (+ b) for 1 to `MAX_ROWS` rows of
-activations against a weight W [N, K] in their dtype (bf16, fp16 or float32), row-major as
-nn.Linear keeps it. `linear` is the float linears' matmul CUDA models take
-(`model.ops.select_ops`); imported on CUDA only (or under TRITON_INTERPRET=1 in tests).
+activations against a weight W [N, K] in their dtype, row-major as nn.Linear keeps it.
+`linear` is the float linears' matmul CUDA models take (`model.ops.select_ops`): the GEMV for
+bf16 and fp16, cuBLAS for float32 (the kernels compute it, but a float32 model is run for
+exactness, and 2-8 rows would take an IEEE tl.dot on FMAs). Imported on CUDA only (or under
+TRITON_INTERPRET=1 in tests).
 
 Why: a decode step of a few tokens reads each weight once and does two flops per weight and
 row, so a matmul should take the weight's bytes over memory bandwidth. cuBLAS comes close on
@@ -41,7 +43,8 @@ from pagedserve.kernels.triton.precision import dot_precision
 MAX_ROWS = 8
 # tl.dot's smallest row tile, the 2..MAX_ROWS rows padded to it
 _DOT_ROWS = 16
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# the activation (and weight) dtypes `linear` takes the GEMV for
+DTYPES = (torch.bfloat16, torch.float16)
 
 # Tiles (chosen by `benchmarks/kernels.py --only gemv --sweep`): one row in 16-row tiles of
 # 128 columns (4 KiB of bf16, as the FP8 one-row tile's 16 x 256 bytes), narrowed down to 4
@@ -158,9 +161,9 @@ def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, M, N
 
 
 def takes(x: Tensor, weight: Tensor, out: Tensor | None = None) -> bool:
-    """Whether `gemv` takes x [M, K] @ weight [N, K]^T (into `out`): 1..MAX_ROWS rows, one
-    float dtype for all, contiguous rows, and no autograd to record (the kernels have no
-    backward)."""
+    """Whether `linear` takes `gemv` for x [M, K] @ weight [N, K]^T (into `out`): 1..MAX_ROWS
+    rows, one half-precision dtype for all, contiguous rows, and no autograd to record (the
+    kernels have no backward)."""
     return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in DTYPES
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
             and (out is None or (out.dtype == x.dtype and out.stride(-1) == 1))
