@@ -232,6 +232,7 @@ def gemv_table(copy_bw: float) -> list[dict]:
                 assert max(r["rel_err_vs_fp32"] for r in pair) < 1e-2, pair
                 del s
                 torch.cuda.empty_cache()
+    sums = []
     for tp in GEMV_TPS:
         for num_rows in GEMV_ROWS:
             per_step = {m: 32 * sum(r["us"] for r in rows if r["method"] == m
@@ -239,10 +240,11 @@ def gemv_table(copy_bw: float) -> list[dict]:
                         for m in ("gemv", "torch.mm")}
             log(f"gemv step sum tp{tp} rows {num_rows}: " + " ".join(
                 f"{m} {us / 1e3:.3f} ms" for m, us in per_step.items()))
-            rows.append({"kernel": f"step sum tp{tp}", "tp": tp, "rows": num_rows,
-                         "batch": num_rows, "context": None, "us": per_step["gemv"],
-                         "torch_mm_us": per_step["torch.mm"], "pct_copy_bw": None})
-    return rows
+            sums.append({"kernel": f"step sum tp{tp}", "method": "gemv", "tp": tp,
+                         "rows": num_rows, "batch": num_rows, "context": None,
+                         "us": per_step["gemv"], "torch_mm_us": per_step["torch.mm"],
+                         "pct_copy_bw": None})
+    return rows + sums
 
 
 def gemv_candidates(num_rows: int) -> dict[str, WeightOnlyConfig]:
@@ -267,8 +269,8 @@ def gemv_candidates(num_rows: int) -> dict[str, WeightOnlyConfig]:
 
 
 def gemv_sweep(copy_bw: float, rows_swept=(1, 4)) -> dict:
-    """Each candidate's time on every TP size's projections at `rows_swept` rows; per row
-    count the candidates ranked by their summed time over the shapes (a tile rule serves
+    """Each candidate's time on every TP size's projections at `rows_swept` rows (and its
+    product checked against float32's); per row count the candidates ranked by their summed time over the shapes (a tile rule serves
     them all), and the best per shape."""
     out: dict = {}
     for num_rows in rows_swept:
@@ -280,6 +282,8 @@ def gemv_sweep(copy_bw: float, rows_swept=(1, 4)) -> dict:
                 s = GemvSetup(n, k, num_rows)
                 times = {label: graph_us(s.calls(dense_gemv_call(cfg)))
                          for label, cfg in cands.items()}
+                errs = {label: s.rel_err(dense_gemv_call(cfg)) for label, cfg in cands.items()}
+                assert max(errs.values()) < 1e-2, errs
                 times["torch.mm"] = graph_us(s.calls(torch_mm))
                 per_shape[f"tp{tp} {layer}"] = times
                 best = min(times, key=times.get)
