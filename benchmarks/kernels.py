@@ -270,8 +270,8 @@ def gemv_candidates(num_rows: int) -> dict[str, WeightOnlyConfig]:
 
 def gemv_sweep(copy_bw: float, rows_swept=(1, 4)) -> dict:
     """Each candidate's time on every TP size's projections at `rows_swept` rows (and its
-    product checked against float32's); per row count the candidates ranked by their summed time over the shapes (a tile rule serves
-    them all), and the best per shape."""
+    product checked against float32's); per row count the candidates ranked by their summed
+    time over the shapes (a tile rule serves them all), and the best per shape."""
     out: dict = {}
     for num_rows in rows_swept:
         cands = gemv_candidates(num_rows)
