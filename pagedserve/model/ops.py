@@ -12,8 +12,9 @@ only the order of a norm's sum of squares and the last bit of some exps differ. 
 (other dtypes or devices, no C compiler) runs the eager path. The same choice covers the float
 linears (`packed.select_packing` on the CPU; on CUDA `kernels/triton/dense_gemv`'s GEMV for
 decode steps of a few rows, cuBLAS otherwise), the FP8 matmul (`fp8.reference_linear` or the
-CUDA one), the packed integer matmul (`int_weights.reference_linear` or `kernels/triton/int_linear`),
-the MoE experts (fused Triton kernels, or expert by expert), batched LoRA (`lora.py`'s
+CUDA one), the packed integer matmul (`int_weights.reference_linear` or
+`kernels/triton/int_linear`), the MoE experts (fused Triton kernels, or expert by expert),
+batched LoRA (`lora.py`'s
 reference, or `kernels/triton/lora.py`) and whether a GGUF's linears keep their blocks (CUDA:
 `gguf_linear`) or are dequantized at load (the CPU, whose fast mode has its own quantized
 kernels: `packed.QuantizedMatmul`).
