@@ -14,10 +14,9 @@ linears (`packed.select_packing` on the CPU; on CUDA `kernels/triton/dense_gemv`
 decode steps of a few rows, cuBLAS otherwise), the FP8 matmul (`fp8.reference_linear` or the
 CUDA one), the packed integer matmul (`int_weights.reference_linear` or
 `kernels/triton/int_linear`), the MoE experts (fused Triton kernels, or expert by expert),
-batched LoRA (`lora.py`'s
-reference, or `kernels/triton/lora.py`) and whether a GGUF's linears keep their blocks (CUDA:
-`gguf_linear`) or are dequantized at load (the CPU, whose fast mode has its own quantized
-kernels: `packed.QuantizedMatmul`).
+batched LoRA (`lora.py`'s reference, or `kernels/triton/lora.py`) and whether a GGUF's
+linears keep their blocks (CUDA: `gguf_linear`) or are dequantized at load (the CPU, whose
+fast mode has its own quantized kernels: `packed.QuantizedMatmul`).
 
 An `Ops` value holds the choice; the decoder's modules keep what they were given and call it
 without asking again (no per-call device test). Tests pass one explicitly: `TORCH_OPS` (the
