@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/kernels.py --out DIR [--sweep v1 v2 gemv]
                                               [--only [decode prefill cache gemv]] [--no-grid]
+                                              [--gemv-sweep-rows 1 4 8]
 
 Measures, in one run: device-to-device copy bandwidth (the ceiling), paged decode v1 / v2 /
 dispatch against torch SDPA on contiguous K/V and the naive paged path (gather + SDPA) at
@@ -249,26 +250,33 @@ def gemv_table(copy_bw: float) -> list[dict]:
 
 def gemv_candidates(num_rows: int) -> dict[str, WeightOnlyConfig]:
     """Tiles `--sweep gemv` times: "default" (the one the models take: `dense_gemv.ONE_ROW`
-    for one row, else `FEW_ROWS`), then others labelled "bN kK wW sS pP mM" (N rows by K
-    columns, W warps, S stages, P programs per SM, narrowed down to M rows; 0: never)."""
+    for one row, else `FEW_ROWS`), then others labelled "fma|dot bN kK wW sS pP mM" (the
+    kernel, N rows by K columns, W warps, S stages, P programs per SM, narrowed down to M
+    rows; 0: never). The FMA kernel's accumulators grow with the rows (padded to a power of
+    two): its tiles for more rows hold fewer weights, at most 64 floats a thread."""
     if num_rows == 1:
         default = dense_gemv.ONE_ROW
         shapes = [(16, 128, 4, 1, 5, 0), (16, 128, 4, 1, 3, 4), (16, 128, 4, 1, 8, 4),
                   (16, 256, 4, 1, 5, 4), (32, 128, 4, 1, 5, 4), (8, 256, 4, 1, 5, 4),
                   (16, 128, 8, 1, 5, 4), (16, 64, 4, 1, 5, 4), (16, 256, 8, 1, 4, 2),
                   (32, 256, 8, 1, 4, 4)]
+        kinds = [True] * len(shapes)
     else:
         default = dense_gemv.FEW_ROWS
-        shapes = [(32, 128, 4, 4, 4, 0), (16, 128, 4, 4, 4, 16), (32, 256, 4, 3, 4, 16),
-                  (32, 64, 4, 5, 4, 16), (64, 128, 4, 4, 4, 16), (32, 128, 4, 4, 2, 16),
-                  (32, 128, 4, 4, 8, 16), (32, 128, 8, 4, 4, 16), (16, 256, 4, 3, 4, 16),
-                  (64, 64, 4, 5, 2, 16)]
-    return {"default": default, **{f"b{n} k{k} w{w} s{st} p{p} m{m}": replace(
-        default, block_n=n, block_k=k, num_warps=w, num_stages=st, programs_per_sm=p,
-        min_block_n=m) for n, k, w, st, p, m in shapes}}
+        dots = [(32, 128, 4, 4, 4, 0), (16, 128, 4, 4, 4, 16), (32, 256, 4, 3, 4, 16),
+                (32, 64, 4, 5, 4, 16), (64, 128, 4, 4, 4, 16), (32, 128, 4, 4, 2, 16),
+                (32, 128, 4, 4, 8, 16), (32, 128, 8, 4, 4, 16)]
+        weights = 8192 // triton.next_power_of_2(num_rows)  # a tile's, for 64 floats a thread
+        fmas = [(bn, weights // bn, 4, 1, p, m) for bn, p, m in (
+            (4, 5, 0), (8, 5, 4), (16, 5, 4), (8, 3, 4), (16, 8, 4)) if weights // bn >= 32]
+        shapes, kinds = dots + fmas, [False] * len(dots) + [True] * len(fmas)
+    return {"default": default, **{
+        f"{'fma' if fma else 'dot'} b{n} k{k} w{w} s{st} p{p} m{m}": replace(
+            default, block_n=n, block_k=k, num_warps=w, num_stages=st, programs_per_sm=p,
+            min_block_n=m, fma=fma) for (n, k, w, st, p, m), fma in zip(shapes, kinds)}}
 
 
-def gemv_sweep(copy_bw: float, rows_swept=(1, 4)) -> dict:
+def gemv_sweep(copy_bw: float, rows_swept: list[int]) -> dict:
     """Each candidate's time on every TP size's projections at `rows_swept` rows (and its
     product checked against float32's); per row count the candidates ranked by their summed
     time over the shapes (a tile rule serves them all), and the best per shape."""
@@ -580,6 +588,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", choices=[*PARTS, "gemv"], default=PARTS,
                         help="measure these parts only (correctness and copy bw always run; "
                              "none: only those and --sweep)")
+    parser.add_argument("--gemv-sweep-rows", nargs="+", type=int, default=[1, 4, 8],
+                        help="--sweep gemv: the row counts whose candidates are timed")
     parser.add_argument("--no-grid", action="store_true",
                         help="skip the v1-vs-v2 table by context length")
     args = parser.parse_args()
@@ -629,7 +639,7 @@ def main() -> None:
     if "gemv" in args.only:
         rows += gemv_table(copy_bw)
     if "gemv" in args.sweep:
-        raw["sweep_gemv"] = gemv_sweep(copy_bw)
+        raw["sweep_gemv"] = gemv_sweep(copy_bw, args.gemv_sweep_rows)
     for r in rows:
         r.update(device=device, date=date, decode_config=asdict(cfg))
     raw["rows"] = rows

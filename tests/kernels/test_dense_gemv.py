@@ -18,8 +18,9 @@ from pagedserve.model import ops
 from tests.kernels.test_kernels import fresh_seed
 
 # default tiles; "split": K split 3 (one row, in 4-row tiles) or 5 ways; "wide": the tiles
-# neither narrowed nor K split
-CONFIGS = ["default", "split", "wide"]
+# neither narrowed nor K split; "other": the other kernel (one row by tl.dot, more by FMAs),
+# K split
+CONFIGS = ["default", "split", "wide", "other"]
 
 
 def config(name: str, num_rows: int):
@@ -28,6 +29,9 @@ def config(name: str, num_rows: int):
         return replace(base, block_k=32, programs_per_sm=64)
     if name == "wide":
         return replace(base, min_block_n=0, programs_per_sm=0)
+    if name == "other":
+        return replace(base, fma=not base.fma, block_n=16, block_k=32, programs_per_sm=64,
+                       min_block_n=0)
     return None
 
 
@@ -52,7 +56,7 @@ def operands(num_rows: int, n: int, k: int, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("num_rows,dtype", [(1, torch.bfloat16), (1, torch.float32),
                                             (2, torch.float16), (3, torch.bfloat16),
-                                            (8, torch.float32)])
+                                            (5, torch.float16), (8, torch.float32)])
 def test_gemv_matches_torch(num_rows, dtype, name):
     """Ragged N and K (not multiples of any tile), with and without bias, K whole or split:
     x @ W^T (+ b) in float32; the arrival counters are left zero for the next launch."""

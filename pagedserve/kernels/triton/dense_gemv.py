@@ -15,11 +15,12 @@ output tile's programs to arrive adds the partials up (`arrivals.sum_slices`): o
 no memset, CUDA graphs replay it as captured. Launched with PDL (`pdl`), a one-row program
 loads its first weight tile before it waits for the previous kernel.
 
-One row (batch 1) is multiplied without tl.dot, as `fp8_linear`'s one-row kernel is: each
-thread multiplies and adds its own weights in float32 over the whole loop, and the sums meet
-once at the end (tl.dot would pad the row to 16 in shared memory). 2 to `MAX_ROWS` rows take
+Two kernels, the tiles' `fma` choosing: `_fma_kernel` multiplies without tl.dot, as
+`fp8_linear`'s one-row kernel does: each thread multiplies and adds its own weights, for
+every row, in float32 over the whole loop, and the sums meet once at the end (tl.dot would
+pad the rows to 16 in shared memory); one row (batch 1) always takes it. `_dot_kernel` takes
 tl.dot on 16-row tiles: the padding costs shared memory and tensor-core time, not weight
-bytes, which set the pace.
+bytes, which set the pace; the FMAs' cost grows with the rows, tl.dot's does not.
 
 Rounding: float32 sums, the bias added in float32, one rounding to the output dtype: as
 cuBLAS's half-precision GEMM with F.linear's bias, up to the order of the sums.
@@ -46,12 +47,13 @@ _DOT_ROWS = 16
 # the activation (and weight) dtypes `linear` takes the GEMV for
 DTYPES = (torch.bfloat16, torch.float16)
 
-# Tiles (chosen by `benchmarks/kernels.py --only gemv --sweep`): one row in 16-row tiles of
-# 128 columns (4 KiB of bf16, as the FP8 one-row tile's 16 x 256 bytes), narrowed down to 4
-# rows of 512 while a projection has too few rows to fill the SMs; 2..MAX_ROWS rows by
-# tl.dot in 32 x 128 tiles, 4 stages in flight. `bits` and `fma` are FP8's and unused here.
+# Tiles (to be chosen by `benchmarks/kernels.py --only --sweep gemv`): one row by FMAs in
+# 16-row tiles of 128 columns (4 KiB of bf16, as the FP8 one-row tile's 16 x 256 bytes),
+# narrowed down to 4 rows of 512 while a projection has too few rows to fill the SMs;
+# 2..MAX_ROWS rows by tl.dot in 32 x 128 tiles, 4 stages in flight. `fma`: `_fma_kernel`,
+# else `_dot_kernel`; `bits` is FP8's and unused here.
 ONE_ROW = WeightOnlyConfig(block_n=16, block_k=128, num_warps=4, num_stages=1,
-                           programs_per_sm=5, min_block_n=4)
+                           programs_per_sm=5, min_block_n=4, fma=True)
 FEW_ROWS = WeightOnlyConfig(block_n=32, block_k=128, num_warps=4, num_stages=4,
                             programs_per_sm=4, min_block_n=16)
 
@@ -73,11 +75,13 @@ def _store(acc, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
 
 
 @triton.jit
-def _one_row_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, K, k_per_split,
-                    stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVICT: tl.constexpr):
-    """y[0, n-tile] = x[0] . W[n-tile] (+ bias), program (n, s) over K's slice s; with
-    SPLIT_K > 1 the last of the n-tile's programs to arrive sums the slices and stores.
+def _fma_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, M, N, K, k_per_split,
+                stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                EVICT: tl.constexpr):
+    """y[:M, n-tile] = x[:M] @ W[n-tile]^T (+ bias) by FMAs, x's M rows padded to ROWS (a
+    power of two), program (n, s) over K's slice s; with SPLIT_K > 1 the last of the
+    n-tile's programs to arrive sums the slices (partials [SPLIT_K, M, N]) and stores.
 
     Triton's pipeliner stages only a dot's operands, so the next weight tile is loaded by
     hand, one iteration ahead, into registers; the first before the PDL wait (the weights
@@ -85,42 +89,49 @@ def _one_row_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, K,
     pdl.allow_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = rows < N
+    offs_m = tl.arange(0, ROWS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
     w = tl.load(w_rows + (k_start + offs_k)[None, :],
-                mask=mask[:, None] & ((k_start + offs_k) < k_stop)[None, :], other=0.0,
+                mask=n_mask[:, None] & ((k_start + offs_k) < k_stop)[None, :], other=0.0,
                 eviction_policy=EVICT)
     pdl.wait_for_previous()  # x is the previous kernel's output
     for k0 in range(k_start, k_stop, BLOCK_K):
         k_next = k0 + BLOCK_K + offs_k
-        w_next = tl.load(w_rows + k_next[None, :], mask=mask[:, None] & (k_next < k_stop)[None, :],
-                         other=0.0, eviction_policy=EVICT)
-        x = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < k_stop, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_next = tl.load(w_rows + k_next[None, :],
+                         mask=n_mask[:, None] & (k_next < k_stop)[None, :], other=0.0,
+                         eviction_policy=EVICT)
+        x = tl.load(x_rows + (k0 + offs_k)[None, :],
+                    mask=m_mask[:, None] & ((k0 + offs_k) < k_stop)[None, :], other=0.0)
+        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         w = w_next
-    total = tl.sum(acc, 1)
-    zero = tl.zeros([1], tl.int32)  # the one row, for `_store`'s [M, N] tiles
+    total = tl.sum(acc, 2)
     if SPLIT_K == 1:
-        _store(total[None, :], bias_ptr, y_ptr, zero, rows, zero == 0, mask, 0, HAS_BIAS)
+        _store(total, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, HAS_BIAS)
     else:
-        last, total = sum_slices(total, part_ptr, arrivals_ptr, rows, mask, pid_n, pid_k, N,
-                                 SPLIT_K)
+        mn = offs_m[:, None] * N + offs_n[None, :]
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        last, total = sum_slices(total, part_ptr, arrivals_ptr, mn, mn_mask, pid_n, pid_k,
+                                 M * N, SPLIT_K)
         if last:
-            _store(total[None, :], bias_ptr, y_ptr, zero, rows, zero == 0, mask, 0, HAS_BIAS)
+            _store(total, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
+                   HAS_BIAS)
 
 
 @triton.jit
-def _few_rows_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, M, N, K,
+def _dot_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, M, N, K,
                      k_per_split, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVICT: tl.constexpr):
     """y[:M, n-tile] = x[:M] @ W[n-tile]^T (+ bias) by tl.dot, x's M rows padded to BLOCK_M;
-    split K and PDL as `_one_row_kernel` (partials [SPLIT_K, M, N]), the wait before the
+    split K and PDL as `_fma_kernel` (partials [SPLIT_K, M, N]), the wait before the
     loop (the pipeliner issues its loads).
 
     The operands meet in float32: bf16 and fp16 values are exact in TF32 (DOT_PRECISION
@@ -191,7 +202,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | No
     """x [M <= MAX_ROWS, K] @ weight [N, K]^T (+ bias) -> [M, N] (`out` when given), one
     launch, no host sync: CUDA graphs capture it (a split launch's float32 partials come from
     torch.empty, which a graph's memory pool serves; its arrival counters are kept per
-    device). cfg: the tiles (default `ONE_ROW` for one row, else `FEW_ROWS`)."""
+    device). cfg: the tiles and kernel (default `ONE_ROW` for one row, else `FEW_ROWS`)."""
     num_rows, k = x.shape
     n = weight.shape[0]
     assert num_rows <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -208,11 +219,12 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | No
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   SPLIT_K=splits, EVICT=evict, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages, **pdl.launch_options())
-    if num_rows == 1:
-        _one_row_kernel[(n_tiles, splits)](x, weight, bias_arg, y, parts, arrivals, n, k,
-                                           k_per_split, weight.stride(0), **common)
+    if cfg.fma:
+        _fma_kernel[(n_tiles, splits)](
+            x, weight, bias_arg, y, parts, arrivals, num_rows, n, k, k_per_split, x.stride(0),
+            weight.stride(0), y.stride(0), ROWS=triton.next_power_of_2(num_rows), **common)
     else:
-        _few_rows_kernel[(n_tiles, splits)](
+        _dot_kernel[(n_tiles, splits)](
             x, weight, bias_arg, y, parts, arrivals, num_rows, n, k, k_per_split,
             x.stride(0), weight.stride(0), y.stride(0), BLOCK_M=_DOT_ROWS,
             DOT_PRECISION=dot_precision(x.dtype), **common)
