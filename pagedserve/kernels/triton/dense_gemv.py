@@ -85,32 +85,36 @@ def _fma_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, M, N, K, 
 
     Triton's pipeliner stages only a dot's operands, so the next weight tile is loaded by
     hand, one iteration ahead, into registers; the first before the PDL wait (the weights
-    are no earlier kernel's output). It writes only after the wait."""
+    are no earlier kernel's output). It writes only after the wait.
+
+    x is loaded through pointers of the accumulators' shape [ROWS, BLOCK_N, BLOCK_K], each
+    thread fetching (from L1: x is small) the very elements it multiplies, in the weights'
+    layout: a [ROWS, BLOCK_K] load broadcast over the tile's rows compiled to a layout
+    conversion through shared memory, with barriers, in every iteration."""
     pdl.allow_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     m_mask = offs_m < M
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn  # [1, BLOCK_N, 1]
+    w_mask = n_mask[None, :, None]
+    x_rows = x_ptr + offs_m[:, None, None] * stride_xm + 0 * offs_n[None, :, None]
+    x_mask = m_mask[:, None, None] & w_mask
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-    w = tl.load(w_rows + (k_start + offs_k)[None, :],
-                mask=n_mask[:, None] & ((k_start + offs_k) < k_stop)[None, :], other=0.0,
-                eviction_policy=EVICT)
+    w = tl.load(w_rows + k_start + offs_k, mask=w_mask & (k_start + offs_k < k_stop),
+                other=0.0, eviction_policy=EVICT)
     pdl.wait_for_previous()  # x is the previous kernel's output
     for k0 in range(k_start, k_stop, BLOCK_K):
         k_next = k0 + BLOCK_K + offs_k
-        w_next = tl.load(w_rows + k_next[None, :],
-                         mask=n_mask[:, None] & (k_next < k_stop)[None, :], other=0.0,
+        w_next = tl.load(w_rows + k_next, mask=w_mask & (k_next < k_stop), other=0.0,
                          eviction_policy=EVICT)
-        x = tl.load(x_rows + (k0 + offs_k)[None, :],
-                    mask=m_mask[:, None] & ((k0 + offs_k) < k_stop)[None, :], other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        x = tl.load(x_rows + k0 + offs_k, mask=x_mask & (k0 + offs_k < k_stop), other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)
         w = w_next
     total = tl.sum(acc, 2)
     if SPLIT_K == 1:
