@@ -12,13 +12,13 @@ its kernels leave SMs waiting or split K into a second, reducing launch. Here K 
 until the grid has `programs_per_sm` programs per SM (the tile rule `tiles`, shared with the
 FP8 weight-only kernels: rows per tile first narrowed, then K split), and the last of an
 output tile's programs to arrive adds the partials up (`arrivals.sum_slices`): one launch,
-no memset, CUDA graphs replay it as captured. Launched with PDL (`pdl`), a one-row program
+no memset, CUDA graphs replay it as captured. Launched with PDL (`pdl`), an FMA program
 loads its first weight tile before it waits for the previous kernel.
 
 Two kernels, the tiles' `fma` choosing: `_fma_kernel` multiplies without tl.dot, as
 `fp8_linear`'s one-row kernel does: each thread multiplies and adds its own weights, for
 every row, in float32 over the whole loop, and the sums meet once at the end (tl.dot would
-pad the rows to 16 in shared memory); one row (batch 1) always takes it. `_dot_kernel` takes
+pad the rows to 16 in shared memory); one row (batch 1) takes it by default. `_dot_kernel` takes
 tl.dot on 16-row tiles: the padding costs shared memory and tensor-core time, not weight
 bytes, which set the pace; the FMAs' cost grows with the rows, tl.dot's does not.
 
@@ -40,7 +40,8 @@ from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms, one_
 from pagedserve.kernels.triton.precision import dot_precision
 
 # Rows up to which `linear` takes the GEMV (more: cuBLAS, whose tiles then fill the GPU);
-# chosen by `benchmarks/kernels.py --only gemv` (docs/benchmarks.md, "dense GEMV")
+# to be chosen by `benchmarks/kernels.py --only gemv` (docs/benchmarks.md, "The float
+# matmul's decode GEMV")
 MAX_ROWS = 8
 # tl.dot's smallest row tile, the 2..MAX_ROWS rows padded to it
 _DOT_ROWS = 16
