@@ -805,6 +805,10 @@ def report_engines(res: Results, scale: Scale, shape: str, runs: dict[str, dict]
             res.add(tp, shape, "workload_A_output_tok_per_s", run["output_tok_per_s"],
                     run=label, seconds=run["workload_s"], output_tokens=run["output_tokens"],
                     preemptions=run["preemptions"], kv_blocks=run["kv_blocks"])
+        gemv = runs.get(label.removesuffix("-cublas"), {})
+        if label.endswith("-cublas") and "tpot_ms" in run and "tpot_ms" in gemv:
+            res.add(tp, shape, "tpot_gemv_over_cublas", round(gemv["tpot_ms"] / run["tpot_ms"], 3),
+                    run=label.removesuffix("-cublas"))
         if label == "1" or "error" in run or "error" in one:
             continue
         if "tpot_ms" in run and "tpot_ms" in one:
