@@ -1,16 +1,17 @@
-"""Paged attention kernels on a CUDA GPU: correctness in bf16/fp16, then timings.
+"""Paged attention kernels (and the dense GEMV) on a CUDA GPU: correctness in bf16/fp16, then
+timings.
 
     PYTHONPATH=. python benchmarks/kernels.py --out DIR [--sweep v1 v2 gemv]
                                               [--only [decode prefill cache gemv]] [--no-grid]
                                               [--gemv-sweep-rows 1 4 8]
 
-Measures, in one run: device-to-device copy bandwidth (the ceiling), paged decode v1 / v2 /
-dispatch against torch SDPA on contiguous K/V and the naive paged path (gather + SDPA) at
+Measures, in one run: device-to-device copy bandwidth (the ceiling), the attention kernels'
+correctness (with an attention part or sweep), paged decode v1 / v2 / dispatch against torch SDPA on contiguous K/V and the naive paged path (gather + SDPA) at
 Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, block 16),
 v1 vs v2 by context length, paged prefill against SDPA's flash path on causal shapes, and
-copy_blocks / swap_blocks bandwidth, and the dense bf16 GEMV (`kernels/triton/dense_gemv.py`)
-against torch.mm at 1, 2, 4 and 8 rows on Llama-3-8B's projections as one rank holds them at
-TP=1/2/4 (µs, % of copy bandwidth, in CUDA graphs). --sweep also times v1's / v2's launch
+copy_blocks / swap_blocks bandwidth; with `--only gemv`, the dense bf16 GEMV
+(`kernels/triton/dense_gemv.py`) against torch.mm at 1, 2, 4 and 8 rows on Llama-3-8B's
+projections as one rank holds them at TP=1/2/4 (µs, % of copy bandwidth, in CUDA graphs). --sweep also times v1's / v2's launch
 configurations, or the GEMV's tile candidates. Writes DIR/kernels.json (docs/results format)
 and DIR/kernels_raw.json; prints tables.
 """
@@ -586,8 +587,9 @@ def main() -> None:
                         help="also time these kernels' launch configs (v1/v2: decode, gemv: "
                              "the dense GEMV's tiles)")
     parser.add_argument("--only", nargs="*", choices=[*PARTS, "gemv"], default=PARTS,
-                        help="measure these parts only (correctness and copy bw always run; "
-                             "none: only those and --sweep)")
+                        help="measure these parts only (copy bw always runs, the attention "
+                             "kernels' correctness with an attention part or sweep; none: "
+                             "only --sweep)")
     parser.add_argument("--gemv-sweep-rows", nargs="+", type=int, default=[1, 4, 8],
                         help="--sweep gemv: the row counts whose candidates are timed")
     parser.add_argument("--no-grid", action="store_true",
@@ -600,7 +602,8 @@ def main() -> None:
     num_sms = props.multi_processor_count
     log(device, date, f"{num_sms} SMs")
     raw: dict = {"device": device, "date": date}
-    raw["correctness"] = check_correctness()
+    if set(args.only) & set(PARTS) or {"v1", "v2"} & set(args.sweep):
+        raw["correctness"] = check_correctness()  # the attention kernels'
     copy_bw = copy_bandwidth()
     raw["copy_bw_bytes_per_s"] = copy_bw
     cfg = DecodeConfig()
