@@ -6,12 +6,13 @@ timings.
                                               [--gemv-sweep-rows 1 4 8]
 
 Measures, in one run: device-to-device copy bandwidth (the ceiling), the attention kernels'
-correctness (with an attention part or sweep), paged decode v1 / v2 / dispatch against torch SDPA on contiguous K/V and the naive paged path (gather + SDPA) at
-Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128, bf16, block 16),
-v1 vs v2 by context length, paged prefill against SDPA's flash path on causal shapes, and
-copy_blocks / swap_blocks bandwidth; with `--only gemv`, the dense bf16 GEMV
-(`kernels/triton/dense_gemv.py`) against torch.mm at 1, 2, 4 and 8 rows on Llama-3-8B's
-projections as one rank holds them at TP=1/2/4 (µs, % of copy bandwidth, in CUDA graphs). --sweep also times v1's / v2's launch
+correctness (with an attention part or sweep), paged decode v1 / v2 / dispatch against torch
+SDPA on contiguous K/V and the naive paged path (gather + SDPA) at Qwen3-0.6B's attention
+shape (16 query heads, 8 KV heads, head_dim 128, bf16, block 16), v1 vs v2 by context length,
+paged prefill against SDPA's flash path on causal shapes, and copy_blocks / swap_blocks
+bandwidth; with `--only gemv`, the dense bf16 GEMV (`kernels/triton/dense_gemv.py`) against
+torch.mm at 1, 2, 4 and 8 rows on Llama-3-8B's projections as one rank holds them at TP=1/2/4
+(µs, % of copy bandwidth, in CUDA graphs). --sweep also times v1's / v2's launch
 configurations, or the GEMV's tile candidates. Writes DIR/kernels.json (docs/results format)
 and DIR/kernels_raw.json; prints tables.
 """
