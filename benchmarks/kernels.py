@@ -280,8 +280,9 @@ def gemv_candidates(num_rows: int) -> dict[str, WeightOnlyConfig]:
 
 def gemv_sweep(copy_bw: float, rows_swept: list[int]) -> dict:
     """Each candidate's time on every TP size's projections at `rows_swept` rows (and its
-    product checked against float32's); per row count the candidates ranked by their summed
-    time over the shapes (a tile rule serves them all), and the best per shape."""
+    product checked against float32's); per row count the candidates ranked by their mean
+    slowdown against each shape's best (a tile rule serves them all), and the best per
+    shape."""
     out: dict = {}
     for num_rows in rows_swept:
         cands = gemv_candidates(num_rows)
@@ -302,11 +303,14 @@ def gemv_sweep(copy_bw: float, rows_swept: list[int]) -> dict:
                     f"default {times['default']:.1f}, torch.mm {times['torch.mm']:.1f}")
                 del s
                 torch.cuda.empty_cache()
-        totals = {label: sum(t[label] for t in per_shape.values())
-                  for label in [*cands, "torch.mm"]}
-        ranked = sorted(totals.items(), key=lambda kv: kv[1])
-        log(f"sweep rows {num_rows} ranked by summed us: "
-            + ", ".join(f"{label} {us:.0f}" for label, us in ranked))
+        # mean over the shapes of the time over the shape's best: the TP=4 slices count as
+        # much as TP=1's projections, whose microseconds would swamp a plain sum
+        slowdown = {label: statistics.mean(t[label] / min(t.values())
+                                           for t in per_shape.values())
+                    for label in [*cands, "torch.mm"]}
+        ranked = sorted(slowdown.items(), key=lambda kv: kv[1])
+        log(f"sweep rows {num_rows} ranked by mean time over each shape's best: "
+            + ", ".join(f"{label} {x:.3f}" for label, x in ranked))
         out[f"rows{num_rows}"] = {"per_shape": per_shape, "ranked": ranked}
     return out
 
