@@ -8,7 +8,9 @@ against TP=1 on Llama-3-8B's shape, Qwen3-30B-A3B's (MoE) and Llama-3-70B's.
 size; the engines run TP=1, 2 (and 4 when N is 4), and TP=N once more with NCCL alone
 (--peer-all-reduce-max-bytes 0) for the tpot part; `--unfused` adds, for the tpot part, every
 TP size above 1 once more with the all-reduce and the RMSNorm after it as two kernels
-(--no-fuse-all-reduce-norm), so fused and unfused steps are timed in one run. Parts (all by
+(--no-fuse-all-reduce-norm), so fused and unfused steps are timed in one run; `--cublas`
+adds, for the tpot part, every TP size once more with the float linears on cuBLAS at every
+batch size (--no-dense-gemv), against the default decode GEMV. Parts (all by
 default, in this order):
   topo       `nvidia-smi topo -m`: how the GPUs are linked
   allreduce  bf16 all-reduce at 8 KiB-256 MiB over N ranks, each size by NCCL, one-shot and
@@ -108,12 +110,13 @@ class Scale:
         self.eager_tp = False
         self.child_timeout = CHILD_TIMEOUT_S  # an engine part's child process, in seconds
 
-    def engine_options(self, tp: int, peer: bool = True, fuse: bool = True) -> dict:
+    def engine_options(self, tp: int, peer: bool = True, fuse: bool = True,
+                       gemv: bool = True) -> dict:
         if self.tiny:
             return dict(device="cpu", dtype="float32", kv_cache_memory=64 << 20,
-                        max_model_len=256, fuse_all_reduce_norm=fuse)
+                        max_model_len=256, fuse_all_reduce_norm=fuse, dense_gemv=gemv)
         return dict(max_model_len=4096, enforce_eager=self.eager_tp and tp > 1,
-                    fuse_all_reduce_norm=fuse,
+                    fuse_all_reduce_norm=fuse, dense_gemv=gemv,
                     **({} if peer else {"peer_all_reduce_max_bytes": 0}))
 
 
@@ -158,8 +161,9 @@ def child_engines(spec: dict) -> dict:
 
 def one_engine(spec: dict, run: dict) -> dict:
     """Build one engine (TP=run["tp"], the peer all-reduce unless run["peer"] is false, fused
-    with the norm after it unless run["fuse"] is false) in this process, run its parts, shut
-    it down and give its memory back; results as a dict."""
+    with the norm after it unless run["fuse"] is false, the float linears' decode GEMV
+    unless run["gemv"] is false) in this process, run its parts, shut it down and give its
+    memory back; results as a dict."""
     import gc
 
     import torch
@@ -174,7 +178,8 @@ def one_engine(spec: dict, run: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM.from_engine(LLMEngine.from_options(
         spec["folder"], tensor_parallel_size=tp, load_format="dummy",
-        **scale.engine_options(tp, run.get("peer", True), run.get("fuse", True))))
+        **scale.engine_options(tp, run.get("peer", True), run.get("fuse", True),
+                               run.get("gemv", True))))
     out = {"startup_s": round(time.perf_counter() - t0, 1),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "kv_blocks": llm.llm_engine.num_blocks}
@@ -770,9 +775,12 @@ def engine_runs(res: Results, scale: Scale, root: Path, shape: str,
     return results
 
 
-def dense_runs(scale: Scale, parts: list[str], unfused: bool = False) -> list[dict]:
+def dense_runs(scale: Scale, parts: list[str], unfused: bool = False,
+               cublas: bool = False) -> list[dict]:
     """TP=1, 2 (and 4) with the parts asked for; TP=N through NCCL alone for tpot; with
-    `unfused`, every TP size above 1 once more for tpot, its all-reduce and norm apart."""
+    `unfused`, every TP size above 1 once more for tpot, its all-reduce and norm apart; with
+    `cublas`, every TP size once more for tpot, its float linears on cuBLAS at every row
+    count (no decode GEMV)."""
     runs = [{"label": str(tp), "tp": tp, "peer": True,
              "parts": [p for p in parts if p != "logits" or tp in (1, scale.ranks)]}
             for tp in scale.tps]
@@ -782,6 +790,9 @@ def dense_runs(scale: Scale, parts: list[str], unfused: bool = False) -> list[di
     if "tpot" in parts and unfused:
         runs += [{"label": f"{tp}-unfused", "tp": tp, "peer": True, "fuse": False,
                   "parts": ["tpot"]} for tp in scale.tps if tp > 1]
+    if "tpot" in parts and cublas:
+        runs += [{"label": f"{tp}-cublas", "tp": tp, "peer": True, "gemv": False,
+                  "parts": ["tpot"]} for tp in scale.tps]
     return runs
 
 
@@ -804,6 +815,10 @@ def report_engines(res: Results, scale: Scale, shape: str, runs: dict[str, dict]
             res.add(tp, shape, "workload_A_output_tok_per_s", run["output_tok_per_s"],
                     run=label, seconds=run["workload_s"], output_tokens=run["output_tokens"],
                     preemptions=run["preemptions"], kv_blocks=run["kv_blocks"])
+        gemv = runs.get(label.removesuffix("-cublas"), {})
+        if label.endswith("-cublas") and "tpot_ms" in run and "tpot_ms" in gemv:
+            res.add(tp, shape, "tpot_gemv_over_cublas", round(gemv["tpot_ms"] / run["tpot_ms"], 3),
+                    run=label.removesuffix("-cublas"))
         if label == "1" or "error" in run or "error" in one:
             continue
         if "tpot_ms" in run and "tpot_ms" in one:
@@ -881,6 +896,9 @@ def main() -> None:
     parser.add_argument("--unfused", action="store_true",
                         help="tpot: also every TP size above 1 with the all-reduce and the "
                         "RMSNorm after it as two kernels (--no-fuse-all-reduce-norm)")
+    parser.add_argument("--cublas", action="store_true",
+                        help="tpot: also every TP size with the float linears on cuBLAS at "
+                        "every batch size (--no-dense-gemv), to compare with the GEMV")
     parser.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT_S,
                         help="seconds an engine part's child process may run before it is "
                         "killed with its ranks (default %(default)s)")
@@ -911,7 +929,7 @@ def main() -> None:
             part_allreduce(res, scale)
         engine_parts = [p for p in ENGINE_PARTS if p in parts]
         if engine_parts:
-            runs = dense_runs(scale, engine_parts, args.unfused)
+            runs = dense_runs(scale, engine_parts, args.unfused, args.cublas)
             report_engines(res, scale, scale.shape,
                            engine_runs(res, scale, root, scale.shape, runs))
         if "moe" in parts:

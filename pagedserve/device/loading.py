@@ -93,7 +93,7 @@ def load_on_device(config: EngineConfig, device: torch.device,
         if device.type == "cuda":
             torch.zeros(1, device=device)  # the context and allocator, made here
     with timed("kernels"):
-        ops = select_ops(device, dtype)
+        ops = select_ops(device, dtype, dense_gemv=config.dense_gemv)
     with timed("weights"):
         # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
         # "float32" keeps the exact path.

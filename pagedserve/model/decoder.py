@@ -46,9 +46,9 @@ from pagedserve.model.rope import RotaryEmbedding
 
 class Linear(nn.Linear):
     """nn.Linear through the matmul it is given (`Ops.matmul`: a packed copy of its weight on
-    the CPU, else F.linear); the loader may swap in another for the weights it loads (FP8's
-    `fp8.Fp8Matmul`, the fast mode's `packed.QuantizedMatmul`). With LoRA on, `lora` adds
-    the step's adapters to the output (`lora.LoRAStack`)."""
+    the CPU, the decode GEMV on CUDA, else F.linear); the loader may swap in another for the
+    weights it loads (FP8's `fp8.Fp8Matmul`, the fast mode's `packed.QuantizedMatmul`). With
+    LoRA on, `lora` adds the step's adapters to the output (`lora.LoRAStack`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  matmul: Matmul) -> None:

@@ -10,12 +10,13 @@ native kernels (`kernels/native/ops.c`): one call instead of the eager path's 4 
 ops, whose per-op overhead dominates at decode sizes. They round where the eager path rounds;
 only the order of a norm's sum of squares and the last bit of some exps differ. Anything else
 (other dtypes or devices, no C compiler) runs the eager path. The same choice covers the float
-linears (`packed.select_packing`), the FP8 matmul (`fp8.reference_linear` or the CUDA one),
-the packed integer matmul (`int_weights.reference_linear` or `kernels/triton/int_linear`),
-the MoE experts (fused Triton kernels, or expert by expert), batched LoRA (`lora.py`'s
-reference, or `kernels/triton/lora.py`) and whether a GGUF's linears keep their blocks (CUDA:
-`gguf_linear`) or are dequantized at load (the CPU, whose fast mode has its own quantized
-kernels: `packed.QuantizedMatmul`).
+linears (`packed.select_packing` on the CPU; on CUDA `kernels/triton/dense_gemv`'s GEMV for
+decode steps of a few rows, cuBLAS otherwise), the FP8 matmul (`fp8.reference_linear` or the
+CUDA one), the packed integer matmul (`int_weights.reference_linear` or
+`kernels/triton/int_linear`), the MoE experts (fused Triton kernels, or expert by expert),
+batched LoRA (`lora.py`'s reference, or `kernels/triton/lora.py`) and whether a GGUF's
+linears keep their blocks (CUDA: `gguf_linear`) or are dequantized at load (the CPU, whose
+fast mode has its own quantized kernels: `packed.QuantizedMatmul`).
 
 An `Ops` value holds the choice; the decoder's modules keep what they were given and call it
 without asking again (no per-call device test). Tests pass one explicitly: `TORCH_OPS` (the
@@ -71,9 +72,16 @@ class Ops:
     # x, a `kernels.gguf_format.GgufWeight`, bias -> y (`kernels/triton/int_linear.linear`):
     # a GGUF's linears keep their blocks (`model.gguf_weights`); None: dequantized at load
     gguf_linear: Callable[[Tensor, object, Tensor | None], Tensor] | None = None
+    # x, weight, bias, out (or None) -> y: the float linears' matmul where it is not F.linear
+    # and can write into a given buffer (CUDA: `kernels/triton/dense_gemv.linear`, a GEMV
+    # for the decode steps' few rows); None: F.linear (or the packed copy)
+    dense_linear: Callable[[Tensor, Tensor, Tensor | None, Tensor | None], Tensor] | None = None
 
     def matmul(self) -> Matmul:
-        """A float linear layer's own matmul: a packed copy of its weight, or F.linear."""
+        """A float linear layer's own matmul: `dense_linear`, a packed copy of its weight, or
+        F.linear."""
+        if self.dense_linear is not None:
+            return IntoMatmul(self.dense_linear)
         return F.linear if self.packing is None else PackedWeight(self.packing)
 
     def int_matmul(self, weight) -> tuple[Callable, object]:
@@ -81,23 +89,40 @@ class Ops:
         return (self.int_linear, weight) if self.int_layer is None else self.int_layer(weight)
 
 
+@dataclass(frozen=True)
+class IntoMatmul:
+    """A float matmul that can also write its product into a given buffer (`matmul_into`):
+    `linear`(x, weight, bias, out or None)."""
+
+    linear: Callable[[Tensor, Tensor, Tensor | None, Tensor | None], Tensor]
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return self.linear(x, weight, bias, None)
+
+
 def matmul_into(matmul: Matmul, x: Tensor, weight: Tensor, out: Tensor | None) -> Tensor:
     """matmul(x, weight) with no bias, written into `out` when it is given (a tensor-parallel
     layer's peer memory, `parallel.partial_target`): F.linear's product lands there directly
-    (torch.mm's out=, the same GEMM), another matmul's is copied in."""
+    (torch.mm's out=, the same GEMM), as does an `IntoMatmul`'s; another matmul's is copied
+    in."""
     if out is None:
         return matmul(x, weight, None)
     if matmul is F.linear:
         return torch.mm(x, weight.t(), out=out)
+    if isinstance(matmul, IntoMatmul):
+        return matmul.linear(x, weight, None, out)
     return out.copy_(matmul(x, weight, None))
 
 
-def select_ops(device: torch.device | str, dtype: torch.dtype) -> Ops:
+def select_ops(device: torch.device | str, dtype: torch.dtype, dense_gemv: bool = True) -> Ops:
     """The implementations for a model on `device` in `dtype`: Triton's on CUDA, the native
-    kernels for float32 on the CPU (where the library builds), eager torch otherwise."""
+    kernels for float32 on the CPU (where the library builds), eager torch otherwise.
+    `dense_gemv` (CUDA): the float linears' decode GEMV (`Ops.dense_linear`); False: cuBLAS
+    at every row count (the engine's --no-dense-gemv, to compare)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return triton_ops()
+        ops = triton_ops()
+        return ops if dense_gemv else replace(ops, dense_linear=None)
     ops = native_ops() if device.type == "cpu" and dtype == torch.float32 and (
         native.available()) else TORCH_OPS
     return replace(ops, packing=select_packing(device, dtype))
@@ -109,9 +134,10 @@ def native_ops() -> Ops:
 
 
 def triton_ops() -> Ops:
-    """The Triton kernels: the fused elementwise ops, the FP8 and int matmuls, the fused
-    MoE, batched LoRA, the matmul on GGUF blocks."""
-    from pagedserve.kernels.triton import fp8_linear, int_linear, lora, model_ops, moe
+    """The Triton kernels: the fused elementwise ops, the float matmul's decode GEMV, the
+    FP8 and int matmuls, the fused MoE, batched LoRA, the matmul on GGUF blocks."""
+    from pagedserve.kernels.triton import (dense_gemv, fp8_linear, int_linear, lora, model_ops,
+                                           moe)
 
     def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor]:
@@ -121,7 +147,7 @@ def triton_ops() -> Ops:
                fp8_linear=fp8_linear.linear, int_linear=int_linear.linear,
                int_layer=int_linear.for_layer,
                fused_moe=moe.fused_moe, lora=lora.lora_shrink_expand,
-               gguf_linear=int_linear.linear)
+               gguf_linear=int_linear.linear, dense_linear=dense_gemv.linear)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -7,6 +7,8 @@ so CUDA graphs replay it as it is."""
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 _ARRIVALS: dict[torch.device, list[Tensor]] = {}
@@ -27,3 +29,24 @@ def arrival_counters(n: int, device: torch.device) -> Tensor:
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         bufs.append(buf)
     return buf
+
+
+@triton.jit
+def sum_slices(acc, part_ptr, arrivals_ptr, offs, mask, pid_n, pid_k, slice_size,
+               SPLIT_K: tl.constexpr):
+    """Split K: store this program's partial (float32, slice pid_k of [SPLIT_K, slice_size]);
+    the last of the n-tile's SPLIT_K programs to arrive gets (True, the partials added up in
+    slice order: the same sum whichever arrives last), the others (False, zeros)."""
+    tl.store(part_ptr + pid_k * slice_size + offs, acc, mask=mask)
+    # Every thread's partial stores happen before the barrier, the barrier before the
+    # counter's release: the program that sees the last arrival sees every partial.
+    tl.debug_barrier()
+    counter = arrivals_ptr + pid_n
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for s in range(SPLIT_K):  # written by other programs: read from L2 (.cg)
+            total += tl.load(part_ptr + s * slice_size + offs, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
+    return last, total

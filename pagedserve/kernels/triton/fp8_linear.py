@@ -26,7 +26,7 @@ from torch import Tensor
 
 from pagedserve.kernels.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from pagedserve.kernels.triton import pdl
-from pagedserve.kernels.triton.arrivals import arrival_counters
+from pagedserve.kernels.triton.arrivals import arrival_counters, sum_slices
 from pagedserve.kernels.triton.e4m3 import (E4M3_WORD_F32_UNSCALE, e4m3_to, e4m3_word_f32,
                                             round_to_e4m3)
 from pagedserve.kernels.triton.precision import dot_precision
@@ -73,27 +73,6 @@ def _weight_only_epilogue(acc, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n, m_m
 
 
 @triton.jit
-def _sum_slices(acc, part_ptr, arrivals_ptr, offs, mask, pid_n, pid_k, slice_size,
-                SPLIT_K: tl.constexpr):
-    """Split K: store this program's partial (float32, slice pid_k of [SPLIT_K, slice_size]);
-    the last of the n-tile's SPLIT_K programs to arrive gets (True, the partials added up in
-    slice order: the same sum whichever arrives last), the others (False, zeros)."""
-    tl.store(part_ptr + pid_k * slice_size + offs, acc, mask=mask)
-    # Every thread's partial stores happen before the barrier, the barrier before the
-    # counter's release: the program that sees the last arrival sees every partial.
-    tl.debug_barrier()
-    counter = arrivals_ptr + pid_n
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-    total = tl.zeros_like(acc)
-    if last:
-        for s in range(SPLIT_K):  # written by other programs: read from L2 (.cg)
-            total += tl.load(part_ptr + s * slice_size + offs, mask=mask, other=0.0,
-                             cache_modifier=".cg")
-        tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
-    return last, total
-
-
-@triton.jit
 def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr,
                         M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -103,7 +82,7 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
     cast to x's dtype in registers, the M rows of x (padded to BLOCK_M) ride along.
 
     With SPLIT_K > 1 program (n, s) sums only K's slice s and the last of the n-tile's
-    programs to arrive adds the partials up and applies the epilogue (`_sum_slices`).
+    programs to arrive adds the partials up and applies the epilogue (`arrivals.sum_slices`).
 
     Launched with PDL (`pdl`), it may start before the kernel that writes x has finished: it
     reads x, and writes anything, only after `pdl.wait_for_previous`."""
@@ -135,7 +114,7 @@ def _weight_only_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, ar
         # partials are [SPLIT_K, M, N]
         mn = offs_m[:, None] * N + offs_n[None, :]
         mn_mask = m_mask[:, None] & n_mask[None, :]
-        last, total = _sum_slices(acc, part_ptr, arrivals_ptr, mn, mn_mask, pid_n, pid_k,
+        last, total = sum_slices(acc, part_ptr, arrivals_ptr, mn, mn_mask, pid_n, pid_k,
                                   M * N, SPLIT_K)
         if last:
             _weight_only_epilogue(total, w_scale_ptr, bias_ptr, y_ptr, offs_m, offs_n,
@@ -215,7 +194,7 @@ def _one_row_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, part_ptr, arriva
         _weight_only_epilogue(acc[None, :], w_scale_ptr, bias_ptr, y_ptr, zero, rows,
                               zero == 0, mask, 0, HAS_BIAS)
     else:
-        last, total = _sum_slices(acc, part_ptr, arrivals_ptr, rows, mask, pid_n, pid_k, N,
+        last, total = sum_slices(acc, part_ptr, arrivals_ptr, rows, mask, pid_n, pid_k, N,
                                   SPLIT_K)
         if last:
             _weight_only_epilogue(total[None, :], w_scale_ptr, bias_ptr, y_ptr, zero, rows,
