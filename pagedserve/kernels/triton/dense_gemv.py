@@ -42,7 +42,7 @@ from pagedserve.kernels.triton.precision import dot_precision
 # Rows up to which `linear` takes the GEMV (more: cuBLAS, whose tiles then fill the GPU);
 # to be chosen by `benchmarks/kernels.py --only gemv` (docs/benchmarks.md, "The float
 # matmul's decode GEMV")
-MAX_ROWS = 8
+MAX_ROWS = 1
 # tl.dot's smallest row tile, the 2..MAX_ROWS rows padded to it
 _DOT_ROWS = 16
 # the activation (and weight) dtypes `linear` takes the GEMV for
