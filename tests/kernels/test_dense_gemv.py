@@ -1,7 +1,8 @@
 """The float matmul's decode GEMV (`kernels/triton/dense_gemv.py`) under TRITON_INTERPRET=1
-against torch, and the rule that makes it the CUDA models' float matmul (`ops.select_ops`).
+against torch, and the rule that makes it the CUDA models' float matmul for one row
+(`ops.select_ops`).
 
-Under the interpreter a launch spreads over one SM, so the split-K cases ask for many
+Under the interpreter a launch spreads over one SM, so the split-K case asks for many
 programs per SM to split K. Casts to bf16 truncate in the interpreter where the GPU rounds:
 bf16 results are held to one bf16 step of the float32 product."""
 
@@ -17,22 +18,11 @@ from pagedserve.kernels.triton.arrivals import arrival_counters
 from pagedserve.model import ops
 from tests.kernels.test_kernels import fresh_seed
 
-# default tiles; "split": K split 3 (one row, in 4-row tiles) or 5 ways; "wide": the tiles
-# neither narrowed nor K split; "other": the other kernel (one row by tl.dot, more by FMAs),
-# K split
-CONFIGS = ["default", "split", "wide", "other"]
-
-
-def config(name: str, num_rows: int):
-    base = dense_gemv.ONE_ROW if num_rows == 1 else dense_gemv.FEW_ROWS
-    if name == "split":
-        return replace(base, block_k=32, programs_per_sm=64)
-    if name == "wide":
-        return replace(base, min_block_n=0, programs_per_sm=0)
-    if name == "other":
-        return replace(base, fma=not base.fma, block_n=16, block_k=32, programs_per_sm=64,
-                       min_block_n=0)
-    return None
+# default tiles; "split": K split 3 ways in 4-row tiles; "wide": the tiles neither narrowed
+# nor K split
+CONFIGS = {"default": None,
+           "split": replace(dense_gemv.ONE_ROW, block_k=32, programs_per_sm=64),
+           "wide": replace(dense_gemv.ONE_ROW, min_block_n=0, programs_per_sm=0)}
 
 
 def close(got: torch.Tensor, want: torch.Tensor, seed: int) -> None:
@@ -54,67 +44,70 @@ def operands(num_rows: int, n: int, k: int, dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("num_rows,dtype", [(1, torch.bfloat16), (1, torch.float32),
-                                            (2, torch.float16), (3, torch.bfloat16),
-                                            (5, torch.float16), (8, torch.float32)])
-def test_gemv_matches_torch(num_rows, dtype, name):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gemv_matches_torch(dtype, name):
     """Ragged N and K (not multiples of any tile), with and without bias, K whole or split:
     x @ W^T (+ b) in float32; the arrival counters are left zero for the next launch."""
     seed = fresh_seed()
     n, k = 37, 300
-    x, w, bias = operands(num_rows, n, k, dtype, seed)
+    x, w, bias = operands(1, n, k, dtype, seed)
     want = x.float() @ w.float().t()
-    cfg = config(name, num_rows)
     for b in (None, bias):
-        got = dense_gemv.gemv(x, w, b, cfg=cfg)
-        assert got.dtype == dtype and got.shape == (num_rows, n)
+        got = dense_gemv.gemv(x, w, b, cfg=CONFIGS[name])
+        assert got.dtype == dtype and got.shape == (1, n)
         close(got, want if b is None else want + b.float(), seed)
     assert not arrival_counters(triton.cdiv(n, 4), x.device).any()
 
 
-@pytest.mark.parametrize("num_rows", [1, 5])
-def test_gemv_writes_into_a_given_buffer(num_rows):
-    """out= (a row-parallel layer's peer memory): the product lands in the buffer given,
-    rows of a wider one included, and nothing beside it is written."""
+def test_gemv_writes_into_a_given_buffer():
+    """out= (a row-parallel layer's peer memory): the product lands in the buffer given, a
+    row of a wider one, K split, and nothing beside it is written."""
     seed = fresh_seed()
-    x, w, _ = operands(num_rows, 40, 129, torch.float16, seed)
-    wide = torch.full((num_rows, 48), float("nan"), dtype=torch.float16)
-    out = wide[:, 4:44]
-    got = dense_gemv.gemv(x, w, out=out, cfg=config("split", num_rows))
+    x, w, _ = operands(1, 40, 129, torch.float16, seed)
+    wide = torch.full((3, 48), float("nan"), dtype=torch.float16)
+    out = wide[1:2, 4:44]
+    got = dense_gemv.gemv(x, w, out=out, cfg=CONFIGS["split"])
     assert got.data_ptr() == out.data_ptr()
     close(out, x.float() @ w.float().t(), seed)
-    assert wide[:, :4].isnan().all() and wide[:, 44:].isnan().all()
+    beside = torch.ones(wide.shape, dtype=torch.bool)
+    beside[1, 4:44] = False
+    assert wide[beside].isnan().all()
 
 
-def test_linear_takes_the_gemv_up_to_max_rows_then_torch():
-    """`linear` keeps F.linear's contract at every row count: leading dims, bias, out=;
-    past MAX_ROWS, in float32 and while autograd records it is cuBLAS's (here torch's CPU)
-    F.linear."""
+def test_linear_takes_the_gemv_for_one_row_then_torch():
+    """`linear` keeps F.linear's contract at every row count: leading dims, bias, out=. One
+    half-precision row is the GEMV's; two rows and more, float32, and what autograd records
+    are cuBLAS's (here torch's CPU) F.linear."""
     seed = fresh_seed()
-    x, w, bias = operands(2 * (dense_gemv.MAX_ROWS + 1), 24, 70, torch.float16, seed)
-    for rows in (1, dense_gemv.MAX_ROWS, dense_gemv.MAX_ROWS + 1, 2 * dense_gemv.MAX_ROWS + 2):
+    x, w, bias = operands(5, 24, 70, torch.float16, seed)
+    for rows in (1, 2, 5):
         xs = x[:rows]
+        assert dense_gemv.takes(xs, w) == (rows == 1)
         want = F.linear(xs, w, bias)
         close(dense_gemv.linear(xs.view(rows, 1, -1), w, bias).view(rows, -1), want, seed)
         out = torch.empty(rows, 24, dtype=x.dtype)
         assert dense_gemv.linear(xs, w, bias, out).data_ptr() == out.data_ptr()
         close(out, want, seed)
     x32, w32 = x[:1].float(), w.float()
+    assert not dense_gemv.takes(x32, w32)
     close(dense_gemv.linear(x32, w32), x32 @ w32.t(), seed)
     grad_x = x[:1].clone().requires_grad_()
+    assert not dense_gemv.takes(grad_x, w)
     dense_gemv.linear(grad_x, w).sum().backward()
     close(grad_x.grad, w.float().sum(0, keepdim=True), seed)
 
 
-def test_cuda_models_take_the_gemv_as_their_float_matmul():
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cuda_models_take_the_gemv_as_their_float_matmul(rows):
     """The one dispatch rule: on CUDA `Ops.matmul` is the GEMV's `linear`, which
-    `matmul_into` writes straight into the given buffer (no copy); with the engine's
-    --no-dense-gemv it is F.linear (cuBLAS); the CPU keeps its own."""
+    `matmul_into` writes straight into the given buffer (no copy), at one row and at more
+    (cuBLAS); with the engine's --no-dense-gemv it is F.linear (cuBLAS); the CPU keeps its
+    own."""
     seed = fresh_seed()
-    x, w, bias = operands(3, 24, 70, torch.float16, seed)
+    x, w, bias = operands(rows, 24, 70, torch.float16, seed)
     matmul = ops.select_ops("cuda", torch.float16).matmul()
     close(matmul(x, w, bias), x.float() @ w.float().t() + bias.float(), seed)
-    out = torch.empty(3, 24, dtype=torch.float16)
+    out = torch.empty(rows, 24, dtype=torch.float16)
     assert ops.matmul_into(matmul, x, w, out).data_ptr() == out.data_ptr()
     close(out, x.float() @ w.float().t(), seed)
     assert ops.select_ops("cuda", torch.float16, dense_gemv=False).matmul() is F.linear
@@ -122,13 +115,10 @@ def test_cuda_models_take_the_gemv_as_their_float_matmul():
 
 
 def test_tiles_fill_the_sms_on_a_tensor_parallel_slice():
-    """Llama-3-8B's q/k/v slice at TP=4 ([1536, 4096]) on 132 SMs: one row in 4-row tiles
-    with K split in two (768 programs, >= 5 per SM), a few rows in 16-row tiles with K split
-    six ways; K's slices are whole tiles and none is empty."""
+    """Llama-3-8B's q/k/v slice at TP=4 ([1536, 4096]) on 132 SMs: 4-row tiles with K split
+    in two (768 programs, >= 5 per SM); K's slices are whole tiles and none is empty."""
     one, splits, per = dense_gemv.tiles(1536, 4096, 132, dense_gemv.ONE_ROW)
     assert (one.block_n, one.block_k, splits, per) == (4, 512, 2, 2048)
-    few, splits, per = dense_gemv.tiles(1536, 4096, 132, dense_gemv.FEW_ROWS)
-    assert (few.block_n, few.block_k, splits, per) == (16, 256, 6, 768)
     for n, k in ((4096, 1024), (3584 // 7, 100_000), (128_256, 4096)):
         cfg, splits, per = dense_gemv.tiles(n, k, 132, dense_gemv.ONE_ROW)
         assert per % cfg.block_k == 0 and (splits - 1) * per < k <= splits * per

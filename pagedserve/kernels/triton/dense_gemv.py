@@ -1,26 +1,25 @@
-"""The decode steps' float matmul on CUDA: y = x W^T (+ b) for 1 to `MAX_ROWS` rows of
-activations against a weight W [N, K] in their dtype, row-major as nn.Linear keeps it.
-`linear` is the float linears' matmul CUDA models take (`model.ops.select_ops`): the GEMV for
-bf16 and fp16, cuBLAS for float32 (the kernels compute it, but a float32 model is run for
-exactness, and 2-8 rows would take an IEEE tl.dot on FMAs). Imported on CUDA only (or under
-TRITON_INTERPRET=1 in tests).
+"""The decode steps' float matmul on CUDA: y = x W^T (+ b) for ONE row of activations (a
+decode step of one token) against a weight W [N, K] in their dtype, row-major as nn.Linear
+keeps it. `linear` is the float linears' matmul CUDA models take (`model.ops.select_ops`):
+the GEMV for one bf16 or fp16 row, cuBLAS for everything else (float32, which a model is run
+in for exactness, included). Imported on CUDA only (or under TRITON_INTERPRET=1 in tests).
 
-Why: a decode step of a few tokens reads each weight once and does two flops per weight and
-row, so a matmul should take the weight's bytes over memory bandwidth. cuBLAS comes close on
-large matrices, but on a tensor-parallel rank's slices (a quarter or half of each projection)
-its kernels leave SMs waiting or split K into a second, reducing launch. Here K is split
-until the grid has `programs_per_sm` programs per SM (the tile rule `tiles`, shared with the
-FP8 weight-only kernels: rows per tile first narrowed, then K split), and the last of an
-output tile's programs to arrive adds the partials up (`arrivals.sum_slices`): one launch,
-no memset, CUDA graphs replay it as captured. Launched with PDL (`pdl`), an FMA program
-loads its first weight tile before it waits for the previous kernel.
+Why: a decode step of one token reads each weight once and does two flops per weight, so a
+matmul should take the weight's bytes over memory bandwidth. cuBLAS comes close on large
+matrices, but on a tensor-parallel rank's slices (a quarter or half of each projection) its
+kernels leave SMs waiting or split K into a second, reducing launch. Here K is split until
+the grid has `programs_per_sm` programs per SM (the tile rule `tiles`, shared with the FP8
+weight-only kernels: rows per tile first narrowed, then K split), and the last of an output
+tile's programs to arrive adds the partials up (`arrivals.sum_slices`): one launch, no
+memset, CUDA graphs replay it as captured. Launched with PDL (`pdl`), a program loads its
+first weight tile before it waits for the previous kernel.
 
-Two kernels, the tiles' `fma` choosing: `_fma_kernel` multiplies without tl.dot, as
-`fp8_linear`'s one-row kernel does: each thread multiplies and adds its own weights, for
-every row, in float32 over the whole loop, and the sums meet once at the end (tl.dot would
-pad the rows to 16 in shared memory); one row (batch 1) takes it by default. `_dot_kernel` takes
-tl.dot on 16-row tiles: the padding costs shared memory and tensor-core time, not weight
-bytes, which set the pace; the FMAs' cost grows with the rows, tl.dot's does not.
+`_fma_kernel` multiplies without tl.dot, as `fp8_linear`'s one-row kernel does: each thread
+multiplies and adds its own weights in float32 over the whole loop, and the sums meet once
+at the end. Why one row only: from two rows on cuBLAS is faster. FMAs' cost grows with the
+rows (each row is another multiply-add per weight and another accumulator), and tl.dot pads
+the rows to 16 in shared memory and tensor-core time, which costs more than cuBLAS's own
+tiles do (docs/benchmarks.md, "The float matmul's decode GEMV").
 
 Rounding: float32 sums, the bias added in float32, one rounding to the output dtype: as
 cuBLAS's half-precision GEMM with F.linear's bias, up to the order of the sums.
@@ -37,26 +36,16 @@ from torch import Tensor
 from pagedserve.kernels.triton import pdl
 from pagedserve.kernels.triton.arrivals import arrival_counters, sum_slices
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms, one_row_tiles
-from pagedserve.kernels.triton.precision import dot_precision
 
-# Rows up to which `linear` takes the GEMV (more: cuBLAS, whose tiles then fill the GPU);
-# to be chosen by `benchmarks/kernels.py --only gemv` (docs/benchmarks.md, "The float
-# matmul's decode GEMV")
-MAX_ROWS = 1
-# tl.dot's smallest row tile, the 2..MAX_ROWS rows padded to it
-_DOT_ROWS = 16
 # the activation (and weight) dtypes `linear` takes the GEMV for
 DTYPES = (torch.bfloat16, torch.float16)
 
-# Tiles (to be chosen by `benchmarks/kernels.py --only --sweep gemv`): one row by FMAs in
-# 16-row tiles of 128 columns (4 KiB of bf16, as the FP8 one-row tile's 16 x 256 bytes),
-# narrowed down to 4 rows of 512 while a projection has too few rows to fill the SMs;
-# 2..MAX_ROWS rows by tl.dot in 32 x 128 tiles, 4 stages in flight. `fma`: `_fma_kernel`,
-# else `_dot_kernel`; `bits` is FP8's and unused here.
+# Tiles (`benchmarks/kernels.py --only --sweep gemv` times candidates): 16-row tiles of 128
+# columns (4 KiB of bf16, as the FP8 one-row tile's 16 x 256 bytes), narrowed down to 4 rows
+# of 512 while a projection has too few rows to fill the SMs. `bits` and `fma` are FP8's
+# and unused here.
 ONE_ROW = WeightOnlyConfig(block_n=16, block_k=128, num_warps=4, num_stages=1,
                            programs_per_sm=5, min_block_n=4, fma=True)
-FEW_ROWS = WeightOnlyConfig(block_n=32, block_k=128, num_warps=4, num_stages=4,
-                            programs_per_sm=4, min_block_n=16)
 
 
 def tiles(n: int, k: int, sms: int, cfg: WeightOnlyConfig) -> tuple[WeightOnlyConfig, int, int]:
@@ -66,47 +55,41 @@ def tiles(n: int, k: int, sms: int, cfg: WeightOnlyConfig) -> tuple[WeightOnlyCo
 
 
 @triton.jit
-def _store(acc, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
-           HAS_BIAS: tl.constexpr):
-    """y[offs_m, offs_n] = acc (+ bias), rounded once to y's dtype."""
+def _store(acc, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr):
+    """y[offs_n] = acc (+ bias), rounded once to y's dtype."""
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
-def _fma_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, M, N, K, k_per_split,
-                stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                EVICT: tl.constexpr):
-    """y[:M, n-tile] = x[:M] @ W[n-tile]^T (+ bias) by FMAs, x's M rows padded to ROWS (a
-    power of two), program (n, s) over K's slice s; with SPLIT_K > 1 the last of the
-    n-tile's programs to arrive sums the slices (partials [SPLIT_K, M, N]) and stores.
+def _fma_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, K, k_per_split,
+                stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVICT: tl.constexpr):
+    """y[n-tile] = x @ W[n-tile]^T (+ bias) by FMAs for one row x, program (n, s) over K's
+    slice s; with SPLIT_K > 1 the last of the n-tile's programs to arrive sums the slices
+    (partials [SPLIT_K, N]) and stores.
 
     Triton's pipeliner stages only a dot's operands, so the next weight tile is loaded by
     hand, one iteration ahead, into registers; the first before the PDL wait (the weights
     are no earlier kernel's output). It writes only after the wait.
 
-    x is loaded through pointers of the accumulators' shape [ROWS, BLOCK_N, BLOCK_K], each
-    thread fetching (from L1: x is small) the very elements it multiplies, in the weights'
-    layout: a [ROWS, BLOCK_K] load broadcast over the tile's rows compiled to a layout
-    conversion through shared memory, with barriers, in every iteration."""
+    x is loaded through pointers of the accumulator's shape [BLOCK_N, BLOCK_K], each thread
+    fetching (from L1: x is small) the very elements it multiplies, in the weights' layout:
+    a [BLOCK_K] load broadcast over the tile's rows compiled to a layout conversion through
+    shared memory, with barriers, in every iteration."""
     pdl.allow_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)[None, None, :]
-    m_mask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn  # [1, BLOCK_N, 1]
-    w_mask = n_mask[None, :, None]
-    x_rows = x_ptr + offs_m[:, None, None] * stride_xm + 0 * offs_n[None, :, None]
-    x_mask = m_mask[:, None, None] & w_mask
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    w_mask = n_mask[:, None]
+    x_cols = x_ptr + 0 * offs_n[:, None]  # x's columns in the weights' shape
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     w = tl.load(w_rows + k_start + offs_k, mask=w_mask & (k_start + offs_k < k_stop),
                 other=0.0, eviction_policy=EVICT)
     pdl.wait_for_previous()  # x is the previous kernel's output
@@ -114,73 +97,24 @@ def _fma_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, M, N, K, 
         k_next = k0 + BLOCK_K + offs_k
         w_next = tl.load(w_rows + k_next, mask=w_mask & (k_next < k_stop), other=0.0,
                          eviction_policy=EVICT)
-        x = tl.load(x_rows + k0 + offs_k, mask=x_mask & (k0 + offs_k < k_stop), other=0.0)
+        x = tl.load(x_cols + k0 + offs_k, mask=w_mask & (k0 + offs_k < k_stop), other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)
         w = w_next
-    total = tl.sum(acc, 2)
+    total = tl.sum(acc, 1)
     if SPLIT_K == 1:
-        _store(total, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, HAS_BIAS)
+        _store(total, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS)
     else:
-        mn = offs_m[:, None] * N + offs_n[None, :]
-        mn_mask = m_mask[:, None] & n_mask[None, :]
-        last, total = sum_slices(total, part_ptr, arrivals_ptr, mn, mn_mask, pid_n, pid_k,
-                                 M * N, SPLIT_K)
+        last, total = sum_slices(total, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n, pid_k,
+                                 N, SPLIT_K)
         if last:
-            _store(total, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
-                   HAS_BIAS)
-
-
-@triton.jit
-def _dot_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, M, N, K,
-                     k_per_split, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, EVICT: tl.constexpr):
-    """y[:M, n-tile] = x[:M] @ W[n-tile]^T (+ bias) by tl.dot, x's M rows padded to BLOCK_M;
-    split K and PDL as `_fma_kernel` (partials [SPLIT_K, M, N]), the wait before the
-    loop (the pipeliner issues its loads).
-
-    The operands meet in float32: bf16 and fp16 values are exact in TF32 (DOT_PRECISION
-    "tf32"; float32 asks for "ieee"), so the products are exact and summed in float32 as in a
-    bf16 tl.dot, whose tensor-core time a few rows do not notice; and the CPU tests'
-    interpreter computes a bf16 tl.dot wrongly."""
-    pdl.allow_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    k_start = pid_k * k_per_split
-    k_stop = tl.minimum(k_start + k_per_split, K)
-    pdl.wait_for_previous()
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # W^T's columns: W's rows
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        k_mask = (k0 + offs_k) < k_stop
-        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_cols + (k0 + offs_k)[:, None], mask=k_mask[:, None] & n_mask[None, :],
-                    other=0.0, eviction_policy=EVICT)
-        acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=DOT_PRECISION)
-    if SPLIT_K == 1:
-        _store(acc, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym, HAS_BIAS)
-    else:
-        mn = offs_m[:, None] * N + offs_n[None, :]
-        mn_mask = m_mask[:, None] & n_mask[None, :]
-        last, total = sum_slices(acc, part_ptr, arrivals_ptr, mn, mn_mask, pid_n, pid_k,
-                                 M * N, SPLIT_K)
-        if last:
-            _store(total, bias_ptr, y_ptr, offs_m, offs_n, m_mask, n_mask, stride_ym,
-                   HAS_BIAS)
+            _store(total, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS)
 
 
 def takes(x: Tensor, weight: Tensor, out: Tensor | None = None) -> bool:
-    """Whether `linear` takes `gemv` for x [M, K] @ weight [N, K]^T (into `out`): 1..MAX_ROWS
-    rows, one half-precision dtype for all, contiguous rows, and no autograd to record (the
-    kernels have no backward)."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in DTYPES
+    """Whether `linear` takes `gemv` for x [M, K] @ weight [N, K]^T (into `out`): one row,
+    one half-precision dtype for all, contiguous rows, and no autograd to record (the kernel
+    has no backward)."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in DTYPES
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
             and (out is None or (out.dtype == x.dtype and out.stride(-1) == 1))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
@@ -190,8 +124,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
            out: Tensor | None = None) -> Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N] in x's dtype, F.linear's contract,
     written into `out` [M, N] when given (x then [M, K]: a tensor-parallel layer's partial
-    product in peer memory, `model.ops.matmul_into`): the GEMV for 1..MAX_ROWS rows, else
-    cuBLAS (F.linear, or torch.mm's out=)."""
+    product in peer memory, `model.ops.matmul_into`): the GEMV for one row, else cuBLAS
+    (F.linear, or torch.mm's out=)."""
     rows = x.reshape(-1, x.shape[-1])
     if takes(rows, weight, out):
         y = gemv(rows, weight, bias, out=out)
@@ -204,35 +138,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
          cfg: WeightOnlyConfig | None = None) -> Tensor:
-    """x [M <= MAX_ROWS, K] @ weight [N, K]^T (+ bias) -> [M, N] (`out` when given), one
-    launch, no host sync: CUDA graphs capture it (a split launch's float32 partials come from
-    torch.empty, which a graph's memory pool serves; its arrival counters are kept per
-    device). cfg: the tiles and kernel (default `ONE_ROW` for one row, else `FEW_ROWS`)."""
+    """x [1, K] @ weight [N, K]^T (+ bias) -> [1, N] (`out` when given), one launch, no host
+    sync: CUDA graphs capture it (a split launch's float32 partials come from torch.empty,
+    which a graph's memory pool serves; its arrival counters are kept per device). cfg: the
+    tiles (default `ONE_ROW`)."""
     num_rows, k = x.shape
     n = weight.shape[0]
-    assert num_rows <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
-    y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device) if out is None else out
-    assert y.shape == (num_rows, n) and y.stride(-1) == 1
-    if num_rows == 0:
-        return y
-    cfg = cfg or (ONE_ROW if num_rows == 1 else FEW_ROWS)
-    cfg, splits, k_per_split = tiles(n, k, num_sms(x.device), cfg)
+    assert num_rows == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (1, n) and y.stride(-1) == 1
+    cfg, splits, k_per_split = tiles(n, k, num_sms(x.device), cfg or ONE_ROW)
     n_tiles = triton.cdiv(n, cfg.block_n)
-    parts, arrivals = _split_buffers(splits, num_rows * n, n_tiles, y)
+    parts, arrivals = _split_buffers(splits, n, n_tiles, y)
     bias_arg = y if bias is None else bias  # never read without HAS_BIAS
-    evict = "evict_first" if cfg.evict_first else ""
-    common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  SPLIT_K=splits, EVICT=evict, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, **pdl.launch_options())
-    if cfg.fma:
-        _fma_kernel[(n_tiles, splits)](
-            x, weight, bias_arg, y, parts, arrivals, num_rows, n, k, k_per_split, x.stride(0),
-            weight.stride(0), y.stride(0), ROWS=triton.next_power_of_2(num_rows), **common)
-    else:
-        _dot_kernel[(n_tiles, splits)](
-            x, weight, bias_arg, y, parts, arrivals, num_rows, n, k, k_per_split,
-            x.stride(0), weight.stride(0), y.stride(0), BLOCK_M=_DOT_ROWS,
-            DOT_PRECISION=dot_precision(x.dtype), **common)
+    _fma_kernel[(n_tiles, splits)](
+        x, weight, bias_arg, y, parts, arrivals, n, k, k_per_split, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=splits,
+        EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.launch_options())
     return y
 
 
