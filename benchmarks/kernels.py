@@ -3,7 +3,6 @@ timings.
 
     PYTHONPATH=. python benchmarks/kernels.py --out DIR [--sweep v1 v2 gemv]
                                               [--only [decode prefill cache gemv]] [--no-grid]
-                                              [--gemv-sweep-rows 1 4 8]
 
 Measures, in one run: device-to-device copy bandwidth (the ceiling), the attention kernels'
 correctness (with an attention part or sweep), paged decode v1 / v2 / dispatch against torch
@@ -11,9 +10,10 @@ SDPA on contiguous K/V and the naive paged path (gather + SDPA) at Qwen3-0.6B's 
 shape (16 query heads, 8 KV heads, head_dim 128, bf16, block 16), v1 vs v2 by context length,
 paged prefill against SDPA's flash path on causal shapes, and copy_blocks / swap_blocks
 bandwidth; with `--only gemv`, the dense bf16 GEMV (`kernels/triton/dense_gemv.py`) against
-torch.mm at 1, 2, 4 and 8 rows on Llama-3-8B's projections as one rank holds them at TP=1/2/4
-(µs, % of copy bandwidth, in CUDA graphs). --sweep also times v1's / v2's launch
-configurations, or the GEMV's tile candidates. Writes DIR/kernels.json (docs/results format)
+torch.mm at one row (the only row count the models give it: cuBLAS is faster from two) on
+Llama-3-8B's projections as one rank holds them at TP=1/2/4 (µs, % of copy bandwidth, in
+CUDA graphs). --sweep also times v1's / v2's launch configurations, or the GEMV's tile
+candidates at one row. Writes DIR/kernels.json (docs/results format)
 and DIR/kernels_raw.json; prints tables.
 """
 
@@ -167,7 +167,6 @@ def v2_graph_replays(replays: int = 4) -> dict:
 GEMV_LAYERS = {"qkv": (6144, 4096, "n"), "o": (4096, 4096, "k"),
                "gate_up": (28672, 4096, "n"), "down": (4096, 14336, "k")}
 GEMV_TPS = (1, 2, 4)
-GEMV_ROWS = (1, 2, 4, 8)
 
 
 def gemv_shape(layer: str, tp: int) -> tuple[int, int]:
@@ -177,16 +176,16 @@ def gemv_shape(layer: str, tp: int) -> tuple[int, int]:
 
 class GemvSetup:
     """bf16 weight copies of one projection, >= ROTATE_BYTES in all (so L2 serves none of a
-    graph's calls), activations of `rows` tokens and one output buffer per copy (the
+    graph's calls), one token's activations and one output buffer per copy (the
     row-parallel layers write into a given buffer)."""
 
-    def __init__(self, n: int, k: int, rows: int):
+    def __init__(self, n: int, k: int):
         self.weight_bytes = n * k * 2
         self.copies = max(2, math.ceil(ROTATE_BYTES / self.weight_bytes))
         self.weights = [torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5
                         for _ in range(self.copies)]
-        self.x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
-        self.outs = [torch.empty(rows, n, device="cuda", dtype=DTYPE)
+        self.x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+        self.outs = [torch.empty(1, n, device="cuda", dtype=DTYPE)
                      for _ in range(self.copies)]
 
     def calls(self, fn) -> list[Callable[[], object]]:
@@ -212,107 +211,85 @@ def dense_gemv_call(cfg):
 
 def gemv_table(copy_bw: float) -> list[dict]:
     """The GEMV (its default tiles, as the models take it) against torch.mm (cuBLAS) on each
-    projection of each TP size at 1-8 rows, in CUDA graphs; then the per-step sum over
-    Llama-3-8B's 32 layers per TP size and row count."""
+    projection of each TP size at one row, in CUDA graphs; then the per-step sum over
+    Llama-3-8B's 32 layers per TP size."""
     rows = []
     for tp in GEMV_TPS:
         for layer in GEMV_LAYERS:
             n, k = gemv_shape(layer, tp)
-            for num_rows in GEMV_ROWS:
-                s = GemvSetup(n, k, num_rows)
-                for method, fn in (("gemv", dense_gemv_call(None)), ("torch.mm", torch_mm)):
-                    us = graph_us(s.calls(fn))
-                    rows.append({"kernel": f"{method} tp{tp} {layer}", "method": method,
-                                 "tp": tp, "layer": layer, "n": n, "k": k, "rows": num_rows,
-                                 "batch": num_rows, "context": None, "us": us,
-                                 "gb_per_s": s.weight_bytes / (us * 1e-6) / 1e9,
-                                 "pct_copy_bw": 100 * s.weight_bytes / (us * 1e-6) / copy_bw,
-                                 "rel_err_vs_fp32": s.rel_err(fn)})
-                pair = rows[-2:]
-                log(f"gemv tp{tp} {layer:7s} [{n:5d} x {k:5d}] rows {num_rows}: "
-                    + " ".join(f"{r['method']} {r['us']:7.1f} us {r['pct_copy_bw']:5.1f}%"
-                               f" (err {r['rel_err_vs_fp32']:.1e})" for r in pair))
-                assert max(r["rel_err_vs_fp32"] for r in pair) < 1e-2, pair
-                del s
-                torch.cuda.empty_cache()
+            s = GemvSetup(n, k)
+            for method, fn in (("gemv", dense_gemv_call(None)), ("torch.mm", torch_mm)):
+                us = graph_us(s.calls(fn))
+                rows.append({"kernel": f"{method} tp{tp} {layer}", "method": method, "tp": tp,
+                             "layer": layer, "n": n, "k": k, "rows": 1, "batch": 1,
+                             "context": None, "us": us,
+                             "gb_per_s": s.weight_bytes / (us * 1e-6) / 1e9,
+                             "pct_copy_bw": 100 * s.weight_bytes / (us * 1e-6) / copy_bw,
+                             "rel_err_vs_fp32": s.rel_err(fn)})
+            pair = rows[-2:]
+            log(f"gemv tp{tp} {layer:7s} [{n:5d} x {k:5d}]: "
+                + " ".join(f"{r['method']} {r['us']:7.1f} us {r['pct_copy_bw']:5.1f}%"
+                           f" (err {r['rel_err_vs_fp32']:.1e})" for r in pair))
+            assert max(r["rel_err_vs_fp32"] for r in pair) < 1e-2, pair
+            del s
+            torch.cuda.empty_cache()
     sums = []
     for tp in GEMV_TPS:
-        for num_rows in GEMV_ROWS:
-            per_step = {m: 32 * sum(r["us"] for r in rows if r["method"] == m
-                                    and r["tp"] == tp and r["rows"] == num_rows)
-                        for m in ("gemv", "torch.mm")}
-            log(f"gemv step sum tp{tp} rows {num_rows}: " + " ".join(
-                f"{m} {us / 1e3:.3f} ms" for m, us in per_step.items()))
-            sums.append({"kernel": f"step sum tp{tp}", "method": "gemv", "tp": tp,
-                         "rows": num_rows, "batch": num_rows, "context": None,
-                         "us": per_step["gemv"], "torch_mm_us": per_step["torch.mm"],
-                         "pct_copy_bw": None})
+        per_step = {m: 32 * sum(r["us"] for r in rows if r["method"] == m and r["tp"] == tp)
+                    for m in ("gemv", "torch.mm")}
+        log(f"gemv step sum tp{tp}: " + " ".join(
+            f"{m} {us / 1e3:.3f} ms" for m, us in per_step.items()))
+        sums.append({"kernel": f"step sum tp{tp}", "method": "gemv", "tp": tp, "rows": 1,
+                     "batch": 1, "context": None, "us": per_step["gemv"],
+                     "torch_mm_us": per_step["torch.mm"], "pct_copy_bw": None})
     return rows + sums
 
 
-def gemv_candidates(num_rows: int) -> dict[str, WeightOnlyConfig]:
-    """Tiles `--sweep gemv` times: "default" (the one the models take: `dense_gemv.ONE_ROW`
-    for one row, else `FEW_ROWS`), then others labelled "fma|dot bN kK wW sS pP mM" (the
-    kernel, N rows by K columns, W warps, S stages, P programs per SM, narrowed down to M
-    rows; 0: never). The FMA kernel's accumulators grow with the rows (padded to a power of
-    two): its tiles for more rows hold fewer weights, at most 64 floats a thread."""
-    if num_rows == 1:
-        default = dense_gemv.ONE_ROW
-        shapes = [(16, 128, 4, 1, 5, 0), (16, 128, 4, 1, 3, 4), (16, 128, 4, 1, 8, 4),
-                  (16, 256, 4, 1, 5, 4), (32, 128, 4, 1, 5, 4), (8, 256, 4, 1, 5, 4),
-                  (16, 128, 8, 1, 5, 4), (16, 64, 4, 1, 5, 4), (16, 256, 8, 1, 4, 2),
-                  (32, 256, 8, 1, 4, 4)]
-        kinds = [True] * len(shapes)
-    else:
-        default = dense_gemv.FEW_ROWS
-        dots = [(32, 128, 4, 4, 4, 0), (16, 128, 4, 4, 4, 16), (32, 256, 4, 3, 4, 16),
-                (32, 64, 4, 5, 4, 16), (64, 128, 4, 4, 4, 16), (32, 128, 4, 4, 2, 16),
-                (32, 128, 4, 4, 8, 16), (32, 128, 8, 4, 4, 16)]
-        weights = 8192 // triton.next_power_of_2(num_rows)  # a tile's, for 64 floats a thread
-        fmas = [(bn, weights // bn, 4, 1, p, m) for bn, p, m in (
-            (4, 5, 0), (8, 5, 4), (16, 5, 4), (8, 3, 4), (16, 8, 4)) if weights // bn >= 32]
-        shapes, kinds = dots + fmas, [False] * len(dots) + [True] * len(fmas)
+def gemv_candidates() -> dict[str, WeightOnlyConfig]:
+    """Tiles `--sweep gemv` times: "default" (the one the models take, `dense_gemv.ONE_ROW`),
+    then others labelled "bN kK wW sS pP mM" (N rows by K columns, W warps, S stages, P
+    programs per SM, narrowed down to M rows; 0: never)."""
+    shapes = [(16, 128, 4, 1, 5, 0), (16, 128, 4, 1, 3, 4), (16, 128, 4, 1, 8, 4),
+              (16, 256, 4, 1, 5, 4), (32, 128, 4, 1, 5, 4), (8, 256, 4, 1, 5, 4),
+              (16, 128, 8, 1, 5, 4), (16, 64, 4, 1, 5, 4), (16, 256, 8, 1, 4, 2),
+              (32, 256, 8, 1, 4, 4)]
+    default = dense_gemv.ONE_ROW
     return {"default": default, **{
-        f"{'fma' if fma else 'dot'} b{n} k{k} w{w} s{st} p{p} m{m}": replace(
+        f"b{n} k{k} w{w} s{st} p{p} m{m}": replace(
             default, block_n=n, block_k=k, num_warps=w, num_stages=st, programs_per_sm=p,
-            min_block_n=m, fma=fma) for (n, k, w, st, p, m), fma in zip(shapes, kinds)}}
+            min_block_n=m) for n, k, w, st, p, m in shapes}}
 
 
-def gemv_sweep(copy_bw: float, rows_swept: list[int]) -> dict:
-    """Each candidate's time on every TP size's projections at `rows_swept` rows (and its
-    product checked against float32's); per row count the candidates ranked by their mean
-    slowdown against each shape's best (a tile rule serves them all), and the best per
-    shape."""
-    out: dict = {}
-    for num_rows in rows_swept:
-        cands = gemv_candidates(num_rows)
-        per_shape: dict[str, dict[str, float]] = {}
-        for tp in GEMV_TPS:
-            for layer in GEMV_LAYERS:
-                n, k = gemv_shape(layer, tp)
-                s = GemvSetup(n, k, num_rows)
-                times = {label: graph_us(s.calls(dense_gemv_call(cfg)))
-                         for label, cfg in cands.items()}
-                errs = {label: s.rel_err(dense_gemv_call(cfg)) for label, cfg in cands.items()}
-                assert max(errs.values()) < 1e-2, errs
-                times["torch.mm"] = graph_us(s.calls(torch_mm))
-                per_shape[f"tp{tp} {layer}"] = times
-                best = min(times, key=times.get)
-                log(f"sweep rows {num_rows} tp{tp} {layer:7s}: best {best} {times[best]:.1f} us"
-                    f" ({100 * s.weight_bytes / (times[best] * 1e-6) / copy_bw:.1f}%), "
-                    f"default {times['default']:.1f}, torch.mm {times['torch.mm']:.1f}")
-                del s
-                torch.cuda.empty_cache()
-        # mean over the shapes of the time over the shape's best: the TP=4 slices count as
-        # much as TP=1's projections, whose microseconds would swamp a plain sum
-        slowdown = {label: statistics.mean(t[label] / min(t.values())
-                                           for t in per_shape.values())
-                    for label in [*cands, "torch.mm"]}
-        ranked = sorted(slowdown.items(), key=lambda kv: kv[1])
-        log(f"sweep rows {num_rows} ranked by mean time over each shape's best: "
-            + ", ".join(f"{label} {x:.3f}" for label, x in ranked))
-        out[f"rows{num_rows}"] = {"per_shape": per_shape, "ranked": ranked}
-    return out
+def gemv_sweep(copy_bw: float) -> dict:
+    """Each candidate's time at one row on every TP size's projections (and its product
+    checked against float32's); the candidates ranked by their mean slowdown against each
+    shape's best (a tile rule serves them all), and the best per shape."""
+    cands = gemv_candidates()
+    per_shape: dict[str, dict[str, float]] = {}
+    for tp in GEMV_TPS:
+        for layer in GEMV_LAYERS:
+            n, k = gemv_shape(layer, tp)
+            s = GemvSetup(n, k)
+            times = {label: graph_us(s.calls(dense_gemv_call(cfg)))
+                     for label, cfg in cands.items()}
+            errs = {label: s.rel_err(dense_gemv_call(cfg)) for label, cfg in cands.items()}
+            assert max(errs.values()) < 1e-2, errs
+            times["torch.mm"] = graph_us(s.calls(torch_mm))
+            per_shape[f"tp{tp} {layer}"] = times
+            best = min(times, key=times.get)
+            log(f"sweep tp{tp} {layer:7s}: best {best} {times[best]:.1f} us"
+                f" ({100 * s.weight_bytes / (times[best] * 1e-6) / copy_bw:.1f}%), "
+                f"default {times['default']:.1f}, torch.mm {times['torch.mm']:.1f}")
+            del s
+            torch.cuda.empty_cache()
+    # mean over the shapes of the time over the shape's best: the TP=4 slices count as much
+    # as TP=1's projections, whose microseconds would swamp a plain sum
+    slowdown = {label: statistics.mean(t[label] / min(t.values()) for t in per_shape.values())
+                for label in [*cands, "torch.mm"]}
+    ranked = sorted(slowdown.items(), key=lambda kv: kv[1])
+    log("sweep ranked by mean time over each shape's best: "
+        + ", ".join(f"{label} {x:.3f}" for label, x in ranked))
+    return {"rows": 1, "per_shape": per_shape, "ranked": ranked}
 
 
 # ---------------------------------------------------------------- ceilings
@@ -590,13 +567,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--sweep", nargs="+", choices=["v1", "v2", "gemv"], default=[],
                         help="also time these kernels' launch configs (v1/v2: decode, gemv: "
-                             "the dense GEMV's tiles)")
+                             "the dense GEMV's tiles at one row)")
     parser.add_argument("--only", nargs="*", choices=[*PARTS, "gemv"], default=PARTS,
                         help="measure these parts only (copy bw always runs, the attention "
                              "kernels' correctness with an attention part or sweep; none: "
                              "only --sweep)")
-    parser.add_argument("--gemv-sweep-rows", nargs="+", type=int, default=[1, 4, 8],
-                        help="--sweep gemv: the row counts whose candidates are timed")
     parser.add_argument("--no-grid", action="store_true",
                         help="skip the v1-vs-v2 table by context length")
     args = parser.parse_args()
@@ -647,7 +622,7 @@ def main() -> None:
     if "gemv" in args.only:
         rows += gemv_table(copy_bw)
     if "gemv" in args.sweep:
-        raw["sweep_gemv"] = gemv_sweep(copy_bw, args.gemv_sweep_rows)
+        raw["sweep_gemv"] = gemv_sweep(copy_bw)
     for r in rows:
         r.update(device=device, date=date, decode_config=asdict(cfg))
     raw["rows"] = rows

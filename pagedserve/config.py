@@ -116,7 +116,7 @@ class EngineConfig:
     # ... and where peer memory takes it, the all-reduce after o_proj and down_proj fused
     # with the residual add and RMSNorm that follow: one kernel (model/allreduce.py)
     fuse_all_reduce_norm: bool = True
-    # CUDA: the float linears' decode steps of a few rows through the split-K Triton GEMV
+    # CUDA: the float linears' decode steps of one row through the split-K Triton GEMV
     # (kernels/triton/dense_gemv.py); False: cuBLAS at every row count
     dense_gemv: bool = True
     # LoRA adapters (model/lora.py): requests may name one; at most max_loras distinct ones

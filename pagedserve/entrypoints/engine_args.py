@@ -158,7 +158,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("fuse_all_reduce_norm", "tensor parallelism on peer memory: sum o_proj's and "
               "down_proj's partial products, add the residual and apply the next RMSNorm in "
               "one kernel, at 2 and 4 ranks (other sizes: the norm on its own)"),
-    EngineArg("dense_gemv", "CUDA: decode steps of up to 8 tokens multiply by the bf16/fp16 "
+    EngineArg("dense_gemv", "CUDA: decode steps of one token multiply by the bf16/fp16 "
               "weights with a split-K Triton GEMV (else cuBLAS at every batch size)"),
     EngineArg("enable_lora", "serve LoRA adapters (PEFT format) on top of the base model"),
     EngineArg("max_loras", "LoRA: distinct adapters in one step (device slots)", metavar="N"),

@@ -11,7 +11,7 @@ ops, whose per-op overhead dominates at decode sizes. They round where the eager
 only the order of a norm's sum of squares and the last bit of some exps differ. Anything else
 (other dtypes or devices, no C compiler) runs the eager path. The same choice covers the float
 linears (`packed.select_packing` on the CPU; on CUDA `kernels/triton/dense_gemv`'s GEMV for
-decode steps of a few rows, cuBLAS otherwise), the FP8 matmul (`fp8.reference_linear` or the
+decode steps of one row, cuBLAS otherwise), the FP8 matmul (`fp8.reference_linear` or the
 CUDA one), the packed integer matmul (`int_weights.reference_linear` or
 `kernels/triton/int_linear`), the MoE experts (fused Triton kernels, or expert by expert),
 batched LoRA (`lora.py`'s reference, or `kernels/triton/lora.py`) and whether a GGUF's
@@ -74,7 +74,7 @@ class Ops:
     gguf_linear: Callable[[Tensor, object, Tensor | None], Tensor] | None = None
     # x, weight, bias, out (or None) -> y: the float linears' matmul where it is not F.linear
     # and can write into a given buffer (CUDA: `kernels/triton/dense_gemv.linear`, a GEMV
-    # for the decode steps' few rows); None: F.linear (or the packed copy)
+    # for decode steps of one row); None: F.linear (or the packed copy)
     dense_linear: Callable[[Tensor, Tensor, Tensor | None, Tensor | None], Tensor] | None = None
 
     def matmul(self) -> Matmul:
