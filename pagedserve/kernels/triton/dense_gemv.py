@@ -42,9 +42,10 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 # Tiles (`benchmarks/kernels.py --only --sweep gemv` times candidates): 16-row tiles of 128
 # columns (4 KiB of bf16, as the FP8 one-row tile's 16 x 256 bytes), narrowed down to 4 rows
-# of 512 while a projection has too few rows to fill the SMs. `bits` and `fma` are FP8's
-# and unused here.
-ONE_ROW = WeightOnlyConfig(block_n=16, block_k=128, num_warps=4, num_stages=1,
+# of 512 while a projection has too few rows to fill the SMs; 8 warps a program, the sweep's
+# best on average over the tensor-parallel slices of the projections (docs/benchmarks.md).
+# `bits` and `fma` are FP8's and unused here.
+ONE_ROW = WeightOnlyConfig(block_n=16, block_k=128, num_warps=8, num_stages=1,
                            programs_per_sm=5, min_block_n=4, fma=True)
 
 
