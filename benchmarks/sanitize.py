@@ -614,7 +614,7 @@ def w_model_ops(ctx: Ctx) -> None:
     """The decoder's Triton kernels against the eager PyTorch ops: add + RMSNorm (with and
     without a residual, ragged widths), q/k RMSNorm + RoPE in place on a strided fused QKV
     view (positions up to the table's last row; v and the neighbouring memory untouched),
-    SiLU * up over two column blocks."""
+    SiLU * up over two column blocks, the float linears' one-row GEMV (`dense_gemv`)."""
     import torch
 
     from pagedserve.kernels.triton import model_ops
@@ -684,6 +684,20 @@ def w_model_ops(ctx: Ctx) -> None:
         gate_up = 3 * randn(tokens, 2 * inner)
         matches(model_ops.silu_and_mul(gate_up), ops.eager_silu_and_mul(gate_up),
                 f"silu_and_mul {tokens}x{inner}")
+
+    # the float linears' one-row GEMV (split-K, arrival counters): ragged N and K, a bias,
+    # and a row of a wider buffer as `out` (a row-parallel layer's peer memory)
+    from pagedserve.kernels.triton import dense_gemv
+
+    for n, k in ([(1536, 4096), (4096, 3584), (37, 300), (1000, 1100)] if ctx.gpu
+                 else [(37, 300), (20, 130)]):
+        x, weight, bias = randn(1, k), randn(n, k) / k ** 0.5, randn(n)
+        want = _linear_reference(x, weight.double().cpu(), bias)
+        wide = torch.full((2, n + 8), float("nan"), dtype=dtype, device=dev)
+        got = dense_gemv.gemv(x, weight, bias, out=wide[1:, 4:4 + n])
+        ctx.close(got.double().cpu(), want, f"dense gemv {n}x{k}", 2 ** -6)
+        ctx.check(bool(wide[0].isnan().all() and wide[1, :4].isnan().all()
+                       and wide[1, 4 + n:].isnan().all()), f"dense gemv {n}x{k}: wrote outside out")
 
 
 def _dequantized(w_q, w_scale):
