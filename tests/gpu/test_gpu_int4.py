@@ -105,7 +105,7 @@ def test_triton_dequant_of_torchs_layout_is_the_reference(group, zeros):
         assert torch.equal(dequantize(prepared, torch.float32), w.dequantize(torch.float32))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 17, 64, 256, 257])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 16, 17, 64, 256, 257])
 @pytest.mark.parametrize("group,zeros", [(128, False), (32, True), (256, False)])
 def test_prepared_weights_take_torchs_int4_kernel_for_a_few_rows(rows, group, zeros):
     """`for_layer` converts a 4-bit weight in column order to torch's int4 layout (its only

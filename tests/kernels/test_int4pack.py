@@ -148,8 +148,8 @@ def test_the_row_rule_takes_the_fused_gemm_between_torchs_kernel_and_the_dequant
     to `int4pack_gemm_max_rows`, dequantize + cuBLAS for longer prefills; activations torch's
     kernel does not take go to the fused GEMM from one row."""
     bf16 = torch.bfloat16
-    assert [int4pack_path(m, bf16) for m in (1, 16)] == [Int4Path.TORCH_KERNEL] * 2
-    assert [int4pack_path(m, bf16) for m in (17, 64, 256)] == [Int4Path.FUSED_GEMM] * 3
+    assert [int4pack_path(m, bf16) for m in (1, 4, 7)] == [Int4Path.TORCH_KERNEL] * 3
+    assert [int4pack_path(m, bf16) for m in (8, 16, 64, 256)] == [Int4Path.FUSED_GEMM] * 4
     assert [int4pack_path(m, bf16) for m in (257, 4096)] == [Int4Path.DEQUANTIZE] * 2
     assert int4pack_path(0, bf16) == Int4Path.FUSED_GEMM  # no rows: an empty result
     for dtype in (torch.float16, torch.float32):

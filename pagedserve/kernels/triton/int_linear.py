@@ -53,7 +53,10 @@ class IntLinearConfig:
     otherwise leave most SMs idle (N / 64 programs). Rows up to `gemv_max_rows` take the
     GEMV, one pass per row. A weight in torch's int4 layout runs on torch's kernel up to
     `int4pack_max_rows` rows, on the fused GEMM up to `int4pack_gemm_max_rows` and is
-    dequantized for cuBLAS beyond (`int4pack_path`)."""
+    dequantized for cuBLAS beyond (`int4pack_path`). torch's kernel reads the weight once
+    per row: its cost grows with each row, while the fused GEMM's stays flat up to a tile of
+    rows, so the two cross between 4 rows (torch's kernel faster on every projection
+    measured) and 8 (the fused GEMM faster in sum; docs/benchmarks.md)."""
 
     gemv_block_n: int = 16
     gemv_block_k: int = 256
@@ -71,7 +74,7 @@ class IntLinearConfig:
     int_gemv_block_n: int = 4
     int_gemv_block_k: int = 512
     int_gemv_warps: int = 2
-    int4pack_max_rows: int = 16
+    int4pack_max_rows: int = 7
     int4pack_gemm_max_rows: int = 256
     dequant_min_rows: int = 64
     dequant_block_n: int = 32
