@@ -56,10 +56,9 @@ ALIGNMENT = 16  # bytes: the kernels move 16-byte vectors
 ONE_SHOT_MAX_BYTES = {2: 512 << 10, 4: 512 << 10, 8: 128 << 10}
 FUSED_CHECK_BYTES = 4 << 10  # the fused kernel's largest first message; smaller limits: unfused
 # the world sizes where the fused all-reduce + add + RMSNorm is taken: where it beat the unfused
-# chain in a decode step (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md,
-# "The fused all-reduce + add + RMSNorm, measured"): faster at 2 ranks; at 4 the one program
-# per row was slower, the rows split over several programs is still to be measured; 8 not
-# measured
+# chain in a decode step (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md):
+# at 2 ranks, and at 4 once a row's work was split over several programs (with one program per
+# row it lost there); 8 not measured
 FUSED_WORLD_SIZES = (2, 4)
 
 
