@@ -220,13 +220,7 @@ def _check_fused_rank(rank: int, size: int, port: int) -> dict:
 def test_fused_all_reduce_norm_equals_nccl_then_the_norm_eager_and_in_cuda_graphs():
     """Two ranks' sum is a + b whichever way it is taken, and the fused kernel normalises
     with the norm kernel's own arithmetic: equal to the bit, in bf16 and float32."""
-    got = on_ranks(_check_fused_rank)
-    for rank, result in got.items():
-        assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
-        assert result.pop("fused"), "two GPUs of one host should get the fused kernel"
-        assert len(result) == 2 * len(FUSED_SHAPES) * 2
-        wrong = [key for key, ok in result.items() if not ok]
-        assert not wrong, f"rank {rank}: differs from NCCL + RMSNorm at {wrong}"
+    assert_fused_equals_nccl_then_the_norm(2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
@@ -234,10 +228,16 @@ def test_fused_all_reduce_norm_at_four_ranks_equals_nccl_then_the_norm():
     """Four ranks (where a few rows are each split over several programs, the last of which
     normalises the row): sums exact in any order (see `_layers`), so equal to the bit to NCCL's
     float32 sum rounded once and the norm kernel, eager and in CUDA graphs, bf16 and float32."""
-    got = on_ranks(_check_fused_rank, 4)
+    assert_fused_equals_nccl_then_the_norm(4)
+
+
+def assert_fused_equals_nccl_then_the_norm(size: int) -> None:
+    """`_check_fused_rank` on `size` GPUs of one host: every rank takes the fused kernel and
+    every shape, dtype and mode (eager, graph) gives NCCL + the norm kernel's bits."""
+    got = on_ranks(_check_fused_rank, size)
     for rank, result in got.items():
         assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
-        assert result.pop("fused"), "four GPUs of one host should get the fused kernel"
+        assert result.pop("fused"), f"{size} GPUs of one host should get the fused kernel"
         assert len(result) == 2 * len(FUSED_SHAPES) * 2
         wrong = [key for key, ok in result.items() if not ok]
         assert not wrong, f"rank {rank}: differs from NCCL + RMSNorm at {wrong}"
