@@ -40,8 +40,8 @@ def simulate(partials: list[torch.Tensor], residual: torch.Tensor, weight: torch
             for _ in range(world)]
     buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     signal_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
-    programs = (allreduce_norm.grid_size(rows, n) if split is None
-                else min(rows * split, allreduce_norm.MAX_PROGRAMS))
+    programs = allreduce_norm.grid_size(
+        rows, allreduce_norm.programs_per_row(rows, n) if split is None else split)
     flags = [slot * allreduce_norm.MAX_PROGRAMS * world + p * world for p in range(programs)]
     views = []
     for rank, partial in enumerate(partials):

@@ -15,6 +15,7 @@ import triton
 
 from pagedserve.kernels.triton import dense_gemv
 from pagedserve.kernels.triton.arrivals import arrival_counters
+from pagedserve.kernels.triton.fp8_linear import one_row_tiles
 from pagedserve.model import ops
 from tests.kernels.test_kernels import fresh_seed
 
@@ -117,8 +118,8 @@ def test_cuda_models_take_the_gemv_as_their_float_matmul(rows):
 def test_tiles_fill_the_sms_on_a_tensor_parallel_slice():
     """Llama-3-8B's q/k/v slice at TP=4 ([1536, 4096]) on 132 SMs: 4-row tiles with K split
     in two (768 programs, >= 5 per SM); K's slices are whole tiles and none is empty."""
-    one, splits, per = dense_gemv.tiles(1536, 4096, 132, dense_gemv.ONE_ROW)
+    one, splits, per = one_row_tiles(1536, 4096, 132, dense_gemv.ONE_ROW)
     assert (one.block_n, one.block_k, splits, per) == (4, 512, 2, 2048)
     for n, k in ((4096, 1024), (3584 // 7, 100_000), (128_256, 4096)):
-        cfg, splits, per = dense_gemv.tiles(n, k, 132, dense_gemv.ONE_ROW)
+        cfg, splits, per = one_row_tiles(n, k, 132, dense_gemv.ONE_ROW)
         assert per % cfg.block_k == 0 and (splits - 1) * per < k <= splits * per

@@ -139,10 +139,11 @@ def programs_per_row(num_rows: int, n: int) -> int:
     return 1 << (most.bit_length() - 1) if most > 1 else 1
 
 
-def grid_size(num_rows: int, n: int) -> int:
-    """The programs of a launch for `num_rows` rows of `n`: each meets its namesake on every
-    rank at the barrier, so all must be resident at once (at most MAX_PROGRAMS)."""
-    return min(num_rows * programs_per_row(num_rows, n), MAX_PROGRAMS)
+def grid_size(num_rows: int, split: int) -> int:
+    """The programs of a launch for `num_rows` rows of `split` programs each: each meets its
+    namesake on every rank at the barrier, so all must be resident at once (at most
+    MAX_PROGRAMS; more rows are looped over)."""
+    return min(num_rows * split, MAX_PROGRAMS)
 
 
 def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, slot: int,
@@ -166,11 +167,11 @@ def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, slot: i
         return out, residual
     split = programs_per_row(num_rows, n) if split is None else split
     assert split == 1 or num_rows * split <= MAX_PROGRAMS, "a split row's programs loop"
-    programs = min(num_rows * split, MAX_PROGRAMS)
     block = triton.next_power_of_2(n)
     slice_size = triton.cdiv(n, split)
-    arrivals = arrival_counters(num_rows, partial.device)
-    _all_reduce_add_rms_norm_kernel[(programs,)](
+    # a row's counter, for its programs' arrivals (never read with one program per row)
+    arrivals = out if split == 1 else arrival_counters(num_rows, partial.device)
+    _all_reduce_add_rms_norm_kernel[(grid_size(num_rows, split),)](
         buffers, signals, residual, weight, out, arrivals, rank,
         slot * slot_bytes // partial.element_size(),
         slot * MAX_PROGRAMS * world, num_rows, residual.stride(0), out.stride(0), eps,

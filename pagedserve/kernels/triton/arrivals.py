@@ -31,6 +31,18 @@ def arrival_counters(n: int, device: torch.device) -> Tensor:
     return buf
 
 
+
+def split_buffers(splits: int, size: int, n_tiles: int,
+                  unused: Tensor) -> tuple[Tensor, Tensor]:
+    """(float32 partials [splits, size], arrival counters for `n_tiles` output tiles) of a
+    split-K launch (`sum_slices`), on `unused`'s device; `unused` (never read) for both when
+    K is whole."""
+    if splits == 1:
+        return unused, unused
+    parts = torch.empty((splits, size), dtype=torch.float32, device=unused.device)
+    return parts, arrival_counters(n_tiles, unused.device)
+
+
 @triton.jit
 def sum_slices(acc, part_ptr, arrivals_ptr, offs, mask, pid_n, pid_k, slice_size,
                SPLIT_K: tl.constexpr):

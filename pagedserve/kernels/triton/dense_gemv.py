@@ -8,10 +8,10 @@ Why: a decode step of one token reads each weight once and does two flops per we
 matmul should take the weight's bytes over memory bandwidth. cuBLAS comes close on large
 matrices, but on a tensor-parallel rank's slices (a quarter or half of each projection) its
 kernels leave SMs waiting or split K into a second, reducing launch. Here K is split until
-the grid has `programs_per_sm` programs per SM (the tile rule `tiles`, shared with the FP8
-weight-only kernels: rows per tile first narrowed, then K split), and the last of an output
-tile's programs to arrive adds the partials up (`arrivals.sum_slices`): one launch, no
-memset, CUDA graphs replay it as captured. Launched with PDL (`pdl`), a program loads its
+the grid has `programs_per_sm` programs per SM (`fp8_linear.one_row_tiles`, the FP8
+weight-only kernels' tile rule: rows per tile first narrowed, then K split), and the last
+of an output tile's programs to arrive adds the partials up (`arrivals.sum_slices`): one
+launch, no memset, CUDA graphs replay it as captured. Launched with PDL (`pdl`), a program loads its
 first weight tile before it waits for the previous kernel.
 
 `_fma_kernel` multiplies without tl.dot, as `fp8_linear`'s one-row kernel does: each thread
@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pagedserve.kernels.triton import pdl
-from pagedserve.kernels.triton.arrivals import arrival_counters, sum_slices
+from pagedserve.kernels.triton.arrivals import split_buffers, sum_slices
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms, one_row_tiles
 
 # the activation (and weight) dtypes `linear` takes the GEMV for
@@ -47,12 +47,6 @@ DTYPES = (torch.bfloat16, torch.float16)
 # `bits` and `fma` are FP8's and unused here.
 ONE_ROW = WeightOnlyConfig(block_n=16, block_k=128, num_warps=8, num_stages=1,
                            programs_per_sm=5, min_block_n=4, fma=True)
-
-
-def tiles(n: int, k: int, sms: int, cfg: WeightOnlyConfig) -> tuple[WeightOnlyConfig, int, int]:
-    """What a launch on an [n, k] weight over `sms` SMs takes: (cfg narrowed to n, slices of
-    K, K per slice): `fp8_linear.one_row_tiles`, the FP8 kernels' rule."""
-    return one_row_tiles(n, k, sms, cfg)
 
 
 @triton.jit
@@ -148,9 +142,9 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | No
     assert num_rows == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (1, n) and y.stride(-1) == 1
-    cfg, splits, k_per_split = tiles(n, k, num_sms(x.device), cfg or ONE_ROW)
+    cfg, splits, k_per_split = one_row_tiles(n, k, num_sms(x.device), cfg or ONE_ROW)
     n_tiles = triton.cdiv(n, cfg.block_n)
-    parts, arrivals = _split_buffers(splits, n, n_tiles, y)
+    parts, arrivals = split_buffers(splits, n, n_tiles, y)
     bias_arg = y if bias is None else bias  # never read without HAS_BIAS
     _fma_kernel[(n_tiles, splits)](
         x, weight, bias_arg, y, parts, arrivals, n, k, k_per_split, weight.stride(0),
@@ -158,12 +152,3 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | No
         EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_options())
     return y
-
-
-def _split_buffers(splits: int, size: int, n_tiles: int, y: Tensor) -> tuple[Tensor, Tensor]:
-    """(float32 partials [splits, size], arrival counters) of a split-K launch; y (never
-    read) for both when K is whole."""
-    if splits == 1:
-        return y, y
-    parts = torch.empty((splits, size), dtype=torch.float32, device=y.device)
-    return parts, arrival_counters(n_tiles, y.device)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from pagedserve.kernels.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from pagedserve.kernels.triton import pdl
-from pagedserve.kernels.triton.arrivals import arrival_counters, sum_slices
+from pagedserve.kernels.triton.arrivals import split_buffers, sum_slices
 from pagedserve.kernels.triton.e4m3 import (E4M3_WORD_F32_UNSCALE, e4m3_to, e4m3_word_f32,
                                             round_to_e4m3)
 from pagedserve.kernels.triton.precision import dot_precision
@@ -324,7 +324,7 @@ def weight_only_linear(x: Tensor, weight: Tensor, weight_scale: Tensor,
         return y
     splits, k_per_split = split_k(n, k, num_sms(x.device), cfg)
     n_tiles = triton.cdiv(n, cfg.block_n)
-    parts, arrivals = _split_buffers(splits, num_rows * n, n_tiles, x.device, y)
+    parts, arrivals = split_buffers(splits, num_rows * n, n_tiles, y)
     _weight_only_kernel[(n_tiles, splits)](
         x, weight, weight_scale, weight_scale if bias is None else bias, y, parts, arrivals,
         num_rows, n, k, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
@@ -343,16 +343,6 @@ def _in_words(weight: Tensor) -> bool:
             and weight.data_ptr() % 4 == 0)
 
 
-def _split_buffers(splits: int, size: int, n_tiles: int, device: torch.device,
-                   unused: Tensor) -> tuple[Tensor, Tensor]:
-    """(float32 partials [splits, size], arrival counters) of a split-K launch; `unused`
-    (never read) for both when K is whole."""
-    if splits == 1:
-        return unused, unused
-    parts = torch.empty((splits, size), dtype=torch.float32, device=device)
-    return parts, arrival_counters(n_tiles, device)
-
-
 def _one_row_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
                     cfg: WeightOnlyConfig) -> Tensor:
     """`weight_only_linear` of one token x [1, K] by `_one_row_kernel`, with tiles
@@ -362,7 +352,7 @@ def _one_row_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tenso
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     cfg, splits, k_per_split = one_row_tiles(n, k, sms, cfg)
     n_tiles = triton.cdiv(n, cfg.block_n)
-    parts, arrivals = _split_buffers(splits, n, n_tiles, x.device, y)
+    parts, arrivals = split_buffers(splits, n, n_tiles, y)
     _one_row_kernel[(n_tiles, splits)](
         x, weight, weight_scale, weight_scale if bias is None else bias, y, parts, arrivals,
         n, k, k_per_split, weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
