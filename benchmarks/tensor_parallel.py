@@ -174,6 +174,7 @@ def one_engine(spec: dict, run: dict) -> dict:
 
     scale = Scale(spec["tiny"])
     scale.eager_tp = spec["eager_tp"]
+    scale.profile_batches = spec["profile_batches"]
     tp, parts = run["tp"], run["parts"]
     t0 = time.perf_counter()
     llm = LLM.from_engine(LLMEngine.from_options(
@@ -758,7 +759,7 @@ def engine_runs(res: Results, scale: Scale, root: Path, shape: str,
     child process; their start-up rows reported here."""
     folder = model_folder(root, shape)
     spec = {"runs": runs, "folder": str(folder), "tiny": scale.tiny, "eager_tp": scale.eager_tp,
-            "out": str(res.path.parent)}
+            "out": str(res.path.parent), "profile_batches": scale.profile_batches}
     done = run_child("engines", spec, timeout=scale.child_timeout)
     results = {}
     for run in runs:
@@ -899,6 +900,9 @@ def main() -> None:
     parser.add_argument("--cublas", action="store_true",
                         help="tpot: also every TP size with the float linears on cuBLAS at "
                         "every batch size (--no-dense-gemv), to compare with the GEMV")
+    parser.add_argument("--profile-batches", default=None,
+                        help="profile: the decode batch sizes traced, e.g. 1,256 (default: "
+                        "1 and 64; workload A decodes at up to 256)")
     parser.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT_S,
                         help="seconds an engine part's child process may run before it is "
                         "killed with its ranks (default %(default)s)")
@@ -916,6 +920,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     scale, res = Scale(args.tiny, args.ranks), Results(args.out)
     scale.child_timeout = args.child_timeout
+    if args.profile_batches:
+        scale.profile_batches = tuple(int(b) for b in args.profile_batches.split(","))
     if args.tps:
         scale.tps = [int(tp) for tp in args.tps.split(",")]
         if not set(scale.tps) <= {1, 2, 4} or max(scale.tps) > args.ranks:
