@@ -440,7 +440,8 @@ class Scheduler:
                 skipped += 1
                 continue
             blocks, num_hit = [], 0
-            if request.sampling_params.prompt_logprobs is None:  # else: every position's logits
+            looked_up = request.sampling_params.prompt_logprobs is None  # else: every logit
+            if looked_up:
                 blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             if self._landing and any(block.block_id in self._landing for block in blocks):
                 skipped += 1  # its hit is being recalled: it keeps its place until landed
@@ -469,6 +470,8 @@ class Scheduler:
                     request, num_ready - num_hit + num_new, blocks, num_hit) is None:
                 break
             del self.waiting[skipped]
+            if looked_up and not request.num_preemptions:  # once a prompt (`record_lookup`)
+                self.kv_cache_manager.record_lookup(request, num_hit)
             if declined:
                 self.num_recalls_declined += len(found)
             if swapped is not None:

@@ -37,7 +37,8 @@ from pagedserve.kv_cache.hashing import BlockHash, get_hash_fn
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups, in tokens: `queries` looked up, `hits` found cached."""
+    """Prefix-cache lookups, in tokens: `queries` looked up, `hits` found cached; one lookup
+    a request (`record_lookup`), however many steps it waited for room."""
 
     requests: int = 0
     queries: int = 0
@@ -117,6 +118,8 @@ class KVCacheManager:
 
         At most (num_tokens - 1) tokens are reused: the last prompt token must be computed
         to get logits. Stops at the first miss (a later block cannot match without its parent).
+        Not counted in the stats: a request that waits for room is looked up again each step
+        until admitted, so the caller records the lookup it admits with (`record_lookup`).
         """
         if not self.enable_caching:
             return [], 0
@@ -129,12 +132,19 @@ class KVCacheManager:
             if block is None:
                 break
             computed.append(block)
-        num_hit_tokens = len(computed) * self.block_size
-        if self.log_stats:
-            self.prefix_cache_stats.requests += 1
-            self.prefix_cache_stats.queries += num_tokens
-            self.prefix_cache_stats.hits += num_hit_tokens
-        return computed, num_hit_tokens
+        return computed, len(computed) * self.block_size
+
+    def record_lookup(self, request: Any, num_hit_tokens: int) -> None:
+        """Count the lookup a request was first admitted with: its tokens queried,
+        `num_hit_tokens` of them found on the device. Once a request, so that the hit rate
+        weighs every prompt once: not a waiting one once per step it was looked up in, nor
+        a preempted one again when readmitted (its own blocks, still cached, would count as
+        hits), as vLLM's stats keep those apart too."""
+        if self.log_stats and self.enable_caching:
+            stats = self.prefix_cache_stats
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_hit_tokens
 
     def prefix_hashes(self, request: Any, start: int) -> list[BlockHash]:
         """Hashes of the request's blocks from `start` that a prefix hit may cover (not the

@@ -128,3 +128,48 @@ def test_a_hit_not_worth_recalling_is_recomputed_exactly(make_engine, engine, re
         assert stats.host_tier_stores > 0
         assert stats.host_tier_declined >= len(SYSTEM) // 16  # turn 2's system prompt
     assert stats.kv_cache_usage == 0.0
+
+
+def steps_of(engine, batches):
+    """Each batch of prompts added at once once the one before is done (they compete for
+    the small pool: some wait for room); per step, the (request, tokens so far) out of it."""
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    steps = []
+    for batch in batches:
+        for name, ids in batch.items():
+            engine.add_request(name, None, params, prompt_token_ids=ids)
+        while engine.has_unfinished_requests():
+            steps.append(sorted((o.request_id, list(o.outputs[0].token_ids))
+                                for o in engine.step()))
+    return steps
+
+
+def test_declined_recalls_leave_the_device_pool_as_without_the_tier(make_engine, engine,
+                                                                   tmp_path, monkeypatch):
+    """A tier whose every hit the rule declines stores evicted blocks and costs copies, but
+    the device pool must run as without it: the same requests in every step with the same
+    tokens, the same device hits and evictions, each admitted prompt looked up once."""
+    from pagedserve.device.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "measure_tier_costs",
+                        lambda runner, _: costs_declining_early_hits())
+    first = SYSTEM + [7, 8, 9]
+    batches = [{"turn1": first, **{f"other{i}": ids for i, ids in enumerate(OTHERS)}},
+               {"turn2": first + list(range(20, 20 + NEW_TOKENS)) + [11, 12, 13],
+                "turn2b": SYSTEM + [5, 6]}]
+    block_bytes = engine.get_stats().kv_block_bytes
+    runs = {}
+    for name, options in (("off", {}), ("declined", {"kv_offload_memory": 64 * block_bytes,
+                                                     "kv_offload_path": str(tmp_path)})):
+        small = make_engine(kv_cache_memory=8 * block_bytes, **options)
+        before = small.get_stats()
+        runs[name] = (steps_of(small, batches), before, small.get_stats())
+    (off_steps, off_before, off), (on_steps, on_before, on) = runs["off"], runs["declined"]
+    assert on_steps == off_steps
+    assert on.host_tier_declined - on_before.host_tier_declined >= len(SYSTEM) // 16
+    assert on.host_tier_hits == on_before.host_tier_hits
+    for name in ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions"):
+        assert getattr(on, name) - getattr(on_before, name) == \
+            getattr(off, name) - getattr(off_before, name), name
+    prompts = sum(len(ids) for batch in batches for ids in batch.values())
+    assert off.prefix_cache_queries - off_before.prefix_cache_queries == prompts

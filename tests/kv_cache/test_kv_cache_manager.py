@@ -13,6 +13,7 @@ def admit(mgr: KVCacheManager, req: FakeRequest, num_new: int | None = None):
     num_new = req.num_tokens - num_hit if num_new is None else num_new
     new = mgr.allocate_slots(req, num_new, hit, num_hit)
     if new is not None:
+        mgr.record_lookup(req, num_hit)
         req.num_computed_tokens = num_hit + num_new
     return hit, num_hit, new
 
