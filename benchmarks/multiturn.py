@@ -67,6 +67,7 @@ import torch  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.device.loading import resolve_dtype  # noqa: E402
 from pagedserve.entrypoints.engine_args import parse_size  # noqa: E402
 from pagedserve.frontend.llm_engine import LLMEngine, LoadedModel  # noqa: E402
 
@@ -96,6 +97,30 @@ def make_workload(args: argparse.Namespace, vocab: int) -> list[Conversation]:
                                           list(systems[i // args.group]),
                                           next_arrival=rng.uniform(0, think[0])))
     return conversations
+
+
+def working_set_blocks(args: argparse.Namespace, block_size: int) -> int:
+    """The KV blocks a pool needs to hold every conversation's whole history at its end
+    (system prompt, every user message and answer), so that no turn recomputes a prefix:
+    each group's system prompt once, each conversation's own blocks past it. Full blocks
+    only (the partial last one of a running request comes and goes)."""
+    history = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
+    shared = args.system_tokens // block_size
+    groups = -(-args.conversations // args.group)
+    return groups * shared + args.conversations * (history // block_size - shared)
+
+
+def pool_bytes(args: argparse.Namespace, loaded: LoadedModel, block_size: int) -> int:
+    """--kv-cache-memory, or --kv-cache-share of the working set in bytes: blocks of every
+    layer's K and V in the dtype the engine picks for its cache here (the model's)."""
+    if args.kv_cache_share is None:
+        return args.kv_cache_memory
+    mc = loaded.model_config
+    element = torch.empty(0, dtype=resolve_dtype("auto", torch.device(args.device))).element_size()
+    block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element
+    # + 1: block 0 is the null block, never handed out
+    blocks = round(args.kv_cache_share * working_set_blocks(args, block_size)) + 1
+    return blocks * block_bytes
 
 
 def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int,
@@ -234,18 +259,23 @@ def workload_a(engine: LLMEngine, count: int) -> dict:
 
 
 def comparisons(rows: list[dict]) -> list[dict]:
-    """Each tier's run against the run without it, as the issue states its targets (TTFT
-    p50 at least 2x better with the tier; workload A with the tier on at least 0.98x the
-    throughput without): ratios above 1 favour the tier."""
+    """Each tier's run against the last run without it before it, as the issue states its
+    targets (TTFT p50 at least 2x better with the tier; workload A with the tier on at least
+    0.98x the throughput without): ratios above 1 favour the tier."""
     def ratio(a: float, b: float) -> float | None:
         return round(a / b, 3) if b else None
 
-    turns = {row["tier"]: row for row in rows if "ttft_p50_s" in row}
     a_runs = {row["tier"]: row for row in rows if row.get("workload") == "A"}
     out = []
-    off = turns.get("off")
-    for tier, row in turns.items():
-        if off is None or tier == "off":
+    off = None  # repeated runs (--tiers off,host,off,host) show the run-to-run spread
+    for row in rows:
+        if "ttft_p50_s" not in row:
+            continue
+        tier = row["tier"]
+        if tier == "off":
+            off = row
+            continue
+        if off is None:
             continue
         out.append({"config": row["config"], "device": row["device"],
                     "compare": f"{tier} vs off",
@@ -323,8 +353,12 @@ def main() -> None:
     parser.add_argument("--think-max", type=float, default=30.0)
     parser.add_argument("--time-scale", type=float, default=0.1,
                         help="users' think times are multiplied by this")
-    parser.add_argument("--kv-cache-memory", type=parse_size, required=True,
-                        help="the device pool: smaller than the working set")
+    pool = parser.add_mutually_exclusive_group(required=True)
+    pool.add_argument("--kv-cache-memory", type=parse_size,
+                      help="the device pool: smaller than the working set")
+    pool.add_argument("--kv-cache-share", type=float,
+                      help="the device pool as a share of the working set (0.5: half of "
+                      "the blocks every conversation's whole history needs)")
     parser.add_argument("--kv-offload-memory", type=parse_size, default=16 << 30,
                         help="the host tier of the \"host\" run")
     parser.add_argument("--tiers", default=None,
@@ -363,16 +397,24 @@ def main() -> None:
             args.out.write_text(json.dumps(old + rows, indent=1) + "\n")
 
     rules = RecallRuleLog()
+    working_set = working_set_blocks(args, base.block_size)
+    kv_cache_memory = pool_bytes(args, loaded, base.block_size)
     for tier in tiers:
         options = tier_options(tier, args)
         started = time.perf_counter()
         engine = LLMEngine(EngineConfig(
-            model=model_dir, device=args.device, kv_cache_memory=args.kv_cache_memory,
+            model=model_dir, device=args.device, kv_cache_memory=kv_cache_memory,
             max_model_len=args.max_model_len, **options), loaded)
         started = round(time.perf_counter() - started, 1)
         conversations = make_workload(args, engine.model_config.vocab_size)
         row = {"config": Path(args.config).stem if not args.model else args.model,
                "device": device_name(args.device), "device_blocks": engine.num_blocks,
+               "kv_cache_memory": kv_cache_memory, "working_set_blocks": working_set,
+               # the blocks a request can hold (not the null block) over the working set
+               "pool_share_of_working_set": round((engine.num_blocks - 1) / working_set, 3),
+               "host_share_of_working_set": round(options.get("kv_offload_memory", 0)
+                                                  // engine.get_stats().kv_block_bytes
+                                                  / working_set, 3),
                "tier": tier, "kv_offload_memory": options.get("kv_offload_memory", 0),
                "conversations": args.conversations, "turns": args.turns,
                "system_tokens": args.system_tokens, "answer_tokens": args.answer_tokens,
