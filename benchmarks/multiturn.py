@@ -8,16 +8,20 @@ whole history (system prompt, earlier user messages and answers) plus a new user
 turns each user thinks for a time uniform in [--think-min, --think-max] seconds, multiplied
 by `--time-scale` (time compressed: the engine runs in real time, only the users wait less).
 The same seeded workload runs once per engine, one engine after the other in this process,
-each with the device KV pool of `--kv-cache-memory`: `--tiers` names the runs, "off" (no
+each with the device KV pool of `--kv-cache-memory`, or of `--kv-cache-share` of the working
+set (the blocks every conversation's whole history needs, its system prompt shared: each row
+gives it, `working_set_blocks`, and the pool's and the host tier's share of it): `--tiers`
+names the runs (a name may repeat: each tier's run is compared with the last "off" before it,
+so off,host,off,host shows the run-to-run spread of this real-time workload), "off" (no
 tier), "host" (a host tier of --kv-offload-memory) and "disk" (a disk tier in a fresh
 temporary directory under --kv-offload-path, over a host tier of only --disk-host-memory, so
 the working set lives on disk). The CPU engine has no host tier of its own (its pool is RAM):
 there "host" is refused, "disk" runs.
 
 Per run: TTFT p50/p99 (from a turn's arrival to its first token, as the engine loop sees
-them), output tokens per second over the run, the prefix-hit rate per tier (prompt tokens
-looked up that the device pool held, that were recalled from host memory, that were read
-from disk), the blocks each tier stored and the device pool evicted, the runner's seconds
+them), output tokens per second over the run, the prefix-hit rate per tier (of the prompt
+tokens, each prompt counted once, as first admitted: those the device pool held, those
+recalled from host memory, those read from disk), the blocks each tier stored and the device pool evicted, the runner's seconds
 queuing tier copies and in file I/O; and where the steps go (their count and mean wall
 time, the scheduler's host time per step, the runner's host time queuing tier copies per
 step, the copy stream's time from CUDA events, the blocks offloaded, recalled and dropped,
@@ -37,7 +41,7 @@ is measured, so a call cut short keeps the rows it finished.
         --kv-offload-memory 24G --tiers "" --workload-a 256 --kv-cache-memory 1G \
         --out docs/results/kv_offload.json
     python benchmarks/multiturn.py --config benchmarks/configs/llama3-8b.json \
-        --kv-cache-memory 4G --kv-offload-memory 48G --tiers off,host \
+        --kv-cache-share 0.5 --kv-offload-memory 24G --time-scale 0.3 --tiers off,host \
         --out docs/results/kv_offload.json
     # a quick check on the CPU:
     python benchmarks/multiturn.py --config benchmarks/configs/tiny-qwen3.json --device cpu \
