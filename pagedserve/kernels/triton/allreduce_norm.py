@@ -62,14 +62,15 @@ def signal_words(world_size: int, slots: int = 2) -> int:
 
 
 @triton.jit
-def _barrier(signals_ptr, offset, rank, WORLD: tl.constexpr):
+def barrier(signals_ptr, offset, rank, WORLD: tl.constexpr):
     """Meet the same program of every rank: raise our flag in each pad, then take down each
     rank's flag in ours, one lane per rank (the peers' round trips overlap). The raise is an
     atomic add whose result is unused, which compiles to a posted reduction (`red`): no
     round trip. Release and acquire at system scope: the partial products written before
     are visible to the peers' reads after. A flag is always down when raised (the slots
     alternate, see the module docstring); a lane already done compares against -1, a value
-    no flag holds, so its retries change nothing."""
+    no flag holds, so its retries change nothing. Shared with the two-shot kernel
+    (`allreduce_norm_two_shot.py`)."""
     peers = tl.arange(0, WORLD)
     ours = tl.load(signals_ptr + peers).to(tl.pointer_type(tl.int32)) + offset + rank
     tl.atomic_add(ours, 1, sem="release", scope="sys")
@@ -82,6 +83,14 @@ def _barrier(signals_ptr, offset, rank, WORLD: tl.constexpr):
 
 
 @triton.jit
+def peer_pointer(buffers_ptr, peer, dtype: tl.constexpr):
+    """Rank `peer`'s buffer as a pointer to `dtype`, declared 16-byte aligned (symmetric memory
+    is): an address loaded from a table has no known alignment, and without it the compiler
+    reads a row through it two bytes at a time instead of in 16-byte vectors."""
+    return tl.multiple_of(tl.load(buffers_ptr + peer).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
 def _all_reduce_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_ptr,
                                     arrivals_ptr, rank, buffer_offset, signal_offset, num_rows,
                                     stride_res, stride_out, eps, N: tl.constexpr,
@@ -90,7 +99,7 @@ def _all_reduce_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, ou
                                     WORLD: tl.constexpr):
     pdl.step_entry()
     program = tl.program_id(0)
-    _barrier(signals_ptr, signal_offset + program * WORLD, rank, WORLD)
+    barrier(signals_ptr, signal_offset + program * WORLD, rank, WORLD)
     dtype = out_ptr.dtype.element_ty
     lanes = tl.arange(0, SLICE_BLOCK)
     offs = (program % SPLIT) * SLICE + lanes  # this program's slice of its rows
@@ -98,7 +107,7 @@ def _all_reduce_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, ou
     for row in range(program // SPLIT, num_rows, tl.num_programs(0) // SPLIT):  # int32 offsets
         total = tl.zeros([SLICE_BLOCK], dtype=tl.float32)
         for peer in tl.static_range(WORLD):
-            part = tl.load(buffers_ptr + peer).to(tl.pointer_type(dtype))
+            part = peer_pointer(buffers_ptr, peer, dtype)
             total += tl.load(part + buffer_offset + row * N + offs, mask=mask,
                              other=0.0).to(tl.float32)
         total = round_to(total, dtype)  # the all-reduce's output, in its dtype
