@@ -1,0 +1,158 @@
+"""A two-shot all-reduce fused with the residual add and the RMSNorm after it: one kernel where
+the unfused path runs two (torch's two-shot reduction, then the add + norm), for the messages
+too large for the one-shot fused kernel (`allreduce_norm.py`) to pay.
+
+Why: past a few hundred KiB a one-shot reduction, in which every rank reads every rank's whole
+message, is bound by the bytes each rank pulls over the links. Two-shot moves a world-size-th
+of them per rank, but torch's kernel for it meets three barriers and then the norm reads and
+writes every row again in a kernel of its own. Here, in one launch, every program of rank r:
+
+1. meets its namesake on every rank at a barrier (`allreduce_norm.barrier`): every rank's
+   partial product is in its buffer;
+2. reduce-scatter by rows: rank r owns a contiguous share of the rows (`row_share`: M rows
+   split W ways, the first M % W ranks one more; a rank may own none). For each of its rows
+   it reads the row from every rank's buffer, in rank order, sums in float32 and rounds to
+   the activation dtype (as the one-shot fused kernel does: every rank's sum is the same,
+   bit for bit), adds the residual (`add_residual`: written back to this rank's stream) and
+   also stores the new stream row in this rank's peer-visible stream region; then
+   normalises it with the norm kernel's own row body (`add_rms_norm_row`);
+3. meets its namesakes at a second barrier: every rank's rows of the stream are out;
+4. all-gather by pulling: for every other rank's rows (those its namesake there summed) it
+   reads the new stream row from that rank's stream region, writes it into this rank's
+   residual stream and normalises it, with the same row body on the same stored values:
+   the same output, bit for bit, as the owner's.
+
+Only the stream crosses the links in the gather, not the normalised output, which every rank
+derives: the same bytes as an unfused two-shot's gather, and no norm pass over M rows after
+it. The gathered rows land straight in the caller's `residual` and a fresh `out`, plain
+device memory (no copy out of peer memory, and nothing returned aliases a buffer that the
+next call overwrites). A row is whole in one program (wide 16-byte vector loads and stores)
+so that its sum of squares is the norm kernel's, in the norm kernel's order; the rows of a
+share are spread over the programs (at most `max_programs`, one per SM so all are resident,
+as the barriers need).
+
+No barrier at the end, and one buffer, not two alternating slots: the two barriers of a call
+order it against the next. The partial region is rewritten (by the next call's producer)
+only after this rank's kernel has finished, so after every program here passed the second
+barrier, which every peer's namesake raised after its reads of the partials. The stream
+region is rewritten only in the next call's reduce-scatter, after that call's first barrier,
+which a peer reaches only once its whole kernel before, gather included, is done (stream
+order; PDL waits for the previous kernel before the barrier). The flags of each barrier are
+used again at the next call: a peer lowered this rank's flag of barrier A before it raised
+its flag of barrier B, which this rank waited for; and lowered the flag of B before it
+reached the next call's A.
+
+As for the one-shot fused kernel, the buffers and pads are given as tables of device
+addresses (int64, one per rank), which lets the CPU tests simulate the ranks in one process
+under TRITON_INTERPRET=1. The interpreter runs a launch's programs in turn and the ranks one
+after another; no program waits for another of its own launch, only for its namesakes on
+other ranks (see the test for how a rank that has not run yet is stood in for).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pagedserve.kernels.triton import pdl
+from pagedserve.kernels.triton.allreduce_norm import barrier, peer_pointer
+from pagedserve.kernels.triton.model_ops import add_residual, add_rms_norm_row, norm_warps
+from pagedserve.kernels.triton.precision import round_to
+
+MAX_PROGRAMS = 128  # the most programs of a launch: bounds the signal pad its barriers use
+_SECOND_FLAGS = tl.constexpr(MAX_PROGRAMS)  # the second barrier's flags follow the first's
+
+
+def signal_words(world_size: int) -> int:
+    """The int32 flags of a signal pad that the two barriers use."""
+    return 2 * MAX_PROGRAMS * world_size
+
+
+def row_share(rank: int, num_rows: int, world_size: int) -> tuple[int, int]:
+    """(first row, row count) that `rank` reduces: M rows split in order, the first M % W
+    ranks one more (the kernel's `_row_share`)."""
+    base, extra = divmod(num_rows, world_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def grid_size(num_rows: int, world_size: int, max_programs: int = MAX_PROGRAMS) -> int:
+    """One program per row of the largest share, at most `max_programs` (a program loops
+    over rows beyond that)."""
+    return max(1, min(triton.cdiv(num_rows, world_size), max_programs, MAX_PROGRAMS))
+
+
+@triton.jit
+def _row_share(owner, num_rows, WORLD: tl.constexpr):
+    base = num_rows // WORLD
+    extra = num_rows % WORLD
+    return owner * base + tl.minimum(owner, extra), base + (owner < extra).to(tl.int32)
+
+
+@triton.jit
+def _two_shot_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_ptr, rank,
+                                  stream_offset, num_rows, stride_res, stride_out, eps,
+                                  N: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr):
+    pdl.step_entry()
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    barrier(signals_ptr, program * WORLD, rank, WORLD)  # A: every partial is in its buffer
+    dtype = out_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    stream = peer_pointer(buffers_ptr, rank, dtype) + stream_offset
+    first, count = _row_share(rank, num_rows, WORLD)
+    for row in range(first + program, first + count, programs):  # int32 offsets
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for peer in tl.static_range(WORLD):  # rank order: the same sum on every rank
+            part = peer_pointer(buffers_ptr, peer, dtype)
+            total += tl.load(part + row * N + offs, mask=mask, other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+        x = add_residual(round_to(total, dtype), res_ptr + row * stride_res, offs, mask)
+        tl.store(stream + row * N + offs, x.to(dtype), mask=mask)
+        add_rms_norm_row(x, res_ptr + row * stride_res, w_ptr, out_ptr + row * stride_out,
+                         offs, mask, eps, N, False)
+    # Every thread's stores to the stream region happen before the barrier, the barrier
+    # before the flags' release: a peer that sees our flag sees our rows.
+    tl.debug_barrier()
+    barrier(signals_ptr, (_SECOND_FLAGS + program) * WORLD, rank, WORLD)  # B: rows are out
+    tl.debug_barrier()
+    for owner in tl.static_range(WORLD):
+        if owner != rank:
+            theirs = peer_pointer(buffers_ptr, owner, dtype) + stream_offset
+            start, rows = _row_share(owner, num_rows, WORLD)
+            for row in range(start + program, start + rows, programs):
+                x = tl.load(theirs + row * N + offs, mask=mask, other=0.0,
+                            cache_modifier=".cg").to(tl.float32)
+                tl.store(res_ptr + row * stride_res + offs, x.to(dtype), mask=mask)
+                add_rms_norm_row(x, res_ptr + row * stride_res, w_ptr,
+                                 out_ptr + row * stride_out, offs, mask, eps, N, False)
+
+
+def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, stream_bytes: int,
+                            partial: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                            max_programs: int = MAX_PROGRAMS) -> tuple[Tensor, Tensor]:
+    """(RMSNorm(residual + sum over ranks of partial), that sum), the sum written into
+    `residual` in place: `model_ops.rms_norm` of the all-reduced partial products, bit for
+    bit.
+
+    buffers, signals: int64 [world] device addresses of every rank's buffer and signal pad;
+    a buffer holds the partial product at its start and the stream region from byte
+    `stream_bytes` (at least the message's size); `partial` [T, N] is this rank's product,
+    contiguous at its buffer's start; every rank calls this with the same shapes, in the
+    same order. `max_programs`: the programs that may be resident at once (the SMs)."""
+    world = buffers.numel()
+    num_rows, n = partial.shape
+    assert partial.is_contiguous() and residual.shape == partial.shape
+    assert residual.dtype == partial.dtype and residual.stride(-1) == 1
+    assert weight.is_contiguous() and partial.numel() * partial.element_size() <= stream_bytes
+    out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    if num_rows == 0:
+        return out, residual
+    block = triton.next_power_of_2(n)
+    _two_shot_add_rms_norm_kernel[(grid_size(num_rows, world, max_programs),)](
+        buffers, signals, residual, weight, out, rank, stream_bytes // partial.element_size(),
+        num_rows, residual.stride(0), out.stride(0), eps, N=n, BLOCK=block, WORLD=world,
+        num_warps=norm_warps(block), **pdl.launch_options())
+    return out, residual
