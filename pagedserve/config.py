@@ -116,6 +116,9 @@ class EngineConfig:
     # ... and where peer memory takes it, the all-reduce after o_proj and down_proj fused
     # with the residual add and RMSNorm that follow: one kernel (model/allreduce.py)
     fuse_all_reduce_norm: bool = True
+    # ... that fusion for the messages two-shot takes too (one-shot's: fuse_all_reduce_norm);
+    # False: two-shot's messages sum, then normalise in a kernel of its own
+    fuse_two_shot_all_reduce_norm: bool = True
     # CUDA: the float linears' decode steps of one row through the split-K Triton GEMV
     # (kernels/triton/dense_gemv.py); False: cuBLAS at every row count
     dense_gemv: bool = True

@@ -158,6 +158,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("fuse_all_reduce_norm", "tensor parallelism on peer memory: sum o_proj's and "
               "down_proj's partial products, add the residual and apply the next RMSNorm in "
               "one kernel, at 2 and 4 ranks (other sizes: the norm on its own)"),
+    EngineArg("fuse_two_shot_all_reduce_norm", "with --fuse-all-reduce-norm: fuse the "
+              "messages that take two-shot too (above one-shot's size); off: only one-shot's"),
     EngineArg("dense_gemv", "CUDA: decode steps of one token multiply by the bf16/fp16 "
               "weights with a split-K Triton GEMV (else cuBLAS at every batch size)"),
     EngineArg("enable_lora", "serve LoRA adapters (PEFT format) on top of the base model"),

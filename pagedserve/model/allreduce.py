@@ -26,6 +26,11 @@ one-shot takes goes through `FusedAllReduceNorm` instead: one kernel reads the p
 products, sums them, adds the residual and normalises (`kernels/triton/allreduce_norm.py`),
 in place of the reduction and the norm's own kernel. It has two buffers of its own, which
 the layers alternate between (o_proj's, down_proj's), as that kernel ends without a barrier.
+A message two-shot takes goes through `FusedTwoShotAllReduceNorm` likewise
+(`kernels/triton/allreduce_norm_two_shot.py`): each rank sums, adds and normalises its share
+of the rows, then gathers the other ranks' rows of the new residual stream and normalises
+them too; one buffer of its own (partial products, then the stream rows), its two barriers
+ordering each call against the next.
 
 The choice is made once, at start-up (`plan`), and agreed by every rank: peer memory only on
 CUDA, one host, world sizes the kernels support, every GPU able to reach every other, symmetric
@@ -55,10 +60,11 @@ ALIGNMENT = 16  # bytes: the kernels move 16-byte vectors
 # docs/benchmarks.md, "All-reduce, 8 KiB-256 MiB"); 8 ranks is still a guess.
 ONE_SHOT_MAX_BYTES = {2: 512 << 10, 4: 512 << 10, 8: 128 << 10}
 FUSED_CHECK_BYTES = 4 << 10  # the fused kernel's largest first message; smaller limits: unfused
-# the world sizes where the fused all-reduce + add + RMSNorm is taken: where it beat the unfused
-# chain in a decode step (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md):
-# at 2 ranks, and at 4 once a row's work was split over several programs (with one program per
-# row it lost there); 8 not measured
+# the world sizes where the fused all-reduce + add + RMSNorm is taken (one-shot and two-shot
+# alike; the two-shot is not measured yet): where the one-shot beat the unfused chain in a
+# decode step (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md): at 2
+# ranks, and at 4 once a row's work was split over several programs (with one program per row
+# it lost there); 8 not measured
 FUSED_WORLD_SIZES = (2, 4)
 
 
@@ -136,6 +142,14 @@ class PeerAllReduce:
         return out
 
 
+def _signal_pad_fits(symm_mem, words: int) -> None:
+    """Raise unless a signal pad holds `words` int32 flags (older PyTorch cannot tell)."""
+    pad_size = getattr(symm_mem, "get_signal_pad_size", None)
+    pad_bytes = None if pad_size is None else pad_size()
+    if pad_bytes is not None and pad_bytes < 4 * words:
+        raise RuntimeError(f"signal pad of {pad_bytes} bytes, the barriers need {4 * words}")
+
+
 class FusedAllReduceNorm:
     """Two buffers (slots) of symmetric memory of `slot_bytes` each, and the one-shot
     all-reduce + residual add + RMSNorm over them (`kernels/triton/allreduce_norm.py`).
@@ -156,11 +170,7 @@ class FusedAllReduceNorm:
         self.slot_bytes = slot_bytes
         self.buffer = symm_mem.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        pad_size = getattr(symm_mem, "get_signal_pad_size", None)  # not in older PyTorch
-        pad_bytes = None if pad_size is None else pad_size()
-        needed = 4 * allreduce_norm.signal_words(handle.world_size)
-        if pad_bytes is not None and pad_bytes < needed:
-            raise RuntimeError(f"signal pad of {pad_bytes} bytes, the barriers need {needed}")
+        _signal_pad_fits(symm_mem, allreduce_norm.signal_words(handle.world_size))
         self.rank = handle.rank
         self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
@@ -179,6 +189,42 @@ class FusedAllReduceNorm:
         choice from the shape by default."""
         return self.kernel(self.buffers, self.signals, self.rank, slot, self.slot_bytes,
                            partial, residual, weight, eps, split)
+
+
+class FusedTwoShotAllReduceNorm:
+    """A buffer of symmetric memory of twice `max_bytes` (a message's partial product, then
+    the rows of the new residual stream that this rank reduced, for its peers to gather), and
+    the two-shot all-reduce + residual add + RMSNorm over it
+    (`kernels/triton/allreduce_norm_two_shot.py`). One buffer serves every call: the
+    kernel's two barriers order a call against the next (see that module)."""
+
+    def __init__(self, max_bytes: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from pagedserve.kernels.triton import allreduce_norm_two_shot
+
+        self.kernel = allreduce_norm_two_shot.all_reduce_add_rms_norm
+        # its barriers need every program resident: at most one per SM
+        self.max_programs = min(allreduce_norm_two_shot.MAX_PROGRAMS,
+                                torch.cuda.get_device_properties(device).multi_processor_count)
+        self.max_bytes = max_bytes
+        self.buffer = symm_mem.empty(2 * max_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        _signal_pad_fits(symm_mem, allreduce_norm_two_shot.signal_words(handle.world_size))
+        self.rank = handle.rank
+        self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+
+    def target(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The buffer as a tensor of `shape`, for the partial product to be written into."""
+        return self.buffer[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + the sum of `partial`, which is `target(...)`, over the ranks),
+        that sum, written into `residual`)."""
+        return self.kernel(self.buffers, self.signals, self.rank, self.max_bytes, partial,
+                           residual, weight, eps, self.max_programs)
 
 
 def start(world_size: int, rank: int, group: dist.ProcessGroup, device: torch.device,
@@ -231,6 +277,59 @@ def start_fused(peer: PeerAllReduce | None, rank: int, group: dist.ProcessGroup,
     logger.info("all-reduce: fused with the residual add and RMSNorm up to %d bytes",
                 fused.slot_bytes)
     return fused
+
+
+def start_fused_two_shot(peer: PeerAllReduce | None, rank: int, group: dist.ProcessGroup,
+                         device: torch.device) -> FusedTwoShotAllReduceNorm | None:
+    """Set up the fused two-shot all-reduce + add + RMSNorm beside `peer` for the messages
+    two-shot takes (a collective call: every rank makes it and all get the same answer);
+    None where there is no peer memory or no message takes two-shot, at a world size
+    outside `FUSED_WORLD_SIZES`, or where its first results differ from NCCL's sum
+    normalised."""
+    # alike on every rank (`start` agreed on `peer`): no collective
+    if (peer is None or peer.plan.max_bytes <= peer.plan.one_shot_max_bytes
+            or dist.get_world_size(group) not in FUSED_WORLD_SIZES):
+        return None
+    try:
+        fused = FusedTwoShotAllReduceNorm(peer.plan.max_bytes, group, device)
+        ok = _two_shot_matches_nccl(fused, rank, group, device)
+    except Exception:  # noqa: BLE001 - any failure here means the unfused path, on every rank
+        logger.exception("fused two-shot all-reduce + RMSNorm unavailable; the norm runs on "
+                         "its own after two-shot")
+        fused, ok = None, False
+    if not _agree(ok, group, device):
+        logger.info("all-reduce: the norm after two-shot runs on its own (the fused kernel "
+                    "failed its first reductions)")
+        return None
+    logger.info("all-reduce: two-shot fused with the residual add and RMSNorm up to %d bytes",
+                fused.max_bytes)
+    return fused
+
+
+def _two_shot_matches_nccl(fused: FusedTwoShotAllReduceNorm, rank: int,
+                           group: dist.ProcessGroup, device: torch.device) -> bool:
+    """A few messages through the fused two-shot kernel, and through NCCL and the norm's own
+    kernel: equal? Integer values, so that any order of the sum gives the same result. Row
+    counts that the ranks share unevenly and one that leaves a rank none; each shape twice,
+    as the second call meets flags the first left."""
+    from pagedserve.kernels.triton import model_ops
+
+    for shape in ((5, 256), (5, 256), (1, 1024), (1, 1024), (67, 512), (67, 512)):
+        weight = torch.arange(shape[1], dtype=torch.float32, device=device).remainder_(7).add_(1)
+        x = torch.arange(math.prod(shape), dtype=torch.float32, device=device).view(shape)
+        x.remainder_(97).add_(rank)
+        residual = torch.ones(shape, device=device)
+        want = x.clone()
+        dist.all_reduce(want, group=group)
+        want_out, want_sum = model_ops.rms_norm(want, weight, 1e-6, residual.clone())
+        partial = fused.target(shape, torch.float32)
+        partial.copy_(x)
+        out, total = fused(partial, residual, weight, 1e-6)
+        if not (torch.equal(out, want_out) and torch.equal(total, want_sum)):
+            logger.warning("fused two-shot all-reduce + RMSNorm disagrees with NCCL's (%s)",
+                           shape)
+            return False
+    return True
 
 
 def _fused_matches_nccl(fused: FusedAllReduceNorm, rank: int, group: dist.ProcessGroup,

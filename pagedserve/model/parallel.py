@@ -57,6 +57,8 @@ class TensorParallel:
     # the one-shot all-reduce fused with the residual add and RMSNorm after it; None: the
     # norm runs on its own after `all_reduce_`
     fused: allreduce.FusedAllReduceNorm | None = None
+    # the same for the messages two-shot takes; None: the norm runs on its own after them
+    fused_two_shot: allreduce.FusedTwoShotAllReduceNorm | None = None
 
 
 _STATE = TensorParallel()
@@ -69,11 +71,14 @@ def get_tp() -> TensorParallel:
 def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str,
                          timeout: timedelta = timedelta(seconds=60),
                          peer_all_reduce_max_bytes: int = 0,
-                         fuse_all_reduce_norm: bool = True) -> TensorParallel:
+                         fuse_all_reduce_norm: bool = True,
+                         fuse_two_shot_all_reduce_norm: bool = True) -> TensorParallel:
     """Join the group of `size` ranks (NCCL on CUDA, gloo on the CPU), and on CUDA set up the
     peer-memory all-reduce for messages up to `peer_all_reduce_max_bytes` where every rank
     can (`allreduce.start`; 0: NCCL for all), and with it, unless `fuse_all_reduce_norm` is
-    off, the all-reduce fused with the norm after it (`allreduce.start_fused`).
+    off, the all-reduce fused with the norm after it (`allreduce.start_fused`; for the
+    messages two-shot takes, `allreduce.start_fused_two_shot`, unless
+    `fuse_two_shot_all_reduce_norm` is off too).
 
     The timeout bounds every collective and the rendezvous: a rank that never arrives (a dead
     or missing worker) makes the others fail instead of waiting forever.
@@ -94,7 +99,9 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
         peer = allreduce.start(size, rank, group, device, peer_all_reduce_max_bytes)
         fused = (allreduce.start_fused(peer, rank, group, device) if fuse_all_reduce_norm
                  else None)
-        _STATE = TensorParallel(rank, size, group, peer, fused)
+        fused_two_shot = (allreduce.start_fused_two_shot(peer, rank, group, device)
+                          if fuse_all_reduce_norm and fuse_two_shot_all_reduce_norm else None)
+        _STATE = TensorParallel(rank, size, group, peer, fused, fused_two_shot)
     else:
         _STATE = TensorParallel()
     return _STATE
@@ -103,26 +110,37 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
 # -- collectives ----------------------------------------------------------------------------
 
 
+def _fused_two_shot(nbytes: int, dtype: torch.dtype) -> bool:
+    """Whether a message whose sum a norm follows takes the fused two-shot kernel."""
+    tp = _STATE
+    return (tp.fused_two_shot is not None
+            and tp.peer.plan.algorithm(nbytes, dtype, True) == "two_shot")
+
+
 def fuses_norm(shape: tuple[int, int], dtype: torch.dtype) -> bool:
     """Whether a row-parallel product of `shape` whose sum an RMSNorm follows is summed and
     normalised in one kernel (`all_reduce_add_rms_norm_`): peer memory with the fused
-    kernel, a message one-shot takes."""
+    kernel for the algorithm the message takes (one-shot or two-shot)."""
     tp = _STATE
-    return tp.fused is not None and tp.peer.plan.fuses_norm(math.prod(shape) * dtype.itemsize,
-                                                            dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return ((tp.fused is not None and tp.peer.plan.fuses_norm(nbytes, dtype))
+            or _fused_two_shot(nbytes, dtype))
 
 
 def partial_target(shape: tuple[int, int], dtype: torch.dtype,
                    fused_slot: int | None = None) -> torch.Tensor | None:
     """Where a row-parallel layer should write its partial product of `shape`, so that its
-    sum reads it without a copy: slot `fused_slot` of the fused kernel's memory (when
-    `fuses_norm`), else the peer all-reduce's buffer when `all_reduce_` will take peer
-    memory; None: anywhere (NCCL, one rank)."""
+    sum reads it without a copy: when `fuses_norm` (`fused_slot` given), the fused kernel's
+    memory (slot `fused_slot` of the one-shot kernel's; the two-shot kernel has one buffer),
+    else the peer all-reduce's buffer when `all_reduce_` will take peer memory; None:
+    anywhere (NCCL, one rank)."""
     tp = _STATE
+    nbytes = math.prod(shape) * dtype.itemsize
     if fused_slot is not None:
+        if _fused_two_shot(nbytes, dtype):
+            return tp.fused_two_shot.target(shape, dtype)
         return tp.fused.target(fused_slot, shape, dtype)
-    if tp.peer is None or tp.peer.plan.algorithm(math.prod(shape) * dtype.itemsize, dtype,
-                                                 True) == "nccl":
+    if tp.peer is None or tp.peer.plan.algorithm(nbytes, dtype, True) == "nccl":
         return None
     return tp.peer.target(shape, dtype)
 
@@ -131,8 +149,10 @@ def all_reduce_add_rms_norm_(partial: torch.Tensor, residual: torch.Tensor,
                              weight: torch.Tensor, eps: float,
                              slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(residual + the sum of `partial` over the ranks), that sum, written into
-    `residual`) in one kernel, `partial` being `partial_target(..., slot)`: see `fuses_norm`
-    and `allreduce.FusedAllReduceNorm`."""
+    `residual`) in one kernel, `partial` being `partial_target(..., slot)`: see `fuses_norm`,
+    `allreduce.FusedAllReduceNorm` and `allreduce.FusedTwoShotAllReduceNorm`."""
+    if _fused_two_shot(partial.numel() * partial.element_size(), partial.dtype):
+        return _STATE.fused_two_shot(partial, residual, weight, eps)
     return _STATE.fused(slot, partial, residual, weight, eps)
 
 

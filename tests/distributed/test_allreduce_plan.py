@@ -47,9 +47,10 @@ def test_messages_the_kernels_cannot_take_go_to_nccl():
 
 
 def test_the_fused_all_reduce_norm_takes_what_one_shot_takes():
-    """The fused sum + add + RMSNorm is a one-shot: a decode token's message, up to the
-    one-shot limit; two-shot's and NCCL's sizes and the types the kernels lack are summed
-    apart from the norm."""
+    """The fused sum + add + RMSNorm of `fuses_norm` is a one-shot: a decode token's message,
+    up to the one-shot limit; two-shot's sizes have a fused kernel of their own
+    (`parallel.fuses_norm`), NCCL's and the types the kernels lack are summed apart from
+    the norm."""
     plan = AllReducePlan(max_bytes=8 * MiB, one_shot_max_bytes=512 << 10)
     assert plan.fuses_norm(8 << 10, torch.bfloat16)  # one token of a 4096-wide model
     assert plan.fuses_norm(512 << 10, torch.float32)
@@ -59,20 +60,22 @@ def test_the_fused_all_reduce_norm_takes_what_one_shot_takes():
     assert not plan.fuses_norm(0, torch.bfloat16)
 
 
-def gloo_fusion_and_target() -> tuple[bool, bool, bool]:
+def gloo_fusion_and_target() -> tuple[bool, bool, bool, bool, bool]:
     """On a gloo rank: (fused kernel set up, a decode token's sum fused with its norm, a
-    peer-memory place to write its partial product)."""
+    peer-memory place to write its partial product, fused two-shot kernel set up, a
+    two-shot-sized sum fused with its norm)."""
     tp = parallel.init_tensor_parallel(parallel.get_tp().rank, parallel.get_tp().size,
                                        torch.device("cpu"), "unused",
                                        peer_all_reduce_max_bytes=8 * MiB)
     shape = (1, 64)
     return (tp.fused is not None, parallel.fuses_norm(shape, torch.float32),
-            parallel.partial_target(shape, torch.float32) is not None)
+            parallel.partial_target(shape, torch.float32) is not None,
+            tp.fused_two_shot is not None, parallel.fuses_norm((256, 4096), torch.bfloat16))
 
 
 def test_a_cpu_group_never_fuses_nor_writes_into_peer_memory():
     results = run_on_ranks(gloo_fusion_and_target, size=2)
-    assert results == [(False, False, False)] * 2
+    assert results == [(False, False, False, False, False)] * 2
 
 
 def small_limit_plan_and_sum(limit: int) -> tuple[bool, list[float]]:

@@ -12,7 +12,10 @@ either way), so the peer all-reduce gives NCCL's tokens exactly, and the all-red
 the residual add and RMSNorm after it (kernels/triton/allreduce_norm.py) gives the unfused
 path's, to the bit: against NCCL and the norm's own kernel, layer after layer, eager and in a
 CUDA graph, then in engines. On four GPUs the fused kernel is checked too, on sums that are
-exact in any order (a few rows are each split over several programs there as at two ranks)."""
+exact in any order (a few rows are each split over several programs there as at two ranks).
+The two-shot fused kernel (kernels/triton/allreduce_norm_two_shot.py), which takes the
+messages above one-shot's size, is checked the same way at two and four ranks, and in engines
+(the prefill chunks' messages take it) against the engine with it turned off."""
 
 from __future__ import annotations
 
@@ -137,6 +140,11 @@ def test_peer_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
 # batch (4 programs a row), one program per row, programs that loop over rows (all within
 # one-shot's 512 KiB at two and four ranks, in float32 too)
 FUSED_SHAPES = [(1, 4096), (3, 4096), (7, 1024), (64, 1024), (100, 1024)]
+# (rows, hidden) per dtype for the two-shot fused kernel: a decode batch of 128 and of 256
+# Llama-3-8B tokens (1 and 2 MiB in bf16), and the most rows of 4096 within the 8 MiB limit
+# (1000 in bf16, 500 in float32), which every rank shares evenly at two and four ranks
+TWO_SHOT_SHAPES = {torch.bfloat16: [(128, 4096), (256, 4096), (1000, 4096)],
+                   torch.float32: [(128, 4096), (256, 4096), (500, 4096)]}
 LAYERS = 12
 
 
@@ -172,18 +180,20 @@ def _layers(x, residual, weight, rank: int, fused: bool, size: int = 2):
     return x, residual
 
 
-def _check_fused_rank(rank: int, size: int, port: int) -> dict:
+def _check_fused_rank(rank: int, size: int, port: int, kernel: str = "fused") -> dict:
     """{(rows, dtype, eager|graph): the fused layers' (output, stream) equal to NCCL's and the
-    norm kernel's}, and whether the fused kernel was set up."""
+    norm kernel's}, and whether the fused kernel was set up. `kernel`: "fused" (one-shot's
+    sizes, FUSED_SHAPES) or "fused_two_shot" (TWO_SHOT_SHAPES)."""
     from pagedserve.model import parallel
 
     device, tp = _join(rank, size, port)
-    out = {"fused": tp.fused is not None}
-    if tp.fused is None:
+    out = {"fused": getattr(tp, kernel) is not None}
+    if not out["fused"]:
         return out
     gen = torch.Generator(device).manual_seed(0)  # the same inputs on every rank
     for dtype in (torch.bfloat16, torch.float32):
-        for rows, hidden in FUSED_SHAPES:
+        shapes = FUSED_SHAPES if kernel == "fused" else TWO_SHOT_SHAPES[dtype]
+        for rows, hidden in shapes:
             weight = (1 + 0.3 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
             assert parallel.fuses_norm((rows, hidden), dtype)
             x = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
@@ -243,6 +253,27 @@ def assert_fused_equals_nccl_then_the_norm(size: int) -> None:
         assert not wrong, f"rank {rank}: differs from NCCL + RMSNorm at {wrong}"
 
 
+def _check_two_shot_rank(rank: int, size: int, port: int) -> dict:
+    return _check_fused_rank(rank, size, port, "fused_two_shot")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_fused_two_shot_all_reduce_norm_equals_nccl_then_the_norm(size):
+    """The messages above one-shot's size (128, 256 and 1000 rows of 4096): each rank sums,
+    adds and normalises its share of the rows, then gathers the others' stream rows and
+    normalises them: equal to the bit to NCCL's sum and the norm kernel, eager and in CUDA
+    graphs, bf16 and float32 (at four ranks on sums exact in any order, see `_layers`)."""
+    if torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs")
+    got = on_ranks(_check_two_shot_rank, size)
+    for rank, result in got.items():
+        assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
+        assert result.pop("fused"), f"{size} GPUs of one host should get the fused two-shot"
+        assert len(result) == 2 * sum(map(len, TWO_SHOT_SHAPES.values()))
+        wrong = [key for key, ok in result.items() if not ok]
+        assert not wrong, f"rank {rank}: differs from NCCL + RMSNorm at {wrong}"
+
+
 def run_engines(checkpoint: str, dtype: str, runs: dict[str, dict]) -> dict[str, list]:
     """Each engine of `runs` in turn, in this process, each shut down before the next."""
     from pagedserve.frontend.llm_engine import LLMEngine
@@ -280,6 +311,17 @@ def test_tp2_fused_all_reduce_norm_gives_the_unfused_tokens(checkpoint, dtype):
     same either way, so are the greedy tokens, in float32 and in bf16."""
     tokens = run_engines(checkpoint, dtype, {
         "unfused": dict(tensor_parallel_size=2, fuse_all_reduce_norm=False),
+        "fused": dict(tensor_parallel_size=2)})
+    assert tokens["fused"] == tokens["unfused"]
+
+
+@torch.inference_mode()
+def test_tp2_fused_two_shot_all_reduce_norm_gives_the_unfused_tokens(checkpoint):
+    """The prefill chunks' all-reduces (several hundred tokens of 1024: two-shot's sizes)
+    fused with their norms or not: two ranks' sums are the same either way, so are the greedy
+    tokens in float32."""
+    tokens = run_engines(checkpoint, "float32", {
+        "unfused": dict(tensor_parallel_size=2, fuse_two_shot_all_reduce_norm=False),
         "fused": dict(tensor_parallel_size=2)})
     assert tokens["fused"] == tokens["unfused"]
 
