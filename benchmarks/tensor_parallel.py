@@ -22,8 +22,12 @@ default, in this order):
              kernel) against the fused kernel (which the engine takes up to one-shot's limit:
              the rows above it say whether that limit should move); where the fused kernel
              splits each row over several programs (few rows), also fused_rms_norm_unsplit,
-             one program per row. Also whether an NCCL all-reduce captured in a graph replays
-             right between eager collectives (if not, the TP engines run --enforce-eager)
+             one program per row. From 512 KiB to 8 MiB also two-shot's chain
+             (two_shot+rms_norm) against the fused two-shot kernel (fused_two_shot_rms_norm,
+             which the engine takes above one-shot's limit), to place that limit with the
+             fused kernels on both sides. Also whether an NCCL all-reduce captured in a
+             graph replays right between eager collectives (if not, the TP engines run
+             --enforce-eager)
   logits     Llama-3-8B shape, TP=1 and TP=N on the same random weights: the first generated
              token's top-20 logprobs of 16 prompts (largest difference), greedy agreement
   tpot       Llama-3-8B batch-1 decode TPOT at every TP size (targets: TP=2 <= 0.60x TP=1,
@@ -489,7 +493,8 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
                 row = {"bytes": nbytes, "algorithm": name, "error":
                        traceback.format_exc()[-1500:]}
             rows.append(row)
-    norm_rows = [] if peer is None else _norm_chain_rows(peer, spec["sizes"], device)
+    norm_rows = ([] if peer is None else
+                 _norm_chain_rows(peer, spec["sizes"], device) + _two_shot_norm_rows(peer, device))
     if rank == 0:
         queue.put({"rows": rows, "norm_rows": norm_rows, "peer_error": peer_error,
                    "device": torch.cuda.get_device_name() if cuda else "cpu"})
@@ -505,6 +510,9 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
 
 
 NORM_CHAIN_MAX_BYTES = 2 << 20
+# the messages the two-shot chain and the fused two-shot kernel are timed at: from one-shot's
+# limit to the peer limit (8 KiB a row: 64 to 1024 rows of 4096 bf16)
+TWO_SHOT_NORM_BYTES = [512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
 
 
 def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
@@ -559,6 +567,47 @@ def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
                              "us": round(seconds * 1e6, 2), "rows": shape[0],
                              **({} if programs_per_row is None
                                 else {"programs_per_row": programs_per_row})})
+            except Exception:  # noqa: BLE001 - one failing size or kind is a row
+                rows.append({"bytes": nbytes, "algorithm": name,
+                             "error": traceback.format_exc()[-1500:]})
+    return rows
+
+
+def _two_shot_norm_rows(peer, device) -> list[dict]:
+    """Per size of TWO_SHOT_NORM_BYTES, in µs per call: two-shot's chain (the partial product
+    already in the buffer, then the residual add + RMSNorm kernel) and the fused two-shot
+    kernel (the partial product already in its buffer)."""
+    import torch
+    import torch.distributed as dist
+
+    from pagedserve.kernels.triton import model_ops
+    from pagedserve.model.allreduce import FusedTwoShotAllReduceNorm
+
+    try:
+        fused = FusedTwoShotAllReduceNorm(max(TWO_SHOT_NORM_BYTES), dist.group.WORLD, device)
+    except Exception:  # noqa: BLE001 - the other rows still come
+        return [{"algorithm": "fused_two_shot_rms_norm",
+                 "error": traceback.format_exc()[-1500:]}]
+    hidden, rows = 4096, []
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    for nbytes in TWO_SHOT_NORM_BYTES:
+        shape = (nbytes // (2 * hidden), hidden)
+        residual = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        peer.target(shape, torch.bfloat16).fill_(0.001)
+        fused.target(shape, torch.bfloat16).fill_(0.001)
+
+        def unfused():
+            total = peer(peer.target(shape, torch.bfloat16), "two_shot")
+            model_ops.rms_norm(total, weight, 1e-6, residual)
+
+        def fused_call():
+            fused(fused.target(shape, torch.bfloat16), residual, weight, 1e-6)
+
+        for name, fn in (("two_shot+rms_norm", unfused), ("fused_two_shot_rms_norm", fused_call)):
+            try:
+                seconds = _time_calls(fn, 100, True)
+                rows.append({"bytes": nbytes, "algorithm": name, "us": round(seconds * 1e6, 2),
+                             "rows": shape[0]})
             except Exception:  # noqa: BLE001 - one failing size or kind is a row
                 rows.append({"bytes": nbytes, "algorithm": name,
                              "error": traceback.format_exc()[-1500:]})
