@@ -204,9 +204,12 @@ class FusedTwoShotAllReduceNorm:
         from pagedserve.kernels.triton import allreduce_norm_two_shot
 
         self.kernel = allreduce_norm_two_shot.all_reduce_add_rms_norm
-        # its barriers need every program resident: at most one per SM
-        self.max_programs = min(allreduce_norm_two_shot.MAX_PROGRAMS,
-                                torch.cuda.get_device_properties(device).multi_processor_count)
+        # its barriers need every program resident (at most one per SM) and the same programs
+        # on every rank (the fewest SMs of the group)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = torch.tensor([min(allreduce_norm_two_shot.MAX_PROGRAMS, sms)], device=device)
+        dist.all_reduce(programs, op=dist.ReduceOp.MIN, group=group)
+        self.max_programs = int(programs.item())
         self.max_bytes = max_bytes
         self.buffer = symm_mem.empty(2 * max_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.buffer, group.group_name)
