@@ -8,7 +8,9 @@ against TP=1 on Llama-3-8B's shape, Qwen3-30B-A3B's (MoE) and Llama-3-70B's.
 size; the engines run TP=1, 2 (and 4 when N is 4), and TP=N once more with NCCL alone
 (--peer-all-reduce-max-bytes 0) for the tpot part; `--unfused` adds, for the tpot part, every
 TP size above 1 once more with the all-reduce and the RMSNorm after it as two kernels
-(--no-fuse-all-reduce-norm), so fused and unfused steps are timed in one run; `--cublas`
+(--no-fuse-all-reduce-norm), so fused and unfused steps are timed in one run;
+`--two-shot-unfused` adds, for the tpot and workload parts, every TP size above 1 once more
+with only two-shot's messages unfused (--no-fuse-two-shot-all-reduce-norm); `--cublas`
 adds, for the tpot part, every TP size once more with the float linears on cuBLAS at every
 batch size (--no-dense-gemv), against the default decode GEMV. Parts (all by
 default, in this order):
@@ -115,12 +117,13 @@ class Scale:
         self.child_timeout = CHILD_TIMEOUT_S  # an engine part's child process, in seconds
 
     def engine_options(self, tp: int, peer: bool = True, fuse: bool = True,
-                       gemv: bool = True) -> dict:
+                       gemv: bool = True, fuse_two_shot: bool = True) -> dict:
+        fusion = dict(fuse_all_reduce_norm=fuse, fuse_two_shot_all_reduce_norm=fuse_two_shot)
         if self.tiny:
             return dict(device="cpu", dtype="float32", kv_cache_memory=64 << 20,
-                        max_model_len=256, fuse_all_reduce_norm=fuse, dense_gemv=gemv)
+                        max_model_len=256, dense_gemv=gemv, **fusion)
         return dict(max_model_len=4096, enforce_eager=self.eager_tp and tp > 1,
-                    fuse_all_reduce_norm=fuse, dense_gemv=gemv,
+                    dense_gemv=gemv, **fusion,
                     **({} if peer else {"peer_all_reduce_max_bytes": 0}))
 
 
@@ -165,8 +168,9 @@ def child_engines(spec: dict) -> dict:
 
 def one_engine(spec: dict, run: dict) -> dict:
     """Build one engine (TP=run["tp"], the peer all-reduce unless run["peer"] is false, fused
-    with the norm after it unless run["fuse"] is false, the float linears' decode GEMV
-    unless run["gemv"] is false) in this process, run its parts, shut it down and give its
+    with the norm after it unless run["fuse"] is false (two-shot's messages unless
+    run["fuse_two_shot"] is false), the float linears' decode GEMV unless run["gemv"] is
+    false) in this process, run its parts, shut it down and give its
     memory back; results as a dict."""
     import gc
 
@@ -184,7 +188,7 @@ def one_engine(spec: dict, run: dict) -> dict:
     llm = LLM.from_engine(LLMEngine.from_options(
         spec["folder"], tensor_parallel_size=tp, load_format="dummy",
         **scale.engine_options(tp, run.get("peer", True), run.get("fuse", True),
-                               run.get("gemv", True))))
+                               run.get("gemv", True), run.get("fuse_two_shot", True))))
     out = {"startup_s": round(time.perf_counter() - t0, 1),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "kv_blocks": llm.llm_engine.num_blocks}
@@ -821,16 +825,19 @@ def engine_runs(res: Results, scale: Scale, root: Path, shape: str,
         res.add(run["tp"], shape, "startup_s", result["startup_s"], run=label,
                 kv_blocks=result["kv_blocks"], peer_allreduce=run.get("peer", True),
                 fused_allreduce_norm=run.get("fuse", True),
+                fused_two_shot_allreduce_norm=run.get("fuse_two_shot", True),
                 cuda_graphs=not (scale.eager_tp and run["tp"] > 1) and not scale.tiny)
     return results
 
 
 def dense_runs(scale: Scale, parts: list[str], unfused: bool = False,
-               cublas: bool = False) -> list[dict]:
+               cublas: bool = False, two_shot_unfused: bool = False) -> list[dict]:
     """TP=1, 2 (and 4) with the parts asked for; TP=N through NCCL alone for tpot; with
     `unfused`, every TP size above 1 once more for tpot, its all-reduce and norm apart; with
     `cublas`, every TP size once more for tpot, its float linears on cuBLAS at every row
-    count (no decode GEMV)."""
+    count (no decode GEMV); with `two_shot_unfused`, every TP size above 1 once more for
+    tpot and workload, two-shot's messages summed, then normalised apart (one-shot's still
+    fused)."""
     runs = [{"label": str(tp), "tp": tp, "peer": True,
              "parts": [p for p in parts if p != "logits" or tp in (1, scale.ranks)]}
             for tp in scale.tps]
@@ -840,6 +847,11 @@ def dense_runs(scale: Scale, parts: list[str], unfused: bool = False,
     if "tpot" in parts and unfused:
         runs += [{"label": f"{tp}-unfused", "tp": tp, "peer": True, "fuse": False,
                   "parts": ["tpot"]} for tp in scale.tps if tp > 1]
+    if two_shot_unfused and {"tpot", "workload"} & set(parts):
+        runs += [{"label": f"{tp}-2shot-unfused", "tp": tp, "peer": True,
+                  "fuse_two_shot": False,
+                  "parts": [p for p in parts if p in ("tpot", "workload")]}
+                 for tp in scale.tps if tp > 1]
     if "tpot" in parts and cublas:
         runs += [{"label": f"{tp}-cublas", "tp": tp, "peer": True, "gemv": False,
                   "parts": ["tpot"]} for tp in scale.tps]
@@ -946,6 +958,10 @@ def main() -> None:
     parser.add_argument("--unfused", action="store_true",
                         help="tpot: also every TP size above 1 with the all-reduce and the "
                         "RMSNorm after it as two kernels (--no-fuse-all-reduce-norm)")
+    parser.add_argument("--two-shot-unfused", action="store_true",
+                        help="tpot, workload: also every TP size above 1 with two-shot's "
+                        "messages summed, then normalised apart "
+                        "(--no-fuse-two-shot-all-reduce-norm)")
     parser.add_argument("--cublas", action="store_true",
                         help="tpot: also every TP size with the float linears on cuBLAS at "
                         "every batch size (--no-dense-gemv), to compare with the GEMV")
@@ -984,7 +1000,8 @@ def main() -> None:
             part_allreduce(res, scale)
         engine_parts = [p for p in ENGINE_PARTS if p in parts]
         if engine_parts:
-            runs = dense_runs(scale, engine_parts, args.unfused, args.cublas)
+            runs = dense_runs(scale, engine_parts, args.unfused, args.cublas,
+                              args.two_shot_unfused)
             report_engines(res, scale, scale.shape,
                            engine_runs(res, scale, root, scale.shape, runs))
         if "moe" in parts:

@@ -313,11 +313,11 @@ def _two_shot_matches_nccl(fused: FusedTwoShotAllReduceNorm, rank: int,
                            group: dist.ProcessGroup, device: torch.device) -> bool:
     """A few messages through the fused two-shot kernel, and through NCCL and the norm's own
     kernel: equal? Integer values, so that any order of the sum gives the same result. Row
-    counts that the ranks share unevenly and one that leaves a rank none; each shape twice,
-    as the second call meets flags the first left."""
+    counts that the ranks share unevenly and one that leaves a rank none; each twice, as the
+    second call meets flags the first left. One width: one compilation at start-up."""
     from pagedserve.kernels.triton import model_ops
 
-    for shape in ((5, 256), (5, 256), (1, 1024), (1, 1024), (67, 512), (67, 512)):
+    for shape in ((5, 256), (5, 256), (1, 256), (1, 256), (67, 256), (67, 256)):
         weight = torch.arange(shape[1], dtype=torch.float32, device=device).remainder_(7).add_(1)
         x = torch.arange(math.prod(shape), dtype=torch.float32, device=device).view(shape)
         x.remainder_(97).add_(rank)
