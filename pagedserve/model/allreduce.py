@@ -28,9 +28,9 @@ in place of the reduction and the norm's own kernel. It has two buffers of its o
 the layers alternate between (o_proj's, down_proj's), as that kernel ends without a barrier.
 A message two-shot takes goes through `FusedTwoShotAllReduceNorm` likewise
 (`kernels/triton/allreduce_norm_two_shot.py`): each rank sums, adds and normalises its share
-of the rows, then gathers the other ranks' rows of the new residual stream and normalises
-them too; one buffer of its own (partial products, then the stream rows), its two barriers
-ordering each call against the next.
+of the rows and writes its rows of the new residual stream into every peer's buffer, then
+normalises the rows its peers wrote into its own; one buffer of its own (partial products,
+then the peers' stream rows), its two barriers ordering each call against the next.
 
 The choice is made once, at start-up (`plan`), and agreed by every rank: peer memory only on
 CUDA, one host, world sizes the kernels support, every GPU able to reach every other, symmetric
@@ -193,7 +193,7 @@ class FusedAllReduceNorm:
 
 class FusedTwoShotAllReduceNorm:
     """A buffer of symmetric memory of twice `max_bytes` (a message's partial product, then
-    the rows of the new residual stream that this rank reduced, for its peers to gather), and
+    the rows of the new residual stream that the peers reduced, written there by them), and
     the two-shot all-reduce + residual add + RMSNorm over it
     (`kernels/triton/allreduce_norm_two_shot.py`). One buffer serves every call: the
     kernel's two barriers order a call against the next (see that module)."""

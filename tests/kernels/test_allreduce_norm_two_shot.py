@@ -4,14 +4,13 @@ process: each rank's buffer and signal pad a tensor, their addresses in the tabl
 reads, the ranks launched one after another.
 
 A rank's programs wait twice for their namesakes on every other rank: first for the partial
-products, then for the other ranks' rows of the new residual stream. So before rank r runs,
-everything the ranks after it (not yet launched) would have done by then is done on their
-behalf: their flags of both barriers are raised in r's pad, and r's table of buffers points,
-for each of them, at a stand-in holding that rank's partial product and its share of the
-reference stream. The ranks before r ran for real: r reads their stream rows from their own
-buffers. So every rank's output checks the gather of real rows (from the ranks before it) and
-every rank's own stream region is checked against the reference: each row crosses for real
-from its owner to some rank unless its owner is the last (then the region is checked alone).
+products, then for the rows of the new residual stream that the others reduced and wrote into
+its stream region. So before rank r runs, what the ranks after it (not yet launched) would
+have done by then is done on their behalf: their flags of both barriers are raised in r's pad
+and their shares of the reference stream written into r's region. Once r has run, those rows
+of its region are scrambled again, so that the later ranks' own writes must put them back.
+Every rank's output thus checks the rows written for real by the ranks before it, and the
+regions at the end check every rank's writes into every peer's.
 
 Sums against torch's in rank order, rounded once, then `model_ops.rms_norm` (the unfused
 kernel): equal to the bit. At the end each rank must have lowered every flag in its own pad
@@ -28,22 +27,26 @@ from pagedserve.model import ops
 from tests.kernels.test_model_ops import assert_matches, exact_bf16, fresh_seed  # noqa: F401
 
 STREAM_BYTES = 1 << 16  # where a buffer's stream region starts
+GARBAGE = 0xFF  # bytes of a buffer nobody wrote: NaN in bf16 and float32
 
 
-def _buffer(partial: torch.Tensor, stream: torch.Tensor | None = None) -> torch.Tensor:
-    """A rank's buffer: its partial product at the start, `stream` (if given) in the stream
-    region, garbage elsewhere (the kernel must read only what it was given)."""
-    buf = torch.full((2 * STREAM_BYTES,), 0xFF, dtype=torch.uint8)
-    nbytes = partial.numel() * partial.element_size()
-    buf[:nbytes].view(partial.dtype).copy_(partial.view(-1))
-    if stream is not None:
-        buf[STREAM_BYTES:STREAM_BYTES + nbytes].view(partial.dtype).copy_(stream.view(-1))
+def _buffer(partial: torch.Tensor) -> torch.Tensor:
+    """A rank's buffer: its partial product at the start, garbage elsewhere."""
+    buf = torch.full((2 * STREAM_BYTES,), GARBAGE, dtype=torch.uint8)
+    buf[:partial.numel() * partial.element_size()].view(partial.dtype).copy_(partial.view(-1))
     return buf
 
 
-def _stream_rows(buf: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def _stream(buf: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The stream region of `buf` as [rows, hidden] (a view: writes go to the buffer)."""
     nbytes = shape[0] * shape[1] * dtype.itemsize
     return buf[STREAM_BYTES:STREAM_BYTES + nbytes].view(dtype).view(shape)
+
+
+def _later_rows(rank: int, rows: int, world: int) -> slice:
+    """The rows that the ranks after `rank` reduce (contiguous: the shares are in order)."""
+    first, count = two_shot.row_share(rank, rows, world)
+    return slice(first + count, rows)
 
 
 def simulate(partials, residual, weight, want_stream, max_programs):
@@ -51,24 +54,26 @@ def simulate(partials, residual, weight, want_stream, max_programs):
     program count."""
     world = len(partials)
     rows, n = partials[0].shape
+    dtype = partials[0].dtype
     buffers = [_buffer(p) for p in partials]
-    stand_ins = [_buffer(p, want_stream) for p in partials]
+    buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     pads = [torch.zeros(two_shot.signal_words(world), dtype=torch.int32) for _ in range(world)]
     signal_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
     programs = two_shot.grid_size(rows, world, max_programs)
     results = []
     for rank in range(world):
-        table = torch.tensor([(buffers if q <= rank else stand_ins)[q].data_ptr()
-                              for q in range(world)], dtype=torch.int64)
         for program in range(programs):  # the ranks not yet launched passed both barriers
             for phase in (0, 1):
                 flag = (phase * two_shot.MAX_PROGRAMS + program) * world
                 pads[rank][flag + rank + 1:flag + world] = 1
-        partial = buffers[rank][:rows * n * partials[0].element_size()]
+        later = _later_rows(rank, rows, world)  # ... and wrote their rows into our region
+        stream = _stream(buffers[rank], (rows, n), dtype)
+        stream[later] = want_stream[later]
+        partial = buffers[rank][:rows * n * dtype.itemsize].view(dtype).view(rows, n)
         results.append(two_shot.all_reduce_add_rms_norm(
-            table, signal_table, rank, STREAM_BYTES,
-            partial.view(partials[0].dtype).view(rows, n), residual.clone(), weight, 1e-6,
-            max_programs))
+            buffer_table, signal_table, rank, STREAM_BYTES, partial, residual.clone(), weight,
+            1e-6, max_programs))
+        stream.view(torch.uint8)[later] = GARBAGE  # theirs to write for real
     return results, buffers, pads, programs
 
 
@@ -106,10 +111,13 @@ def test_sum_add_and_norm_equal_the_unfused_kernels_on_every_rank(dtype, world, 
     for rank, (out, total) in enumerate(results):
         assert torch.equal(total, want_sum), f"{msg}: rank {rank}'s residual stream"
         assert torch.equal(out, want_out), f"{msg}: rank {rank}'s output"
-        first, count = two_shot.row_share(rank, rows, world)
-        stream = _stream_rows(buffers[rank], (rows, hidden), dtype)
-        assert torch.equal(stream[first:first + count], want_sum[first:first + count]), (
-            f"{msg}: rank {rank}'s rows of the stream, for its peers")
+        stream = _stream(buffers[rank], (rows, hidden), dtype)
+        for owner in range(world):  # every other rank wrote its rows into ours
+            start, share = two_shot.row_share(owner, rows, world)
+            if owner != rank:
+                assert torch.equal(stream[start:start + share],
+                                   want_sum[start:start + share]), (
+                    f"{msg}: rank {owner}'s rows in rank {rank}'s stream region")
     assert_matches(results[0][1], ref_sum, msg, exact=True)
     assert_matches(results[0][0], ref_out, msg)
 

@@ -13,34 +13,37 @@ writes every row again in a kernel of its own. Here, in one launch, every progra
    split W ways, the first M % W ranks one more; a rank may own none). For each of its rows
    it reads the row from every rank's buffer, in rank order, sums in float32 and rounds to
    the activation dtype (as the one-shot fused kernel does: every rank's sum is the same,
-   bit for bit), adds the residual (`add_residual`: written back to this rank's stream) and
-   also stores the new stream row in this rank's peer-visible stream region; then
-   normalises it with the norm kernel's own row body (`add_rms_norm_row`);
-3. meets its namesakes at a second barrier: every rank's rows of the stream are out;
-4. all-gather by pulling: for every other rank's rows (those its namesake there summed) it
-   reads the new stream row from that rank's stream region, writes it into this rank's
-   residual stream and normalises it, with the same row body on the same stored values:
-   the same output, bit for bit, as the owner's.
+   bit for bit), adds the residual (`add_residual`: written back to this rank's stream),
+   writes the new stream row into every peer's stream region (posted stores: no round
+   trip), and normalises it with the norm kernel's own row body (`add_rms_norm_row`);
+3. meets its namesakes at a second barrier: the rows they reduced are in its stream region;
+4. the gather's second half, local: for every other rank's rows (those its namesake there
+   reduced) it reads the stream row from its own region, writes it into its residual
+   stream and normalises it, with the same row body on the same stored values: the same
+   output, bit for bit, as the owner's.
 
 Only the stream crosses the links in the gather, not the normalised output, which every rank
 derives: the same bytes as an unfused two-shot's gather, and no norm pass over M rows after
-it. The gathered rows land straight in the caller's `residual` and a fresh `out`, plain
-device memory (no copy out of peer memory, and nothing returned aliases a buffer that the
-next call overwrites). A row is whole in one program (wide 16-byte vector loads and stores)
-so that its sum of squares is the norm kernel's, in the norm kernel's order; the rows of a
+it. Pushed rather than pulled: a pull would wait a round trip over the link for each row
+after the second barrier; the stores are posted while the owner still normalises, and
+the barrier's release waits for them once. The gathered rows land in the caller's
+`residual` and a fresh `out`, plain device memory: nothing returned aliases a buffer that the
+next call overwrites. A row is whole in one program (16-byte vector loads and stores) so
+that its sum of squares is the norm kernel's, in the norm kernel's order; the rows of a
 share are spread over the programs (at most `max_programs`, one per SM so all are resident,
 as the barriers need).
 
 No barrier at the end, and one buffer, not two alternating slots: the two barriers of a call
 order it against the next. The partial region is rewritten (by the next call's producer)
 only after this rank's kernel has finished, so after every program here passed the second
-barrier, which every peer's namesake raised after its reads of the partials. The stream
-region is rewritten only in the next call's reduce-scatter, after that call's first barrier,
-which a peer reaches only once its whole kernel before, gather included, is done (stream
-order; PDL waits for the previous kernel before the barrier). The flags of each barrier are
-used again at the next call: a peer lowered this rank's flag of barrier A before it raised
-its flag of barrier B, which this rank waited for; and lowered the flag of B before it
-reached the next call's A.
+barrier, which every peer's namesake raised after its reads of the partials. A rank's
+stream region is written by a peer's program only after the first barrier of the next
+call, which needs this rank's namesake there, so this rank's whole kernel before, gather
+included, done (stream order; PDL waits for the previous kernel before the barrier). The
+flags of each barrier are used again at the next call: a peer lowered this rank's flag of
+barrier A before it raised its flag of barrier B, which this rank waited for; and lowered
+the flag of B before it reached the next call's A, which this rank waits for before it
+raises B again.
 
 As for the one-shot fused kernel, the buffers and pads are given as tables of device
 addresses (int64, one per rank), which lets the CPU tests simulate the ranks in one process
@@ -101,7 +104,6 @@ def _two_shot_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_
     dtype = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    stream = peer_pointer(buffers_ptr, rank, dtype) + stream_offset
     first, count = _row_share(rank, num_rows, WORLD)
     for row in range(first + program, first + count, programs):  # int32 offsets
         total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -110,21 +112,24 @@ def _two_shot_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_
             total += tl.load(part + row * N + offs, mask=mask, other=0.0,
                              cache_modifier=".cg").to(tl.float32)
         x = add_residual(round_to(total, dtype), res_ptr + row * stride_res, offs, mask)
-        tl.store(stream + row * N + offs, x.to(dtype), mask=mask)
+        for peer in tl.static_range(WORLD):  # the new stream row, into every peer's region
+            if peer != rank:
+                theirs = peer_pointer(buffers_ptr, peer, dtype) + stream_offset
+                tl.store(theirs + row * N + offs, x.to(dtype), mask=mask)
         add_rms_norm_row(x, res_ptr + row * stride_res, w_ptr, out_ptr + row * stride_out,
                          offs, mask, eps, N, False)
-    # Every thread's stores to the stream region happen before the barrier, the barrier
-    # before the flags' release: a peer that sees our flag sees our rows.
+    # Every thread's stores to the peers happen before the barrier, the barrier before the
+    # flags' release at system scope: a peer that sees our flag sees our rows.
     tl.debug_barrier()
-    barrier(signals_ptr, (_SECOND_FLAGS + program) * WORLD, rank, WORLD)  # B: rows are out
+    barrier(signals_ptr, (_SECOND_FLAGS + program) * WORLD, rank, WORLD)  # B: rows are in
     tl.debug_barrier()
+    ours = peer_pointer(buffers_ptr, rank, dtype) + stream_offset
     for owner in tl.static_range(WORLD):
         if owner != rank:
-            theirs = peer_pointer(buffers_ptr, owner, dtype) + stream_offset
             start, rows = _row_share(owner, num_rows, WORLD)
             for row in range(start + program, start + rows, programs):
-                x = tl.load(theirs + row * N + offs, mask=mask, other=0.0,
-                            cache_modifier=".cg").to(tl.float32)
+                x = tl.load(ours + row * N + offs, mask=mask, other=0.0,
+                            cache_modifier=".cg").to(tl.float32)  # written by a peer
                 tl.store(res_ptr + row * stride_res + offs, x.to(dtype), mask=mask)
                 add_rms_norm_row(x, res_ptr + row * stride_res, w_ptr,
                                  out_ptr + row * stride_out, offs, mask, eps, N, False)
