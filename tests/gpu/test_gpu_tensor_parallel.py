@@ -306,8 +306,8 @@ def test_tp2_engines_after_a_tp1_engine_in_one_process_float32(checkpoint):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @torch.inference_mode()
 def test_tp2_fused_all_reduce_norm_gives_the_unfused_tokens(checkpoint, dtype):
-    """Under CUDA graphs, the decode steps' all-reduces fused with their norms (prefill
-    chunks too large for one-shot take the unfused path in both): two ranks' sums are the
+    """Under CUDA graphs, the decode steps' all-reduces fused with their norms (and prefill
+    chunks within the peer limit, through the fused two-shot kernel): two ranks' sums are the
     same either way, so are the greedy tokens, in float32 and in bf16."""
     tokens = run_engines(checkpoint, dtype, {
         "unfused": dict(tensor_parallel_size=2, fuse_all_reduce_norm=False),
@@ -317,12 +317,13 @@ def test_tp2_fused_all_reduce_norm_gives_the_unfused_tokens(checkpoint, dtype):
 
 @torch.inference_mode()
 def test_tp2_fused_two_shot_all_reduce_norm_gives_the_unfused_tokens(checkpoint):
-    """The prefill chunks' all-reduces (several hundred tokens of 1024: two-shot's sizes)
-    fused with their norms or not: two ranks' sums are the same either way, so are the greedy
-    tokens in float32."""
+    """The prefill chunks' all-reduces fused with their norms or not: two ranks' sums are the
+    same either way, so are the greedy tokens in float32. Chunks of at most 1024 tokens of
+    1024 features: up to 4 MiB, two-shot's sizes (the 16 prompts' ~2.5K tokens in one step
+    would be NCCL's)."""
+    chunks = dict(tensor_parallel_size=2, max_num_batched_tokens=1024)
     tokens = run_engines(checkpoint, "float32", {
-        "unfused": dict(tensor_parallel_size=2, fuse_two_shot_all_reduce_norm=False),
-        "fused": dict(tensor_parallel_size=2)})
+        "unfused": dict(chunks, fuse_two_shot_all_reduce_norm=False), "fused": chunks})
     assert tokens["fused"] == tokens["unfused"]
 
 
