@@ -18,9 +18,10 @@ writes every row again in a kernel of its own. Here, in one launch, every progra
    trip), and normalises it with the norm kernel's own row body (`add_rms_norm_row`);
 3. meets its namesakes at a second barrier: the rows they reduced are in its stream region;
 4. the gather's second half, local: for every other rank's rows (those its namesake there
-   reduced) it reads the stream row from its own region, writes it into its residual
-   stream and normalises it, with the same row body on the same stored values: the same
-   output, bit for bit, as the owner's.
+   reduced, one from each rank's share at a time, read together) it reads the stream row
+   from its own region, writes it into its residual stream and normalises it, with the same
+   row body on the same stored values: the same output, bit for bit, as the owner's. (At
+   two and four ranks: one or three other ranks, written out.)
 
 Only the stream crosses the links in the gather, not the normalised output, which every rank
 derives: the same bytes as an unfused two-shot's gather, and no norm pass over M rows after
@@ -123,16 +124,47 @@ def _two_shot_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_
     tl.debug_barrier()
     barrier(signals_ptr, (_SECOND_FLAGS + program) * WORLD, rank, WORLD)  # B: rows are in
     tl.debug_barrier()
+    # The other ranks' rows, a round at a time: the j-th row of this program in each other
+    # rank's share. A round's rows are all loaded before any is stored, so that their reads
+    # are in flight together (a store between two loads would keep the second waiting).
     ours = peer_pointer(buffers_ptr, rank, dtype) + stream_offset
-    for owner in tl.static_range(WORLD):
-        if owner != rank:
-            start, rows = _row_share(owner, num_rows, WORLD)
-            for row in range(start + program, start + rows, programs):
-                x = tl.load(ours + row * N + offs, mask=mask, other=0.0,
-                            cache_modifier=".cg").to(tl.float32)  # written by a peer
-                tl.store(res_ptr + row * stride_res + offs, x.to(dtype), mask=mask)
-                add_rms_norm_row(x, res_ptr + row * stride_res, w_ptr,
-                                 out_ptr + row * stride_out, offs, mask, eps, N, False)
+    largest = num_rows // WORLD + (num_rows % WORLD > 0).to(tl.int32)
+    for j in range(program, largest, programs):
+        row1, x1 = _gathered_row(ours, rank, 1, j, num_rows, offs, mask, N, WORLD)
+        if WORLD == 4:
+            row2, x2 = _gathered_row(ours, rank, 2, j, num_rows, offs, mask, N, WORLD)
+            row3, x3 = _gathered_row(ours, rank, 3, j, num_rows, offs, mask, N, WORLD)
+        _store_and_norm(x1, row1, res_ptr, w_ptr, out_ptr, stride_res, stride_out, offs, mask,
+                        eps, N)
+        if WORLD == 4:
+            _store_and_norm(x2, row2, res_ptr, w_ptr, out_ptr, stride_res, stride_out, offs,
+                            mask, eps, N)
+            _store_and_norm(x3, row3, res_ptr, w_ptr, out_ptr, stride_res, stride_out, offs,
+                            mask, eps, N)
+
+
+@triton.jit
+def _gathered_row(ours, rank, k: tl.constexpr, j, num_rows, offs, mask, N: tl.constexpr,
+                  WORLD: tl.constexpr):
+    """(row, its stream values in float32, -1 and zeros where the share has no j-th row)
+    for the j-th row of rank (rank + k) % WORLD's share, as that rank wrote it into ours."""
+    start, count = _row_share((rank + k) % WORLD, num_rows, WORLD)
+    row = tl.where(j < count, start + j, -1)
+    # the condition as a vector: the interpreter rejects a mask of a vector and a scalar
+    in_share = tl.zeros_like(offs) + j < count
+    x = tl.load(ours + row * N + offs, mask=mask & in_share, other=0.0,
+                cache_modifier=".cg").to(tl.float32)  # written by that rank
+    return row, x
+
+
+@triton.jit
+def _store_and_norm(x, row, res_ptr, w_ptr, out_ptr, stride_res, stride_out, offs, mask, eps,
+                    N: tl.constexpr):
+    """A gathered stream row into this rank's residual, and normalised (none if `row` < 0)."""
+    if row >= 0:
+        tl.store(res_ptr + row * stride_res + offs, x.to(res_ptr.dtype.element_ty), mask=mask)
+        add_rms_norm_row(x, res_ptr + row * stride_res, w_ptr, out_ptr + row * stride_out,
+                         offs, mask, eps, N, False)
 
 
 def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, stream_bytes: int,
@@ -148,6 +180,7 @@ def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, stream_
     contiguous at its buffer's start; every rank calls this with the same shapes, in the
     same order. `max_programs`: the programs that may be resident at once (the SMs)."""
     world = buffers.numel()
+    assert world in (2, 4), "the kernel gathers from one or three other ranks"
     num_rows, n = partial.shape
     assert partial.is_contiguous() and residual.shape == partial.shape
     assert residual.dtype == partial.dtype and residual.stride(-1) == 1
