@@ -94,7 +94,10 @@ def _row_share(owner, num_rows, WORLD: tl.constexpr):
     return owner * base + tl.minimum(owner, extra), base + (owner < extra).to(tl.int32)
 
 
-@triton.jit
+# Not specialised on the row count or the rank: Triton makes an int argument equal to 1 a
+# constant, which would compile the kernel again for one row (and for rank 1), and turns the
+# row arithmetic into Python on constants.
+@triton.jit(do_not_specialize=["rank", "num_rows"])
 def _two_shot_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_ptr, rank,
                                   stream_offset, num_rows, stride_res, stride_out, eps,
                                   N: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr):
@@ -128,7 +131,7 @@ def _two_shot_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_
     # rank's share. A round's rows are all loaded before any is stored, so that their reads
     # are in flight together (a store between two loads would keep the second waiting).
     ours = peer_pointer(buffers_ptr, rank, dtype) + stream_offset
-    largest = num_rows // WORLD + (num_rows % WORLD > 0).to(tl.int32)
+    largest = tl.cdiv(num_rows, WORLD)
     for j in range(program, largest, programs):
         row1, x1 = _gathered_row(ours, rank, 1, j, num_rows, offs, mask, N, WORLD)
         if WORLD == 4:
