@@ -40,7 +40,7 @@ from torch import Tensor
 from pagedserve.kernels import int4pack
 from pagedserve.kernels.triton.dequant import dequant_tile
 from pagedserve.kernels.triton.gemv import int_row_dot, tile_row_dot
-from pagedserve.kernels.triton import int4pack_gemm
+from pagedserve.kernels.triton import gguf_gemv, int4pack_gemm
 from pagedserve.kernels.triton.int4pack_gemm import int4pack_tile
 from pagedserve.kernels.triton.precision import dot_precision
 from pagedserve.kernels.weight_formats import IntWeight, Stacked, WeightFormat
@@ -293,6 +293,9 @@ def _launch(rows: Tensor, y: Tensor, weight, bias: Tensor | None,
     """The GEMV (one row) or the tiled GEMM into y."""
     (m, k), n = rows.shape, y.shape[1]
     a = weight.kernel_args()
+    if m <= config.gemv_max_rows and gguf_gemv.takes(rows, a.format, a.data):
+        gguf_gemv.gemv(rows, a.data, a.format, bias, out=y)
+        return
     bias_arg = y if bias is None else bias
     if m <= config.gemv_max_rows and a.format == WeightFormat.INT and not a.has_g_idx:
         grid = (triton.cdiv(n, config.int_gemv_block_n), m)
