@@ -43,12 +43,18 @@ from pagedserve.kernels.triton.precision import round_to
 from pagedserve.kernels.weight_formats import WeightFormat
 
 # the GGML types `gemv` takes
-TYPES = (int(WeightFormat.GGUF_Q4_K), int(WeightFormat.GGUF_Q5_K))
+TYPES = (int(WeightFormat.GGUF_Q4_K), int(WeightFormat.GGUF_Q5_K),
+         int(WeightFormat.GGUF_Q6_K))
 
 # Tiles: 16 rows of two super-blocks (512 columns, 4.5 KiB of Q4_K), narrowed to 4 rows of
 # eight while a projection has too few rows to fill the SMs; `fp8_linear.one_row_tiles`
-# splits K past that. block_k is a multiple of the 256-column super-block.
-ONE_ROW = WeightOnlyConfig(block_n=16, block_k=512, num_warps=8, num_stages=1,
+# splits K past that. block_k is a multiple of the 256-column super-block. Rows times
+# super-blocks times 4 is the program's threads (32 a warp; narrowing keeps the product):
+# each thread then holds one (row, 64 columns) of the tile, so the compiler lays the tile out
+# with its words, scales and sums in that thread's registers (other shapes compiled to
+# layouts that spread a thread's weights over rows and read the words byte-wide, at two to
+# four times the instructions a weight).
+ONE_ROW = WeightOnlyConfig(block_n=16, block_k=512, num_warps=4, num_stages=1,
                            programs_per_sm=5, min_block_n=4, fma=True)
 
 _Q5_K = tl.constexpr(int(WeightFormat.GGUF_Q5_K))
@@ -61,37 +67,34 @@ def _f16_half(word, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _sub_scales(hdr_ptr, mask):
-    """A super-block's eight sub-block scales d * sc and mins dmin * m (float32, [..., 8]
-    from header word pointers [...]): word 0 holds d and dmin, words 1-3 the 6-bit scales and
-    mins (`gguf_dequant._k_scale_min`): sub-blocks 0-3 in the low 6 bits of bytes i (scale)
-    and i + 4 (min); 4-7 in the nibbles of byte i + 8 with their top 2 bits in the top bits
-    of bytes i and i + 4."""
-    w0 = tl.load(hdr_ptr, mask=mask, other=0)
-    s0 = tl.load(hdr_ptr + 1, mask=mask, other=0)[:, :, None]
-    s1 = tl.load(hdr_ptr + 2, mask=mask, other=0)[:, :, None]
-    s2 = tl.load(hdr_ptr + 3, mask=mask, other=0)[:, :, None]
-    sh = tl.arange(0, 4) * 8
-    sc_lo = (s0 >> sh) & 63
-    mn_lo = (s1 >> sh) & 63
-    sc_hi = ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4)
-    mn_hi = ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4)
-    # [..., 4, 2] (i, half) -> [..., 8] sub-block 4 half + i
-    sc = tl.reshape(tl.permute(tl.join(sc_lo, sc_hi), (0, 1, 3, 2)), (w0.shape[0], w0.shape[1], 8))
-    mn = tl.reshape(tl.permute(tl.join(mn_lo, mn_hi), (0, 1, 3, 2)), (w0.shape[0], w0.shape[1], 8))
-    d = _f16_half(w0, 0)[:, :, None]
-    dmin = _f16_half(w0, 16)[:, :, None]
-    return d * sc.to(tl.float32), dmin * mn.to(tl.float32)
+def _sub_scales(hdr, mask, pairs):
+    """The sub-block scales d * sc and mins dmin * m (float32) of each (row, pair p, half h)
+    of the tile, [BLOCK_N, P, 1, 2, 1] (sub-block 2 (p % 4) + h of its super-block), from
+    pointers hdr [BLOCK_N, P, 1, 1, 1] to each pair's super-block header: word 0 holds d and
+    dmin, words 1-3 the 6-bit scales and mins (`gguf_dequant._k_scale_min`): sub-blocks 0-3
+    in the low 6 bits of bytes i (scale) and i + 4 (min); 4-7 in the nibbles of byte i + 8
+    with their top 2 bits in the top bits of bytes i and i + 4. Computed at that shape, so
+    each thread unpacks only the few its weights take."""
+    w0 = tl.load(hdr, mask=mask, other=0)
+    s0 = tl.load(hdr + 1, mask=mask, other=0)
+    s1 = tl.load(hdr + 2, mask=mask, other=0)
+    s2 = tl.load(hdr + 3, mask=mask, other=0)
+    sub = 2 * (pairs % 4)[None, :, None, None, None] + tl.arange(0, 2)[None, None, None, :, None]
+    sh = 8 * (sub % 4)
+    low = sub < 4
+    sc = tl.where(low, (s0 >> sh) & 63, ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4))
+    mn = tl.where(low, (s1 >> sh) & 63, ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4))
+    return _f16_half(w0, 0) * sc.to(tl.float32), _f16_half(w0, 16) * mn.to(tl.float32)
 
 
 @triton.jit
 def _tile_dot(acc, words, high_words, scales, mins, x, pairs, DTYPE: tl.constexpr,
-              QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr):
+              QTYPE: tl.constexpr):
     """acc [BLOCK_N, P, 8, 2, 4] + the tile's weights times x [.., P, 8, 2, 4]: nibble
     (word i, half h, byte c) of pair p's 8 words is column 64 p + 32 h + 4 i + c of the
-    super-block, of sub-block 2 p + h (scales, mins [BLOCK_N, P, 2]). Q5_K's fifth bit of
-    column l = 4 i + c of sub-block s is bit s of byte l of the 32 high bytes (high_words
-    [BLOCK_N, P, 8], word i: bit 8 c + s)."""
+    super-block, of sub-block 2 p + h (scales, mins [BLOCK_N, P, 1, 2, 1]). Q5_K's fifth
+    bit of column l = 4 i + c of sub-block s is bit s of byte l of the 32 high bytes
+    (high_words [BLOCK_N, P, 8], word i: bit 8 c + s)."""
     half = tl.arange(0, 2)[None, None, None, :, None]
     byte = tl.arange(0, 4)[None, None, None, None, :]
     q = (words[:, :, :, None, None] >> (4 * half + 8 * byte)) & 15
@@ -99,35 +102,40 @@ def _tile_dot(acc, words, high_words, scales, mins, x, pairs, DTYPE: tl.constexp
         sub = 2 * (pairs % 4)[None, :, None, None, None] + half
         q |= ((high_words[:, :, :, None, None] >> (8 * byte + sub)) & 1) << 4
     f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    w = scales[:, :, None, :, None] * f - mins[:, :, None, :, None]
+    w = scales * f - mins
     return acc + round_to(w, DTYPE) * x
 
 
 @triton.jit
-def _load_tile(w_rows, n_mask, s0, s_stop, pairs, words_i, BLOCK_WORDS: tl.constexpr,
+def _load_tile(w_rows, n_mask, s0, s_stop, pairs, BLOCK_WORDS: tl.constexpr,
                QS: tl.constexpr, QH: tl.constexpr, QTYPE: tl.constexpr,
                BLOCK_N: tl.constexpr, SB: tl.constexpr, EVICT: tl.constexpr):
-    """The words of super-blocks s0 .. s0 + SB (none at or past s_stop) of rows w_rows
-    [BLOCK_N, 1] (int32 pointers): (the nibble words [BLOCK_N, P, 8], the fifth-bit words
-    [BLOCK_N, P, 8] (Q5_K; else the nibble words again), header word pointers
-    [BLOCK_N, SB] and their mask)."""
-    s = s0 + pairs // 4  # each pair's super-block
-    base = w_rows[:, :, None] + (s * BLOCK_WORDS)[None, :, None]
-    mask = (n_mask[:, None] & (s < s_stop)[None, :])[:, :, None]
-    words = tl.load(base + QS + 8 * (pairs % 4)[None, :, None] + words_i, mask=mask, other=0,
+    """Super-blocks s0 .. s0 + SB (none at or past s_stop) of rows w_rows [BLOCK_N, 1]
+    (int32 pointers): (the nibble words [BLOCK_N, P, 8], each super-block's 32 loaded as one
+    run; the fifth-bit words [BLOCK_N, P, 8] (Q5_K; else the nibble words again); pointers to
+    each pair's header [BLOCK_N, P, 1, 1, 1] and their mask)."""
+    P: tl.constexpr = SB * 4
+    blocks = s0 + tl.arange(0, SB)
+    base = w_rows[:, :, None] + (blocks * BLOCK_WORDS)[None, :, None]  # [BLOCK_N, SB, 1]
+    mask = (n_mask[:, None] & (blocks < s_stop)[None, :])[:, :, None]
+    words = tl.load(base + QS + tl.arange(0, 32)[None, None, :], mask=mask, other=0,
                     eviction_policy=EVICT)
+    words = tl.reshape(words, (BLOCK_N, P, 8))
     if QTYPE == _Q5_K:
-        high = tl.load(base + QH + words_i, mask=mask, other=0, eviction_policy=EVICT)
+        high = tl.load(base + QH + tl.arange(0, 8)[None, None, :], mask=mask, other=0,
+                       eviction_policy=EVICT)
+        high = tl.reshape(tl.broadcast_to(high[:, :, None, :], (BLOCK_N, SB, 4, 8)),
+                          (BLOCK_N, P, 8))
     else:
         high = words
-    blocks = s0 + tl.arange(0, SB)
-    hdr = w_rows + (blocks * BLOCK_WORDS)[None, :]
-    hdr_mask = n_mask[:, None] & (blocks < s_stop)[None, :]
+    s = (s0 + pairs // 4)[None, :, None, None, None]
+    hdr = w_rows[:, :, None, None, None] + s * BLOCK_WORDS
+    hdr_mask = n_mask[:, None, None, None, None] & (s < s_stop)
     return words, high, hdr, hdr_mask
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks_per_row,
+def _kquant_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks_per_row,
                  blocks_per_split, row_words, HAS_BIAS: tl.constexpr, QTYPE: tl.constexpr,
                  BLOCK_N: tl.constexpr, SB: tl.constexpr, SPLIT_K: tl.constexpr,
                  EVICT: tl.constexpr):
@@ -149,27 +157,113 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, block
     w_rows = (w_ptr.to(tl.pointer_type(tl.int32))
               + offs_n.to(tl.int64)[:, None] * tl.multiple_of(row_words, 4))
     pairs = tl.arange(0, P)
-    words_i = tl.arange(0, 8)[None, None, :]
     # x's columns in the tile's shape: 64 p + 32 h + 4 i + c past the tile's first column
     cols = (64 * pairs[:, None, None, None] + 4 * tl.arange(0, 8)[None, :, None, None]
             + 32 * tl.arange(0, 2)[None, None, :, None] + tl.arange(0, 4)[None, None, None, :])
-    x_cols = x_ptr + cols[None, :, :, :, :] + 0 * offs_n[:, None, None, None, None]
+    x_cols = x_ptr + cols
     acc = tl.zeros((BLOCK_N, P, 8, 2, 4), tl.float32)
-    words, high, hdr, hdr_mask = _load_tile(w_rows, n_mask, s_start, s_stop, pairs, words_i,
+    words, high, hdr, hdr_mask = _load_tile(w_rows, n_mask, s_start, s_stop, pairs,
                                             BLOCK_WORDS, QS, QH, QTYPE, BLOCK_N, SB, EVICT)
     pdl.wait_for_previous()  # x is the previous kernel's output; the weights are not
     for s0 in range(s_start, s_stop, SB):
         next_words, next_high, next_hdr, next_mask = _load_tile(
-            w_rows, n_mask, s0 + SB, s_stop, pairs, words_i, BLOCK_WORDS, QS, QH, QTYPE,
-            BLOCK_N, SB, EVICT)
-        scales, mins = _sub_scales(hdr, hdr_mask)
-        scales = tl.reshape(scales, (BLOCK_N, P, 2))
-        mins = tl.reshape(mins, (BLOCK_N, P, 2))
-        in_slice = (s0 + pairs // 4 < s_stop)[None, :, None, None, None]
-        x = tl.load(x_cols + s0 * 256, mask=in_slice, other=0.0).to(tl.float32)
-        acc = _tile_dot(acc, words, high, scales, mins, x, pairs, DTYPE, QTYPE, BLOCK_N, P)
+            w_rows, n_mask, s0 + SB, s_stop, pairs, BLOCK_WORDS, QS, QH, QTYPE, BLOCK_N, SB,
+            EVICT)
+        scales, mins = _sub_scales(hdr, hdr_mask, pairs)
+        in_slice = (s0 + pairs // 4 < s_stop)[:, None, None, None]
+        x = tl.load(x_cols + s0 * 256, mask=in_slice, other=0.0).to(tl.float32)[None]
+        acc = _tile_dot(acc, words, high, scales, mins, x, pairs, DTYPE, QTYPE)
         words, high, hdr, hdr_mask = next_words, next_high, next_hdr, next_mask
-    total = tl.sum(tl.reshape(acc, (BLOCK_N, P * 64)), 1)
+    _finish(tl.sum(tl.reshape(acc, (BLOCK_N, P * 64)), 1), bias_ptr, y_ptr, part_ptr,
+            arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _q6k_load(w_rows, n_mask, s0, s_stop, units, BLOCK_N: tl.constexpr, U: tl.constexpr,
+              EVICT: tl.constexpr):
+    """Q6_K super-blocks s0 .. s0 + U // 4 (none at or past s_stop) of rows w_rows
+    [BLOCK_N, 1] (int16 pointers; a block is 105 halfwords, so only 2-byte aligned): per
+    unit u (super-block u // 4, half h = u // 2 % 2, columns 16 (u % 2) + 0..15 of each of
+    the half's four 32-column quarters): (the low-nibble halfwords [BLOCK_N, U, 1, 2, 8, 1]
+    (quarters m and m + 2 share bytes 32 m + l of the half's 64), the high-bits halfwords
+    [BLOCK_N, U, 1, 1, 8, 1], the mask [BLOCK_N, U, 1, 1, 1, 1])."""
+    u = units[None, :, None, None, None, None]
+    s = s0 + u // 4
+    h = (u // 2) % 2
+    lh = u % 2
+    base = w_rows[:, :, None, None, None, None] + s * 105
+    mask = n_mask[:, None, None, None, None, None] & (s < s_stop)
+    hw = tl.arange(0, 8)[None, None, None, None, :, None]
+    m = tl.arange(0, 2)[None, None, None, :, None, None]
+    low = tl.load(base + 32 * h + 16 * m + 8 * lh + hw, mask=mask, other=0,
+                  eviction_policy=EVICT)
+    high = tl.load(base + 64 + 16 * h + 8 * lh + hw, mask=mask, other=0,
+                   eviction_policy=EVICT)
+    return low, high, mask
+
+
+@triton.jit
+def _q6k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks_per_row,
+                blocks_per_split, row_halves, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                SB: tl.constexpr, SPLIT_K: tl.constexpr, EVICT: tl.constexpr):
+    """`_kquant_kernel` for Q6_K: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8
+    scales (one per 16 columns), d (float16) a super-block; in each half of 128 columns,
+    quarter qq's column l (0-31) has its low bits in nibble qq // 2 of byte 32 (qq % 2) + l
+    and its high bits at bit 2 qq of byte l of the half's 32 high bytes
+    (`gguf_dequant._decode`). The tile is [rows, units, qq // 2, qq % 2, 8 halfwords, 2
+    bytes]: a unit's 64 weights take 16 + 8 halfwords, 4 scales and d, and multiply 4 runs of
+    16 consecutive columns of x. The weight is (d * scale) * (q - 32), q - 32 made exact from
+    2^23 + q."""
+    U: tl.constexpr = SB * 4
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    pdl.allow_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    s_start = pid_k * blocks_per_split
+    s_stop = tl.minimum(s_start + blocks_per_split, blocks_per_row)
+    w_rows = (w_ptr.to(tl.pointer_type(tl.int16))
+              + offs_n.to(tl.int64)[:, None] * row_halves)
+    units = tl.arange(0, U)
+    qhi = tl.arange(0, 2)[None, None, :, None, None, None]
+    m = tl.arange(0, 2)[None, None, None, :, None, None]
+    c2 = tl.arange(0, 2)[None, None, None, None, None, :]
+    u = units[:, None, None, None, None]
+    # x's columns: 128 h + 32 (2 qhi + m) + 16 lh + 2 hw + c2 past the super-block's first
+    cols = (256 * (u // 4) + 128 * ((u // 2) % 2) + 16 * (u % 2)
+            + 64 * tl.arange(0, 2)[None, :, None, None, None]
+            + 32 * tl.arange(0, 2)[None, None, :, None, None]
+            + 2 * tl.arange(0, 8)[None, None, None, :, None]
+            + tl.arange(0, 2)[None, None, None, None, :])
+    acc = tl.zeros((BLOCK_N, U, 2, 2, 8, 2), tl.float32)
+    low, high, mask = _q6k_load(w_rows, n_mask, s_start, s_stop, units, BLOCK_N, U, EVICT)
+    pdl.wait_for_previous()  # x is the previous kernel's output; the weights are not
+    for s0 in range(s_start, s_stop, SB):
+        next_low, next_high, next_mask = _q6k_load(w_rows, n_mask, s0 + SB, s_stop, units,
+                                                   BLOCK_N, U, EVICT)
+        uu = units[None, :, None, None, None, None]
+        block = w_rows[:, :, None, None, None, None] + (s0 + uu // 4) * 105
+        d = tl.load(block + 104, mask=mask, other=0).to(tl.float16, bitcast=True)
+        sc = tl.load(block.to(tl.pointer_type(tl.int8)) + 192 + 8 * ((uu // 2) % 2)
+                     + 2 * (2 * qhi + m) + uu % 2, mask=mask, other=0)
+        scale = d.to(tl.float32) * sc.to(tl.float32)
+        lo = (low.to(tl.int32) >> (8 * c2 + 4 * qhi)) & 15
+        hi = (high.to(tl.int32) >> (8 * c2 + 4 * qhi + 2 * m)) & 3
+        f = ((lo | (hi << 4)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
+        in_slice = (s0 + u // 4 < s_stop)
+        x = tl.load(x_ptr + s0 * 256 + cols, mask=in_slice, other=0.0).to(tl.float32)
+        acc += round_to(scale * f, DTYPE) * x[None]
+        low, high, mask = next_low, next_high, next_mask
+    _finish(tl.sum(tl.reshape(acc, (BLOCK_N, U * 64)), 1), bias_ptr, y_ptr, part_ptr,
+            arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _finish(total, bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N,
+            HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Store the program's sums (+ bias); with SPLIT_K > 1 only the last of the n-tile's
+    programs to arrive does, the slices' partials [SPLIT_K, N] added up."""
     if SPLIT_K == 1:
         _store(total, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS)
     else:
@@ -196,11 +290,13 @@ def tiles(n: int, k: int, sms: int, cfg: WeightOnlyConfig) -> tuple[WeightOnlyCo
 
 def takes(x: Tensor, qtype: int, blocks: Tensor) -> bool:
     """Whether `gemv` takes x [M, K] against GGUF blocks of `qtype`: one contiguous row, a
-    type it reads, and blocks whose rows start on 16 bytes (its word loads; a row of K-quant
-    super-blocks is a multiple of 16 bytes, so only a view's offset can break that)."""
+    type it reads, and rows that start where its loads need them: on 16 bytes for Q4_K and
+    Q5_K (words; their rows are multiples of 16 bytes, so only a view's offset can break
+    that), on 2 for Q6_K (halfwords: its 210-byte blocks are no more aligned than that)."""
+    align = 2 if qtype == WeightFormat.GGUF_Q6_K else 16
     return (x.shape[0] == 1 and x.stride(-1) == 1 and qtype in TYPES
-            and blocks.stride(-1) == 1 and blocks.stride(0) % 16 == 0
-            and blocks.data_ptr() % 16 == 0)
+            and blocks.stride(-1) == 1 and blocks.stride(0) % align == 0
+            and blocks.data_ptr() % align == 0)
 
 
 def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
@@ -222,11 +318,13 @@ def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
         parts = torch.empty((splits, n), dtype=torch.float32, device=x.device)
         arrivals = arrival_counters(n_tiles, x.device)
     bias_arg = y if bias is None else bias  # never read without HAS_BIAS
-    _gemv_kernel[(n_tiles, splits)](
-        x, blocks, bias_arg, y, parts, arrivals, n, k // weights, per_split,
-        blocks.stride(0) // 4, HAS_BIAS=bias is not None, QTYPE=qtype, BLOCK_N=cfg.block_n,
-        SB=cfg.block_k // 256, SPLIT_K=splits,
-        EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.launch_options())
+    common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SB=cfg.block_k // 256,
+                  SPLIT_K=splits, EVICT="evict_first" if cfg.evict_first else "",
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
+    args = (x, blocks, bias_arg, y, parts, arrivals, n, k // weights, per_split)
+    if qtype == WeightFormat.GGUF_Q6_K:
+        _q6k_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 2, **common)
+    else:
+        _kquant_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 4, QTYPE=qtype, **common)
     return y
 
