@@ -16,6 +16,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight  # noqa: E402
+from pagedserve.kernels.triton import gguf_gemv  # noqa: E402
 from pagedserve.kernels.triton.int_linear import linear  # noqa: E402
 from pagedserve.model import load_model  # noqa: E402
 from pagedserve.model.ops import TORCH_OPS  # noqa: E402
@@ -71,3 +72,47 @@ def test_default_model_on_cuda_matches_dequantized_cpu():
     from pagedserve.model.loader import default_model_path
 
     _same_logits(default_model_path(), [1, 504, 3458, 314, 253, 1789, 28], atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(1000, 2304), (4100, 8192)], ids=["odd-blocks", "split-K"])
+@pytest.mark.parametrize("qtype", sorted(gguf_gemv.TYPES))
+def test_one_row_gemv_matches_rounded_weights(qtype, n, k, dtype):
+    """The one-row GEMV (`gguf_gemv`) that `linear` takes for one row: x @ the `gguf`
+    package's weights, each rounded to x's dtype (bfloat16: the PTX conversion), in float32
+    sums: to float32's noise, then one rounding. 9 super-blocks a row (Q6_K rows 2-byte
+    aligned only); 8192 columns over 4100 rows (K split across programs, a ragged last tile);
+    a bias; the result into a row of a wider buffer and nothing written beside it."""
+    blocks = random_blocks(qtype, n, k, seed=qtype * 7 + n)
+    w = torch.from_numpy(gguf_dequantize(blocks, gguf.GGMLQuantizationType(qtype)).copy())
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    expected = x.double() @ w.to(dtype).double().T + bias.double()
+    # float16: the compiler may fold the weights' rounding away (`precision.round_to`)
+    slack = 1e-5 if dtype != torch.float16 else torch.finfo(dtype).eps
+    bound = (x.double().abs() @ w.to(dtype).double().abs().T) * slack + 1e-6
+    bound = bound + expected.abs() * torch.finfo(dtype).eps
+    weight = GgufWeight(torch.from_numpy(blocks).cuda(), qtype, k)
+    assert gguf_gemv.takes(x.cuda(), qtype, weight.blocks)
+    out = torch.full((3, n), float("nan"), dtype=dtype, device="cuda")
+    y = gguf_gemv.gemv(x.cuda(), weight.blocks, qtype, bias.cuda(), out=out[1:2])
+    assert ((y.double().cpu() - expected).abs() <= bound).all()
+    assert out[0].isnan().all() and out[2].isnan().all()
+    torch.testing.assert_close(linear(x.cuda(), weight, bias.cuda()), y, rtol=0, atol=0)
+
+
+def test_one_row_gemv_replays_in_a_cuda_graph():
+    """Split K's arrival counters leave themselves zero: a captured launch replays with new
+    activations to the eager result."""
+    n, k, qtype = 4100, 8192, int(gguf.GGMLQuantizationType.Q4_K)
+    weight = GgufWeight(torch.from_numpy(random_blocks(qtype, n, k, seed=3)).cuda(), qtype, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    linear(x, weight)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = linear(x, weight)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(y, linear(x, weight), rtol=0, atol=0)
