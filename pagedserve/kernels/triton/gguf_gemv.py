@@ -1,5 +1,5 @@
 """One row of activations (a batch-1 decode step) against a weight in GGUF K-quant blocks
-(`kernels/gguf_format.py`: Q4_K, Q5_K), read as the file stores them: `gemv`, which
+(`kernels/gguf_format.py`: Q4_K, Q5_K, Q6_K), read as the file stores them: `gemv`, which
 `int_linear.linear` takes for one row of those types.
 
 Why its own kernel: a batch-1 step's time should be the packed bytes over memory bandwidth,
@@ -8,15 +8,17 @@ every byte a weight needs one by one (its nibble, its super-block's two float16 
 byte by byte, three bytes of 6-bit scales): about eight one-byte loads and their address
 arithmetic per weight, in 16-row programs over all of K. Here:
 
-- A K-quant super-block (144 or 176 bytes, multiples of 16) is read as int32 words, 16 bytes
-  a load: its header (the two float16 scales and twelve bytes of 6-bit scales and mins) as
-  one 4-word load, its nibbles as 8-word runs. The eight sub-block scales and mins are
-  unpacked once per super-block and row, not per weight.
-- The tile is [rows, pairs of sub-blocks, 8 words, 2 nibbles of a byte, 4 bytes of a word]:
-  each thread splits the words it loaded in registers (a shift and a mask a weight; the
-  float is made by OR-ing the exponent of 2^23 into the code and subtracting 2^23, exact,
-  instead of a conversion), and the activations each weight multiplies are 4 consecutive
-  columns (the 4 bytes of a word hold columns 4i..4i+3 of a 32-column sub-block).
+- A Q4_K or Q5_K super-block (144 or 176 bytes, multiples of 16) is read as int32 words, 16
+  bytes a load: its 32 words of nibbles as one run, its header (the two float16 scales,
+  twelve bytes of 6-bit scales and mins) as words. Q6_K's 210-byte blocks are only 2-byte
+  aligned, so its nibbles and high bits are read as halfwords (no re-layout: the blocks stay
+  the file's bytes, which every other reader of a `GgufWeight` takes).
+- The tile is [rows, pairs of sub-blocks, 8 words, 2 nibbles of a byte, 4 bytes of a word]
+  (Q6_K: [rows, units, the 4 quarters, halfwords, 2 bytes]). Each thread holds one row's 64
+  (Q6_K 32) columns: the sub-block scales and mins are unpacked once per thread, not per
+  weight; a nibble becomes a float by OR-ing the exponent of 2^23 into it and subtracting
+  2^23 (exact), not by a conversion; the activations each weight multiplies are runs of
+  consecutive columns.
 - As `dense_gemv`: K is split into slices until the grid fills the GPU (`fp8_linear`'s tile
   rule), the last of an output tile's programs to arrive sums the partials
   (`arrivals.sum_slices`), the next tile's words are loaded one iteration ahead, the first
@@ -24,13 +26,14 @@ arithmetic per weight, in 16-row programs over all of K. Here:
 
 Each weight is the reference's (`gguf_format`): (d * scale) * q - dmin * min in float32 (on the
 GPU the product and the difference may fuse), rounded to the activation dtype as
-`int_linear`'s other kernels round it, times x in float32; only the order of the float32 sums
-differs from them.
+`int_linear`'s other kernels round it (`_round_weight`), times x in float32; only the order
+of the float32 sums differs from them.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import triton
@@ -58,6 +61,9 @@ TYPES = (int(WeightFormat.GGUF_Q4_K), int(WeightFormat.GGUF_Q5_K),
 # four times the instructions a weight).
 ONE_ROW = WeightOnlyConfig(block_n=16, block_k=512, num_warps=4, num_stages=1,
                            programs_per_sm=5, min_block_n=4, fma=True)
+# Q6_K: a thread holds one (row, 32 columns), so the same tiles take 8 warps (with 64 columns
+# a thread its loop ran out of registers and spilled)
+Q6_K_ONE_ROW = replace(ONE_ROW, num_warps=8)
 
 _Q5_K = tl.constexpr(int(WeightFormat.GGUF_Q5_K))
 # the PTX conversion for bfloat16 rounding where the kernels compile (not the interpreter)
@@ -200,24 +206,24 @@ def _kquant_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blo
 
 @triton.jit
 def _q6k_load(w_rows, n_mask, s0, s_stop, units, BLOCK_N: tl.constexpr, U: tl.constexpr,
-              EVICT: tl.constexpr):
-    """Q6_K super-blocks s0 .. s0 + U // 4 (none at or past s_stop) of rows w_rows
-    [BLOCK_N, 1] (int16 pointers; a block is 105 halfwords, so only 2-byte aligned): per
-    unit u (super-block u // 4, half h = u // 2 % 2, columns 16 (u % 2) + 0..15 of each of
-    the half's four 32-column quarters): (the low-nibble halfwords [BLOCK_N, U, 1, 2, 8, 1]
-    (quarters m and m + 2 share bytes 32 m + l of the half's 64), the high-bits halfwords
-    [BLOCK_N, U, 1, 1, 8, 1], the mask [BLOCK_N, U, 1, 1, 1, 1])."""
+              HW: tl.constexpr, EVICT: tl.constexpr):
+    """Q6_K super-blocks s0 .. s0 + U // (32 // HW) (none at or past s_stop) of rows w_rows
+    [BLOCK_N, 1] (int16 pointers; a block is 105 halfwords, so only 2-byte aligned), by unit
+    u (`_q6k_kernel`): (the low-nibble halfwords [BLOCK_N, U, 1, 2, HW, 1] (quarters m and
+    m + 2 share bytes 32 m + l of the half's 64), the high-bits halfwords
+    [BLOCK_N, U, 1, 1, HW, 1], the mask [BLOCK_N, U, 1, 1, 1, 1])."""
+    LQ: tl.constexpr = 16 // HW
     u = units[None, :, None, None, None, None]
-    s = s0 + u // 4
-    h = (u // 2) % 2
-    lh = u % 2
+    s = s0 + u // (2 * LQ)
+    h = (u // LQ) % 2
+    lq = u % LQ
     base = w_rows[:, :, None, None, None, None] + s * 105
     mask = n_mask[:, None, None, None, None, None] & (s < s_stop)
-    hw = tl.arange(0, 8)[None, None, None, None, :, None]
+    hw = tl.arange(0, HW)[None, None, None, None, :, None]
     m = tl.arange(0, 2)[None, None, None, :, None, None]
-    low = tl.load(base + 32 * h + 16 * m + 8 * lh + hw, mask=mask, other=0,
+    low = tl.load(base + 32 * h + 16 * m + HW * lq + hw, mask=mask, other=0,
                   eviction_policy=EVICT)
-    high = tl.load(base + 64 + 16 * h + 8 * lh + hw, mask=mask, other=0,
+    high = tl.load(base + 64 + 16 * h + HW * lq + hw, mask=mask, other=0,
                    eviction_policy=EVICT)
     return low, high, mask
 
@@ -225,16 +231,19 @@ def _q6k_load(w_rows, n_mask, s0, s_stop, units, BLOCK_N: tl.constexpr, U: tl.co
 @triton.jit
 def _q6k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks_per_row,
                 blocks_per_split, row_halves, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                SB: tl.constexpr, SPLIT_K: tl.constexpr, EVICT: tl.constexpr):
+                SB: tl.constexpr, SPLIT_K: tl.constexpr, EVICT: tl.constexpr,
+                HW: tl.constexpr = 4):
     """`_kquant_kernel` for Q6_K: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8
     scales (one per 16 columns), d (float16) a super-block; in each half of 128 columns,
     quarter qq's column l (0-31) has its low bits in nibble qq // 2 of byte 32 (qq % 2) + l
     and its high bits at bit 2 qq of byte l of the half's 32 high bytes
-    (`gguf_dequant._decode`). The tile is [rows, units, qq // 2, qq % 2, 8 halfwords, 2
-    bytes]: a unit's 64 weights take 16 + 8 halfwords, 4 scales and d, and multiply 4 runs of
-    16 consecutive columns of x. The weight is (d * scale) * (q - 32), q - 32 made exact from
-    2^23 + q."""
-    U: tl.constexpr = SB * 4
+    (`gguf_dequant._decode`). A unit u is half h = u // LQ % 2 of super-block u // (2 LQ),
+    columns 2 HW (u % LQ) + 0 .. 2 HW - 1 of each of its four quarters (LQ = 16 / HW); the
+    tile is [rows, units, qq // 2, qq % 2, HW halfwords, 2 bytes]: a unit's 8 HW weights take
+    3 HW halfwords, 4 scales and d, and multiply 4 runs of 2 HW consecutive columns of x.
+    The weight is (d * scale) * (q - 32), q - 32 made exact from 2^23 + q."""
+    LQ: tl.constexpr = 16 // HW
+    U: tl.constexpr = SB * 2 * LQ
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pdl.allow_dependents()
     pid_n = tl.program_id(0)
@@ -250,32 +259,32 @@ def _q6k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks
     m = tl.arange(0, 2)[None, None, None, :, None, None]
     c2 = tl.arange(0, 2)[None, None, None, None, None, :]
     u = units[:, None, None, None, None]
-    # x's columns: 128 h + 32 (2 qhi + m) + 16 lh + 2 hw + c2 past the super-block's first
-    cols = (256 * (u // 4) + 128 * ((u // 2) % 2) + 16 * (u % 2)
+    # x's columns: 128 h + 32 (2 qhi + m) + 2 HW lq + 2 hw + c2 past the super-block's first
+    cols = (256 * (u // (2 * LQ)) + 128 * ((u // LQ) % 2) + 2 * HW * (u % LQ)
             + 64 * tl.arange(0, 2)[None, :, None, None, None]
             + 32 * tl.arange(0, 2)[None, None, :, None, None]
-            + 2 * tl.arange(0, 8)[None, None, None, :, None]
+            + 2 * tl.arange(0, HW)[None, None, None, :, None]
             + tl.arange(0, 2)[None, None, None, None, :])
-    acc = tl.zeros((BLOCK_N, U, 2, 2, 8, 2), tl.float32)
-    low, high, mask = _q6k_load(w_rows, n_mask, s_start, s_stop, units, BLOCK_N, U, EVICT)
+    acc = tl.zeros((BLOCK_N, U, 2, 2, HW, 2), tl.float32)
+    low, high, mask = _q6k_load(w_rows, n_mask, s_start, s_stop, units, BLOCK_N, U, HW, EVICT)
     pdl.wait_for_previous()  # x is the previous kernel's output; the weights are not
     for s0 in range(s_start, s_stop, SB):
         next_low, next_high, next_mask = _q6k_load(w_rows, n_mask, s0 + SB, s_stop, units,
-                                                   BLOCK_N, U, EVICT)
+                                                   BLOCK_N, U, HW, EVICT)
         uu = units[None, :, None, None, None, None]
-        block = w_rows[:, :, None, None, None, None] + (s0 + uu // 4) * 105
+        block = w_rows[:, :, None, None, None, None] + (s0 + uu // (2 * LQ)) * 105
         d = tl.load(block + 104, mask=mask, other=0).to(tl.float16, bitcast=True)
-        sc = tl.load(block.to(tl.pointer_type(tl.int8)) + 192 + 8 * ((uu // 2) % 2)
-                     + 2 * (2 * qhi + m) + uu % 2, mask=mask, other=0)
+        sc = tl.load(block.to(tl.pointer_type(tl.int8)) + 192 + 8 * ((uu // LQ) % 2)
+                     + 2 * (2 * qhi + m) + (2 * HW * (uu % LQ)) // 16, mask=mask, other=0)
         scale = d.to(tl.float32) * sc.to(tl.float32)
         lo = (low.to(tl.int32) >> (8 * c2 + 4 * qhi)) & 15
         hi = (high.to(tl.int32) >> (8 * c2 + 4 * qhi + 2 * m)) & 3
         f = ((lo | (hi << 4)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
-        in_slice = (s0 + u // 4 < s_stop)
+        in_slice = (s0 + u // (2 * LQ) < s_stop)
         x = tl.load(x_ptr + s0 * 256 + cols, mask=in_slice, other=0.0).to(tl.float32)
         acc += _round_weight(scale * f, DTYPE) * x[None]
         low, high, mask = next_low, next_high, next_mask
-    _finish(tl.sum(tl.reshape(acc, (BLOCK_N, U * 64)), 1), bias_ptr, y_ptr, part_ptr,
+    _finish(tl.sum(tl.reshape(acc, (BLOCK_N, U * 8 * HW)), 1), bias_ptr, y_ptr, part_ptr,
             arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
 
 
@@ -322,15 +331,18 @@ def takes(x: Tensor, qtype: int, blocks: Tensor) -> bool:
 def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
          out: Tensor | None = None, cfg: WeightOnlyConfig | None = None) -> Tensor:
     """x [1, K] (contiguous) @ the weight in GGUF blocks `blocks` (uint8 [N, row bytes], rows
-    contiguous, a `GgufWeight`'s) ^T (+ bias) -> [1, N] in x's dtype: one launch, no host
-    sync (CUDA graphs capture it, as `dense_gemv.gemv`)."""
+    contiguous, a `GgufWeight`'s) ^T (+ bias) -> [1, N] in x's dtype, into `out` [1, N] when
+    given (its row contiguous): one launch, no host sync (CUDA graphs capture it, as
+    `dense_gemv.gemv`). cfg: the tiles (default `ONE_ROW`, `Q6_K_ONE_ROW`)."""
     assert takes(x, qtype, blocks)
     n, k = blocks.shape[0], x.shape[1]
     weights, size = BLOCKS[qtype]
     assert blocks.shape[1] == k // weights * size
     y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (1, n) and y.stride(-1) == 1
-    cfg, splits, per_split = tiles(n, k, num_sms(x.device), cfg or ONE_ROW)
+    q6_k = qtype == WeightFormat.GGUF_Q6_K
+    cfg = cfg or (Q6_K_ONE_ROW if q6_k else ONE_ROW)
+    cfg, splits, per_split = tiles(n, k, num_sms(x.device), cfg)
     n_tiles = triton.cdiv(n, cfg.block_n)
     if splits == 1:
         parts, arrivals = y, y
@@ -342,7 +354,7 @@ def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
                   SPLIT_K=splits, EVICT="evict_first" if cfg.evict_first else "",
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     args = (x, blocks, bias_arg, y, parts, arrivals, n, k // weights, per_split)
-    if qtype == WeightFormat.GGUF_Q6_K:
+    if q6_k:
         _q6k_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 2, **common)
     else:
         _kquant_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 4, QTYPE=qtype, **common)
