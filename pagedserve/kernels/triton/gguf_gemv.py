@@ -318,12 +318,12 @@ def tiles(n: int, k: int, sms: int, cfg: WeightOnlyConfig) -> tuple[WeightOnlyCo
 
 
 def takes(x: Tensor, qtype: int, blocks: Tensor) -> bool:
-    """Whether `gemv` takes x [M, K] against GGUF blocks of `qtype`: one contiguous row, a
-    type it reads, and rows that start where its loads need them: on 16 bytes for Q4_K and
-    Q5_K (words; their rows are multiples of 16 bytes, so only a view's offset can break
-    that), on 2 for Q6_K (halfwords: its 210-byte blocks are no more aligned than that)."""
+    """Whether `gemv` takes x [M, K] against GGUF blocks of `qtype`: one contiguous row
+    (K > 0), a type it reads, and rows that start where its loads need them: on 16 bytes for
+    Q4_K and Q5_K (words; their rows are multiples of 16 bytes, so only a view's offset can
+    break that), on 2 for Q6_K (halfwords: its 210-byte blocks are no more aligned)."""
     align = 2 if qtype == WeightFormat.GGUF_Q6_K else 16
-    return (x.shape[0] == 1 and x.stride(-1) == 1 and qtype in TYPES
+    return (x.shape[0] == 1 and x.shape[1] > 0 and x.stride(-1) == 1 and qtype in TYPES
             and blocks.stride(-1) == 1 and blocks.stride(0) % align == 0
             and blocks.data_ptr() % align == 0)
 
