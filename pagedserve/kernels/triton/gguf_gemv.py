@@ -71,6 +71,20 @@ _CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
+def _nibble_float(shifted):
+    """2^23 + (the low 4 bits of int32 `shifted`) as float32 (exact), by OR-ing the exponent
+    of 2^23 into them. Compiled, one lop3 (mask and OR in one instruction) after the shift:
+    written in Triton, the compiler turns the shift and mask into a bit-field extract, which
+    sm_90 runs as two instructions, then ORs in a third."""
+    if _CVT:
+        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 15, 1258291200, 0xEA;", "=r,r",
+                                         [shifted], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (shifted & 15) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _round_weight(w, DTYPE: tl.constexpr):
     """`precision.round_to(w, DTYPE)`, the same values. For bfloat16 compiled, by the GPU's
     conversion of two floats at once (cvt.rn.bf16x2.f32, round to nearest even) and a shift
@@ -123,11 +137,13 @@ def _tile_dot(acc, words, high_words, scales, mins, x, pairs, DTYPE: tl.constexp
     (high_words [BLOCK_N, P, 8], word i: bit 8 c + s)."""
     half = tl.arange(0, 2)[None, None, None, :, None]
     byte = tl.arange(0, 4)[None, None, None, None, :]
-    q = (words[:, :, :, None, None] >> (4 * half + 8 * byte)) & 15
+    q = words[:, :, :, None, None] >> (4 * half + 8 * byte)
     if QTYPE == _Q5_K:
         sub = 2 * (pairs % 4)[None, :, None, None, None] + half
-        q |= ((high_words[:, :, :, None, None] >> (8 * byte + sub)) & 1) << 4
-    f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        q = (q & 15) | (((high_words[:, :, :, None, None] >> (8 * byte + sub)) & 1) << 4)
+        f = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    else:
+        f = _nibble_float(q) - 8388608.0
     w = scales * f - mins
     return acc + _round_weight(w, DTYPE) * x
 
