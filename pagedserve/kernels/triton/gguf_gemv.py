@@ -85,6 +85,21 @@ def _nibble_float(shifted):
 
 
 @triton.jit
+def _q6_float(low_shifted, high_shifted):
+    """2^23 + q as float32 (exact) for Q6_K's q = the low 4 bits of `low_shifted` | bits 4-5
+    of `high_shifted` (its 2 high bits already shifted there), as `_nibble_float`: compiled,
+    two lop3s."""
+    if _CVT:
+        bits = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, 48, 1258291200, 0xEA; "
+            "lop3.b32 $0, $1, 15, t, 0xEA; }",
+            "=r,r,r", [low_shifted, high_shifted], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (low_shifted & 15) | (high_shifted & 48) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _round_weight(w, DTYPE: tl.constexpr):
     """`precision.round_to(w, DTYPE)`, the same values. For bfloat16 compiled, by the GPU's
     conversion of two floats at once (cvt.rn.bf16x2.f32, round to nearest even) and a shift
@@ -293,9 +308,9 @@ def _q6k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks
         sc = tl.load(block.to(tl.pointer_type(tl.int8)) + 192 + 8 * ((uu // LQ) % 2)
                      + 2 * (2 * qhi + m) + (2 * HW * (uu % LQ)) // 16, mask=mask, other=0)
         scale = d.to(tl.float32) * sc.to(tl.float32)
-        lo = (low.to(tl.int32) >> (8 * c2 + 4 * qhi)) & 15
-        hi = (high.to(tl.int32) >> (8 * c2 + 4 * qhi + 2 * m)) & 3
-        f = ((lo | (hi << 4)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
+        # the high bits at 8 c2 + 2 qq, moved to bits 4-5: (high << 4) >> (8 c2 + 2 qq)
+        f = _q6_float(low.to(tl.int32) >> (8 * c2 + 4 * qhi),
+                      (high.to(tl.int32) << 4) >> (8 * c2 + 4 * qhi + 2 * m)) - 8388640.0
         in_slice = (s0 + u // (2 * LQ) < s_stop)
         x = tl.load(x_ptr + s0 * 256 + cols, mask=in_slice, other=0.0).to(tl.float32)
         acc += _round_weight(scale * f, DTYPE) * x[None]
