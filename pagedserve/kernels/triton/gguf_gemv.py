@@ -61,9 +61,11 @@ TYPES = (int(WeightFormat.GGUF_Q4_K), int(WeightFormat.GGUF_Q5_K),
 # four times the instructions a weight).
 ONE_ROW = WeightOnlyConfig(block_n=16, block_k=512, num_warps=4, num_stages=1,
                            programs_per_sm=5, min_block_n=4, fma=True)
-# Q6_K: a thread holds one (row, 32 columns), so the same tiles take 8 warps (with 64 columns
-# a thread its loop ran out of registers and spilled)
+# Q6_K: a thread holds one (row, 32 columns) (Q6_K_HALFWORDS halfwords of each quarter), so
+# the same tiles take 8 warps (with 64 columns a thread its loop ran out of registers and
+# spilled)
 Q6_K_ONE_ROW = replace(ONE_ROW, num_warps=8)
+Q6_K_HALFWORDS = 4
 
 _Q5_K = tl.constexpr(int(WeightFormat.GGUF_Q5_K))
 # the PTX conversion for bfloat16 rounding where the kernels compile (not the interpreter)
@@ -263,7 +265,7 @@ def _q6k_load(w_rows, n_mask, s0, s_stop, units, BLOCK_N: tl.constexpr, U: tl.co
 def _q6k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks_per_row,
                 blocks_per_split, row_halves, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                 SB: tl.constexpr, SPLIT_K: tl.constexpr, EVICT: tl.constexpr,
-                HW: tl.constexpr = 4):
+                HW: tl.constexpr):
     """`_kquant_kernel` for Q6_K: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8
     scales (one per 16 columns), d (float16) a super-block; in each half of 128 columns,
     quarter qq's column l (0-31) has its low bits in nibble qq // 2 of byte 32 (qq % 2) + l
@@ -386,7 +388,8 @@ def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     args = (x, blocks, bias_arg, y, parts, arrivals, n, k // weights, per_split)
     if q6_k:
-        _q6k_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 2, **common)
+        _q6k_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 2, HW=Q6_K_HALFWORDS,
+                                       **common)
     else:
         _kquant_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 4, QTYPE=qtype, **common)
     return y
