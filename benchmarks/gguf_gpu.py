@@ -1,6 +1,6 @@
 """GGUF weights kept in their blocks on CUDA (`model.gguf_weights`) against bf16.
 
-    PYTHONPATH=. python benchmarks/gguf_gpu.py --out docs/results [--parts gemv,8b]
+    PYTHONPATH=. python benchmarks/gguf_gpu.py --out docs/results [--parts gemv,sweep,8b]
 
 Parts:
   gemv  Llama-3-8B's projections in the types a Q4_K_M file gives them (Q4_K; Q6_K for the
@@ -8,6 +8,9 @@ Parts:
         (`kernels/triton/int_linear.linear` on `GgufWeight`s) at 1, 16 and 256 rows against
         the bf16 matmul, timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them);
         GB/s of the weights' bytes and % of the copy bandwidth
+  sweep the one-row GEMV (`kernels/triton/gguf_gemv.py`) on the same shapes at one row, over
+        candidate tiles (each keeps rows x super-blocks x 4 = the program's threads, the
+        layout its loop is written for) and programs per SM
   8b    a Llama-3-8B-shaped Q4_K_M GGUF (written by `gguf_quantize.write_llama_q4_k_m`,
         random weights) against bf16 (random weights made on the GPU, `load_format dummy`):
         batch-1 TPOT (128 prompt, 128 output tokens, median of 3) and the GPU memory the
@@ -20,10 +23,12 @@ script's `part` values start with "gguf").
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 # this folder holds kernels.py, which would shadow the `kernels` package transformers probes for
@@ -39,6 +44,7 @@ from benchmarks.common import (LLAMA3_8B_LM_HEAD, LLAMA3_8B_PROJECTIONS,  # noqa
                                ResultRows, rotation_copies, sibling)
 from pagedserve.frontend.llm_engine import LoadedModel  # noqa: E402
 from pagedserve.kernels.gguf_format import GgufWeight, row_bytes  # noqa: E402
+from pagedserve.kernels.triton import gguf_gemv  # noqa: E402
 from pagedserve.kernels.triton.int_linear import linear  # noqa: E402
 from pagedserve.model import load_model  # noqa: E402
 from pagedserve.model.gguf_weights import GgufMatmul  # noqa: E402
@@ -89,6 +95,37 @@ def part_gemv(res: ResultRows, bandwidth: float) -> None:
         torch.cuda.empty_cache()
 
 
+# (block_n, block_k / 256, warps): block_n * block_k / 256 * 4 == 32 * warps
+SWEEP_TILES = [(16, 2, 4), (32, 2, 8), (16, 4, 8), (8, 4, 4)]
+SWEEP_PROGRAMS = (5, 8)
+
+
+def part_sweep(res: ResultRows, bandwidth: float) -> None:
+    for name, (k, n, qtype) in SHAPES.items():
+        nbytes = n * row_bytes(int(qtype), k)
+        base = random_blocks(n, k, qtype)
+        blocks = [base] + [base.clone() for _ in range(rotation_copies(nbytes) - 1)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        default = gguf_gemv.Q6_K_ONE_ROW if qtype == T.Q6_K else gguf_gemv.ONE_ROW
+        for (block_n, steps, warps), programs in itertools.product(SWEEP_TILES,
+                                                                   SWEEP_PROGRAMS):
+            if qtype == T.Q6_K:
+                warps *= 2  # a Q6_K thread holds half a K-quant thread's columns
+            cfg = replace(default, block_n=block_n, block_k=256 * steps, num_warps=warps,
+                          programs_per_sm=programs)
+            fns = [(lambda b: lambda: gguf_gemv.gemv(x, b, int(qtype), cfg=cfg))(b)
+                   for b in blocks]
+            us = kernels.graph_us(fns)
+            gbps = nbytes / (us * 1e-6) / 1e9
+            res.add("gguf gemv sweep", layer=name, k=k, n=n, type=qtype.name, rows=1,
+                    block_n=block_n, block_k=256 * steps, num_warps=warps,
+                    programs_per_sm=programs, default=cfg == default, us=round(us, 2),
+                    gb_per_s=round(gbps, 1),
+                    pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1))
+        del blocks
+        torch.cuda.empty_cache()
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """The bytes of the model's float parameters and of the blocks its GGUF matmuls hold."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -133,6 +170,8 @@ def main() -> None:
                      keep=lambda row: not str(row.get("part", "")).startswith("gguf"))
     if "gemv" in parts:
         part_gemv(res, fp8.throughput.copy_bandwidth())
+    if "sweep" in parts:
+        part_sweep(res, fp8.throughput.copy_bandwidth())
     if "8b" in parts:
         part_8b(res, Path(tempfile.mkdtemp(prefix="pagedserve-gguf-")))
 
