@@ -109,8 +109,8 @@ def part_sweep(res: ResultRows, bandwidth: float) -> None:
         default = gguf_gemv.Q6_K_ONE_ROW if qtype == T.Q6_K else gguf_gemv.ONE_ROW
         for (block_n, steps, warps), programs in itertools.product(SWEEP_TILES,
                                                                    SWEEP_PROGRAMS):
-            if qtype == T.Q6_K:
-                warps *= 2  # a Q6_K thread holds half a K-quant thread's columns
+            if qtype == T.Q6_K:  # a Q6_K thread holds half a K-quant thread's columns
+                warps, block_n = (warps * 2, block_n) if warps <= 4 else (warps, block_n // 2)
             cfg = replace(default, block_n=block_n, block_k=256 * steps, num_warps=warps,
                           programs_per_sm=programs)
             fns = [(lambda b: lambda: gguf_gemv.gemv(x, b, int(qtype), cfg=cfg))(b)
