@@ -76,7 +76,7 @@ def report(name: str, kernel, weights_per_thread: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--types", default="Q4_K,Q5_K,Q6_K")
+    parser.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     args = parser.parse_args()
     dt = args.dtype
@@ -95,13 +95,20 @@ def main() -> None:
         report(f"{name} int_linear._gemv_kernel", old,
                d.gemv_block_n * d.gemv_block_k // (32 * d.gemv_warps))
         q6_k = qtype == WeightFormat.GGUF_Q6_K
-        cfg = gguf_gemv.Q6_K_ONE_ROW if q6_k else gguf_gemv.ONE_ROW
+        block32 = name in ("Q4_0", "Q4_1", "Q8_0")
+        cfg = (gguf_gemv.Q6_K_ONE_ROW if q6_k else gguf_gemv.BLOCK32_ONE_ROW if block32
+               else gguf_gemv.ONE_ROW)
         signature = dict(x_ptr=f"*{dt}", w_ptr="*u8", bias_ptr=f"*{dt}", y_ptr=f"*{dt}",
                          part_ptr="*fp32", arrivals_ptr="*i32", N="i32", blocks_per_row="i32",
                          blocks_per_split="i32", row_stride="i32")
         constexprs = dict(HAS_BIAS=False, BLOCK_N=cfg.block_n, SB=cfg.block_k // 256,
                           SPLIT_K=2, EVICT="evict_first")
-        if q6_k:
+        if block32:
+            signature["row_halves"] = signature.pop("row_stride")
+            fn, aligned = gguf_gemv._block32_kernel, set()
+            constexprs = dict(HAS_BIAS=False, QTYPE=qtype, BLOCK_N=cfg.block_n,
+                              B=cfg.block_k // 32, SPLIT_K=2, EVICT="evict_first")
+        elif q6_k:
             signature["row_halves"] = signature.pop("row_stride")
             fn, aligned = gguf_gemv._q6k_kernel, set()
             constexprs["HW"] = gguf_gemv.Q6_K_HALFWORDS

@@ -80,9 +80,10 @@ def test_default_model_on_cuda_matches_dequantized_cpu():
 def test_one_row_gemv_matches_rounded_weights(qtype, n, k, dtype):
     """The one-row GEMV (`gguf_gemv`) that `linear` takes for one row: x @ the `gguf`
     package's weights, each rounded to x's dtype (bfloat16: the PTX conversion), in float32
-    sums: to float32's noise, then one rounding. 9 super-blocks a row (Q6_K rows 2-byte
-    aligned only); 8192 columns over 4100 rows (K split across programs, a ragged last tile);
-    a bias; the result into a row of a wider buffer and nothing written beside it."""
+    sums: to float32's noise, then one rounding. 2304 columns (9 super-blocks: Q6_K rows
+    2-byte aligned only, as every 32-weight type's); 8192 columns over 4100 rows (K split
+    across programs, a ragged last tile); a bias; the result into a row of a wider buffer
+    and nothing written beside it."""
     blocks = random_blocks(qtype, n, k, seed=qtype * 7 + n)
     w = torch.from_numpy(gguf_dequantize(blocks, gguf.GGMLQuantizationType(qtype)).copy())
     gen = torch.Generator().manual_seed(n)

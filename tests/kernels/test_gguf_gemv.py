@@ -18,9 +18,13 @@ from tests.kernels.test_kernels import fresh_seed
 
 GEMV_TYPES = [t for t in TYPES if t in gguf_gemv.TYPES]
 GEMV_IDS = [name for t, name in zip(TYPES, IDS) if t in gguf_gemv.TYPES]
-# 4 rows of 2 super-blocks a program; `split` programs per "SM" (one, interpreted), so that
-# K is cut into slices of whole steps
-TINY = replace(gguf_gemv.ONE_ROW, block_n=4, block_k=512, min_block_n=0)
+
+
+def tiny(qtype: int, programs: int):
+    """4 rows of 2 blocks a program; `programs` programs per "SM" (one, interpreted), so that
+    K is cut into slices of whole steps."""
+    return replace(gguf_gemv.ONE_ROW, block_n=4, block_k=2 * BLOCKS[qtype][0], min_block_n=0,
+                   programs_per_sm=programs)
 
 
 def _blocks(qtype: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,15 +51,15 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias, seed: int) -
 @pytest.mark.parametrize("k_blocks,programs", [(5, 1), (5, 12), (3, 40)],
                          ids=["whole-K", "split-K", "split-ragged-slice"])
 def test_gemv_matches_dequantized_matmul(qtype, k_blocks, programs):
-    """N = 9 (rows per program 4: a ragged last tile); K of 5 or 3 super-blocks (steps of 2:
-    a ragged last step); split so that slices end mid-step or hold one super-block."""
+    """N = 9 (rows per program 4: a ragged last tile); K of 5 or 3 blocks (steps of 2: a
+    ragged last step); split so that slices end mid-step or hold one step."""
     seed = fresh_seed()
     n, k = 9, k_blocks * BLOCKS[qtype][0]
     blocks, w = _blocks(qtype, n, k, seed)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, k, generator=gen)
     bias = torch.randn(n, generator=gen)
-    cfg = replace(TINY, programs_per_sm=programs)
+    cfg = tiny(qtype, programs)
     y = gguf_gemv.gemv(x, blocks, qtype, bias, cfg=cfg)
     _check(y, x, w, bias, seed)
     no_bias = gguf_gemv.gemv(x, blocks, qtype, cfg=cfg)
@@ -69,7 +73,7 @@ def test_gemv_bfloat16_rounds_each_weight(qtype):
     blocks, w = _blocks(qtype, n, k, seed)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
     out = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
-    y = gguf_gemv.gemv(x, blocks, qtype, out=out, cfg=replace(TINY, programs_per_sm=8))
+    y = gguf_gemv.gemv(x, blocks, qtype, out=out, cfg=tiny(qtype, 8))
     assert y is out
     _check(y, x, w, None, seed)
 

@@ -1,6 +1,6 @@
-"""One row of activations (a batch-1 decode step) against a weight in GGUF K-quant blocks
-(`kernels/gguf_format.py`: Q4_K, Q5_K, Q6_K), read as the file stores them: `gemv`, which
-`int_linear.linear` takes for one row of those types.
+"""One row of activations (a batch-1 decode step) against a weight in GGUF blocks
+(`kernels/gguf_format.py`: every type kept quantized on the GPU, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+Q6_K), read as the file stores them: `gemv`, which `int_linear.linear` takes for one row.
 
 Why its own kernel: a batch-1 step's time should be the packed bytes over memory bandwidth,
 and `dequant.dequant_tile`'s description of the blocks, right for the GEMM's tiles, reads
@@ -10,22 +10,24 @@ arithmetic per weight, in 16-row programs over all of K. Here:
 
 - A Q4_K or Q5_K super-block (144 or 176 bytes, multiples of 16) is read as int32 words, 16
   bytes a load: its 32 words of nibbles as one run, its header (the two float16 scales,
-  twelve bytes of 6-bit scales and mins) as words. Q6_K's 210-byte blocks are only 2-byte
-  aligned, so its nibbles and high bits are read as halfwords (no re-layout: the blocks stay
-  the file's bytes, which every other reader of a `GgufWeight` takes).
+  twelve bytes of 6-bit scales and mins) as words. Q6_K's 210-byte blocks and the 18-, 20-
+  and 34-byte ones of Q4_0, Q4_1 and Q8_0 are only 2-byte aligned, so their codes are read
+  as halfwords (no re-layout: the blocks stay the file's bytes, which every other reader of
+  a `GgufWeight` takes).
 - The tile is [rows, pairs of sub-blocks, 8 words, 2 nibbles of a byte, 4 bytes of a word]
-  (Q6_K: [rows, units, the 4 quarters, halfwords, 2 bytes]). Each thread holds one row's 64
-  (Q6_K 32) columns: the sub-block scales and mins are unpacked once per thread, not per
-  weight; a nibble becomes a float by OR-ing the exponent of 2^23 into it and subtracting
-  2^23 (exact), not by a conversion; the activations each weight multiplies are runs of
-  consecutive columns.
+  (Q6_K: [rows, units, the 4 quarters, halfwords, 2 bytes]; the 32-weight blocks: [rows,
+  blocks, nibble halves, halfwords, 2 bytes]). Each thread holds one row's 64 (Q6_K and the
+  32-weight blocks: 32) columns: the scales are unpacked once per thread, not per weight; a
+  code becomes a float by OR-ing the exponent of 2^23 into it and subtracting 2^23 (exact),
+  not by a conversion; the activations each weight multiplies are runs of consecutive
+  columns.
 - As `dense_gemv`: K is split into slices until the grid fills the GPU (`fp8_linear`'s tile
   rule), the last of an output tile's programs to arrive sums the partials
   (`arrivals.sum_slices`), the next tile's words are loaded one iteration ahead, the first
   before the PDL wait (`pdl`).
 
-Each weight is the reference's (`gguf_format`): (d * scale) * q - dmin * min in float32 (on the
-GPU the product and the difference may fuse), rounded to the activation dtype as
+Each weight is the reference's (`gguf_format`), the same float32 products in the same order
+(e.g. Q4_K's (d * scale) * q - dmin * min; on the GPU a product and a sum may fuse), rounded to the activation dtype as
 `int_linear`'s other kernels round it (`_round_weight`), times x in float32; only the order
 of the float32 sums differs from them.
 """
@@ -48,8 +50,12 @@ from pagedserve.kernels.triton.precision import round_to
 from pagedserve.kernels.weight_formats import WeightFormat
 
 # the GGML types `gemv` takes
-TYPES = (int(WeightFormat.GGUF_Q4_K), int(WeightFormat.GGUF_Q5_K),
+TYPES = (int(WeightFormat.GGUF_Q4_0), int(WeightFormat.GGUF_Q4_1),
+         int(WeightFormat.GGUF_Q8_0), int(WeightFormat.GGUF_Q4_K), int(WeightFormat.GGUF_Q5_K),
          int(WeightFormat.GGUF_Q6_K))
+# the types whose blocks are only 2-byte aligned, read as halfwords
+_HALFWORD_TYPES = (int(WeightFormat.GGUF_Q4_0), int(WeightFormat.GGUF_Q4_1),
+                   int(WeightFormat.GGUF_Q8_0), int(WeightFormat.GGUF_Q6_K))
 
 # Tiles: 16 rows of two super-blocks (512 columns, 4.5 KiB of Q4_K), narrowed to 4 rows of
 # eight while a projection has too few rows to fill the SMs; `fp8_linear.one_row_tiles`
@@ -66,8 +72,13 @@ ONE_ROW = WeightOnlyConfig(block_n=16, block_k=512, num_warps=4, num_stages=1,
 # spilled)
 Q6_K_ONE_ROW = replace(ONE_ROW, num_warps=8)
 Q6_K_HALFWORDS = 4
+# Q4_0, Q4_1, Q8_0: a thread holds one (row, 32-column block): 16 rows of 16 blocks, 8 warps
+BLOCK32_ONE_ROW = replace(ONE_ROW, num_warps=8)
 
 _Q5_K = tl.constexpr(int(WeightFormat.GGUF_Q5_K))
+_Q4_0 = tl.constexpr(int(WeightFormat.GGUF_Q4_0))
+_Q4_1 = tl.constexpr(int(WeightFormat.GGUF_Q4_1))
+_Q8_0 = tl.constexpr(int(WeightFormat.GGUF_Q8_0))
 # the PTX conversion for bfloat16 rounding where the kernels compile (not the interpreter)
 _CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
@@ -322,6 +333,77 @@ def _q6k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks
 
 
 @triton.jit
+def _byte_float(shifted):
+    """2^23 + 128 + (the int8 in the low byte of int32 `shifted`) as float32 (exact): the
+    byte with its sign bit flipped (the int8 plus 128), the exponent of 2^23 OR-ed in; one
+    lop3 compiled ((a & 0xFF) ^ 0x4B000080)."""
+    if _CVT:
+        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 255, 1258291328, 0x6A;", "=r,r",
+                                         [shifted], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (shifted & 255) ^ 0x4B000080
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block32_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks_per_row,
+                    blocks_per_split, row_halves, HAS_BIAS: tl.constexpr,
+                    QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, B: tl.constexpr,
+                    SPLIT_K: tl.constexpr, EVICT: tl.constexpr):
+    """`_kquant_kernel` for the 32-weight blocks (18, 20 and 34 bytes: 2-byte aligned, read
+    as halfwords): Q4_0 (d, 16 bytes of nibbles: weight j in byte j % 16, the high nibble
+    from 16; d (q - 8)), Q4_1 (d, m, the same nibbles; d q + m), Q8_0 (d, 32 int8; q d). A
+    thread holds one (row, block); the tile is [rows, blocks, nibble half, code halfwords, 2
+    bytes], column 2 NQ h + 2 hw + c of its block."""
+    HALVES: tl.constexpr = 9 if QTYPE == _Q4_0 else (10 if QTYPE == _Q4_1 else 17)
+    QS: tl.constexpr = 2 if QTYPE == _Q4_1 else 1
+    NQ: tl.constexpr = 16 if QTYPE == _Q8_0 else 8
+    H: tl.constexpr = 1 if QTYPE == _Q8_0 else 2
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    pdl.allow_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    s_start = pid_k * blocks_per_split
+    s_stop = tl.minimum(s_start + blocks_per_split, blocks_per_row)
+    w_rows = (w_ptr.to(tl.pointer_type(tl.int16))
+              + offs_n.to(tl.int64)[:, None] * row_halves)[:, :, None, None, None]
+    b = tl.arange(0, B)[None, :, None, None, None]
+    h = tl.arange(0, H)[None, None, :, None, None]
+    hw = tl.arange(0, NQ)[None, None, None, :, None]
+    c = tl.arange(0, 2)[None, None, None, None, :]
+    cols = (32 * tl.arange(0, B)[:, None, None, None] + 2 * NQ * tl.arange(0, H)[None, :, None, None]
+            + 2 * tl.arange(0, NQ)[None, None, :, None] + tl.arange(0, 2)[None, None, None, :])
+    rows_mask = n_mask[:, None, None, None, None]
+    acc = tl.zeros((BLOCK_N, B, H, NQ, 2), tl.float32)
+    codes = tl.load(w_rows + (s_start + b) * HALVES + QS + hw,
+                    mask=rows_mask & (s_start + b < s_stop), other=0, eviction_policy=EVICT)
+    pdl.wait_for_previous()  # x is the previous kernel's output; the weights are not
+    for s0 in range(s_start, s_stop, B):
+        next_codes = tl.load(w_rows + (s0 + B + b) * HALVES + QS + hw,
+                             mask=rows_mask & (s0 + B + b < s_stop), other=0,
+                             eviction_policy=EVICT)
+        block = w_rows + (s0 + b) * HALVES
+        mask = rows_mask & (s0 + b < s_stop)
+        d = tl.load(block, mask=mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        shifted = codes.to(tl.int32) >> (8 * c + 4 * h)
+        if QTYPE == _Q8_0:
+            w = (_byte_float(shifted) - 8388736.0) * d
+        elif QTYPE == _Q4_0:
+            w = d * (_nibble_float(shifted) - 8388616.0)
+        else:
+            m = tl.load(block + 1, mask=mask, other=0).to(tl.float16, bitcast=True)
+            w = d * (_nibble_float(shifted) - 8388608.0) + m.to(tl.float32)
+        in_slice = (s0 + tl.arange(0, B) < s_stop)[:, None, None, None]
+        x = tl.load(x_ptr + s0 * 32 + cols, mask=in_slice, other=0.0).to(tl.float32)
+        acc += _round_weight(w, DTYPE) * x[None]
+        codes = next_codes
+    _finish(tl.sum(tl.reshape(acc, (BLOCK_N, B * 32)), 1), bias_ptr, y_ptr, part_ptr,
+            arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
 def _finish(total, bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N,
             HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Store the program's sums (+ bias); with SPLIT_K > 1 only the last of the n-tile's
@@ -343,19 +425,21 @@ def _store(acc, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr):
     tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def tiles(n: int, k: int, sms: int, cfg: WeightOnlyConfig) -> tuple[WeightOnlyConfig, int, int]:
-    """(cfg narrowed to n, slices of K, super-blocks per slice): `fp8_linear.one_row_tiles`,
-    whose K tiles are whole super-blocks here."""
+def tiles(n: int, k: int, sms: int, cfg: WeightOnlyConfig,
+          block: int = 256) -> tuple[WeightOnlyConfig, int, int]:
+    """(cfg narrowed to n, slices of K, blocks of `block` columns per slice):
+    `fp8_linear.one_row_tiles`, whose K tiles are whole blocks here."""
     cfg, splits, k_per_split = one_row_tiles(n, k, sms, cfg)
-    return cfg, splits, k_per_split // 256
+    return cfg, splits, k_per_split // block
 
 
 def takes(x: Tensor, qtype: int, blocks: Tensor) -> bool:
     """Whether `gemv` takes x [M, K] against GGUF blocks of `qtype`: one contiguous row
     (K > 0), a type it reads, and rows that start where its loads need them: on 16 bytes for
     Q4_K and Q5_K (words; their rows are multiples of 16 bytes, so only a view's offset can
-    break that), on 2 for Q6_K (halfwords: its 210-byte blocks are no more aligned)."""
-    align = 2 if qtype == WeightFormat.GGUF_Q6_K else 16
+    break that), on 2 for the others (halfwords: their 18-, 20-, 34- and 210-byte blocks are
+    no more aligned)."""
+    align = 2 if qtype in _HALFWORD_TYPES else 16
     return (x.shape[0] == 1 and x.shape[1] > 0 and x.stride(-1) == 1 and qtype in TYPES
             and blocks.stride(-1) == 1 and blocks.stride(0) % align == 0
             and blocks.data_ptr() % align == 0)
@@ -374,8 +458,8 @@ def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
     y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (1, n) and y.stride(-1) == 1
     q6_k = qtype == WeightFormat.GGUF_Q6_K
-    cfg = cfg or (Q6_K_ONE_ROW if q6_k else ONE_ROW)
-    cfg, splits, per_split = tiles(n, k, num_sms(x.device), cfg)
+    cfg = cfg or (Q6_K_ONE_ROW if q6_k else ONE_ROW if weights == 256 else BLOCK32_ONE_ROW)
+    cfg, splits, per_split = tiles(n, k, num_sms(x.device), cfg, weights)
     n_tiles = triton.cdiv(n, cfg.block_n)
     if splits == 1:
         parts, arrivals = y, y
@@ -383,14 +467,17 @@ def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
         parts = torch.empty((splits, n), dtype=torch.float32, device=x.device)
         arrivals = arrival_counters(n_tiles, x.device)
     bias_arg = y if bias is None else bias  # never read without HAS_BIAS
-    common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SB=cfg.block_k // 256,
-                  SPLIT_K=splits, EVICT="evict_first" if cfg.evict_first else "",
+    common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT_K=splits, EVICT="evict_first" if cfg.evict_first else "",
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     args = (x, blocks, bias_arg, y, parts, arrivals, n, k // weights, per_split)
-    if q6_k:
+    if weights == 32:
+        _block32_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 2, QTYPE=qtype,
+                                           B=cfg.block_k // 32, **common)
+    elif q6_k:
         _q6k_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 2, HW=Q6_K_HALFWORDS,
-                                       **common)
+                                       SB=cfg.block_k // 256, **common)
     else:
-        _kquant_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 4, QTYPE=qtype, **common)
+        _kquant_kernel[(n_tiles, splits)](*args, blocks.stride(0) // 4, QTYPE=qtype,
+                                          SB=cfg.block_k // 256, **common)
     return y
 
