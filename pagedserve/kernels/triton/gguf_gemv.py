@@ -79,8 +79,8 @@ _Q5_K = tl.constexpr(int(WeightFormat.GGUF_Q5_K))
 _Q4_0 = tl.constexpr(int(WeightFormat.GGUF_Q4_0))
 _Q4_1 = tl.constexpr(int(WeightFormat.GGUF_Q4_1))
 _Q8_0 = tl.constexpr(int(WeightFormat.GGUF_Q8_0))
-# the PTX conversion for bfloat16 rounding where the kernels compile (not the interpreter)
-_CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# inline PTX where the kernels compile; the interpreter runs the Triton ops they stand for
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def _nibble_float(shifted):
     of 2^23 into them. Compiled, one lop3 (mask and OR in one instruction) after the shift:
     written in Triton, the compiler turns the shift and mask into a bit-field extract, which
     sm_90 runs as two instructions, then ORs in a third."""
-    if _CVT:
+    if _PTX:
         bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 15, 1258291200, 0xEA;", "=r,r",
                                          [shifted], dtype=tl.int32, is_pure=True, pack=1)
     else:
@@ -102,7 +102,7 @@ def _q6_float(low_shifted, high_shifted):
     """2^23 + q as float32 (exact) for Q6_K's q = the low 4 bits of `low_shifted` | bits 4-5
     of `high_shifted` (its 2 high bits already shifted there), as `_nibble_float`: compiled,
     two lop3s."""
-    if _CVT:
+    if _PTX:
         bits = tl.inline_asm_elementwise(
             "{ .reg .b32 t; lop3.b32 t, $2, 48, 1258291200, 0xEA; "
             "lop3.b32 $0, $1, 15, t, 0xEA; }",
@@ -118,7 +118,7 @@ def _round_weight(w, DTYPE: tl.constexpr):
     conversion of two floats at once (cvt.rn.bf16x2.f32, round to nearest even) and a shift
     or a mask back to float32: about one and a half instructions a weight where round_to's
     bit arithmetic takes four, in a loop whose instructions, not its bytes, set its pace."""
-    if DTYPE == tl.bfloat16 and _CVT:
+    if DTYPE == tl.bfloat16 and _PTX:
         bits = tl.inline_asm_elementwise(
             "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; "
             "and.b32 $1, t, 0xFFFF0000; }",
@@ -337,7 +337,7 @@ def _byte_float(shifted):
     """2^23 + 128 + (the int8 in the low byte of int32 `shifted`) as float32 (exact): the
     byte with its sign bit flipped (the int8 plus 128), the exponent of 2^23 OR-ed in; one
     lop3 compiled ((a & 0xFF) ^ 0x4B000080)."""
-    if _CVT:
+    if _PTX:
         bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 255, 1258291328, 0x6A;", "=r,r",
                                          [shifted], dtype=tl.int32, is_pure=True, pack=1)
     else:
