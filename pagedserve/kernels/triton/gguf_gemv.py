@@ -27,9 +27,9 @@ arithmetic per weight, in 16-row programs over all of K. Here:
   before the PDL wait (`pdl`).
 
 Each weight is the reference's (`gguf_format`), the same float32 products in the same order
-(e.g. Q4_K's (d * scale) * q - dmin * min; on the GPU a product and a sum may fuse), rounded to the activation dtype as
-`int_linear`'s other kernels round it (`_round_weight`), times x in float32; only the order
-of the float32 sums differs from them.
+(e.g. Q4_K's (d * scale) * q - dmin * min; on the GPU a product and a sum may fuse), rounded
+to the activation dtype as `int_linear`'s other kernels round it (`_round_weight`), times x
+in float32; only the order of the float32 sums differs from them.
 """
 
 from __future__ import annotations
@@ -373,7 +373,8 @@ def _block32_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, bl
     h = tl.arange(0, H)[None, None, :, None, None]
     hw = tl.arange(0, NQ)[None, None, None, :, None]
     c = tl.arange(0, 2)[None, None, None, None, :]
-    cols = (32 * tl.arange(0, B)[:, None, None, None] + 2 * NQ * tl.arange(0, H)[None, :, None, None]
+    cols = (32 * tl.arange(0, B)[:, None, None, None]
+            + 2 * NQ * tl.arange(0, H)[None, :, None, None]
             + 2 * tl.arange(0, NQ)[None, None, :, None] + tl.arange(0, 2)[None, None, None, :])
     rows_mask = n_mask[:, None, None, None, None]
     acc = tl.zeros((BLOCK_N, B, H, NQ, 2), tl.float32)
@@ -467,7 +468,8 @@ def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
         parts = torch.empty((splits, n), dtype=torch.float32, device=x.device)
         arrivals = arrival_counters(n_tiles, x.device)
     bias_arg = y if bias is None else bias  # never read without HAS_BIAS
-    common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT_K=splits, EVICT="evict_first" if cfg.evict_first else "",
+    common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT_K=splits,
+                  EVICT="evict_first" if cfg.evict_first else "",
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options())
     args = (x, blocks, bias_arg, y, parts, arrivals, n, k // weights, per_split)
     if weights == 32:

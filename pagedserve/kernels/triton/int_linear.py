@@ -17,9 +17,10 @@ column order, which turns codes into floats with an OR of the float32 exponent i
 conversion and applies each group's scale per word, `gguf_gemv.gemv` for GGUF blocks (read
 as words or halfwords, not byte by byte), and `_gemv_kernel` for the rest (g_idx; GGUF
 blocks a view leaves unaligned). A few rows take `_gemm_kernel`, a tiled GEMM whose B
-operand is dequantized per tile through tl.dot. From `dequant_min_rows` rows the GEMM is compute-bound and cuBLAS
-is far faster than a Triton GEMM unpacking in its inner loop, so the weight is dequantized
-once into a scratch tensor (`_dequant_kernel`) and multiplied by cuBLAS.
+operand is dequantized per tile through tl.dot. From `dequant_min_rows` rows the GEMM is
+compute-bound and cuBLAS is far faster than a Triton GEMM unpacking in its inner loop, so
+the weight is dequantized once into a scratch tensor (`_dequant_kernel`) and multiplied by
+cuBLAS.
 
 Rounding: the GEMMs round each dequantized weight to the activation dtype (the tl.dot
 operand; cuBLAS's input), as a float model built from the dequantized weights holds it, and
