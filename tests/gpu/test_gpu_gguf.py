@@ -75,15 +75,16 @@ def test_default_model_on_cuda_matches_dequantized_cpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n,k", [(1000, 2304), (4100, 8192)], ids=["odd-blocks", "split-K"])
+@pytest.mark.parametrize("n,k", [(4097, 2304), (1000, 8192)], ids=["whole-K", "split-K"])
 @pytest.mark.parametrize("qtype", sorted(gguf_gemv.TYPES))
 def test_one_row_gemv_matches_rounded_weights(qtype, n, k, dtype):
     """The one-row GEMV (`gguf_gemv`) that `linear` takes for one row: x @ the `gguf`
     package's weights, each rounded to x's dtype (bfloat16: the PTX conversion), in float32
-    sums: to float32's noise, then one rounding. 2304 columns (9 super-blocks: Q6_K rows
-    2-byte aligned only, as every 32-weight type's); 8192 columns over 4100 rows (K split
-    across programs, a ragged last tile); a bias; the result into a row of a wider buffer
-    and nothing written beside it."""
+    sums: to float32's noise, then one rounding. 4097 rows of 2304 columns (9 super-blocks:
+    Q6_K rows 2-byte aligned only, as every 32-weight type's; enough rows that K is not
+    split on an H100, a ragged last tile); 1000 rows of 8192 (too few rows to fill the SMs:
+    K split across programs); a bias; the result into a row of a wider buffer and nothing
+    written beside it."""
     blocks = random_blocks(qtype, n, k, seed=qtype * 7 + n)
     w = torch.from_numpy(gguf_dequantize(blocks, gguf.GGMLQuantizationType(qtype)).copy())
     gen = torch.Generator().manual_seed(n)
@@ -106,7 +107,7 @@ def test_one_row_gemv_matches_rounded_weights(qtype, n, k, dtype):
 def test_one_row_gemv_replays_in_a_cuda_graph():
     """Split K's arrival counters leave themselves zero: a captured launch replays with new
     activations to the eager result."""
-    n, k, qtype = 4100, 8192, int(gguf.GGMLQuantizationType.Q4_K)
+    n, k, qtype = 1000, 8192, int(gguf.GGMLQuantizationType.Q4_K)  # K split on an H100
     weight = GgufWeight(torch.from_numpy(random_blocks(qtype, n, k, seed=3)).cuda(), qtype, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     linear(x, weight)  # compile outside the capture
