@@ -44,7 +44,7 @@ from torch import Tensor
 
 from pagedserve.kernels.gguf_format import BLOCKS
 from pagedserve.kernels.triton import pdl
-from pagedserve.kernels.triton.arrivals import arrival_counters, sum_slices
+from pagedserve.kernels.triton.arrivals import split_buffers, sum_slices
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms, one_row_tiles
 from pagedserve.kernels.triton.precision import round_to
 from pagedserve.kernels.weight_formats import WeightFormat
@@ -462,11 +462,7 @@ def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
     cfg = cfg or (Q6_K_ONE_ROW if q6_k else ONE_ROW if weights == 256 else BLOCK32_ONE_ROW)
     cfg, splits, per_split = tiles(n, k, num_sms(x.device), cfg, weights)
     n_tiles = triton.cdiv(n, cfg.block_n)
-    if splits == 1:
-        parts, arrivals = y, y
-    else:
-        parts = torch.empty((splits, n), dtype=torch.float32, device=x.device)
-        arrivals = arrival_counters(n_tiles, x.device)
+    parts, arrivals = split_buffers(splits, n, n_tiles, y)
     bias_arg = y if bias is None else bias  # never read without HAS_BIAS
     common = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT_K=splits,
                   EVICT="evict_first" if cfg.evict_first else "",
