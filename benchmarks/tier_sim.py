@@ -14,7 +14,7 @@ pool's hits (each prompt counted once, as admitted) and evictions, and the last 
 whether the two runs scheduled the same batches step for step (a rule that declines every
 hit must leave the device pool as without the tier):
 
-    python benchmarks/tier_sim.py --device-blocks 2340 --think-max 150 \
+    python benchmarks/tier_sim.py --device-blocks 2340 --think-min 500 --think-max 3000 \
         --block-copy-us 39.6 --prefill-block-us 30.5 --context-ns 0.356 --step-ms 18.95 \
         --max-model-len 40960
 """
