@@ -6,7 +6,8 @@ Parts:
   gemv  Llama-3-8B's projections in the types a Q4_K_M file gives them (Q4_K; Q6_K for the
         down projection's more-bits layers and the LM head): the GGUF kernels
         (`kernels/triton/int_linear.linear` on `GgufWeight`s) at 1, 16 and 256 rows against
-        the bf16 matmul, timed in CUDA graphs rotating over > 1 GiB of weights (as a decode step reads them);
+        the bf16 matmul, timed in CUDA graphs rotating over > 1 GiB of weights (as a decode
+        step reads them);
         GB/s of the weights' bytes and % of the copy bandwidth
   sweep the one-row GEMV (`kernels/triton/gguf_gemv.py`) on the same shapes at one row, over
         candidate tiles (each keeps rows x super-blocks x 4 = the program's threads, the
@@ -83,8 +84,7 @@ def part_gemv(res: ResultRows, bandwidth: float) -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             runs = {"gguf": [(lambda b: lambda: linear(x, GgufWeight(b, int(qtype), k)))(b)
                              for b in blocks],
-                    "bf16 matmul": [(lambda r: lambda: x @ w[r].t())(r)
-                                    for r in range(w_copies)]}
+                    "bf16 matmul": [(lambda wr: lambda: x @ wr.t())(wr) for wr in w]}
             for method, fns in runs.items():
                 us = kernels.graph_us(fns)
                 gbps = nbytes[method] / (us * 1e-6) / 1e9
@@ -134,6 +134,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
                        for part in mm.parts)
 
 
+PART_ROWS = {"gemv": "gguf gemv", "sweep": "gguf gemv sweep", "8b": "gguf 8b"}  # rows' part
+
+
 def part_8b(res: ResultRows, root: Path) -> None:
     config_path = HERE / "configs" / "llama3-8b.json"
     model_dir = fp8.config_folder(config_path, root / "llama3-8b")
@@ -166,8 +169,9 @@ def main() -> None:
     parser.add_argument("--parts", default="gemv,8b")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    res = ResultRows(args.out / "int4.json",  # the other parts' rows stay
-                     keep=lambda row: not str(row.get("part", "")).startswith("gguf"))
+    rerun = {PART_ROWS[part] for part in parts if part in PART_ROWS}
+    res = ResultRows(args.out / "int4.json",  # the rows of the parts not run now stay
+                     keep=lambda row: row.get("part") not in rerun)
     if "gemv" in parts:
         part_gemv(res, fp8.throughput.copy_bandwidth())
     if "sweep" in parts:
