@@ -122,9 +122,13 @@ def pool_bytes(args: argparse.Namespace, loaded: LoadedModel, block_size: int) -
     mc = loaded.model_config
     element = torch.empty(0, dtype=resolve_dtype("auto", torch.device(args.device))).element_size()
     block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element
-    # + 1: block 0 is the null block, never handed out
-    blocks = round(args.kv_cache_share * working_set_blocks(args, block_size)) + 1
-    return blocks * block_bytes
+    usable = round(args.kv_cache_share * working_set_blocks(args, block_size))
+    longest = -(-(args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens))
+                // block_size)  # a conversation's last turn, its answer included
+    if usable < longest:
+        raise SystemExit(f"--kv-cache-share {args.kv_cache_share}: {usable} blocks cannot hold "
+                         f"a conversation's last turn ({longest} blocks)")
+    return (usable + 1) * block_bytes  # + 1: block 0 is the null block, never handed out
 
 
 def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int,
@@ -403,6 +407,8 @@ def main() -> None:
     rules = RecallRuleLog()
     working_set = working_set_blocks(args, base.block_size)
     kv_cache_memory = pool_bytes(args, loaded, base.block_size)
+    print(json.dumps({"working_set_blocks": working_set, "kv_cache_memory": kv_cache_memory}),
+          flush=True)  # before the first run: a call cut short still shows the pool asked for
     for tier in tiers:
         options = tier_options(tier, args)
         started = time.perf_counter()
