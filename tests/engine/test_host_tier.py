@@ -155,7 +155,8 @@ def test_declined_recalls_leave_the_device_pool_as_without_the_tier(make_engine,
                         lambda runner, _: costs_declining_early_hits())
     first = SYSTEM + [7, 8, 9]
     batches = [{"turn1": first, **{f"other{i}": ids for i, ids in enumerate(OTHERS[:2])}},
-               {"turn2": first + list(range(20, 20 + NEW_TOKENS)) + [11, 12, 13]}]
+               {"turn2": first + list(range(20, 20 + NEW_TOKENS)) + [11, 12, 13],
+                "turn2b": SYSTEM + [5, 6]}]
     block_bytes = engine.get_stats().kv_block_bytes
     runs = {}
     for name, options in (("off", {}), ("declined", {"kv_offload_memory": 64 * block_bytes,
