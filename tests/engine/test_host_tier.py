@@ -133,7 +133,7 @@ def test_a_hit_not_worth_recalling_is_recomputed_exactly(make_engine, engine, re
 def steps_of(engine, batches):
     """Each batch of prompts added at once once the one before is done (they compete for
     the small pool: some wait for room); per step, the (request, tokens so far) out of it."""
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     steps = []
     for batch in batches:
         for name, ids in batch.items():
