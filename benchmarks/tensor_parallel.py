@@ -22,12 +22,14 @@ default, in this order):
              add + RMSNorm of [bytes / 8 KiB, 4096] rows (a decode step's chain): the
              engine's unfused chain (one-shot up to its limit, two-shot above, then the norm
              kernel) against the fused kernel (which the engine takes up to one-shot's limit:
-             the rows above it say whether that limit should move). From 512 KiB to 8 MiB
-             also two-shot's chain (two_shot+rms_norm) against the fused two-shot kernel
-             (fused_two_shot_rms_norm, which the engine takes above one-shot's limit), to
-             place that limit with the fused kernels on both sides. Also whether an NCCL
-             all-reduce captured in a graph replays right between eager collectives (if
-             not, the TP engines run --enforce-eager)
+             the rows above it say whether that limit should move); where the fused kernel
+             splits each row over several programs (few rows), also fused_rms_norm_unsplit,
+             one program per row. From 512 KiB to 8 MiB also two-shot's chain
+             (two_shot+rms_norm) against the fused two-shot kernel (fused_two_shot_rms_norm,
+             which the engine takes above one-shot's limit), to place that limit with the
+             fused kernels on both sides. Also whether an NCCL all-reduce captured in a
+             graph replays right between eager collectives (if not, the TP engines run
+             --enforce-eager)
   logits     Llama-3-8B shape, TP=1 and TP=N on the same random weights: the first generated
              token's top-20 logprobs of 16 prompts (largest difference), greedy agreement
   tpot       Llama-3-8B batch-1 decode TPOT at every TP size (targets: TP=2 <= 0.60x TP=1,
@@ -528,7 +530,7 @@ def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from pagedserve.kernels.triton import model_ops
+    from pagedserve.kernels.triton import allreduce_norm, model_ops
     from pagedserve.model.allreduce import ONE_SHOT_MAX_BYTES, FusedAllReduceNorm
 
     one_shot_limit = ONE_SHOT_MAX_BYTES[dist.get_world_size()]
@@ -553,16 +555,22 @@ def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
             total = peer(peer.target(shape, torch.bfloat16), algorithm)
             model_ops.rms_norm(total, weight, 1e-6, residual)
 
-        def fused_call():
+        def fused_call(split=None):
             slot = next(slots)
-            fused(slot, fused.target(slot, shape, torch.bfloat16), residual, weight, 1e-6)
+            fused(slot, fused.target(slot, shape, torch.bfloat16), residual, weight, 1e-6,
+                  split)
 
-        calls = [(f"{algorithm}+rms_norm", unfused), ("fused_rms_norm", fused_call)]
-        for name, fn in calls:
+        split = allreduce_norm.programs_per_row(shape[0], hidden)
+        calls = [(f"{algorithm}+rms_norm", unfused, None), ("fused_rms_norm", fused_call, split)]
+        if split > 1:  # also one program per row, as the kernel ran before rows were split
+            calls.append(("fused_rms_norm_unsplit", lambda: fused_call(1), 1))
+        for name, fn, programs_per_row in calls:
             try:
                 seconds = _time_calls(fn, 100, True)
                 rows.append({"bytes": nbytes, "algorithm": name,
-                             "us": round(seconds * 1e6, 2), "rows": shape[0]})
+                             "us": round(seconds * 1e6, 2), "rows": shape[0],
+                             **({} if programs_per_row is None
+                                else {"programs_per_row": programs_per_row})})
             except Exception:  # noqa: BLE001 - one failing size or kind is a row
                 rows.append({"bytes": nbytes, "algorithm": name,
                              "error": traceback.format_exc()[-1500:]})

@@ -61,9 +61,10 @@ ALIGNMENT = 16  # bytes: the kernels move 16-byte vectors
 ONE_SHOT_MAX_BYTES = {2: 512 << 10, 4: 512 << 10, 8: 128 << 10}
 FUSED_CHECK_BYTES = 4 << 10  # the fused kernel's largest first message; smaller limits: unfused
 # the world sizes where the fused all-reduce + add + RMSNorm is taken (one-shot and two-shot
-# alike): where both beat the unfused chain per call and the one-shot in a decode step
-# (benchmarks/tensor_parallel.py --only allreduce, --only tpot --unfused; docs/benchmarks.md);
-# 8 not measured
+# alike; the two-shot is not measured yet): where the one-shot beat the unfused chain in a
+# decode step (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md): at 2
+# ranks, and at 4 once a row's work was split over several programs (with one program per row
+# it lost there); 8 not measured
 FUSED_WORLD_SIZES = (2, 4)
 
 
@@ -181,11 +182,13 @@ class FusedAllReduceNorm:
             shape)
 
     def __call__(self, slot: int, partial: torch.Tensor, residual: torch.Tensor,
-                 weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 weight: torch.Tensor, eps: float,
+                 split: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(residual + the sum of `partial`, which is `target(slot, ...)`, over the
-        ranks), that sum, written into `residual`)."""
+        ranks), that sum, written into `residual`). `split`: programs per row, the kernel's
+        choice from the shape by default."""
         return self.kernel(self.buffers, self.signals, self.rank, slot, self.slot_bytes,
-                           partial, residual, weight, eps)
+                           partial, residual, weight, eps, split)
 
 
 class FusedTwoShotAllReduceNorm:
@@ -335,8 +338,8 @@ def _two_shot_matches_nccl(fused: FusedTwoShotAllReduceNorm, rank: int,
 def _fused_matches_nccl(fused: FusedAllReduceNorm, rank: int, group: dist.ProcessGroup,
                         device: torch.device) -> bool:
     """One message through each slot, fused, and through NCCL and the norm's own kernel:
-    equal? Integer values, so that any order of the sum gives the same result. Two rows, and
-    one row of the largest width checked, through each slot."""
+    equal? Integer values, so that any order of the sum gives the same result. Two rows of
+    one program each, and one row of several programs (`allreduce_norm.programs_per_row`)."""
     from pagedserve.kernels.triton import model_ops
 
     for slot, shape in ((0, (2, 256)), (1, (2, 256)), (0, (1, FUSED_CHECK_BYTES // 4)),

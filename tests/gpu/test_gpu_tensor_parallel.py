@@ -12,7 +12,7 @@ either way), so the peer all-reduce gives NCCL's tokens exactly, and the all-red
 the residual add and RMSNorm after it (kernels/triton/allreduce_norm.py) gives the unfused
 path's, to the bit: against NCCL and the norm's own kernel, layer after layer, eager and in a
 CUDA graph, then in engines. On four GPUs the fused kernel is checked too, on sums that are
-exact in any order.
+exact in any order (a few rows are each split over several programs there as at two ranks).
 The two-shot fused kernel (kernels/triton/allreduce_norm_two_shot.py), which takes the
 messages above one-shot's size, is checked the same way at two and four ranks, and in engines
 (the prefill chunks' messages take it) against the engine with it turned off."""
@@ -136,8 +136,9 @@ def test_peer_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
         assert not wrong, f"rank {rank}: differs from NCCL at {wrong}"
 
 
-# (rows, hidden): decode tokens of Llama-3-8B, a small batch, widths of 1024, programs that
-# loop over rows (all within one-shot's 512 KiB at two and four ranks, in float32 too)
+# (rows, hidden): decode tokens of Llama-3-8B (each row split over 16 programs), a small
+# batch (4 programs a row), one program per row, programs that loop over rows (all within
+# one-shot's 512 KiB at two and four ranks, in float32 too)
 FUSED_SHAPES = [(1, 4096), (3, 4096), (7, 1024), (64, 1024), (100, 1024)]
 # (rows, hidden) per dtype for the two-shot fused kernel: a decode batch of 128 and of 256
 # Llama-3-8B tokens (1 and 2 MiB in bf16), and the most rows of 4096 within the 8 MiB limit
@@ -234,7 +235,8 @@ def test_fused_all_reduce_norm_equals_nccl_then_the_norm_eager_and_in_cuda_graph
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
 def test_fused_all_reduce_norm_at_four_ranks_equals_nccl_then_the_norm():
-    """Four ranks: sums exact in any order (see `_layers`), so equal to the bit to NCCL's
+    """Four ranks (where a few rows are each split over several programs, the last of which
+    normalises the row): sums exact in any order (see `_layers`), so equal to the bit to NCCL's
     float32 sum rounded once and the norm kernel, eager and in CUDA graphs, bf16 and float32."""
     assert_fused_equals_nccl_then_the_norm(4)
 

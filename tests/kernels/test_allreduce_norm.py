@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from pagedserve.kernels.triton import allreduce_norm, model_ops
+from pagedserve.kernels.triton.arrivals import arrival_counters
 from pagedserve.model import ops
 from tests.kernels.test_model_ops import assert_matches, exact_bf16, fresh_seed  # noqa: F401
 
@@ -29,7 +30,7 @@ SLOT_BYTES = 1 << 16
 
 
 def simulate(partials: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
-             slot: int) -> tuple[list, list, list[torch.Tensor], int]:
+             slot: int, split: int | None = None) -> tuple[list, list, list[torch.Tensor], int]:
     """Each rank's (out, residual) from the kernel, its signal pad after every rank ran, and
     the program count."""
     world = len(partials)
@@ -39,7 +40,8 @@ def simulate(partials: list[torch.Tensor], residual: torch.Tensor, weight: torch
             for _ in range(world)]
     buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     signal_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
-    programs = allreduce_norm.grid_size(rows)
+    programs = allreduce_norm.grid_size(
+        rows, allreduce_norm.programs_per_row(rows, n) if split is None else split)
     flags = [slot * allreduce_norm.MAX_PROGRAMS * world + p * world for p in range(programs)]
     views = []
     for rank, partial in enumerate(partials):
@@ -53,31 +55,33 @@ def simulate(partials: list[torch.Tensor], residual: torch.Tensor, weight: torch
             pads[rank][flag + rank + 1:flag + world] = 1
         out, total = allreduce_norm.all_reduce_add_rms_norm(
             buffer_table, signal_table, rank, slot, SLOT_BYTES, views[rank], residual.clone(),
-            weight, 1e-6)
+            weight, 1e-6, split)
         outs.append(out)
         sums.append(total)
     return outs, sums, pads, programs
 
 
-# (world, rows, hidden, slot)
+# (world, rows, hidden, slot, split): split None is the shape's own (`programs_per_row`)
 CASES = [
-    (2, 1, 64, 0), (2, 3, 96, 1), (4, 5, 128, 0),
-    (4, 1, 4096, 1),  # a decode token of Llama-3-8B
-    (2, 2, 1024, 0), (4, 3, 1000, 1), (2, 3, 1100, 1),  # widths not a power of two
+    (2, 1, 64, 0, None), (2, 3, 96, 1, None), (4, 5, 128, 0, None),  # rows too narrow to split
+    (4, 1, 4096, 1, None),  # a decode token of Llama-3-8B: 16 programs of 256
+    (2, 2, 1024, 0, None), (4, 3, 1000, 1, None),  # 4 and 2 programs a row, the last slice short
+    (2, 3, 1100, 1, None),  # 4 programs a row of 275, in blocks of 512
+    (4, 1, 1024, 0, 1),  # one program for the row, as a benchmark compares
 ]
 
 
 @pytest.mark.usefixtures("exact_bf16")
-@pytest.mark.parametrize("dtype,world,rows,hidden,slot", [
+@pytest.mark.parametrize("dtype,world,rows,hidden,slot,split", [
     (dtype, *case) for dtype in (torch.float32, torch.bfloat16) for case in CASES
-] + [(torch.float32, 2, 67, 32, 1)])  # more rows than programs: each loops (the slow one)
+] + [(torch.float32, 2, 67, 32, 1, None)])  # more rows than programs: each loops (the slow one)
 def test_sum_add_and_norm_equal_the_unfused_kernels_on_every_rank(dtype, world, rows, hidden,
-                                                                 slot):
+                                                                 slot, split):
     seed = fresh_seed()
     partials = [(2 * torch.randn(rows, hidden)).to(dtype) for _ in range(world)]
     residual = (3 * torch.randn(rows, hidden)).to(dtype)
     weight = (1 + 0.3 * torch.randn(hidden)).to(dtype)
-    outs, sums, pads, programs = simulate(partials, residual, weight, slot)
+    outs, sums, pads, programs = simulate(partials, residual, weight, slot, split)
 
     reduced = torch.zeros(rows, hidden)
     for partial in partials:  # rank order, in float32, rounded once: the kernel's sum
@@ -98,6 +102,20 @@ def test_sum_add_and_norm_equal_the_unfused_kernels_on_every_rank(dtype, world, 
         for program in range(programs):  # the later ranks' flags, raised by them
             want[base + program * world + rank + 1:base + (program + 1) * world] = 1
         assert torch.equal(pad, want), f"rank {rank}'s signal pad after the barrier"
+    counters = arrival_counters(rows, torch.device("cpu"))
+    assert not counters.any(), "a row's arrival counter left raised"
+
+
+def test_few_rows_are_split_over_programs_and_many_rows_are_not():
+    for n in (1000, 4096, 8192):
+        assert allreduce_norm.programs_per_row(1, n) > 1
+        assert allreduce_norm.programs_per_row(100, n) == 1
+        for rows in range(1, 200):
+            split = allreduce_norm.programs_per_row(rows, n)
+            assert split & (split - 1) == 0, (rows, n, split)
+            assert split == 1 or n // split >= allreduce_norm.MIN_SLICE, (rows, n, split)
+            assert allreduce_norm.grid_size(rows, n) <= allreduce_norm.MAX_PROGRAMS
+    assert allreduce_norm.programs_per_row(1, 128) == 1  # too narrow to share
 
 
 def test_an_empty_message_launches_nothing():

@@ -18,11 +18,17 @@ kernel then, per program:
 3. adds the residual (written back) and normalises, as `model_ops.rms_norm` does
    (`add_rms_norm_row`: one shared body, so the two round alike).
 
-One program per row. Its reads of the peers' rows are 16-byte vectors (`peer_pointer`); once
-they were, splitting a row's slices over several programs at few rows (the last to arrive
-normalising) measured slower at 2 and 4 ranks at every size, so that was removed (the
-measurement is in docs/benchmarks.md). A launch has at most MAX_PROGRAMS programs, each
-meeting its namesakes; more rows are looped over.
+At few rows (a decode step at small batch) one program per row would leave a single SM to
+wait at the barrier and then read every peer's row with few reads in flight, where an
+unfused all-reduce spreads those reads over many blocks. So a row's slices go to several
+programs (`programs_per_row`, chosen from the shape): each meets its namesake on every rank
+at the barrier, sums its slice of every peer's row and adds it to the residual stream; the
+norm needs the whole row's sum of squares, so each then counts its arrival on the row's
+counter (`arrivals.py`), and the last to arrive reads the row back and normalises it, with
+the norm kernel's arithmetic on the stored stream: the same result, bit for bit, as one
+program per row. No program waits for another of its own launch, so nothing depends on the
+launch's programs being resident together beyond the barrier's own need (at most
+MAX_PROGRAMS programs, each meeting its namesakes).
 
 There is no barrier at the end: a rank may leave while its peers still read its buffer. So
 the callers alternate between two buffers (`slot`): a rank writes a buffer again only after
@@ -41,10 +47,13 @@ import triton.language as tl
 from torch import Tensor
 
 from pagedserve.kernels.triton import pdl
-from pagedserve.kernels.triton.model_ops import add_rms_norm_row, norm_warps
+from pagedserve.kernels.triton.arrivals import arrival_counters
+from pagedserve.kernels.triton.model_ops import add_residual, add_rms_norm_row, norm_warps
 from pagedserve.kernels.triton.precision import round_to
 
 MAX_PROGRAMS = 64  # rows beyond this are looped over: bounds the signal pad a slot needs
+MAX_SPLIT = 16  # programs per row at few rows
+MIN_SLICE = 256  # elements of a row a program takes at least
 
 
 def signal_words(world_size: int, slots: int = 2) -> int:
@@ -82,44 +91,82 @@ def peer_pointer(buffers_ptr, peer, dtype: tl.constexpr):
 
 
 @triton.jit
-def _all_reduce_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_ptr, rank,
-                                    buffer_offset, signal_offset, num_rows, stride_res,
-                                    stride_out, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+def _all_reduce_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_ptr,
+                                    arrivals_ptr, rank, buffer_offset, signal_offset, num_rows,
+                                    stride_res, stride_out, eps, N: tl.constexpr,
+                                    BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                                    SLICE: tl.constexpr, SLICE_BLOCK: tl.constexpr,
                                     WORLD: tl.constexpr):
     pdl.step_entry()
     program = tl.program_id(0)
     barrier(signals_ptr, signal_offset + program * WORLD, rank, WORLD)
     dtype = out_ptr.dtype.element_ty
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    for row in range(program, num_rows, tl.num_programs(0)):  # int32 offsets
-        total = tl.zeros([BLOCK], dtype=tl.float32)
+    lanes = tl.arange(0, SLICE_BLOCK)
+    offs = (program % SPLIT) * SLICE + lanes  # this program's slice of its rows
+    mask = (lanes < SLICE) & (offs < N)
+    for row in range(program // SPLIT, num_rows, tl.num_programs(0) // SPLIT):  # int32 offsets
+        total = tl.zeros([SLICE_BLOCK], dtype=tl.float32)
         for peer in tl.static_range(WORLD):
             part = peer_pointer(buffers_ptr, peer, dtype)
             total += tl.load(part + buffer_offset + row * N + offs, mask=mask,
                              other=0.0).to(tl.float32)
         total = round_to(total, dtype)  # the all-reduce's output, in its dtype
-        add_rms_norm_row(total, res_ptr + row * stride_res, w_ptr, out_ptr + row * stride_out,
-                         offs, mask, eps, N, True)
+        if SPLIT == 1:
+            add_rms_norm_row(total, res_ptr + row * stride_res, w_ptr,
+                             out_ptr + row * stride_out, offs, mask, eps, N, True)
+        else:
+            _add_then_norm_when_last(total, res_ptr + row * stride_res, w_ptr,
+                                     out_ptr + row * stride_out, arrivals_ptr + row, offs, mask,
+                                     eps, N, BLOCK, SPLIT)
 
 
-def grid_size(num_rows: int) -> int:
-    """The programs of a launch for `num_rows` rows: each meets its namesake on every rank at
-    the barrier, so all must be resident at once (at most MAX_PROGRAMS; more rows are looped
-    over)."""
-    return min(num_rows, MAX_PROGRAMS)
+@triton.jit
+def _add_then_norm_when_last(total, res_row_ptr, w_ptr, out_row_ptr, counter, offs, mask, eps,
+                             N: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    """Add this slice's sum to the residual stream (written back); the last of the row's
+    SPLIT programs to arrive reads the whole row back and normalises it, as the norm kernel
+    does (`add_rms_norm_row` on the stream): the same sum of squares, in the same order."""
+    add_residual(total, res_row_ptr, offs, mask)
+    # Every thread's stores happen before the barrier, the barrier before the counter's
+    # release: the program that sees the last arrival sees the whole row.
+    tl.debug_barrier()
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        row_offs = tl.arange(0, BLOCK)
+        row_mask = row_offs < N
+        x = tl.load(res_row_ptr + row_offs, mask=row_mask, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)  # written by other programs: from L2
+        add_rms_norm_row(x, res_row_ptr, w_ptr, out_row_ptr, row_offs, row_mask, eps, N, False)
+        tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
+
+
+def programs_per_row(num_rows: int, n: int) -> int:
+    """How many programs share each row: at few rows one program reading a whole row from
+    every peer has too few reads in flight, so the row's slices go to several programs (up
+    to MAX_SPLIT, a slice at least MIN_SLICE elements, the grid at most MAX_PROGRAMS); at
+    many rows, one program per row."""
+    most = min(MAX_SPLIT, MAX_PROGRAMS // max(num_rows, 1), n // MIN_SLICE)
+    return 1 << (most.bit_length() - 1) if most > 1 else 1
+
+
+def grid_size(num_rows: int, split: int) -> int:
+    """The programs of a launch for `num_rows` rows of `split` programs each: each meets its
+    namesake on every rank at the barrier, so all must be resident at once (at most
+    MAX_PROGRAMS; more rows are looped over)."""
+    return min(num_rows * split, MAX_PROGRAMS)
 
 
 def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, slot: int,
                             slot_bytes: int, partial: Tensor, residual: Tensor, weight: Tensor,
-                            eps: float) -> tuple[Tensor, Tensor]:
+                            eps: float, split: int | None = None) -> tuple[Tensor, Tensor]:
     """(RMSNorm(residual + sum over ranks of partial), that sum), the sum written into
     `residual` in place: `model_ops.rms_norm` of the all-reduced partial products.
 
     buffers, signals: int64 [world] device addresses of every rank's buffer and signal pad;
     `partial` [T, N] is this rank's product, contiguous at the start of its buffer's `slot`
     (0 or 1: a buffer holds two slots of `slot_bytes`, the first at buffers[r]); every rank
-    calls this with the same shapes and slot, in the same order."""
+    calls this with the same shapes and slot, in the same order. `split`: the programs per
+    row, `programs_per_row`'s by default (1 gives one program per row, as a benchmark
+    compares)."""
     world = buffers.numel()
     num_rows, n = partial.shape
     assert partial.is_contiguous() and residual.shape == partial.shape
@@ -127,10 +174,17 @@ def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, slot: i
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     if num_rows == 0:
         return out, residual
+    split = programs_per_row(num_rows, n) if split is None else split
+    assert split == 1 or num_rows * split <= MAX_PROGRAMS, "a split row's programs loop"
     block = triton.next_power_of_2(n)
-    _all_reduce_add_rms_norm_kernel[(grid_size(num_rows),)](
-        buffers, signals, residual, weight, out, rank,
+    slice_size = triton.cdiv(n, split)
+    # a row's counter, for its programs' arrivals (never read with one program per row)
+    arrivals = out if split == 1 else arrival_counters(num_rows, partial.device)
+    _all_reduce_add_rms_norm_kernel[(grid_size(num_rows, split),)](
+        buffers, signals, residual, weight, out, arrivals, rank,
         slot * slot_bytes // partial.element_size(),
         slot * MAX_PROGRAMS * world, num_rows, residual.stride(0), out.stride(0), eps,
-        N=n, BLOCK=block, WORLD=world, num_warps=norm_warps(block), **pdl.launch_options())
+        N=n, BLOCK=block, SPLIT=split, SLICE=slice_size,
+        SLICE_BLOCK=triton.next_power_of_2(slice_size), WORLD=world,
+        num_warps=norm_warps(block), **pdl.launch_options())
     return out, residual
