@@ -560,7 +560,7 @@ def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
             fused(slot, fused.target(slot, shape, torch.bfloat16), residual, weight, 1e-6,
                   split)
 
-        split = allreduce_norm.programs_per_row(shape[0], hidden)
+        split = allreduce_norm.programs_per_row(shape[0], hidden, dist.get_world_size())
         calls = [(f"{algorithm}+rms_norm", unfused, None), ("fused_rms_norm", fused_call, split)]
         if split > 1:  # also one program per row, as the kernel ran before rows were split
             calls.append(("fused_rms_norm_unsplit", lambda: fused_call(1), 1))

@@ -41,7 +41,7 @@ def simulate(partials: list[torch.Tensor], residual: torch.Tensor, weight: torch
     buffer_table = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     signal_table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
     programs = allreduce_norm.grid_size(
-        rows, allreduce_norm.programs_per_row(rows, n) if split is None else split)
+        rows, allreduce_norm.programs_per_row(rows, n, world) if split is None else split)
     flags = [slot * allreduce_norm.MAX_PROGRAMS * world + p * world for p in range(programs)]
     views = []
     for rank, partial in enumerate(partials):
@@ -64,9 +64,10 @@ def simulate(partials: list[torch.Tensor], residual: torch.Tensor, weight: torch
 # (world, rows, hidden, slot, split): split None is the shape's own (`programs_per_row`)
 CASES = [
     (2, 1, 64, 0, None), (2, 3, 96, 1, None), (4, 5, 128, 0, None),  # rows too narrow to split
-    (4, 1, 4096, 1, None),  # a decode token of Llama-3-8B: 16 programs of 256
-    (2, 2, 1024, 0, None), (4, 3, 1000, 1, None),  # 4 and 2 programs a row, the last slice short
-    (2, 3, 1100, 1, None),  # 4 programs a row of 275, in blocks of 512
+    (2, 1, 4096, 0, None),  # a decode token of Llama-3-8B at 2 ranks: one program
+    (4, 1, 4096, 1, None),  # at 4 ranks: 16 programs of 256
+    (4, 2, 1024, 0, None), (4, 3, 1000, 1, None),  # 4 and 2 programs a row, the last slice short
+    (4, 3, 1100, 1, None),  # 4 programs a row of 275, in blocks of 512
     (4, 1, 1024, 0, 1),  # one program for the row, as a benchmark compares
 ]
 
@@ -106,16 +107,17 @@ def test_sum_add_and_norm_equal_the_unfused_kernels_on_every_rank(dtype, world, 
     assert not counters.any(), "a row's arrival counter left raised"
 
 
-def test_few_rows_are_split_over_programs_and_many_rows_are_not():
+def test_few_rows_are_split_over_programs_at_four_ranks_and_many_rows_are_not():
     for n in (1000, 4096, 8192):
-        assert allreduce_norm.programs_per_row(1, n) > 1
-        assert allreduce_norm.programs_per_row(100, n) == 1
+        assert allreduce_norm.programs_per_row(1, n, 4) > 1
+        assert allreduce_norm.programs_per_row(1, n, 2) == 1  # one program a row measured faster
+        assert allreduce_norm.programs_per_row(100, n, 4) == 1
         for rows in range(1, 200):
-            split = allreduce_norm.programs_per_row(rows, n)
+            split = allreduce_norm.programs_per_row(rows, n, 4)
             assert split & (split - 1) == 0, (rows, n, split)
             assert split == 1 or n // split >= allreduce_norm.MIN_SLICE, (rows, n, split)
             assert allreduce_norm.grid_size(rows, n) <= allreduce_norm.MAX_PROGRAMS
-    assert allreduce_norm.programs_per_row(1, 128) == 1  # too narrow to share
+    assert allreduce_norm.programs_per_row(1, 128, 4) == 1  # too narrow to share
 
 
 def test_an_empty_message_launches_nothing():

@@ -18,10 +18,11 @@ kernel then, per program:
 3. adds the residual (written back) and normalises, as `model_ops.rms_norm` does
    (`add_rms_norm_row`: one shared body, so the two round alike).
 
-At few rows (a decode step at small batch) one program per row would leave a single SM to
-wait at the barrier and then read every peer's row with few reads in flight, where an
-unfused all-reduce spreads those reads over many blocks. So a row's slices go to several
-programs (`programs_per_row`, chosen from the shape): each meets its namesake on every rank
+At few rows (a decode step at small batch) one program per row leaves a single SM to wait
+at the barrier and then read every peer's row with few reads in flight, where an unfused
+all-reduce spreads those reads over many blocks. So at 4 ranks a row's slices go to several
+programs (`programs_per_row`, chosen from the shape and the world size; at 2 ranks one
+program a row measured faster): each meets its namesake on every rank
 at the barrier, sums its slice of every peer's row and adds it to the residual stream; the
 norm needs the whole row's sum of squares, so each then counts its arrival on the row's
 counter (`arrivals.py`), and the last to arrive reads the row back and normalises it, with
@@ -53,6 +54,10 @@ from pagedserve.kernels.triton.precision import round_to
 
 MAX_PROGRAMS = 64  # rows beyond this are looped over: bounds the signal pad a slot needs
 MAX_SPLIT = 16  # programs per row at few rows
+# the world sizes whose rows are split at few rows: at 4 ranks the split engine decoded faster
+# (Llama-3-8B shape, TP=4 TPOT); at 2 ranks one program a row did, once the peers' rows were
+# read in 16-byte vectors (docs/benchmarks.md, eighth session)
+SPLIT_WORLD_SIZES = (4,)
 MIN_SLICE = 256  # elements of a row a program takes at least
 
 
@@ -139,11 +144,14 @@ def _add_then_norm_when_last(total, res_row_ptr, w_ptr, out_row_ptr, counter, of
         tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
 
 
-def programs_per_row(num_rows: int, n: int) -> int:
+def programs_per_row(num_rows: int, n: int, world_size: int) -> int:
     """How many programs share each row: at few rows one program reading a whole row from
-    every peer has too few reads in flight, so the row's slices go to several programs (up
-    to MAX_SPLIT, a slice at least MIN_SLICE elements, the grid at most MAX_PROGRAMS); at
-    many rows, one program per row."""
+    every peer can have too few reads in flight, so at the world sizes where that measured
+    slower (SPLIT_WORLD_SIZES) the row's slices go to several programs (up to MAX_SPLIT, a
+    slice at least MIN_SLICE elements, the grid at most MAX_PROGRAMS); at many rows, and at
+    other world sizes, one program per row."""
+    if world_size not in SPLIT_WORLD_SIZES:
+        return 1
     most = min(MAX_SPLIT, MAX_PROGRAMS // max(num_rows, 1), n // MIN_SLICE)
     return 1 << (most.bit_length() - 1) if most > 1 else 1
 
@@ -174,7 +182,7 @@ def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, slot: i
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     if num_rows == 0:
         return out, residual
-    split = programs_per_row(num_rows, n) if split is None else split
+    split = programs_per_row(num_rows, n, world) if split is None else split
     assert split == 1 or num_rows * split <= MAX_PROGRAMS, "a split row's programs loop"
     block = triton.next_power_of_2(n)
     slice_size = triton.cdiv(n, split)
