@@ -209,7 +209,8 @@ def step_costs(steps: int, step_s: float, delta) -> dict:
     """Where a run's steps go, to tell a slow tier's cause from one row: the steps and
     their mean wall time, the scheduler's host time per step, the runner's host time
     queuing tier copies per step, the copy stream's own time (CUDA events), and the
-    tier's block traffic (offloaded, recalled, dropped) and recall pass-overs."""
+    tier's block traffic (offloaded, recalled, dropped), the steps that offloaded (with
+    nothing recalled, the runner's tier time is theirs alone) and recall pass-overs."""
     def per_step_ms(seconds: float) -> float:
         return round(1e3 * seconds / steps, 4) if steps else 0.0
 
@@ -218,6 +219,7 @@ def step_costs(steps: int, step_s: float, delta) -> dict:
             "tier_copy_ms_per_step": per_step_ms(delta("tier_copy_seconds")),
             "tier_stream_s": round(delta("tier_stream_seconds"), 3),
             "host_tier_offloaded_blocks": delta("host_tier_stores"),
+            "host_tier_offload_steps": delta("tier_offload_steps"),
             "host_tier_recalled_blocks": delta("host_tier_hits"),
             "host_tier_dropped_blocks": delta("host_tier_evictions"),
             "host_tier_declined_blocks": delta("host_tier_declined"),

@@ -145,6 +145,7 @@ class SchedulerStats(Message):
     tier_stream_seconds: float = 0.0  # the copy stream's time in them (CUDA), since start
     # waiting requests passed over in a step because their hit was being recalled, since start
     tier_recall_pass_overs: int = 0
+    tier_offload_steps: int = 0  # steps that copied evicted blocks to the host tier, since start
     schedule_seconds: float = 0.0  # the scheduler's host time in schedule(), since start
     # where the steps' time goes, since start (a host-bound step from a device-bound one):
     # steps that launched a forward pass, the core's time blocked on a step's tokens (its

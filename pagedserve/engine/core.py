@@ -485,7 +485,8 @@ def _tier_stats(scheduler: Scheduler) -> dict[str, int | float]:
                      host_tier_declined=scheduler.num_recalls_declined,
                      tier_copy_seconds=scheduler.tier_copy_seconds,
                      tier_stream_seconds=scheduler.tier_stream_seconds,
-                     tier_recall_pass_overs=scheduler.num_recall_pass_overs)
+                     tier_recall_pass_overs=scheduler.num_recall_pass_overs,
+                     tier_offload_steps=scheduler.num_offload_steps)
     if disk is not None:
         stats.update(disk_tier_hits=scheduler.num_blocks_loaded,
                      disk_tier_stores=disk.stats.stores, disk_tier_evictions=disk.stats.evictions,

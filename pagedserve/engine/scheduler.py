@@ -150,6 +150,7 @@ class Scheduler:
         self.tier_copy_seconds = 0.0
         self.tier_stream_seconds = 0.0
         self.num_recall_pass_overs = 0  # waiting requests passed over: their hit was landing
+        self.num_offload_steps = 0  # steps whose evictions were copied to the host tier
         self.schedule_seconds = 0.0  # host time in `schedule`
         self._loading: dict[str, list[int]] = {}  # request id -> host slots it waits for
         self._landing: set[int] = set()  # device blocks whose recall this step queues
@@ -264,6 +265,7 @@ class Scheduler:
             slot = host.store(block_hash)
             if slot is not None:
                 out.blocks_to_offload.append((block_id, slot))
+        self.num_offload_steps += bool(out.blocks_to_offload)
         for block_hash, slot in host.take_dropped():
             disk_slot = disk.store(block_hash) if disk is not None else None
             if disk_slot is not None:

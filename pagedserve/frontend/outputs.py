@@ -103,6 +103,7 @@ class EngineStats:
     tier_copy_seconds: float = 0.0  # the runner's time in tier copies and file I/O
     tier_stream_seconds: float = 0.0  # the copy stream's time in them (CUDA)
     tier_recall_pass_overs: int = 0  # waiting requests passed over: their hit was landing
+    tier_offload_steps: int = 0  # steps that copied evicted blocks to the host tier
     schedule_seconds: float = 0.0  # the scheduler's host time in schedule()
     # steps that launched a forward pass; the core's time blocked on their tokens, the
     # runner's (rank 0's) time blocked on the device for them, the device's time on them

@@ -168,6 +168,8 @@ def test_declined_recalls_leave_the_device_pool_as_without_the_tier(make_engine,
     assert on_steps == off_steps
     assert on.host_tier_declined - on_before.host_tier_declined >= len(SYSTEM) // 16
     assert on.host_tier_hits == on_before.host_tier_hits
+    assert 0 < on.tier_offload_steps - on_before.tier_offload_steps <= len(on_steps)
+    assert off.tier_offload_steps == 0
     for name in ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions"):
         assert getattr(on, name) - getattr(on_before, name) == \
             getattr(off, name) - getattr(off_before, name), name

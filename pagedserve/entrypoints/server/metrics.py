@@ -50,7 +50,7 @@ class _EngineStatsCollector:
     )
     _COUNTERS = (
         ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix "
-         "cache."),
+         "cache, each prompt once (as first admitted, however long it waited)."),
         ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
         ("prefix_cache_evictions", "prefix_cache_evictions", "Cached KV blocks evicted "
          "(reused for other content) since start."),
@@ -81,6 +81,8 @@ class _EngineStatsCollector:
          "host tier's block copies (CUDA events; overlapped with the steps)."),
         ("kv_tier_recall_pass_overs", "tier_recall_pass_overs", "Waiting requests passed over "
          "in a step because blocks of their prefix hit were still being recalled."),
+        ("kv_tier_offload_steps", "tier_offload_steps", "Steps that copied blocks the device "
+         "pool evicted into the host tier (the copies are queued on the step's host path)."),
         ("spec_decode_num_drafts", "spec_num_drafts", "Speculative verifies (a request's "
          "drafts checked in one step)."),
         ("spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Draft tokens proposed."),
