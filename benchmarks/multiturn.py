@@ -21,17 +21,17 @@ there "host" is refused, "disk" runs.
 Per run: TTFT p50/p99 (from a turn's arrival to its first token, as the engine loop sees
 them), output tokens per second over the run, the prefix-hit rate per tier (of the prompt
 tokens, each prompt counted once, as first admitted: those the device pool held, those
-recalled from host memory, those read from disk), the blocks each tier stored and the device pool evicted, the runner's seconds
-queuing tier copies and in file I/O; and where the steps go (their count and mean wall
-time, the scheduler's host time per step, the runner's host time queuing tier copies per
-step, the copy stream's time from CUDA events, the blocks offloaded, recalled and dropped,
-the requests passed over while their recall landed). With --workload-a N, the first N
-requests of workload A (benchmarks/throughput.py: nothing recalled, the pool large) with the
-tier off and on: the cost of the tier's bookkeeping when it does not help. Last, one row
-per tier and one for workload A compare the run with the tier to the run without it
-(`comparisons`). Each row (with the seconds its engine took to start: the host tier's
-pinned memory is allocated there, outside the timed run) is written to --out as soon as it
-is measured, so a call cut short keeps the rows it finished.
+recalled from host memory, those read from disk), the blocks each tier stored and the device
+pool evicted, the runner's seconds queuing tier copies and in file I/O; and where the steps
+go (their count and mean wall time, the scheduler's host time per step, the runner's host
+time queuing tier copies per step, the copy stream's time from CUDA events, the blocks
+offloaded, recalled and dropped, the requests passed over while their recall landed). With
+--workload-a N, the first N requests of workload A (benchmarks/throughput.py: nothing
+recalled, the pool large) with the tier off and on: the cost of the tier's bookkeeping when
+it does not help. Last, one row per tier and one for workload A compare the run with the
+tier to the run without it (`comparisons`). Each row (with the seconds its engine took to
+start: the host tier's pinned memory is allocated there, outside the timed run) is written
+to --out as soon as it is measured, so a call cut short keeps the rows it finished.
 
     # the lent H100, one device call each (docs/benchmarks.md, "Prefix cache tiers"):
     python benchmarks/multiturn.py --config benchmarks/configs/qwen3-0.6b.json \
@@ -116,11 +116,13 @@ def working_set_blocks(args: argparse.Namespace, block_size: int) -> int:
 
 def pool_bytes(args: argparse.Namespace, loaded: LoadedModel, block_size: int) -> int:
     """--kv-cache-memory, or --kv-cache-share of the working set in bytes: blocks of every
-    layer's K and V in the dtype the engine picks for its cache here (the model's)."""
+    layer's K and V in the cache's dtype (the model's, or one byte with --kv-cache-dtype
+    fp8)."""
     if args.kv_cache_share is None:
         return args.kv_cache_memory
     mc = loaded.model_config
-    element = torch.empty(0, dtype=resolve_dtype("auto", torch.device(args.device))).element_size()
+    element = 1 if args.kv_cache_dtype == "fp8" else torch.empty(
+        0, dtype=resolve_dtype("auto", torch.device(args.device))).element_size()
     block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element
     usable = round(args.kv_cache_share * working_set_blocks(args, block_size))
     longest = -(-(args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens))
@@ -382,6 +384,8 @@ def main() -> None:
     parser.add_argument("--workload-a", type=int, default=0,
                         help="also run this many requests of workload A, tier off and on")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="the KV cache's dtype in every run (fp8 halves a recall's bytes)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="append the rows (JSON list) to this file, "
                         "each as soon as it is measured")
@@ -416,7 +420,8 @@ def main() -> None:
         started = time.perf_counter()
         engine = LLMEngine(EngineConfig(
             model=model_dir, device=args.device, kv_cache_memory=kv_cache_memory,
-            max_model_len=args.max_model_len, **options), loaded)
+            max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype, **options),
+            loaded)
         started = round(time.perf_counter() - started, 1)
         conversations = make_workload(args, engine.model_config.vocab_size)
         row = {"config": Path(args.config).stem if not args.model else args.model,
@@ -428,6 +433,7 @@ def main() -> None:
                                                   // engine.get_stats().kv_block_bytes
                                                   / working_set, 3),
                "tier": tier, "kv_offload_memory": options.get("kv_offload_memory", 0),
+               "kv_cache_dtype": args.kv_cache_dtype,
                "conversations": args.conversations, "turns": args.turns,
                "system_tokens": args.system_tokens, "answer_tokens": args.answer_tokens,
                "time_scale": args.time_scale, "engine_start_s": started,
