@@ -188,14 +188,22 @@ def broadcast_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# torch 2.13 renamed the one-tensor all-gather (the old name warns); older releases lack the new
+_ALL_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Each rank's [..., n] -> [..., size * n], rank order, on every rank."""
+    """Each rank's [..., n] -> [..., size * n], rank order, on every rank: one collective into
+    one buffer (rank-major), then one copy into place (a list of outputs costs NCCL a copy out
+    per rank, and then their concatenation)."""
     tp = _STATE
     if tp.size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous(), group=tp.group)
-    return torch.cat(parts, dim=-1)
+    x = x.contiguous()
+    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _ALL_GATHER_INTO(out, x, group=tp.group)
+    ranked = out.view(tp.size, *x.shape).movedim(0, -2)  # [..., size, n]
+    return ranked.reshape(*x.shape[:-1], tp.size * x.shape[-1])
 
 
 # -- what each rank keeps -------------------------------------------------------------------
