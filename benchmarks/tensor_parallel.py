@@ -344,7 +344,47 @@ def summarize_trace(path: Path, steps: int, top: int = 25) -> dict:
             "eager_kernel_ms": round(sum(e["dur"] for e in eager) * per_step, 4),
             "eager_kernels": round(len(eager) / steps, 1),
             "top": top_kernels(kernels, where, steps, top),
-            "top_gaps": top_gaps(gaps, where, steps)}
+            "top_gaps": top_gaps(gaps, where, steps), **summarize_host(events)}
+
+
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
+
+
+def summarize_host(events: list[dict]) -> dict:
+    """Per launch-to-launch interval of the thread that launches the CUDA graphs (the
+    runner's), in ms: its outermost traced ops (host_ops_ms), of which blocked on the device
+    (host_sync_ms: cudaEventSynchronize, the host's slack: near 0 when the device waits for
+    the host instead) and in collectives' host calls (host_comm_ms: c10d ops); the time
+    between its ops (host_untraced_ms: Python, and a rank's wait for the engine's next call),
+    and the largest such stretch on average (host_untraced_max_ms). {} without a launch."""
+    launches = sorted(e["ts"] for e in events
+                      if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e["name"])
+    if len(launches) < 2:
+        return {}
+    by_thread: dict = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e["name"]:
+            by_thread[e.get("tid")] = by_thread.get(e.get("tid"), 0) + 1
+    thread = max(by_thread, key=by_thread.get)
+    # the last launch closes the last interval: counted for the stretch before it only
+    closed = [e for e in outermost([e for e in events if e.get("tid") == thread
+                                    and e.get("cat") in HOST_CATEGORIES])
+              if launches[0] <= e["ts"] <= launches[-1]]
+    ops = [e for e in closed if e["ts"] < launches[-1]]
+    n = len(launches) - 1
+    between = [(a["ts"], b["ts"] - (a["ts"] + a["dur"])) for a, b in zip(closed, closed[1:])]
+    longest = [max([g for t, g in between if lo <= t < hi] or [0.0])
+               for lo, hi in zip(launches, launches[1:])]
+    total = launches[-1] - launches[0]
+    busy = sum(e["dur"] for e in ops)
+    return {"host_interval_ms": round(total / n / 1e3, 4),
+            "host_ops_ms": round(busy / n / 1e3, 4),
+            "host_sync_ms": round(sum(e["dur"] for e in ops
+                                      if e["name"] == "cudaEventSynchronize") / n / 1e3, 4),
+            "host_comm_ms": round(sum(e["dur"] for e in ops
+                                      if e["name"].startswith("c10d::")) / n / 1e3, 4),
+            "host_untraced_ms": round(sum(g for _, g in between if g > 0) / n / 1e3, 4),
+            "host_untraced_max_ms": round(statistics.mean(longest) / 1e3, 4)}
 
 
 def outermost(ops: list[dict]) -> list[dict]:
@@ -902,7 +942,8 @@ def profile_table(tp: int, shape: str, p: dict) -> str:
             + ", ".join(f"{k} {p[k]}" for k in (
                 "step_ms", "kernel_ms", "kernels", "busy_ms", "idle_ms", "span_ms", "gap_ms",
                 "graph_launches", "in_graph_ms", "outside_graph_ms", "eager_kernel_ms",
-                "eager_kernels") if k in p))
+                "eager_kernels", "host_interval_ms", "host_ops_ms", "host_sync_ms",
+                "host_comm_ms", "host_untraced_ms", "host_untraced_max_ms") if k in p))
     lines = [head, "", f"{'ms/step':>8} {'n/step':>7} {'mean us':>8}  where  kernel"]
     lines += [f"{k['ms_per_step']:8.4f} {k['per_step']:7.2f} {k['mean_us']:8.2f}  "
               f"{k['where']:<5}  {k['name']}" for k in p.get("top", [])]

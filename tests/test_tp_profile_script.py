@@ -71,3 +71,28 @@ def test_cpu_trace_counts_outermost_ops(tmp_path):
     assert s["kernels"] == 2 and s["busy_ms"] == pytest.approx(0.11)
     assert s["gap_ms"] == pytest.approx(0.05) and s["graph_launches"] == 0
     assert [k["name"] for k in s["top"]] == ["aten::linear", "aten::argmax"]
+
+
+def test_host_time_per_launch_interval_on_the_launching_thread(tmp_path):
+    """Two intervals of 1000 µs on thread 1: its ops (a sync, a collective with an op
+    nested inside, the launches), the time between them, and the longest stretch between
+    them per interval; thread 2's ops (a watchdog's polls) do not count."""
+    def op(name, ts, dur, cat="cpu_op", tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1,
+                "tid": tid, "args": {}}
+
+    events = []
+    for t in (0, 1000, 2000):
+        events.append(op("cudaGraphLaunch", t, 50, "cuda_runtime"))
+    events += [op("c10d::allgather_", 100, 100), op("record_param_comms", 110, 80),
+               op("cudaEventSynchronize", 300, 200, "cuda_runtime"),  # 250 µs untraced after
+               op("aten::copy_", 1200, 100),  # 150 before, 700 after
+               op("cudaEventQuery", 600, 300, "cuda_runtime", tid=2)]
+    path = tmp_path / "trace.json.gz"
+    write(path, events)
+    s = summarize_trace(path, steps=2)
+    assert s["host_interval_ms"] == pytest.approx(1.0)
+    assert s["host_ops_ms"] == pytest.approx((50 + 100 + 200 + 50 + 100) / 2e3)
+    assert s["host_sync_ms"] == pytest.approx(0.1) and s["host_comm_ms"] == pytest.approx(0.05)
+    assert s["host_untraced_ms"] == pytest.approx((50 + 100 + 500 + 150 + 700) / 2e3)
+    assert s["host_untraced_max_ms"] == pytest.approx((500 + 700) / 2e3)
