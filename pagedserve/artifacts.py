@@ -38,7 +38,10 @@ def write_cache_entry(entry: Path, fill: Callable[[Path], object]) -> None:
         fill(tmp)
         os.rename(tmp, entry)
     except OSError as e:
-        logger.warning("could not write the cache entry %s: %s", entry, e)
+        if entry.is_dir():  # another process wrote it first: the entry is there
+            logger.debug("cache entry %s written by another process first", entry)
+        else:
+            logger.warning("could not write the cache entry %s: %s", entry, e)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
