@@ -23,7 +23,9 @@ steps in order and samples the oldest at each `SampleTokens`; `result()` sends
 alone sends them back.
 Collect is a call of its own so that each rank makes its runner's calls in exactly the
 core's order (launch N+1, then take in N's tokens), as the in-process runner does; a rank
-that ran ahead would count its requests' tokens differently.
+that ran ahead would count its requests' tokens differently. Rank 0 may send N's output
+before it is asked, when N's tokens are on the host as N+1 arrives (`worker.py`): the core's
+`collect` then finds the answer waiting, and its work on N overlaps the ranks' on N+1.
 
 Why ZeroMQ and not a torch.distributed broadcast of the step: the engine core is then no rank
 of the group (it needs no device, and it may run on a host without GPUs, or inside the
@@ -34,7 +36,9 @@ and the collective group carries the model's all-reduces alone.
 Sampling is done on every rank: each gathers the full logits and samples with the same
 generators (seeded alike, called alike), then takes rank 0's tokens (one broadcast of the
 token ids), so every rank holds the same tokens on its device, which it needs for the next
-step's placeholder rows; rank 0's are reported.
+step's placeholder rows; rank 0's are reported. Plain rows (greedy, temperature) gather only
+each row's split winners from every rank's vocabulary slice and need no broadcast
+(`ModelRunner.vocab_shard`).
 
 Faults: while it waits, the executor watches the workers it started (their exit codes) and
 the socket's disconnections (any worker's, torchrun's included). A rank that raises sends

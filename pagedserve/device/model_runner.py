@@ -139,28 +139,45 @@ class PendingRunnerOutput:
             return ModelRunnerOutput([], [], None, self._prompt_logprobs, None,
                                      *self.tiers, draft_token_ids=drafts,
                                      graph_query_len=self.graph_query_len)
-        waited = busy = 0.0
+        waited = 0.0
         if self._ready is not None:
             start = time.perf_counter()
             self._ready.synchronize()
             waited = time.perf_counter() - start
-            if self._started is not None:
-                busy = self._started.elapsed_time(self._ready) / 1e3
-        tokens = self._tokens.tolist()
+        output = self._output(waited)
         accepted = self._accepted
-        for row, (state, token) in enumerate(zip(self.states, tokens)):
+        for row, (state, token) in enumerate(zip(self.states, output.sampled_token_ids)):
             if accepted is not None:
                 for draft in accepted[row]:
                     state.append_output_token(draft)
             state.append_output_token(token)
+        if self._propose is not None:  # after the tokens are placed: it reads them
+            output.draft_token_ids = self._propose()
+        return output
+
+    def output_if_ready(self) -> ModelRunnerOutput | None:
+        """What `result()` will return, without waiting or placing the tokens, if the
+        step's tokens are on the host already (a step with a proposer: never, its drafts
+        need the tokens placed). A tensor-parallel rank 0 answers the engine with it before
+        its next step's host work, and calls `result()` in its turn (`worker.py`)."""
+        if self._tokens is None or self._propose is not None:
+            return None
+        if self._ready is not None and not self._ready.query():
+            return None
+        return self._output(0.0)
+
+    def _output(self, waited: float) -> ModelRunnerOutput:
+        """The step's output from its host copies (complete by now), drafts aside."""
+        busy = 0.0
+        if self._ready is not None and self._started is not None:
+            busy = self._started.elapsed_time(self._ready) / 1e3
         logprobs = None
         if self._logprobs is not None:
             lp = self._logprobs
             logprobs = LogprobsLists(lp.top_token_ids.tolist(), lp.top_logprobs.tolist(),
                                      lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist())
-        drafts = self._propose() if self._propose is not None else None
-        return ModelRunnerOutput(self.req_ids, tokens, logprobs, self._prompt_logprobs,
-                                 accepted, *self.tiers, draft_token_ids=drafts,
+        return ModelRunnerOutput(self.req_ids, self._tokens.tolist(), logprobs,
+                                 self._prompt_logprobs, self._accepted, *self.tiers,
                                  device_wait_seconds=waited, device_seconds=busy,
                                  graph_query_len=self.graph_query_len)
 

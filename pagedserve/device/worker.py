@@ -65,6 +65,7 @@ class Worker:
         # collected
         self.launched: collections.deque[StepHandle] = collections.deque()
         self.pending: collections.deque[PendingRunnerOutput] = collections.deque()
+        self.answered = False  # rank 0: the oldest pending step's output is sent already
         self.step_profile: step_profile.StepProfile | None = None  # rank 0's (`load`)
         self.handlers = {LoadWeights: self.load, ProfileMemory: self.profile,
                          KVCacheSpec: self.initialize, SchedulerOutput: self.execute_model,
@@ -125,7 +126,17 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Launch a step; the placeholders' tokens are the latest sampled step's (a step
-        in flight is sampled before the next one is launched, as in the engine's process)."""
+        in flight is sampled before the next one is launched, as in the engine's process).
+        Rank 0 first answers the oldest uncollected step if its tokens are already on the
+        host: the engine's `collect` of it comes after this step's calls, and the engine's
+        work on those tokens (its outputs, the next schedule) then runs beside this step's
+        host work instead of after it. The device has finished that step, so it waits on
+        the host either way; the runner's calls keep their order."""
+        if self.rank == 0 and self.pending and not self.answered:
+            early = self.pending[0].output_if_ready()
+            if early is not None:
+                self.channel.send(CollectedOutput(early))
+                self.answered = True
         prepared = self.runner.prepare_step(scheduler_output)
         latest = self.pending[-1] if self.pending else None
         self.launched.append(self.runner.launch(prepared, latest))
@@ -140,8 +151,9 @@ class Worker:
 
     def collect(self, _: CollectOutput) -> None:
         output = self.pending.popleft().result()
-        if self.rank == 0:
+        if self.rank == 0 and not self.answered:
             self.channel.send(CollectedOutput(output))
+        self.answered = False
 
     # -- profiling (rank 0 alone traces: the ranks run the same kernels) ------------------
 
