@@ -62,3 +62,26 @@ def sum_slices(acc, part_ptr, arrivals_ptr, offs, mask, pid_n, pid_k, slice_size
                              cache_modifier=".cg")
         tl.store(counter, 0)  # zero again for the next launch (CUDA-graph replays)
     return last, total
+
+
+@triton.jit
+def store_row(acc, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr):
+    """y[offs_n] = acc (+ bias), rounded once to y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def finish_row(total, bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n, pid_k,
+               N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """A one-row GEMV's output tile: store the program's sums (+ bias), or with SPLIT_K > 1
+    only the last of the n-tile's programs to arrive does, the slices' partials
+    [SPLIT_K, N] added up (`sum_slices`)."""
+    if SPLIT_K == 1:
+        store_row(total, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS)
+    else:
+        last, total = sum_slices(total, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n, pid_k,
+                                 N, SPLIT_K)
+        if last:
+            store_row(total, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS)

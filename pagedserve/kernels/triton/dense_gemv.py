@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pagedserve.kernels.triton import pdl
-from pagedserve.kernels.triton.arrivals import split_buffers, sum_slices
+from pagedserve.kernels.triton.arrivals import finish_row, split_buffers
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms, one_row_tiles
 
 # the activation (and weight) dtypes `linear` takes the GEMV for
@@ -47,14 +47,6 @@ DTYPES = (torch.bfloat16, torch.float16)
 # `bits` and `fma` are FP8's and unused here.
 ONE_ROW = WeightOnlyConfig(block_n=16, block_k=128, num_warps=8, num_stages=1,
                            programs_per_sm=5, min_block_n=4, fma=True)
-
-
-@triton.jit
-def _store(acc, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr):
-    """y[offs_n] = acc (+ bias), rounded once to y's dtype."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -96,13 +88,8 @@ def _fma_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, K, k_p
         acc += w.to(tl.float32) * x.to(tl.float32)
         w = w_next
     total = tl.sum(acc, 1)
-    if SPLIT_K == 1:
-        _store(total, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS)
-    else:
-        last, total = sum_slices(total, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n, pid_k,
-                                 N, SPLIT_K)
-        if last:
-            _store(total, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS)
+    finish_row(total, bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N,
+               HAS_BIAS, SPLIT_K)
 
 
 def takes(x: Tensor, weight: Tensor, out: Tensor | None = None) -> bool:

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from pagedserve.kernels.gguf_format import BLOCKS
 from pagedserve.kernels.triton import pdl
-from pagedserve.kernels.triton.arrivals import split_buffers, sum_slices
+from pagedserve.kernels.triton.arrivals import finish_row, split_buffers
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms, one_row_tiles
 from pagedserve.kernels.triton.precision import round_to
 from pagedserve.kernels.weight_formats import WeightFormat
@@ -244,8 +244,8 @@ def _kquant_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blo
         x = tl.load(x_cols + s0 * 256, mask=in_slice, other=0.0).to(tl.float32)[None]
         acc = _tile_dot(acc, words, high, scales, mins, x, pairs, DTYPE, QTYPE)
         words, high, hdr, hdr_mask = next_words, next_high, next_hdr, next_mask
-    _finish(tl.sum(tl.reshape(acc, (BLOCK_N, P * 64)), 1), bias_ptr, y_ptr, part_ptr,
-            arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
+    finish_row(tl.sum(tl.reshape(acc, (BLOCK_N, P * 64)), 1), bias_ptr, y_ptr, part_ptr,
+               arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -328,8 +328,8 @@ def _q6k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks
         x = tl.load(x_ptr + s0 * 256 + cols, mask=in_slice, other=0.0).to(tl.float32)
         acc += _round_weight(scale * f, DTYPE) * x[None]
         low, high, mask = next_low, next_high, next_mask
-    _finish(tl.sum(tl.reshape(acc, (BLOCK_N, U * 8 * HW)), 1), bias_ptr, y_ptr, part_ptr,
-            arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
+    finish_row(tl.sum(tl.reshape(acc, (BLOCK_N, U * 8 * HW)), 1), bias_ptr, y_ptr, part_ptr,
+               arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -400,30 +400,8 @@ def _block32_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, bl
         x = tl.load(x_ptr + s0 * 32 + cols, mask=in_slice, other=0.0).to(tl.float32)
         acc += _round_weight(w, DTYPE) * x[None]
         codes = next_codes
-    _finish(tl.sum(tl.reshape(acc, (BLOCK_N, B * 32)), 1), bias_ptr, y_ptr, part_ptr,
-            arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
-
-
-@triton.jit
-def _finish(total, bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N,
-            HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Store the program's sums (+ bias); with SPLIT_K > 1 only the last of the n-tile's
-    programs to arrive does, the slices' partials [SPLIT_K, N] added up."""
-    if SPLIT_K == 1:
-        _store(total, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS)
-    else:
-        last, total = sum_slices(total, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n, pid_k,
-                                 N, SPLIT_K)
-        if last:
-            _store(total, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS)
-
-
-@triton.jit
-def _store(acc, bias_ptr, y_ptr, offs_n, n_mask, HAS_BIAS: tl.constexpr):
-    """y[offs_n] = acc (+ bias), rounded once to y's dtype."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+    finish_row(tl.sum(tl.reshape(acc, (BLOCK_N, B * 32)), 1), bias_ptr, y_ptr, part_ptr,
+               arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
 
 
 def tiles(n: int, k: int, sms: int, cfg: WeightOnlyConfig,
