@@ -70,6 +70,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 import torch  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
+from pagedserve.attention.kv_quant import cache_dtype  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.device.loading import resolve_dtype  # noqa: E402
 from pagedserve.entrypoints.engine_args import parse_size  # noqa: E402
@@ -116,13 +117,12 @@ def working_set_blocks(args: argparse.Namespace, block_size: int) -> int:
 
 def pool_bytes(args: argparse.Namespace, loaded: LoadedModel, block_size: int) -> int:
     """--kv-cache-memory, or --kv-cache-share of the working set in bytes: blocks of every
-    layer's K and V in the cache's dtype (the model's, or one byte with --kv-cache-dtype
-    fp8)."""
+    layer's K and V in the cache's dtype (`kv_quant.cache_dtype`, as the engine picks it)."""
     if args.kv_cache_share is None:
         return args.kv_cache_memory
     mc = loaded.model_config
-    element = 1 if args.kv_cache_dtype == "fp8" else torch.empty(
-        0, dtype=resolve_dtype("auto", torch.device(args.device))).element_size()
+    model_dtype = resolve_dtype("auto", torch.device(args.device))
+    element = cache_dtype(args.kv_cache_dtype, model_dtype).itemsize
     block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * element
     usable = round(args.kv_cache_share * working_set_blocks(args, block_size))
     longest = -(-(args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens))

@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,22 @@ def _signal_pad_fits(symm_mem, words: int) -> None:
         raise RuntimeError(f"signal pad of {pad_bytes} bytes, the barriers need {4 * words}")
 
 
+def _peer_tables(nbytes: int, group: dist.ProcessGroup, device: torch.device,
+                 signal_words: Callable[[int], int]
+                 ) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+    """A buffer of `nbytes` of symmetric memory mapped by every rank of `group`: (the buffer,
+    this rank, every rank's buffer and signal pad as int64 device-address tables, which the
+    Triton kernels read). `signal_words(world size)`: the flags the kernel's barriers use."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    _signal_pad_fits(symm_mem, signal_words(handle.world_size))
+    return (buffer, handle.rank,
+            torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
+            torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device))
+
+
 class FusedAllReduceNorm:
     """Two buffers (slots) of symmetric memory of `slot_bytes` each, and the one-shot
     all-reduce + residual add + RMSNorm over them (`kernels/triton/allreduce_norm.py`).
@@ -158,8 +175,6 @@ class FusedAllReduceNorm:
 
     def __init__(self, slot_bytes: int, group: dist.ProcessGroup,
                  device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
         from pagedserve.kernels.triton import allreduce_norm
 
         self.kernel = allreduce_norm.all_reduce_add_rms_norm
@@ -168,12 +183,8 @@ class FusedAllReduceNorm:
             raise RuntimeError(f"{sms} SMs, the fused kernel may launch "
                                f"{allreduce_norm.MAX_PROGRAMS} programs")
         self.slot_bytes = slot_bytes
-        self.buffer = symm_mem.empty(2 * slot_bytes, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        _signal_pad_fits(symm_mem, allreduce_norm.signal_words(handle.world_size))
-        self.rank = handle.rank
-        self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        self.buffer, self.rank, self.buffers, self.signals = _peer_tables(
+            2 * slot_bytes, group, device, allreduce_norm.signal_words)
 
     def target(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Slot `slot` as a tensor of `shape`, for the partial product to be written into."""
@@ -199,8 +210,6 @@ class FusedTwoShotAllReduceNorm:
     kernel's two barriers order a call against the next (see that module)."""
 
     def __init__(self, max_bytes: int, group: dist.ProcessGroup, device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
         from pagedserve.kernels.triton import allreduce_norm_two_shot
 
         self.kernel = allreduce_norm_two_shot.all_reduce_add_rms_norm
@@ -211,12 +220,8 @@ class FusedTwoShotAllReduceNorm:
         dist.all_reduce(programs, op=dist.ReduceOp.MIN, group=group)
         self.max_programs = int(programs.item())
         self.max_bytes = max_bytes
-        self.buffer = symm_mem.empty(2 * max_bytes, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        _signal_pad_fits(symm_mem, allreduce_norm_two_shot.signal_words(handle.world_size))
-        self.rank = handle.rank
-        self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        self.buffer, self.rank, self.buffers, self.signals = _peer_tables(
+            2 * max_bytes, group, device, allreduce_norm_two_shot.signal_words)
 
     def target(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The buffer as a tensor of `shape`, for the partial product to be written into."""

@@ -29,6 +29,20 @@ from tests.kernels.test_model_ops import assert_matches, exact_bf16, fresh_seed 
 SLOT_BYTES = 1 << 16
 
 
+def unfused_reference(partials: list[torch.Tensor], residual: torch.Tensor,
+                      weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the fused kernels must give: (the norm kernel's output, its residual stream) and
+    (the eager reference's) on the partials summed in rank order in float32, rounded once
+    (the kernels' sum)."""
+    reduced = torch.zeros(partials[0].shape)
+    for partial in partials:
+        reduced += partial.float()
+    reduced = reduced.to(partials[0].dtype)
+    want_out, want_sum = model_ops.rms_norm(reduced, weight, 1e-6, residual.clone())
+    ref_out, ref_sum = ops.eager_fused_add_rms_norm(reduced, residual.clone(), weight, 1e-6)
+    return want_out, want_sum, ref_out, ref_sum
+
+
 def simulate(partials: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
              slot: int, split: int | None = None) -> tuple[list, list, list[torch.Tensor], int]:
     """Each rank's (out, residual) from the kernel, its signal pad after every rank ran, and
@@ -84,12 +98,7 @@ def test_sum_add_and_norm_equal_the_unfused_kernels_on_every_rank(dtype, world, 
     weight = (1 + 0.3 * torch.randn(hidden)).to(dtype)
     outs, sums, pads, programs = simulate(partials, residual, weight, slot, split)
 
-    reduced = torch.zeros(rows, hidden)
-    for partial in partials:  # rank order, in float32, rounded once: the kernel's sum
-        reduced += partial.float()
-    reduced = reduced.to(dtype)
-    want_out, want_sum = model_ops.rms_norm(reduced, weight, 1e-6, residual.clone())
-    ref_out, ref_sum = ops.eager_fused_add_rms_norm(reduced, residual.clone(), weight, 1e-6)
+    want_out, want_sum, ref_out, ref_sum = unfused_reference(partials, residual, weight)
     msg = f"seed {seed}"
     for rank in range(world):
         assert torch.equal(sums[rank], want_sum), f"{msg}: rank {rank}'s residual stream"

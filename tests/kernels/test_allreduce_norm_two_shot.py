@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from pagedserve.kernels.triton import allreduce_norm_two_shot as two_shot
-from pagedserve.kernels.triton import model_ops
-from pagedserve.model import ops
+from tests.kernels.test_allreduce_norm import unfused_reference
 from tests.kernels.test_model_ops import assert_matches, exact_bf16, fresh_seed  # noqa: F401
 
 STREAM_BYTES = 1 << 16  # where a buffer's stream region starts
@@ -98,12 +97,7 @@ def test_sum_add_and_norm_equal_the_unfused_kernels_on_every_rank(dtype, world, 
     partials = [(2 * torch.randn(rows, hidden)).to(dtype) for _ in range(world)]
     residual = (3 * torch.randn(rows, hidden)).to(dtype)
     weight = (1 + 0.3 * torch.randn(hidden)).to(dtype)
-    reduced = torch.zeros(rows, hidden)
-    for partial in partials:  # rank order, in float32, rounded once: the kernel's sum
-        reduced += partial.float()
-    reduced = reduced.to(dtype)
-    want_out, want_sum = model_ops.rms_norm(reduced, weight, 1e-6, residual.clone())
-    ref_out, ref_sum = ops.eager_fused_add_rms_norm(reduced, residual.clone(), weight, 1e-6)
+    want_out, want_sum, ref_out, ref_sum = unfused_reference(partials, residual, weight)
 
     results, buffers, pads, programs = simulate(partials, residual, weight, want_sum,
                                                 max_programs)

@@ -56,7 +56,7 @@ MAX_PROGRAMS = 64  # rows beyond this are looped over: bounds the signal pad a s
 MAX_SPLIT = 16  # programs per row at few rows
 # the world sizes whose rows are split at few rows: at 4 ranks the split engine decoded faster
 # (Llama-3-8B shape, TP=4 TPOT); at 2 ranks one program a row did, once the peers' rows were
-# read in 16-byte vectors (docs/benchmarks.md, eighth session)
+# read in 16-byte vectors (docs/benchmarks.md, "The fused all-reduce + norm per call")
 SPLIT_WORLD_SIZES = (4,)
 MIN_SLICE = 256  # elements of a row a program takes at least
 
