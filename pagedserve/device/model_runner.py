@@ -63,7 +63,7 @@ from pagedserve.kv_cache.disk_format import rank_dir
 from pagedserve.device.profile_run import profile_batch
 from pagedserve.device.rejection import Verified, VerifyRows, verify
 from pagedserve.device.sampler import (
-    LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs,
+    LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, VocabShard, gather_logprobs,
     select_sampling_kernels, warm_up_sampler)
 from pagedserve.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput, TierCosts
 from pagedserve.model import parallel
@@ -244,6 +244,7 @@ class StepHandle:
     draft: DraftStep | None = None  # a proposer on the device: what it drafts from
     started: torch.cuda.Event | None = None  # recorded before its forward pass (CUDA)
     graph_query_len: int = 0  # its CUDA graph's query length (1 or k + 1); 0: eager
+    sharded: bool = False  # `logits` are this rank's vocabulary rows (`vocab_shard`)
 
 
 class ModelRunner:
@@ -262,6 +263,9 @@ class ModelRunner:
             self.dtype, self.kv_cache_dtype, len(parallel.local_q_heads(model_config)),
             self.num_kv_heads, model_config.head_dim, model_config.attn_softcap))
         self.sampler = Sampler(select_sampling_kernels(device))
+        # under tensor parallelism: this rank's LM-head rows, for steps whose rows the
+        # sampler can draw from them (`_handle`); None: every step gathers the logits
+        self.vocab_shard = vocab_shard(model_config)
         self.penalties = PenaltyState(model_config.vocab_size, device)
         self.kv_caches: list[tuple[Tensor, Tensor]] = []
         # an FP8 cache's (K, V) scales per layer (`attention.kv_quant`); None otherwise
@@ -489,7 +493,7 @@ class ModelRunner:
             self.loras.allocate(max(config.max_num_batched_tokens, config.max_num_seqs))
         self.graphs = self.verify_graphs = None
         warm_up_sampler(self.sampler, self.model_config.vocab_size, self.dtype, self.device,
-                        config.max_num_seqs)
+                        config.max_num_seqs, self.vocab_shard)
         graphs = self.device.type == "cuda" and not config.enforce_eager
         if graphs and self.backend.capturable:
             self._bind_kv_cache()
@@ -812,14 +816,19 @@ class ModelRunner:
         states = inputs.sampling_states
         if not states:
             return StepHandle([], None, None, prompt_logprobs, tiers=tiers)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         if inputs.drafts is not None:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
             return self._verify_handle(states, logits, inputs, prompt_logprobs, tiers)
         last = inputs.input_ids[inputs.logits_indices] if any(  # in-flight tokens' conditions
             state.sampling_params.bad_words_token_ids or state.sampling_params.thinking_budget
             for state in states) else None
-        return StepHandle(states, logits, self.sampling_metadata(states, logits, last),
-                          prompt_logprobs, tiers=tiers)
+        meta = self.sampling_metadata(states, self.model_config.vocab_size, last)
+        # rows the sampler draws from each rank's vocabulary rows: no logits gathered (a
+        # grammar's bitmask comes only at sampling, so requests with one gather)
+        sharded = (self.vocab_shard is not None and self.sampler.samples_shards(meta)
+                   and not any(state.sampling_params.structured_outputs for state in states))
+        logits = self.model.compute_logits(hidden[inputs.logits_indices], gather=not sharded)
+        return StepHandle(states, logits, meta, prompt_logprobs, tiers=tiers, sharded=sharded)
 
     def _verify_handle(self, states: list[CachedRequestState], logits: Tensor,
                        inputs: StepInputs, prompt_logprobs: dict[str, LogprobsLists] | None,
@@ -850,7 +859,7 @@ class ModelRunner:
             s.sampling_params.bad_words_token_ids or s.sampling_params.thinking_budget
             for s in ordinary_states) else None
         return StepHandle(states, ordinary_logits,
-                          self.sampling_metadata(ordinary_states, ordinary_logits, last),
+                          self.sampling_metadata(ordinary_states, logits.shape[1], last),
                           prompt_logprobs, rows, ordinary, tiers)
 
     @torch.inference_mode()
@@ -863,7 +872,7 @@ class ModelRunner:
         if step.logits is not None:
             if grammar is not None:
                 self._attach_bitmask(step.sampling, step.states, grammar)
-            sampled = self._sample(step.logits, step.sampling)
+            sampled = self._sample(step.logits, step.sampling, step.sharded)
         return PendingRunnerOutput(step.states, sampled, step.prompt_logprobs,
                                    tiers=step.tiers, propose=self._proposal(step.draft),
                                    started=step.started,
@@ -960,14 +969,14 @@ class ModelRunner:
             lists.sampled_ranks += lp.sampled_ranks.tolist()
         return lists
 
-    def sampling_metadata(self, states: list[CachedRequestState], logits: Tensor,
+    def sampling_metadata(self, states: list[CachedRequestState], vocab_size: int,
                           last_token_ids: Tensor | None = None) -> SamplingMetadata:
         """The one place a step's sampling inputs are built from the runner's state.
         `last_token_ids`: the step's input tokens at the sampled positions (for bad words and
         thinking budgets)."""
         penalties, slots = self._penalty_slots(states)
         return SamplingMetadata.from_requests(
-            states, logits.shape[1], self.device, fused=self.sampler.fused,
+            states, vocab_size, self.device, fused=self.sampler.fused,
             penalty_state=penalties, penalty_slots=slots, last_token_ids=last_token_ids)
 
     def _penalty_slots(self, states: list[CachedRequestState]) -> tuple[PenaltyState, list[int]]:
@@ -986,11 +995,16 @@ class ModelRunner:
             raise RuntimeError("the grammar bitmask's rows are not the step's sampling rows")
         meta.allowed_token_bitmask = to_device(torch.from_numpy(grammar.bitmask), self.device)
 
-    def _sample(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def _sample(self, logits: Tensor, meta: SamplingMetadata,
+                sharded: bool = False) -> SamplerOutput:
         """Sample, and count the tokens of requests with penalties on the device. Under
         tensor parallelism every rank samples the same gathered logits with the same
         generators, and then takes rank 0's tokens: each rank feeds them to its next step, so
-        they must agree to the bit even if a sampling kernel were not deterministic."""
+        they must agree to the bit even if a sampling kernel were not deterministic.
+        `sharded` logits (this rank's vocabulary rows) need no broadcast: every rank reduces
+        the same all-gathered winners with one deterministic kernel."""
+        if sharded:
+            return self.sampler.sample_shard(logits, meta, self.vocab_shard)
         sampled = self.sampler(logits, meta)
         parallel.broadcast_(sampled.sampled_token_ids)
         if meta.penalties is not None:
@@ -1082,3 +1096,15 @@ def _random_sampling_meta(logits: Tensor) -> SamplingMetadata:
     return SamplingMetadata(
         all_greedy=False, greedy_mask=torch.zeros(rows, dtype=torch.bool, device=logits.device),
         temperature=ones)
+
+
+def vocab_shard(config: ModelConfig) -> VocabShard | None:
+    """This rank's rows of the vocab-parallel LM head, under tensor parallelism; None with
+    one rank, or where a slice's first token id is not a multiple of 4 (the sampling
+    kernel's noise comes four tokens per call) or a rank holds padding alone."""
+    tp = parallel.get_tp()
+    rows = parallel.local_vocab(config)
+    real = min(rows.stop, config.vocab_size) - rows.start
+    if tp.size == 1 or len(rows) % 4 or real <= 0:
+        return None
+    return VocabShard(rows.start, real, len(rows), tp.size, parallel.gather_last_dim)

@@ -31,7 +31,7 @@ under TRITON_INTERPRET=1). Seeded draws repeat per device type and path, not acr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -53,15 +53,28 @@ class SamplingKernels:
 
     plain: Callable[..., Tensor]  # kernels.triton.sampling.fused_sample
     filtered: Callable[..., Tensor]  # kernels.triton.filtered_sampling.filtered_sample
+    # kernels.triton.sampling.sample_vocab_shard: plain rows from a rank's vocabulary slice
+    sharded: Callable[..., Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """A rank's slice of a vocab-parallel LM head's logits, and how to reach the others."""
+
+    token_offset: int  # the token id of its first column
+    vocab: int  # its columns that are real tokens (the last rank's tail is padding)
+    columns: int  # its logits' width (every rank's)
+    ranks: int
+    gather: Callable[[Tensor], Tensor]  # every rank's [..., n] -> [..., ranks * n], rank order
 
 
 def triton_sampling_kernels() -> SamplingKernels:
     """The Triton kernels (CUDA; the CPU under TRITON_INTERPRET=1, set before this first
     runs: importing them jits them)."""
     from pagedserve.kernels.triton.filtered_sampling import filtered_sample
-    from pagedserve.kernels.triton.sampling import fused_sample
+    from pagedserve.kernels.triton.sampling import fused_sample, sample_vocab_shard
 
-    return SamplingKernels(fused_sample, filtered_sample)
+    return SamplingKernels(fused_sample, filtered_sample, sample_vocab_shard)
 
 
 def select_sampling_kernels(device: torch.device) -> SamplingKernels | None:
@@ -197,6 +210,13 @@ class SamplingMetadata:
     @property
     def filtered(self) -> bool:
         return self.min_p is not None or self.top_k is not None or self.top_p is not None
+
+    @property
+    def restricted(self) -> bool:
+        """Whether `restrict` changes any row's logits."""
+        return (self.allowed_token_bitmask is not None or self.allowed_tokens is not None
+                or self.bad_words is not None or self.logit_bias is not None
+                or self.forced is not None)
 
 
 def _penalty_tensors(params: list[SamplingParams], state: PenaltyState,
@@ -349,6 +369,26 @@ class Sampler:
                              "(from_requests(fused=True)) reached a sampler without them")
         return self.kernels is not None and (meta.all_greedy or meta.philox is not None)
 
+    def samples_shards(self, meta: SamplingMetadata) -> bool:
+        """Whether `sample_shard` can serve these rows: the plain kernel's rows (greedy or
+        temperature alone) with nothing that reads the whole vocabulary (no restriction,
+        penalty, filter or logprobs)."""
+        return (self.kernels is not None and self.kernels.sharded is not None
+                and self._takes_fused_path(meta) and meta.penalties is None
+                and not meta.filtered and meta.max_num_logprobs is None
+                and not meta.restricted)
+
+    def sample_shard(self, logits: Tensor, meta: SamplingMetadata,
+                     shard: VocabShard) -> SamplerOutput:
+        """The tokens `__call__` would draw from the gathered logits, from this rank's slice
+        (rows `samples_shards` accepts); the same on every rank."""
+        if not self.samples_shards(meta):
+            raise ValueError("these sampling rows need the whole vocabulary's logits")
+        tokens = self.kernels.sharded(logits, meta.temperature, meta.greedy_mask, meta.philox,
+                                      shard.token_offset, shard.vocab, shard.ranks,
+                                      shard.gather)
+        return SamplerOutput(tokens, None)
+
     def _sample_fused(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         kernels = self.kernels
         if meta.penalties is None and not meta.filtered:
@@ -416,12 +456,16 @@ _WARM_UP_MIXES = (
 
 
 def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype,
-                    device: torch.device, max_rows: int) -> None:
+                    device: torch.device, max_rows: int,
+                    shard: VocabShard | None = None) -> None:
     """Run every sampling path once on random logits, at one row and at `max_rows`, so
     Triton compiles its kernels (and xgrammar its bitmask kernel) at start-up. Otherwise the
     first request with top-k or penalties pays seconds of compiling inside a step, and every
     request in that batch waits. Nothing to compile for a sampler without kernels. The rows'
-    token lists are complete, so `from_requests` builds their penalty state itself."""
+    token lists are complete, so `from_requests` builds their penalty state itself.
+    `shard`: a rank's vocabulary slice, whose plain rows also go through
+    `sample_shard`, with this rank's winners standing in for every rank's (the kernels see
+    the shapes of a real step, and no rank waits on another)."""
     if not sampler.fused:
         return
     for i, mix in enumerate(_WARM_UP_MIXES):
@@ -429,10 +473,21 @@ def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype,
             states = [CachedRequestState(f"warm-up-{j}", [0, 1], mix[j % len(mix)])
                       for j in range(rows)]
             meta = SamplingMetadata.from_requests(states, vocab_size, device, fused=True)
+            if shard is not None and sampler.samples_shards(meta):
+                _warm_up_shard(sampler, meta, shard, rows, dtype, device)
             if i == 0:
                 meta.allowed_token_bitmask = torch.full(
                     (rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
             sampler(torch.randn(rows, vocab_size, dtype=dtype, device=device), meta)
+
+
+def _warm_up_shard(sampler: Sampler, meta: SamplingMetadata, shard: VocabShard, rows: int,
+                   dtype: torch.dtype, device: torch.device) -> None:
+    def own_winners_only(parts: Tensor) -> Tensor:
+        return torch.cat([parts] * shard.ranks, dim=-1)
+
+    logits = torch.randn(rows, shard.columns, dtype=dtype, device=device)
+    sampler.sample_shard(logits, meta, replace(shard, gather=own_winners_only))
 
 
 def random_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:

@@ -365,13 +365,16 @@ class Decoder(nn.Module):
         captured = torch.cat([streams[i] for i in capture], -1) if capture else None
         return x, captured
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """hidden [S, H] (usually one row per sequence) -> logits [S, vocab] in the model's
         dtype: the sampler upcasts only what it needs (a float32 copy of [256, 151936] bf16
-        logits is 155 MB written and read back per step on the GPU)."""
+        logits is 155 MB written and read back per step on the GPU). Under tensor
+        parallelism, `gather=False` leaves each rank its own rows of the vocabulary
+        (`parallel.local_vocab`, padding included): [S, len(local_vocab)], for a sampler
+        that needs only a few numbers per row from each rank."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = self.lm_head_matmul(hidden, weight, None)
-        if parallel.get_tp().size > 1:
+        if gather and parallel.get_tp().size > 1:
             # every rank's vocabulary rows, less the padding of the last
             logits = parallel.gather_last_dim(logits)[:, :self.config.vocab_size]
         cap = self.config.final_softcap

@@ -118,3 +118,60 @@ def test_tp4_logits_equal_tp1(checkpoints):
     for i, case in enumerate(cases):
         assert_ranks_equal_reference(case, [r[i] for r in ranks],
                                      paged_logits(checkpoints[case]))
+
+
+def vocab_config(vocab: int) -> ModelConfig:
+    return ModelConfig(family="llama", vocab_size=vocab, hidden_size=16, intermediate_size=16,
+                       num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8,
+                       rms_norm_eps=1e-5, rope_theta=1e4, max_model_len=16,
+                       tie_word_embeddings=True)
+
+
+def shard_sampling_case(vocab: int):
+    """Logits [8, vocab] (a tie across ranks, NaN, -inf rows, +inf) and sampling metadata
+    of greedy and seeded temperature rows, the same in every process."""
+    from pagedserve.device.input_batch import CachedRequestState
+    from pagedserve.device.sampler import SamplingMetadata
+    from pagedserve.sampling_params import SamplingParams
+
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(vocab)) * 2
+    logits[0, [5, vocab - 3]] = 20.0
+    logits[1, vocab - 1] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, vocab // 2 + 2] = float("inf")
+    temps = [0.0, 0.0, 0.0, 0.0, 1.0, 0.6, 2.0, 0.0]
+    states = [CachedRequestState(f"r{i}", [1, 2], SamplingParams(temperature=t, seed=i))
+              for i, t in enumerate(temps)]
+    return logits, SamplingMetadata.from_requests(states, vocab, torch.device("cpu"),
+                                                  fused=True)
+
+
+def tokens_from_vocab_slices(vocab: int) -> tuple[list[int], bool]:
+    """On a rank: the tokens its Sampler draws from its slice of the case's logits (the
+    padding of the last rank's slice at a value that would win), and whether a vocabulary
+    whose slices do not start on a group of four tokens falls back to gathering."""
+    from pagedserve.device.model_runner import vocab_shard
+    from pagedserve.device.sampler import Sampler, triton_sampling_kernels
+
+    logits, meta = shard_sampling_case(vocab)
+    config = vocab_config(vocab)
+    shard = vocab_shard(config)
+    rows = parallel.local_vocab(config)
+    local = torch.full((logits.shape[0], len(rows)), 1e4)
+    local[:, :shard.vocab] = logits[:, rows.start:rows.start + shard.vocab]
+    sampler = Sampler(triton_sampling_kernels())
+    tokens = sampler.sample_shard(local, meta, shard).sampled_token_ids.tolist()
+    return tokens, vocab_shard(vocab_config(vocab + 2)) is None
+
+
+def test_tp2_ranks_draw_from_their_vocabulary_slices_what_one_process_draws():
+    """Plain rows (greedy, temperature) sampled from each rank's LM-head rows, only each
+    row's split winners all-gathered: every rank gets the tokens the whole logits give."""
+    from pagedserve.device.sampler import Sampler, triton_sampling_kernels
+
+    vocab = 2047  # 1024 rows a rank, the last one of them padding
+    logits, meta = shard_sampling_case(vocab)
+    want = Sampler(triton_sampling_kernels())(logits, meta).sampled_token_ids.tolist()
+    assert want[:4] == [5, vocab - 1, 0, vocab // 2 + 2]
+    ranks = run_on_ranks(tokens_from_vocab_slices, vocab, size=2)
+    assert ranks == [(want, True)] * 2

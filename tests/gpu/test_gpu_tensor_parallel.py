@@ -327,6 +327,42 @@ def test_tp2_fused_two_shot_all_reduce_norm_gives_the_unfused_tokens(checkpoint)
     assert tokens["fused"] == tokens["unfused"]
 
 
+def sample_all(engine, prompt_list, logprobs: int | None) -> list[list[int]]:
+    """Half the prompts greedy, half at temperature 0.8 with a seed each."""
+    from pagedserve.sampling_params import SamplingParams
+
+    for i, ids in enumerate(prompt_list):
+        params = SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=16,
+                                ignore_eos=True, logprobs=logprobs)
+        engine.add_request(f"s{i}", None, params, prompt_token_ids=ids)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0].token_ids
+    return [done[f"s{i}"] for i in range(len(prompt_list))]
+
+
+@torch.inference_mode()
+def test_tp2_draws_from_vocabulary_slices_what_the_gathered_logits_give(checkpoint):
+    """Greedy and seeded temperature rows draw from each rank's LM-head rows (only their
+    split winners all-gathered); asking for logprobs gathers the logits instead. Same
+    engine, same logits: the same tokens either way."""
+    from pagedserve.frontend.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_options(checkpoint, device="cuda", max_model_len=1024,
+                                    kv_cache_memory=2 << 30, dtype="bfloat16",
+                                    tensor_parallel_size=2)
+    try:
+        prompt_list = prompts(16, seed=3)
+        sliced = sample_all(engine, prompt_list, None)
+        gathered = sample_all(engine, prompt_list, 1)
+    finally:
+        engine.shutdown()
+    assert sliced == gathered
+    assert len({tuple(t) for t in sliced}) > 8  # not one degenerate sequence
+
+
 def agreeing_prefix(tokens: list[list[int]], reference: list[list[int]]) -> float:
     """The mean count of tokens before a sequence first differs from the reference's."""
     return sum(next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(t))

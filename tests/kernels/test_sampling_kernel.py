@@ -14,10 +14,11 @@ import torch
 
 from pagedserve.device.input_batch import CachedRequestState
 from pagedserve.device.penalties import PenaltyState
-from pagedserve.device.sampler import (Sampler, SamplingKernels, SamplingMetadata,
+from pagedserve.device.sampler import (Sampler, SamplingKernels, SamplingMetadata, VocabShard,
                                        apply_penalties, triton_sampling_kernels)
 from pagedserve.kernels.triton.sampling import (SamplingKernelConfig, choose_num_splits,
-                                               fused_sample)
+                                               fused_sample, sample_vocab_shard,
+                                               split_winners)
 from pagedserve.sampling_params import SamplingParams
 
 SMALL = SamplingKernelConfig(block=16)
@@ -226,6 +227,50 @@ def test_draws_do_not_depend_on_tiles_or_splits():
         assert torch.equal(result, results[0]), f"seed {seed}"
 
 
+def vocab_slices(logits: torch.Tensor, ranks: int) -> list[tuple[torch.Tensor, int, int]]:
+    """Each rank's (slice, first token id, real tokens) as a vocab-parallel LM head cuts
+    [S, V]: ceil(V / ranks) columns each, the last rank's tail padding, here huge logits
+    (a zero-weight row's logit is 0, which beats a row of negative ones)."""
+    per_rank = -(-logits.shape[1] // ranks)
+    padded = torch.full((logits.shape[0], per_rank * ranks), 1e4, dtype=logits.dtype)
+    padded[:, :logits.shape[1]] = logits
+    return [(padded[:, r * per_rank:(r + 1) * per_rank], r * per_rank,
+             min(per_rank, logits.shape[1] - r * per_rank)) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("ranks,vocab,tiling", [(2, 151, 0), (4, 157, 2)])
+def test_slices_of_the_vocabulary_draw_what_the_whole_row_draws(ranks, vocab, tiling):
+    """Each rank's split winners, concatenated in rank order, reduce to fused_sample's token
+    of the whole row: greedy ties and NaN/inf included, padding never drawn."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.cat([torch.randint(-4, 5, (4, vocab), generator=gen).float(),
+                        torch.randn(4, vocab, generator=gen) * 2])
+    logits[0, [3, vocab - 2]] = 9  # a tie across two ranks: the lower id
+    logits[1, vocab - 1] = NAN
+    logits[2] = -INF
+    logits[3, [vocab // 2 + 1, 1]] = INF
+    temps = [0.0, 0.0, 0.9, 0.0, 0.0, 1.0, 0.5, 3.0]
+    batch = random_batch(temps, [(seed, i) for i in range(8)])
+    slices = vocab_slices(logits, ranks)
+    config, splits = TILINGS[tiling]
+    for rows in (None, batch):
+        args = rows or (None, None, None)
+        parts = [split_winners(s, *args, offset, real, config, splits)
+                 for s, offset, real in slices]
+        got = sample_vocab_shard(slices[0][0], *args, slices[0][1], slices[0][2], ranks,
+                                 lambda own: torch.cat([own] + parts[1:], -1), config, splits)
+        assert torch.equal(got, fused_sample(logits, *args, config, splits)), f"seed {seed}"
+        assert got.max() < vocab
+
+
+def test_a_slice_must_start_on_a_group_of_four_tokens():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        split_winners(torch.zeros(1, 8), None, None, None, token_offset=6)
+    with pytest.raises(ValueError, match="vocab"):
+        split_winners(torch.zeros(1, 8), None, None, None, token_offset=8, vocab=9)
+
+
 def test_rows_split_until_the_gpu_is_full_but_never_below_a_tile():
     vocab = 151936  # 75 tiles of 2048
     assert choose_num_splits(256, vocab, num_sms=132) == 3  # 768 programs for 528 wanted
@@ -345,3 +390,38 @@ def test_fused_sampler_hands_the_kernels_model_dtype_logits(monkeypatch):
                logits[:1], recorded)
     assert seen == [("fused_sample", torch.bfloat16), ("fused_sample", torch.bfloat16),
                     ("filtered_sample", torch.bfloat16), ("filtered_sample", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("params,shards", [
+    ({"temperature": 0.0}, True),
+    ({"temperature": 0.8, "seed": 3}, True),
+    ({"temperature": 0.8, "top_k": 5}, False),
+    ({"temperature": 0.8, "min_p": 0.1}, False),
+    ({"temperature": 0.0, "logprobs": 1}, False),
+    ({"temperature": 0.0, "presence_penalty": 0.5}, False),
+    ({"temperature": 0.0, "logit_bias": {3: 1.0}}, False),
+    ({"temperature": 0.0, "allowed_token_ids": [1, 2]}, False),
+    ({"temperature": 0.0, "bad_words_token_ids": [[7]]}, False),
+])
+def test_only_plain_rows_sample_from_a_vocabulary_slice(params, shards):
+    """A row that reads the whole vocabulary (a filter, logprobs, a penalty, a restriction)
+    needs the gathered logits: the sampler says so, and refuses the slice."""
+    requests = [make_request(0, temperature=0.0), make_request(1, **params)]
+    state = PenaltyState(VOCAB, torch.device("cpu"))
+    for r in requests:
+        if r.sampling_params.needs_penalties:
+            state.add(r.req_id, r.prompt_token_ids, r.output_token_ids)
+    meta = SamplingMetadata.from_requests(requests, VOCAB, torch.device("cpu"), fused=True,
+                                          penalty_state=state,
+                                          penalty_slots=state.slots(["r0", "r1"]))
+    sampler = Sampler(triton_sampling_kernels())
+    assert sampler.samples_shards(meta) == shards
+    assert not Sampler().samples_shards(SamplingMetadata(all_greedy=True))  # no kernels
+    shard = VocabShard(0, VOCAB, VOCAB, 1, lambda parts: parts)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+    if shards:
+        assert torch.equal(sampler.sample_shard(logits, meta, shard).sampled_token_ids,
+                           sampler(logits, meta).sampled_token_ids)
+    else:
+        with pytest.raises(ValueError, match="whole vocabulary"):
+            sampler.sample_shard(logits, meta, shard)

@@ -19,6 +19,11 @@ over +inf, +inf over any number, and ties go to the lowest token id. Random rows
 order on their noisy scores, so a NaN or +inf logit is always the draw: a broken row gives a
 repeatable token instead of a plausible-looking sample.
 
+Under tensor parallelism each rank holds a slice of the vocabulary's logits (a vocab-parallel
+LM head): `sample_vocab_shard` runs the split kernel over the slice and all-gathers only each
+row's split winners, a few numbers per row, instead of the logits; the reduce then sees what it
+would have seen for the whole row, so the tokens are the same.
+
 Random scores are kept in base 2 (logits * log2(e) / T plus base-2 Gumbel noise): log2(e)
 times the natural score less a constant, so the same argmax, with one fast lg2 per log.
 """
@@ -26,6 +31,7 @@ times the natural score less a constant, so the same argmax, with one fast lg2 p
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,16 +75,19 @@ def _tile_scores(row_ptr, start, vocab, noisy, scale, seed, stream_lo, stream_hi
 
 
 @triton.jit
-def _sample_split_kernel(logits_ptr, stride_row, vocab, split_len, temperature_ptr, greedy_ptr,
-                         philox_ptr, part_score_ptr, part_token_ptr,
+def _sample_split_kernel(logits_ptr, stride_row, token_offset, vocab, split_len, temperature_ptr,
+                         greedy_ptr, philox_ptr, part_score_ptr, part_token_ptr,
                          ALL_GREEDY: tl.constexpr, GROUPS: tl.constexpr, ROUNDS: tl.constexpr,
                          FAST: tl.constexpr):
-    """One program per (row, split): the winner of tokens [split * split_len, + split_len)."""
+    """One program per (row, split): the winner of tokens [split * split_len, + split_len) of
+    the row's `vocab` columns, whose first is token id `token_offset` (a multiple of 4, so a
+    column's noise is its token id's)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    start = split * split_len
-    end = tl.minimum(start + split_len, vocab)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row - token_offset
+    start = token_offset + split * split_len
+    end = tl.minimum(start + split_len, token_offset + vocab)
+    vocab_end = token_offset + vocab
     if ALL_GREEDY:
         noisy: tl.constexpr = False
         scale, seed, stream_lo, stream_hi = 1.0, 0, 0, 0  # unused without noise
@@ -90,10 +99,10 @@ def _sample_split_kernel(logits_ptr, stride_row, vocab, split_len, temperature_p
         stream_lo = (stream & 0xFFFFFFFF).to(tl.uint32)
         stream_hi = (stream >> 32).to(tl.uint32)
     # the first tile seeds the running state, so an all -inf slice still names a real token
-    best, best_token = _tile_scores(row_ptr, start, vocab, noisy, scale, seed, stream_lo,
+    best, best_token = _tile_scores(row_ptr, start, vocab_end, noisy, scale, seed, stream_lo,
                                     stream_hi, GROUPS, ROUNDS, FAST)
     for tile in range(start + 4 * GROUPS, end, 4 * GROUPS):
-        scores, tokens = _tile_scores(row_ptr, tile, vocab, noisy, scale, seed, stream_lo,
+        scores, tokens = _tile_scores(row_ptr, tile, vocab_end, noisy, scale, seed, stream_lo,
                                       stream_hi, GROUPS, ROUNDS, FAST)
         better = scores > best  # strict: an equal score keeps the earlier (lower) token
         best = tl.where(better, scores, best)
@@ -145,32 +154,79 @@ def fused_sample(logits: Tensor, temperature: Tensor | None, greedy_mask: Tensor
     describe the rows; all three None means every row is greedy. A row with greedy_mask set
     takes the argmax and ignores its temperature and philox entries.
     """
-    num_rows, vocab = logits.shape
+    parts = split_winners(logits, temperature, greedy_mask, philox, config=config,
+                          num_splits=num_splits)
+    return reduce_winners(parts, triton.cdiv(logits.shape[1], config.block))
+
+
+def split_winners(logits: Tensor, temperature: Tensor | None, greedy_mask: Tensor | None,
+                  philox: Tensor | None, token_offset: int = 0, vocab: int | None = None,
+                  config: SamplingKernelConfig = DEFAULT_CONFIG,
+                  num_splits: int | None = None) -> Tensor:
+    """The first pass of `fused_sample` over a slice of the vocabulary: logits [S, n] are the
+    scores of token ids [token_offset, token_offset + n), of which the first `vocab` (default
+    n) are real (a vocab-parallel LM head's rows; the rest padding). Returns float32
+    [2, S, splits]: each split's best score, and its token id's int32 bits. The draw is a
+    pure function of (logit, token id, row), so the splits of several slices, concatenated
+    on the last dimension in token order (an all-gather over the ranks that hold them), give
+    `reduce_winners` the token `fused_sample` draws from the whole row."""
+    num_rows, columns = logits.shape
+    vocab = columns if vocab is None else vocab
     all_greedy = temperature is None
     if all_greedy != (greedy_mask is None) or all_greedy != (philox is None):
         raise ValueError("temperature, greedy_mask and philox must be given together")
+    if token_offset % 4 or not 0 < vocab <= columns:
+        raise ValueError(f"token_offset must be a multiple of 4 and 0 < vocab <= {columns}, "
+                         f"got {token_offset} and {vocab}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
-        return out
+        return torch.empty(2, 0, 1, dtype=torch.float32, device=logits.device)
+    # the splits follow the columns, not `vocab`: slices of one width split alike (the
+    # all-gather needs equal shapes); a split of padding alone scores -inf, never winning
     if num_splits is None:
-        num_splits = choose_num_splits(num_rows, vocab, _sm_count(logits.device), config)
-    tiles_per_split = triton.cdiv(triton.cdiv(vocab, config.block), num_splits)
+        num_splits = choose_num_splits(num_rows, columns, _sm_count(logits.device), config)
+    tiles_per_split = triton.cdiv(triton.cdiv(columns, config.block), num_splits)
     split_len = tiles_per_split * config.block
-    num_splits = triton.cdiv(vocab, split_len)  # no empty split
-    part_score = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)
-    part_token = torch.empty(num_rows, num_splits, dtype=torch.int32, device=logits.device)
+    num_splits = triton.cdiv(columns, split_len)  # no empty split
+    parts = torch.empty(2, num_rows, num_splits, dtype=torch.float32, device=logits.device)
+    part_score, part_token = parts[0], parts[1].view(torch.int32)
     if all_greedy:  # never read: any tensor stands in for the pointers
         temperature = greedy_mask = philox = part_score
     _sample_split_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0), vocab, split_len, temperature, greedy_mask, philox,
-        part_score, part_token, ALL_GREEDY=all_greedy, GROUPS=config.block // 4,
+        logits, logits.stride(0), token_offset, vocab, split_len, temperature, greedy_mask,
+        philox, part_score, part_token, ALL_GREEDY=all_greedy, GROUPS=config.block // 4,
         ROUNDS=config.philox_rounds, FAST=logits.is_cuda and not interpreting(),
         num_warps=config.num_warps)
-    # SPLITS covers the most splits this vocabulary can have, not this batch's count: one
-    # compiled variant for every batch size
-    max_splits = triton.cdiv(vocab, config.block)
-    _reduce_splits_kernel[(num_rows,)](part_score, part_token, out, num_splits,
-                                       SPLITS=triton.next_power_of_2(max_splits))
+    return parts
+
+
+def reduce_winners(parts: Tensor, max_splits: int) -> Tensor:
+    """Each row's token, int64 [S], from `split_winners`' [2, S, splits] (of one slice or of
+    several concatenated in token order). `max_splits`: the most splits a row can have here,
+    which names the compiled variant (one for every batch size)."""
+    num_rows, num_splits = parts.shape[1:]
+    out = torch.empty(num_rows, dtype=torch.int64, device=parts.device)
+    if num_rows == 0:
+        return out
+    if parts.stride(2) != 1 or parts.stride(1) != num_splits:
+        parts = parts.contiguous()
+    _reduce_splits_kernel[(num_rows,)](parts[0], parts[1].view(torch.int32), out, num_splits,
+                                       SPLITS=triton.next_power_of_2(max(max_splits,
+                                                                         num_splits)))
     return out
+
+
+def sample_vocab_shard(logits: Tensor, temperature: Tensor | None, greedy_mask: Tensor | None,
+                       philox: Tensor | None, token_offset: int, vocab: int, ranks: int,
+                       gather: Callable[[Tensor], Tensor],
+                       config: SamplingKernelConfig = DEFAULT_CONFIG,
+                       num_splits: int | None = None) -> Tensor:
+    """`fused_sample`'s tokens for the whole vocabulary from this rank's slice of it (see
+    `split_winners` for the slice's arguments): `gather` concatenates every rank's
+    [..., n] in rank order on the last dimension (an all-gather of each row's few split
+    winners instead of its logits). Every rank reduces the same gathered bits, so every rank
+    gets the same tokens."""
+    parts = gather(split_winners(logits, temperature, greedy_mask, philox, token_offset, vocab,
+                                 config, num_splits))
+    return reduce_winners(parts, ranks * triton.cdiv(logits.shape[1], config.block))
