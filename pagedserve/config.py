@@ -122,6 +122,10 @@ class EngineConfig:
     # CUDA: the float linears' decode steps of one row through the split-K Triton GEMV
     # (kernels/triton/dense_gemv.py); False: cuBLAS at every row count
     dense_gemv: bool = True
+    # CUDA, a GGUF kept in its blocks: decode steps of one token quantize the activations to
+    # int8 for the Q4_K and Q6_K linears (kernels/triton/gguf_dp4a.py, integer dot products);
+    # False: float activations (kernels/triton/gguf_gemv.py)
+    gguf_int8_activations: bool = True
     # LoRA adapters (model/lora.py): requests may name one; at most max_loras distinct ones
     # run in a step (device slots of rank up to max_lora_rank), max_cpu_loras stay loaded in
     # host memory behind them (None: max_loras)

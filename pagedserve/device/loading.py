@@ -93,7 +93,8 @@ def load_on_device(config: EngineConfig, device: torch.device,
         if device.type == "cuda":
             torch.zeros(1, device=device)  # the context and allocator, made here
     with timed("kernels"):
-        ops = select_ops(device, dtype, dense_gemv=config.dense_gemv)
+        ops = select_ops(device, dtype, dense_gemv=config.dense_gemv,
+                         gguf_int8_activations=config.gguf_int8_activations)
     with timed("weights"):
         # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
         # "float32" keeps the exact path.

@@ -162,6 +162,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "messages that take two-shot too (above one-shot's size); off: only one-shot's"),
     EngineArg("dense_gemv", "CUDA: decode steps of one token multiply by the bf16/fp16 "
               "weights with a split-K Triton GEMV (else cuBLAS at every batch size)"),
+    EngineArg("gguf_int8_activations", "CUDA, a GGUF kept in its blocks: decode steps of one "
+              "token quantize the activations to int8 for the Q4_K and Q6_K linears and "
+              "multiply with integer dot products (dp4a; else bf16/fp16 activations)"),
     EngineArg("enable_lora", "serve LoRA adapters (PEFT format) on top of the base model"),
     EngineArg("max_loras", "LoRA: distinct adapters in one step (device slots)", metavar="N"),
     EngineArg("max_lora_rank", "LoRA: the largest adapter rank the slots hold", metavar="R"),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -114,14 +115,22 @@ def matmul_into(matmul: Matmul, x: Tensor, weight: Tensor, out: Tensor | None) -
     return out.copy_(matmul(x, weight, None))
 
 
-def select_ops(device: torch.device | str, dtype: torch.dtype, dense_gemv: bool = True) -> Ops:
+def select_ops(device: torch.device | str, dtype: torch.dtype, dense_gemv: bool = True,
+               gguf_int8_activations: bool = True) -> Ops:
     """The implementations for a model on `device` in `dtype`: Triton's on CUDA, the native
     kernels for float32 on the CPU (where the library builds), eager torch otherwise.
     `dense_gemv` (CUDA): the float linears' decode GEMV (`Ops.dense_linear`); False: cuBLAS
-    at every row count (the engine's --no-dense-gemv, to compare)."""
+    at every row count (the engine's --no-dense-gemv, to compare). `gguf_int8_activations`
+    (CUDA): one row against Q4_K/Q6_K blocks quantized to int8 (`gguf_dp4a`); False: float
+    activations (`gguf_gemv`; the engine's --no-gguf-int8-activations)."""
     device = torch.device(device)
     if device.type == "cuda":
         ops = triton_ops()
+        if not gguf_int8_activations:
+            from pagedserve.kernels.triton import int_linear
+
+            ops = replace(ops, gguf_linear=partial(int_linear.linear,
+                                                   config=int_linear.FLOAT_GGUF_ACTIVATIONS))
         return ops if dense_gemv else replace(ops, dense_linear=None)
     ops = native_ops() if device.type == "cpu" and dtype == torch.float32 and (
         native.available()) else TORCH_OPS

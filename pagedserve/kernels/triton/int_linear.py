@@ -14,8 +14,10 @@ cuBLAS, whose cost is then the dequantization's, paid once per call. Other weigh
 their checkpoint's layout: one row takes a GEMV (no tl.dot, whose smallest tile would waste
 15 of 16 rows; the row loops are `gemv.py`'s): `_int_gemv_kernel` for integer codes in
 column order, which turns codes into floats with an OR of the float32 exponent instead of a
-conversion and applies each group's scale per word, `gguf_gemv.gemv` for GGUF blocks (read
-as words or halfwords, not byte by byte), and `_gemv_kernel` for the rest (g_idx; GGUF
+conversion and applies each group's scale per word, `gguf_dp4a.gemv` for a bfloat16 or
+float16 row against Q4_K or Q6_K blocks (the row quantized to int8, integer dot products;
+`gguf_int8_activations`), `gguf_gemv.gemv` for other GGUF blocks (read as words or halfwords,
+not byte by byte), and `_gemv_kernel` for the rest (g_idx; GGUF
 blocks a view leaves unaligned). A few rows take `_gemm_kernel`, a tiled GEMM whose B
 operand is dequantized per tile through tl.dot. From `dequant_min_rows` rows the GEMM is
 compute-bound and cuBLAS is far faster than a Triton GEMM unpacking in its inner loop, so
@@ -42,7 +44,7 @@ from torch import Tensor
 from pagedserve.kernels import int4pack
 from pagedserve.kernels.triton.dequant import dequant_tile
 from pagedserve.kernels.triton.gemv import int_row_dot, tile_row_dot
-from pagedserve.kernels.triton import gguf_gemv, int4pack_gemm
+from pagedserve.kernels.triton import gguf_dp4a, gguf_gemv, int4pack_gemm
 from pagedserve.kernels.triton.int4pack_gemm import int4pack_tile
 from pagedserve.kernels.triton.precision import dot_precision
 from pagedserve.kernels.weight_formats import IntWeight, Stacked, WeightFormat
@@ -58,7 +60,10 @@ class IntLinearConfig:
     dequantized for cuBLAS beyond (`int4pack_path`). torch's kernel reads the weight once
     per row: its cost grows with each row, while the fused GEMM's stays flat up to a tile of
     rows, so the two cross between 4 rows (torch's kernel faster on every projection
-    measured) and 8 (the fused GEMM faster in sum; docs/benchmarks.md)."""
+    measured) and 8 (the fused GEMM faster in sum; docs/benchmarks.md).
+    `gguf_int8_activations`: one bfloat16/float16 row against the GGUF types `gguf_dp4a`
+    takes is quantized to int8 and multiplied there; False: `gguf_gemv` (float activations,
+    the engine's --no-gguf-int8-activations)."""
 
     gemv_block_n: int = 16
     gemv_block_k: int = 256
@@ -81,9 +86,12 @@ class IntLinearConfig:
     dequant_min_rows: int = 64
     dequant_block_n: int = 32
     dequant_block_k: int = 256
+    gguf_int8_activations: bool = True
 
 
 DEFAULT = IntLinearConfig()
+# one GGUF row always with float activations (`gguf_gemv`): --no-gguf-int8-activations
+FLOAT_GGUF_ACTIVATIONS = IntLinearConfig(gguf_int8_activations=False)
 
 
 @triton.jit
@@ -295,6 +303,10 @@ def _launch(rows: Tensor, y: Tensor, weight, bias: Tensor | None,
     """The GEMV (one row) or the tiled GEMM into y."""
     (m, k), n = rows.shape, y.shape[1]
     a = weight.kernel_args()
+    if (m <= config.gemv_max_rows and config.gguf_int8_activations
+            and gguf_dp4a.takes(rows, a.format, a.data)):
+        gguf_dp4a.gemv(rows, a.data, a.format, bias, out=y)
+        return
     if m <= config.gemv_max_rows and gguf_gemv.takes(rows, a.format, a.data):
         gguf_gemv.gemv(rows, a.data, a.format, bias, out=y)
         return

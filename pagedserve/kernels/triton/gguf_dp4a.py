@@ -1,0 +1,291 @@
+"""One row of activations against GGUF blocks with the activations quantized to int8 and the
+products summed as integers (`dp4a`): `gemv`, which `int_linear` takes for one bfloat16 or
+float16 row against Q4_K and Q6_K (the types of a Q4_K_M file) unless the engine runs with
+--no-gguf-int8-activations (then `gguf_gemv`, float activations, for every type).
+
+Why: `gguf_gemv` turns every weight into a float, scales it, rounds it to the activation dtype
+and multiplies: about 8.6 instructions a Q4_K weight on an H100, so its loop, not the bytes,
+sets the pace (Llama-3-8B Q4_K_M at batch 1 barely beat bf16). Quantizing the row first (one
+tiny launch, `quantize`: per 32 columns an int8 code per column, a float32 scale and the sum
+of the codes, the layout llama.cpp calls Q8_1) lets the loop multiply 4 packed weights by 4
+codes in one `dp4a` instruction and leave the weights as the integers they are: a
+sub-block's 32 products are an exact int32, scaled once by the sub-block's scale and the
+activation block's. The price is the activations' rounding, at most half a step of
+amax / 127 per column (tests/kernels/test_gguf_dp4a.py bounds the product's error by it).
+
+Q4_K: y += dx * (d sc * sum(q x) - dmin m * sum(x)) per 32-column sub-block, sum(x) from
+`quantize`. The super-block's nibble words are read 16 bytes a load and its scales unpacked
+as `gguf_gemv` does (`_load_tile`, `_sub_scales`, shared with it): a thread holds one
+(row, pair of sub-blocks); a word's low nibbles (mask 0x0F0F0F0F) are 4 consecutive columns
+of the pair's first sub-block, its high ones of the second, each one dp4a against one word
+of codes. Q6_K (2-byte aligned blocks: read as halfwords, two to a word): a thread holds one
+(row, half super-block, 16 columns of each of its four 32-column quarters); q - 32 is summed
+as dp4a(q, x) + dp4a(-32 in every byte, x), so no per-byte subtraction is needed; each
+16 columns have their own int8 scale.
+
+Both keep `gguf_gemv`'s structure: split K (`fp8_linear.one_row_tiles`, partials summed by
+the last program to arrive, `arrivals`), the next tile's weights loaded one iteration ahead
+and the first before the PDL wait (`pdl`); no host sync and no memset (CUDA graphs capture
+the two launches). Under TRITON_INTERPRET=1 the inline PTX does not run: `_dp4a` then sums
+the same signed bytes with integer ops, so the CPU tests run the kernels' indexing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pagedserve.kernels.gguf_format import BLOCKS
+from pagedserve.kernels.triton import pdl
+from pagedserve.kernels.triton.arrivals import finish_row, split_buffers
+from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms
+from pagedserve.kernels.triton.gguf_gemv import ONE_ROW, _load_tile, _sub_scales, tiles
+from pagedserve.kernels.weight_formats import WeightFormat
+
+# the GGML types `gemv` takes
+TYPES = (int(WeightFormat.GGUF_Q4_K), int(WeightFormat.GGUF_Q6_K))
+# the activation dtypes it quantizes (float32 rows keep `gguf_gemv`'s exact products)
+DTYPES = (torch.bfloat16, torch.float16)
+# columns per activation block (a code's scale and the codes' sum)
+QBLOCK = 32
+# activation blocks a `_quantize_kernel` program quantizes
+QUANT_BLOCKS = 16
+
+# Tiles: `gguf_gemv.ONE_ROW`'s, 16 rows of two super-blocks, 4 warps; a thread holds one
+# (row, 64 columns) in both kernels, so rows x super-blocks x 4 is the program's threads as
+# there (the narrowing keeps that product).
+Q4_K_ONE_ROW = ONE_ROW
+Q6_K_ONE_ROW = ONE_ROW
+
+_Q4_K = tl.constexpr(int(WeightFormat.GGUF_Q4_K))
+# inline PTX where the kernels compile; the interpreter runs plain integer ops instead
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+# 1.5 * 2^23: v + this, for |v| < 2^22, is the float whose low mantissa bits are rint(v)
+_RINT_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _dp4a(a, b, c):
+    """c + the sum of the products of the 4 signed bytes of int32 a and b (dp4a.s32.s32)."""
+    if _PTX:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        total = c
+        for i in tl.static_range(4):
+            total += ((((a >> (8 * i)) & 255) ^ 128) - 128) * ((((b >> (8 * i)) & 255) ^ 128)
+                                                               - 128)
+        return total
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, n_blocks,
+                     BLOCKS: tl.constexpr):
+    """Activation blocks pid * BLOCKS .. of x (32 columns each): d = amax / 127 and the codes
+    rint(x / d), each a single IEEE float32 division (div_rn: Triton's `/` on float32
+    compiles to an approximate division), rounded to nearest even by the 1.5 * 2^23 trick
+    (|x / d| <= 127); an all-zero block has d = 0 and zero codes. Also the codes' sum."""
+    pdl.step_entry()  # x is the previous kernel's output
+    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    mask = (blocks < n_blocks)[:, None]
+    cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.div_rn(tl.max(tl.abs(x), 1), 127.0)
+    nonzero = (d > 0)[:, None]
+    v = tl.where(nonzero, tl.div_rn(x, tl.where(nonzero, d[:, None], 1.0)), 0.0)
+    q = (v + _RINT_MAGIC).to(tl.int32, bitcast=True) - 0x4B400000
+    tl.store(codes_ptr + cols, q.to(tl.int8), mask=mask)
+    tl.store(scales_ptr + blocks, d, mask=blocks < n_blocks)
+    tl.store(sums_ptr + blocks, tl.sum(q, 1), mask=blocks < n_blocks)
+
+
+@triton.jit
+def _q4k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N,
+                blocks_per_row, blocks_per_split, row_words, HAS_BIAS: tl.constexpr,
+                BLOCK_N: tl.constexpr, SB: tl.constexpr, SPLIT_K: tl.constexpr,
+                EVICT: tl.constexpr):
+    """y[n-tile] = x @ W[n-tile]^T (+ bias) for one quantized row (codes xq, scales xd, sums
+    xs per 32 columns) and Q4_K blocks, program (n, s) over super-blocks s * blocks_per_split
+    onwards, SB a step. The tile is [rows, pairs p, 8 words i, 2 nibble halves h, 1]: word i
+    of pair p, half h, is columns 64 p + 32 h + 4 i .. + 3 (codes word 16 p + 8 h + i),
+    sub-block 2 p + h (activation block 2 p + h)."""
+    P: tl.constexpr = SB * 4
+    pdl.allow_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    s_start = pid_k * blocks_per_split
+    s_stop = tl.minimum(s_start + blocks_per_split, blocks_per_row)
+    w_rows = (w_ptr.to(tl.pointer_type(tl.int32))
+              + offs_n.to(tl.int64)[:, None] * tl.multiple_of(row_words, 4))
+    pairs = tl.arange(0, P)
+    half = tl.arange(0, 2)[None, None, None, :, None]
+    x_words = (16 * pairs[:, None, None, None] + tl.arange(0, 8)[None, :, None, None]
+               + 8 * tl.arange(0, 2)[None, None, :, None])[None]  # [1, P, 8, 2, 1]
+    x_blocks = (2 * pairs[:, None, None, None] + tl.arange(0, 2)[None, None, :, None])[None]
+    xq_words = xq_ptr.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros((BLOCK_N, P, 1, 2, 1), tl.float32)
+    words, _, hdr, hdr_mask = _load_tile(w_rows, n_mask, s_start, s_stop, pairs, 36, 4, 4,
+                                         _Q4_K, BLOCK_N, SB, EVICT)
+    pdl.wait_for_previous()  # the codes are the previous kernel's output; the weights are not
+    for s0 in range(s_start, s_stop, SB):
+        next_words, _, next_hdr, next_mask = _load_tile(w_rows, n_mask, s0 + SB, s_stop,
+                                                        pairs, 36, 4, 4, _Q4_K, BLOCK_N, SB,
+                                                        EVICT)
+        scales, mins = _sub_scales(hdr, hdr_mask, pairs)  # [BLOCK_N, P, 1, 2, 1]
+        in_slice = (s0 + pairs // 4 < s_stop)[None, :, None, None, None]
+        xq = tl.load(xq_words + 64 * s0 + x_words, mask=in_slice, other=0)
+        x_block = 8 * s0 + x_blocks
+        xd = tl.load(xd_ptr + x_block, mask=in_slice, other=0.0)
+        xs = tl.load(xs_ptr + x_block, mask=in_slice, other=0).to(tl.float32)
+        q = (words[:, :, :, None, None] >> (4 * half)) & 0x0F0F0F0F
+        dots = tl.sum(_dp4a(q, xq, tl.zeros_like(q)), 2, keep_dims=True).to(tl.float32)
+        acc += xd * (scales * dots - mins * xs)
+        words, hdr, hdr_mask = next_words, next_hdr, next_mask
+    finish_row(tl.sum(tl.reshape(acc, (BLOCK_N, P * 2)), 1), bias_ptr, y_ptr, part_ptr,
+               arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _q6k_words(w_rows, n_mask, s0, s_stop, units, U: tl.constexpr, EVICT: tl.constexpr):
+    """Q6_K super-blocks s0 .. s0 + U // 4 (none at or past s_stop) of rows w_rows
+    [BLOCK_N, 1] (int16 pointers; a block is 105 halfwords, only 2-byte aligned), by unit
+    (`_q6k_kernel`), each word two halfwords: (the low-nibble words
+    [BLOCK_N, U, 1, 2 (quarter % 2), 4], the high-bits words [BLOCK_N, U, 1, 1, 4], the
+    mask [BLOCK_N, U, 1, 1, 1])."""
+    u = units[None, :, None, None, None]
+    s = s0 + u // 4
+    h = (u // 2) % 2
+    j = u % 2
+    base = w_rows[:, :, None, None, None] + s * 105
+    mask = n_mask[:, None, None, None, None] & (s < s_stop)
+    w = 2 * tl.arange(0, 4)[None, None, None, None, :]
+    m = tl.arange(0, 2)[None, None, None, :, None]
+    low_at = base + 32 * h + 16 * m + 8 * j + w
+    high_at = base + 64 + 16 * h + 8 * j + w
+    low = _halfword_pairs(low_at, mask, EVICT)
+    high = _halfword_pairs(high_at, mask, EVICT)
+    return low, high, mask
+
+
+@triton.jit
+def _halfword_pairs(at, mask, EVICT: tl.constexpr):
+    """The int32 words whose low halves are the halfwords at `at`, their high ones at + 1."""
+    lo = tl.load(at, mask=mask, other=0, eviction_policy=EVICT).to(tl.int32) & 0xFFFF
+    hi = tl.load(at + 1, mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
+    return lo | (hi << 16)
+
+
+@triton.jit
+def _q6k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N,
+                blocks_per_row, blocks_per_split, row_halves, HAS_BIAS: tl.constexpr,
+                BLOCK_N: tl.constexpr, SB: tl.constexpr, SPLIT_K: tl.constexpr,
+                EVICT: tl.constexpr):
+    """`_q4k_kernel` for Q6_K (xs unused): in each half h of 128 columns, quarter qq's column
+    l (0-31) has its low bits in nibble qq // 2 of byte 32 (qq % 2) + l of the half's 64
+    and its high bits at bit 2 qq of byte l of the half's 32 high bytes; its scale is int8
+    8 h + 2 qq + l // 16, times d. A unit u is half h = u // 2 % 2 of super-block u // 4,
+    l = 16 j .. 16 j + 15 (j = u % 2) of all four quarters; the tile is [rows, units,
+    qq // 2, qq % 2, 4 words w]: word w is columns 128 h + 32 qq + 16 j + 4 w .. + 3 (codes
+    word 32 h + 8 qq + 4 j + w of the super-block's 64, activation block 4 h + qq)."""
+    U: tl.constexpr = SB * 4
+    pdl.allow_dependents()
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    s_start = pid_k * blocks_per_split
+    s_stop = tl.minimum(s_start + blocks_per_split, blocks_per_row)
+    w_rows = (w_ptr.to(tl.pointer_type(tl.int16))
+              + offs_n.to(tl.int64)[:, None] * row_halves)
+    units = tl.arange(0, U)
+    u = units[None, :, None, None, None]
+    qq = 2 * tl.arange(0, 2)[None, None, :, None, None] + tl.arange(0, 2)[None, None, None, :,
+                                                                           None]
+    x_block = 8 * (u // 4) + 4 * ((u // 2) % 2) + qq  # [1, U, 2, 2, 1]
+    x_words = 8 * x_block + 4 * (u % 2) + tl.arange(0, 4)[None, None, None, None, :]
+    xq_words = xq_ptr.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros((BLOCK_N, U, 2, 2, 1), tl.float32)
+    low, high, mask = _q6k_words(w_rows, n_mask, s_start, s_stop, units, U, EVICT)
+    pdl.wait_for_previous()  # the codes are the previous kernel's output; the weights are not
+    for s0 in range(s_start, s_stop, SB):
+        next_low, next_high, next_mask = _q6k_words(w_rows, n_mask, s0 + SB, s_stop, units, U,
+                                                    EVICT)
+        block = w_rows[:, :, None, None, None] + (s0 + u // 4) * 105
+        d = tl.load(block + 104, mask=mask, other=0).to(tl.float16, bitcast=True)
+        sc = tl.load(block.to(tl.pointer_type(tl.int8)) + 192 + 8 * ((u // 2) % 2) + 2 * qq
+                     + u % 2, mask=mask, other=0)
+        scale = d.to(tl.float32) * sc.to(tl.float32)  # [BLOCK_N, U, 2, 2, 1]
+        # low bits: nibble qq // 2 of the low word; high bits 2 qq, 2 qq + 1 moved to 4, 5
+        q = (((low >> (4 * (qq // 2))) & 0x0F0F0F0F)
+             | (((high >> (2 * qq)) & 0x03030303) << 4))
+        in_slice = (s0 + u // 4 < s_stop)
+        xq = tl.load(xq_words + 64 * s0 + x_words, mask=in_slice, other=0)
+        xd = tl.load(xd_ptr + 8 * s0 + x_block, mask=in_slice, other=0.0)
+        # sum((q - 32) x): -32 in every byte is 0xE0
+        minus_32 = tl.full(xq.shape, -522133280, tl.int32)
+        dots = tl.sum(_dp4a(q, xq, _dp4a(minus_32, xq, tl.zeros_like(xq))), 4, keep_dims=True)
+        acc += xd * (scale * dots.to(tl.float32))
+        low, high, mask = next_low, next_high, next_mask
+    finish_row(tl.sum(tl.reshape(acc, (BLOCK_N, U * 4)), 1), bias_ptr, y_ptr, part_ptr,
+               arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
+
+
+def quantize(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x [1, K] (K a multiple of 32, contiguous) -> (int8 codes [K], float32 scales
+    [K / 32], int32 sums of each block's codes [K / 32]): code = rint(x / d), d = amax / 127
+    of its 32 columns, both one float32 division (IEEE, round to nearest even); d = 0 and
+    codes 0 where a block is all zeros. One launch, no host sync."""
+    k = x.shape[1]
+    assert k % QBLOCK == 0 and x.stride(-1) == 1
+    n_blocks = k // QBLOCK
+    codes = torch.empty(k, dtype=torch.int8, device=x.device)
+    scales = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
+    sums = torch.empty(n_blocks, dtype=torch.int32, device=x.device)
+    _quantize_kernel[(triton.cdiv(n_blocks, QUANT_BLOCKS),)](
+        x, codes, scales, sums, n_blocks, BLOCKS=QUANT_BLOCKS, num_warps=4,
+        **pdl.launch_options())
+    return codes, scales, sums
+
+
+def takes(x: Tensor, qtype: int, blocks: Tensor) -> bool:
+    """Whether `gemv` takes x [M, K] against GGUF blocks of `qtype`: one contiguous
+    bfloat16 or float16 row, Q4_K or Q6_K, rows starting where the loads need them (16
+    bytes for Q4_K's words, 2 for Q6_K's halfwords)."""
+    align = 16 if qtype == WeightFormat.GGUF_Q4_K else 2
+    return (x.shape[0] == 1 and x.shape[1] > 0 and x.stride(-1) == 1 and x.dtype in DTYPES
+            and qtype in TYPES and blocks.stride(-1) == 1 and blocks.stride(0) % align == 0
+            and blocks.data_ptr() % align == 0)
+
+
+def gemv(x: Tensor, blocks: Tensor, qtype: int, bias: Tensor | None = None,
+         out: Tensor | None = None, cfg: WeightOnlyConfig | None = None) -> Tensor:
+    """x [1, K] @ the weight in GGUF blocks (uint8 [N, row bytes], a `GgufWeight`'s)^T
+    (+ bias) -> [1, N] in x's dtype, into `out` [1, N] when given, with x quantized to int8
+    (`quantize`): two launches, no host sync. cfg: the tiles (default `Q4_K_ONE_ROW`,
+    `Q6_K_ONE_ROW`)."""
+    assert takes(x, qtype, blocks)
+    n, k = blocks.shape[0], x.shape[1]
+    weights, size = BLOCKS[qtype]
+    assert blocks.shape[1] == k // weights * size
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
+    assert y.shape == (1, n) and y.stride(-1) == 1
+    q4_k = qtype == WeightFormat.GGUF_Q4_K
+    cfg, splits, per_split = tiles(n, k, num_sms(x.device),
+                                   cfg or (Q4_K_ONE_ROW if q4_k else Q6_K_ONE_ROW))
+    codes, scales, sums = quantize(x)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    parts, arrivals = split_buffers(splits, n, n_tiles, y)
+    kernel, unit = (_q4k_kernel, 4) if q4_k else (_q6k_kernel, 2)
+    kernel[(n_tiles, splits)](
+        codes, scales, sums, blocks, y if bias is None else bias, y, parts, arrivals, n,
+        k // weights, per_split, blocks.stride(0) // unit, HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n, SB=cfg.block_k // 256, SPLIT_K=splits,
+        EVICT="evict_first" if cfg.evict_first else "", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.launch_options())
+    return y
