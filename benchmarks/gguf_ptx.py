@@ -1,7 +1,9 @@
 """The one-row GGUF GEMV kernels compiled for sm_90 on the CPU (no GPU needed): the width of
 their global loads, registers and spills, and the SASS instructions of the main loop per
 weight, for the kernel `int_linear` takes for one row (`gguf_gemv`) and the general one it
-replaced for those types (`int_linear._gemv_kernel` over `gguf_dequant`).
+replaced for those types (`int_linear._gemv_kernel` over `gguf_dequant`); for Q4_K and Q6_K
+also the int8-activation kernels (`gguf_dp4a`: its row quantization and GEMVs, with the
+count of dp4a instructions in their PTX).
 
     PYTHONPATH=. python benchmarks/gguf_ptx.py [--types Q4_K,Q6_K] [--dtype bf16]
 
@@ -22,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagedserve.kernels.triton import gguf_gemv, int_linear
+from pagedserve.kernels.triton import gguf_dp4a, gguf_gemv, int_linear
 from pagedserve.kernels.weight_formats import WeightFormat
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -72,6 +74,31 @@ def report(name: str, kernel, weights_per_thread: int) -> None:
           f"{regs.group(2)} bytes")
     print("   loads:", dict(loads))
     print("   loop:", dict(ops.most_common(12)))
+    dp4a = len(re.findall(r"dp4a\.s32\.s32", kernel.asm["ptx"]))
+    if dp4a:
+        print(f"   dp4a.s32.s32 in the PTX: {dp4a}; IDP.4A in the loop: {ops['IDP']}")
+
+
+def report_dp4a(name: str, dt: str) -> None:
+    """`gguf_dp4a`'s kernels for `name` (Q4_K or Q6_K): the row's quantization, the GEMV."""
+    qtype = int(WeightFormat[f"GGUF_{name}"])
+    quant = compile_kernel(gguf_dp4a._quantize_kernel,
+                           dict(x_ptr=f"*{dt}", codes_ptr="*i8", scales_ptr="*fp32",
+                                sums_ptr="*i32", n_blocks="i32"),
+                           dict(BLOCKS=gguf_dp4a.QUANT_BLOCKS), set(), 4)
+    report("gguf_dp4a._quantize_kernel", quant, gguf_dp4a.QUANT_BLOCKS * 32 // 128)
+    q4_k = qtype == WeightFormat.GGUF_Q4_K
+    cfg = gguf_dp4a.Q4_K_ONE_ROW if q4_k else gguf_dp4a.Q6_K_ONE_ROW
+    stride = "row_words" if q4_k else "row_halves"
+    signature = dict(xq_ptr="*i8", xd_ptr="*fp32", xs_ptr="*i32", w_ptr="*u8",
+                     bias_ptr=f"*{dt}", y_ptr=f"*{dt}", part_ptr="*fp32", arrivals_ptr="*i32",
+                     N="i32", blocks_per_row="i32", blocks_per_split="i32", **{stride: "i32"})
+    constexprs = dict(HAS_BIAS=False, BLOCK_N=cfg.block_n, SB=cfg.block_k // 256, SPLIT_K=2,
+                      EVICT="evict_first")
+    fn = gguf_dp4a._q4k_kernel if q4_k else gguf_dp4a._q6k_kernel
+    kernel = compile_kernel(fn, signature, constexprs, {"row_words"} if q4_k else set(),
+                            cfg.num_warps)
+    report(f"{name} gguf_dp4a", kernel, cfg.block_n * cfg.block_k // (32 * cfg.num_warps))
 
 
 def main() -> None:
@@ -121,6 +148,8 @@ def main() -> None:
         new = compile_kernel(fn, signature, constexprs, aligned, cfg.num_warps)
         report(f"{name} gguf_gemv", new,
                cfg.block_n * cfg.block_k // (32 * cfg.num_warps))
+        if qtype in gguf_dp4a.TYPES and dt != "fp32":
+            report_dp4a(name, dt)
 
 
 if __name__ == "__main__":

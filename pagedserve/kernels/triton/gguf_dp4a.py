@@ -15,8 +15,7 @@ amax / 127 per column (tests/kernels/test_gguf_dp4a.py bounds the product's erro
 
 Q4_K: y += dx * (d sc * sum(q x) - dmin m * sum(x)) per 32-column sub-block, sum(x) from
 `quantize`. The super-block's nibble words are read 16 bytes a load and its scales unpacked
-as `gguf_gemv` does (`_load_tile`, `_sub_scales`, shared with it): a thread holds one
-(row, pair of sub-blocks); a word's low nibbles (mask 0x0F0F0F0F) are 4 consecutive columns
+as `gguf_gemv` does: a thread holds one (row, pair of sub-blocks); a word's low nibbles (mask 0x0F0F0F0F) are 4 consecutive columns
 of the pair's first sub-block, its high ones of the second, each one dp4a against one word
 of codes. Q6_K (2-byte aligned blocks: read as halfwords, two to a word): a thread holds one
 (row, half super-block, 16 columns of each of its four 32-column quarters); q - 32 is summed
@@ -43,7 +42,7 @@ from pagedserve.kernels.gguf_format import BLOCKS
 from pagedserve.kernels.triton import pdl
 from pagedserve.kernels.triton.arrivals import finish_row, split_buffers
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms
-from pagedserve.kernels.triton.gguf_gemv import ONE_ROW, _load_tile, _sub_scales, tiles
+from pagedserve.kernels.triton.gguf_gemv import ONE_ROW, _f16_half, tiles
 from pagedserve.kernels.weight_formats import WeightFormat
 
 # the GGML types `gemv` takes
@@ -104,15 +103,67 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, n_blocks,
 
 
 @triton.jit
+def _q4k_load(w_rows, n_mask, s0, s_stop, pairs, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+              EVICT: tl.constexpr):
+    """Q4_K super-blocks s0 .. s0 + SB (none at or past s_stop) of rows w_rows [BLOCK_N, 1]
+    (int32 pointers; 36 words a block): (the nibble words [BLOCK_N, P, 8], each
+    super-block's 32 loaded as one run; pointers to each pair's header [BLOCK_N, P] and
+    their mask)."""
+    P: tl.constexpr = SB * 4
+    blocks = s0 + tl.arange(0, SB)
+    base = w_rows[:, :, None] + (blocks * 36)[None, :, None]  # [BLOCK_N, SB, 1]
+    mask = (n_mask[:, None] & (blocks < s_stop)[None, :])[:, :, None]
+    words = tl.load(base + 4 + tl.arange(0, 32)[None, None, :], mask=mask, other=0,
+                    eviction_policy=EVICT)
+    words = tl.reshape(words, (BLOCK_N, P, 8))
+    s = (s0 + pairs // 4)[None, :]
+    return words, w_rows + s * 36, n_mask[:, None] & (s < s_stop)
+
+
+@triton.jit
+def _q4k_scales(hdr, mask, sub):
+    """`gguf_gemv._sub_scales` for one sub-block of each pair: the scales d * sc and mins
+    dmin * m (float32) of sub-block `sub` [1, P] of each (row, pair), [BLOCK_N, P], from
+    pointers hdr [BLOCK_N, P] to each pair's super-block header (word 0: d, dmin; words 1-3:
+    the 6-bit scales and mins)."""
+    w0 = tl.load(hdr, mask=mask, other=0)
+    s0 = tl.load(hdr + 1, mask=mask, other=0)
+    s1 = tl.load(hdr + 2, mask=mask, other=0)
+    s2 = tl.load(hdr + 3, mask=mask, other=0)
+    sh = 8 * (sub % 4)
+    low = sub < 4
+    sc = tl.where(low, (s0 >> sh) & 63, ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4))
+    mn = tl.where(low, (s1 >> sh) & 63, ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4))
+    return _f16_half(w0, 0) * sc.to(tl.float32), _f16_half(w0, 16) * mn.to(tl.float32)
+
+
+@triton.jit
+def _q4k_half(acc, q, hdr, hdr_mask, xq_at, xd_at, xs_at, sub, in_slice):
+    """acc [BLOCK_N, P] + one sub-block of each pair: q [BLOCK_N, P, 8] its weight words
+    (nibbles as bytes), xq_at [BLOCK_N, P, 8] its codes' words (the same for every row, so
+    that they load in q's layout), xd_at, xs_at [1, P] its activation block's scale and
+    sum, sub [1, P] its index in its super-block."""
+    scales, mins = _q4k_scales(hdr, hdr_mask, sub)
+    xq = tl.load(xq_at, mask=in_slice[:, :, None], other=0)
+    xd = tl.load(xd_at, mask=in_slice, other=0.0)
+    xs = tl.load(xs_at, mask=in_slice, other=0).to(tl.float32)
+    dots = tl.sum(_dp4a(q, xq, tl.zeros_like(q)), 2).to(tl.float32)
+    return acc + xd * (scales * dots - mins * xs)
+
+
+@triton.jit
 def _q4k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N,
                 blocks_per_row, blocks_per_split, row_words, HAS_BIAS: tl.constexpr,
                 BLOCK_N: tl.constexpr, SB: tl.constexpr, SPLIT_K: tl.constexpr,
                 EVICT: tl.constexpr):
     """y[n-tile] = x @ W[n-tile]^T (+ bias) for one quantized row (codes xq, scales xd, sums
     xs per 32 columns) and Q4_K blocks, program (n, s) over super-blocks s * blocks_per_split
-    onwards, SB a step. The tile is [rows, pairs p, 8 words i, 2 nibble halves h, 1]: word i
-    of pair p, half h, is columns 64 p + 32 h + 4 i .. + 3 (codes word 16 p + 8 h + i),
-    sub-block 2 p + h (activation block 2 p + h)."""
+    onwards, SB a step. The tile is [rows, pairs p, 8 words i]: the low nibbles of word i
+    of pair p are columns 64 p + 4 i .. + 3 (sub-block and activation block 2 p, codes word
+    16 p + i), its high nibbles those 32 columns on (2 p + 1, codes word 16 p + 8 + i). The
+    codes' words are loaded at the tile's shape, each row's the same (from L1), so that
+    they come in the weight words' layout: loaded without rows, the compiler lays them out
+    for coalescing and moves the products through shared memory to sum them."""
     P: tl.constexpr = SB * 4
     pdl.allow_dependents()
     pid_n = tl.program_id(0)
@@ -124,31 +175,27 @@ def _q4k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arriva
     w_rows = (w_ptr.to(tl.pointer_type(tl.int32))
               + offs_n.to(tl.int64)[:, None] * tl.multiple_of(row_words, 4))
     pairs = tl.arange(0, P)
-    half = tl.arange(0, 2)[None, None, None, :, None]
-    x_words = (16 * pairs[:, None, None, None] + tl.arange(0, 8)[None, :, None, None]
-               + 8 * tl.arange(0, 2)[None, None, :, None])[None]  # [1, P, 8, 2, 1]
-    x_blocks = (2 * pairs[:, None, None, None] + tl.arange(0, 2)[None, None, :, None])[None]
-    xq_words = xq_ptr.to(tl.pointer_type(tl.int32))
-    acc = tl.zeros((BLOCK_N, P, 1, 2, 1), tl.float32)
-    words, _, hdr, hdr_mask = _load_tile(w_rows, n_mask, s_start, s_stop, pairs, 36, 4, 4,
-                                         _Q4_K, BLOCK_N, SB, EVICT)
+    sub = 2 * (pairs % 4)[None, :]
+    x_words = (xq_ptr.to(tl.pointer_type(tl.int32)) + 0 * offs_n[:, None, None]
+               + 16 * pairs[None, :, None] + tl.arange(0, 8)[None, None, :])
+    x_blocks = 2 * pairs[None, :]
+    acc = tl.zeros((BLOCK_N, P), tl.float32)
+    words, hdr, hdr_mask = _q4k_load(w_rows, n_mask, s_start, s_stop, pairs, BLOCK_N, SB,
+                                     EVICT)
     pdl.wait_for_previous()  # the codes are the previous kernel's output; the weights are not
     for s0 in range(s_start, s_stop, SB):
-        next_words, _, next_hdr, next_mask = _load_tile(w_rows, n_mask, s0 + SB, s_stop,
-                                                        pairs, 36, 4, 4, _Q4_K, BLOCK_N, SB,
-                                                        EVICT)
-        scales, mins = _sub_scales(hdr, hdr_mask, pairs)  # [BLOCK_N, P, 1, 2, 1]
-        in_slice = (s0 + pairs // 4 < s_stop)[None, :, None, None, None]
-        xq = tl.load(xq_words + 64 * s0 + x_words, mask=in_slice, other=0)
-        x_block = 8 * s0 + x_blocks
-        xd = tl.load(xd_ptr + x_block, mask=in_slice, other=0.0)
-        xs = tl.load(xs_ptr + x_block, mask=in_slice, other=0).to(tl.float32)
-        q = (words[:, :, :, None, None] >> (4 * half)) & 0x0F0F0F0F
-        dots = tl.sum(_dp4a(q, xq, tl.zeros_like(q)), 2, keep_dims=True).to(tl.float32)
-        acc += xd * (scales * dots - mins * xs)
+        next_words, next_hdr, next_mask = _q4k_load(w_rows, n_mask, s0 + SB, s_stop, pairs,
+                                                    BLOCK_N, SB, EVICT)
+        in_slice = (s0 + pairs // 4 < s_stop)[None, :]
+        xq_at = x_words + 64 * s0
+        x_at = 8 * s0 + x_blocks
+        acc = _q4k_half(acc, words & 0x0F0F0F0F, hdr, hdr_mask, xq_at, xd_ptr + x_at,
+                        xs_ptr + x_at, sub, in_slice)
+        acc = _q4k_half(acc, (words >> 4) & 0x0F0F0F0F, hdr, hdr_mask, xq_at + 8,
+                        xd_ptr + x_at + 1, xs_ptr + x_at + 1, sub + 1, in_slice)
         words, hdr, hdr_mask = next_words, next_hdr, next_mask
-    finish_row(tl.sum(tl.reshape(acc, (BLOCK_N, P * 2)), 1), bias_ptr, y_ptr, part_ptr,
-               arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
+    finish_row(tl.sum(acc, 1), bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n,
+               pid_k, N, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
