@@ -199,25 +199,19 @@ def _q4k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arriva
 
 
 @triton.jit
-def _q6k_words(w_rows, n_mask, s0, s_stop, units, U: tl.constexpr, EVICT: tl.constexpr):
+def _q6k_words(w_rows, n_mask, s0, s_stop, units, EVICT: tl.constexpr):
     """Q6_K super-blocks s0 .. s0 + U // 4 (none at or past s_stop) of rows w_rows
     [BLOCK_N, 1] (int16 pointers; a block is 105 halfwords, only 2-byte aligned), by unit
-    (`_q6k_kernel`), each word two halfwords: (the low-nibble words
-    [BLOCK_N, U, 1, 2 (quarter % 2), 4], the high-bits words [BLOCK_N, U, 1, 1, 4], the
-    mask [BLOCK_N, U, 1, 1, 1])."""
-    u = units[None, :, None, None, None]
+    (`_q6k_kernel`), each word two halfwords: (the low-nibble words of quarters 0 and 2,
+    of quarters 1 and 3, the high-bits words, each [BLOCK_N, U, 4]; the mask [BLOCK_N, U,
+    1])."""
+    u = units[None, :, None]
     s = s0 + u // 4
-    h = (u // 2) % 2
-    j = u % 2
-    base = w_rows[:, :, None, None, None] + s * 105
-    mask = n_mask[:, None, None, None, None] & (s < s_stop)
-    w = 2 * tl.arange(0, 4)[None, None, None, None, :]
-    m = tl.arange(0, 2)[None, None, None, :, None]
-    low_at = base + 32 * h + 16 * m + 8 * j + w
-    high_at = base + 64 + 16 * h + 8 * j + w
-    low = _halfword_pairs(low_at, mask, EVICT)
-    high = _halfword_pairs(high_at, mask, EVICT)
-    return low, high, mask
+    base = w_rows[:, :, None] + s * 105 + 8 * (u % 2) + 2 * tl.arange(0, 4)[None, None, :]
+    mask = n_mask[:, None, None] & (s < s_stop)
+    low = base + 32 * ((u // 2) % 2)
+    return (_halfword_pairs(low, mask, EVICT), _halfword_pairs(low + 16, mask, EVICT),
+            _halfword_pairs(base + 64 + 16 * ((u // 2) % 2), mask, EVICT), mask)
 
 
 @triton.jit
@@ -229,17 +223,38 @@ def _halfword_pairs(at, mask, EVICT: tl.constexpr):
 
 
 @triton.jit
+def _q6k_quarter(acc, low, high, block, mask, xq_at, xd_at, in_slice, u,
+                 QQ: tl.constexpr):
+    """acc [BLOCK_N, U] + quarter QQ of each unit's 16 columns: its low bits nibble QQ // 2
+    of `low` [BLOCK_N, U, 4], its high bits 2 QQ, 2 QQ + 1 of `high`; its int8 scale at
+    byte 192 + 8 h + 2 QQ + j of the block (`block` [BLOCK_N, U], int16 pointers), d at
+    halfword 104; xq_at [BLOCK_N, U, 4] its codes' words (each row's the same, loaded in the
+    weights' layout), xd_at [1, U] its activation block's scale."""
+    q = ((low >> (4 * (QQ // 2))) & 0x0F0F0F0F) | (((high >> (2 * QQ)) & 0x03030303) << 4)
+    xq = tl.load(xq_at, mask=in_slice[:, :, None], other=0)
+    # sum((q - 32) x): -32 in every byte is 0xE0
+    minus_32 = tl.full(q.shape, -522133280, tl.int32)
+    dots = tl.sum(_dp4a(q, xq, _dp4a(minus_32, xq, tl.zeros_like(q))), 2)
+    d = tl.load(block + 104, mask=mask, other=0).to(tl.float16, bitcast=True)
+    sc = tl.load(block.to(tl.pointer_type(tl.int8)) + 192 + 8 * ((u // 2) % 2) + 2 * QQ
+                 + u % 2, mask=mask, other=0)
+    xd = tl.load(xd_at, mask=in_slice, other=0.0)
+    return acc + xd * ((d.to(tl.float32) * sc.to(tl.float32)) * dots.to(tl.float32))
+
+
+@triton.jit
 def _q6k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N,
                 blocks_per_row, blocks_per_split, row_halves, HAS_BIAS: tl.constexpr,
                 BLOCK_N: tl.constexpr, SB: tl.constexpr, SPLIT_K: tl.constexpr,
                 EVICT: tl.constexpr):
     """`_q4k_kernel` for Q6_K (xs unused): in each half h of 128 columns, quarter qq's column
     l (0-31) has its low bits in nibble qq // 2 of byte 32 (qq % 2) + l of the half's 64
-    and its high bits at bit 2 qq of byte l of the half's 32 high bytes; its scale is int8
-    8 h + 2 qq + l // 16, times d. A unit u is half h = u // 2 % 2 of super-block u // 4,
-    l = 16 j .. 16 j + 15 (j = u % 2) of all four quarters; the tile is [rows, units,
-    qq // 2, qq % 2, 4 words w]: word w is columns 128 h + 32 qq + 16 j + 4 w .. + 3 (codes
-    word 32 h + 8 qq + 4 j + w of the super-block's 64, activation block 4 h + qq)."""
+    and its high bits at bits 2 qq, 2 qq + 1 of byte l of the half's 32 high bytes; its
+    scale is int8 8 h + 2 qq + l // 16, times d. A unit u is half h = u // 2 % 2 of
+    super-block u // 4, l = 16 j .. 16 j + 15 (j = u % 2) of all four quarters; the tile is
+    [rows, units, 4 words w]: word w of quarter qq is columns 128 h + 32 qq + 16 j + 4 w ..
+    + 3, codes word 32 h + 8 qq + 4 j + w of the super-block's 64, activation block
+    4 h + qq."""
     U: tl.constexpr = SB * 4
     pdl.allow_dependents()
     pid_n = tl.program_id(0)
@@ -251,36 +266,28 @@ def _q6k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arriva
     w_rows = (w_ptr.to(tl.pointer_type(tl.int16))
               + offs_n.to(tl.int64)[:, None] * row_halves)
     units = tl.arange(0, U)
-    u = units[None, :, None, None, None]
-    qq = 2 * tl.arange(0, 2)[None, None, :, None, None] + tl.arange(0, 2)[None, None, None, :,
-                                                                           None]
-    x_block = 8 * (u // 4) + 4 * ((u // 2) % 2) + qq  # [1, U, 2, 2, 1]
-    x_words = 8 * x_block + 4 * (u % 2) + tl.arange(0, 4)[None, None, None, None, :]
-    xq_words = xq_ptr.to(tl.pointer_type(tl.int32))
-    acc = tl.zeros((BLOCK_N, U, 2, 2, 1), tl.float32)
-    low, high, mask = _q6k_words(w_rows, n_mask, s_start, s_stop, units, U, EVICT)
+    u = units[None, :]
+    x_block = 8 * (u // 4) + 4 * ((u // 2) % 2)  # quarter 0's; [1, U]
+    x_words = (xq_ptr.to(tl.pointer_type(tl.int32)) + 0 * offs_n[:, None, None]
+               + (8 * x_block + 4 * (u % 2))[:, :, None] + tl.arange(0, 4)[None, None, :])
+    acc = tl.zeros((BLOCK_N, U), tl.float32)
+    low02, low13, high, mask = _q6k_words(w_rows, n_mask, s_start, s_stop, units, EVICT)
     pdl.wait_for_previous()  # the codes are the previous kernel's output; the weights are not
     for s0 in range(s_start, s_stop, SB):
-        next_low, next_high, next_mask = _q6k_words(w_rows, n_mask, s0 + SB, s_stop, units, U,
-                                                    EVICT)
-        block = w_rows[:, :, None, None, None] + (s0 + u // 4) * 105
-        d = tl.load(block + 104, mask=mask, other=0).to(tl.float16, bitcast=True)
-        sc = tl.load(block.to(tl.pointer_type(tl.int8)) + 192 + 8 * ((u // 2) % 2) + 2 * qq
-                     + u % 2, mask=mask, other=0)
-        scale = d.to(tl.float32) * sc.to(tl.float32)  # [BLOCK_N, U, 2, 2, 1]
-        # low bits: nibble qq // 2 of the low word; high bits 2 qq, 2 qq + 1 moved to 4, 5
-        q = (((low >> (4 * (qq // 2))) & 0x0F0F0F0F)
-             | (((high >> (2 * qq)) & 0x03030303) << 4))
-        in_slice = (s0 + u // 4 < s_stop)
-        xq = tl.load(xq_words + 64 * s0 + x_words, mask=in_slice, other=0)
-        xd = tl.load(xd_ptr + 8 * s0 + x_block, mask=in_slice, other=0.0)
-        # sum((q - 32) x): -32 in every byte is 0xE0
-        minus_32 = tl.full(xq.shape, -522133280, tl.int32)
-        dots = tl.sum(_dp4a(q, xq, _dp4a(minus_32, xq, tl.zeros_like(xq))), 4, keep_dims=True)
-        acc += xd * (scale * dots.to(tl.float32))
-        low, high, mask = next_low, next_high, next_mask
-    finish_row(tl.sum(tl.reshape(acc, (BLOCK_N, U * 4)), 1), bias_ptr, y_ptr, part_ptr,
-               arrivals_ptr, offs_n, n_mask, pid_n, pid_k, N, HAS_BIAS, SPLIT_K)
+        next_low02, next_low13, next_high, next_mask = _q6k_words(w_rows, n_mask, s0 + SB,
+                                                                  s_stop, units, EVICT)
+        block = w_rows + (s0 + u // 4) * 105
+        in_slice = s0 + u // 4 < s_stop
+        m = mask.reshape(mask.shape[0], U)
+        xq_at = x_words + 64 * s0
+        xd_at = xd_ptr + 8 * s0 + x_block
+        acc = _q6k_quarter(acc, low02, high, block, m, xq_at, xd_at, in_slice, u, 0)
+        acc = _q6k_quarter(acc, low13, high, block, m, xq_at + 8, xd_at + 1, in_slice, u, 1)
+        acc = _q6k_quarter(acc, low02, high, block, m, xq_at + 16, xd_at + 2, in_slice, u, 2)
+        acc = _q6k_quarter(acc, low13, high, block, m, xq_at + 24, xd_at + 3, in_slice, u, 3)
+        low02, low13, high, mask = next_low02, next_low13, next_high, next_mask
+    finish_row(tl.sum(acc, 1), bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n,
+               pid_k, N, HAS_BIAS, SPLIT_K)
 
 
 def quantize(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
