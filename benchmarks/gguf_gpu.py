@@ -7,13 +7,16 @@ Parts:
         down projection's more-bits layers and the LM head): the GGUF kernels
         (`kernels/triton/int_linear.linear` on `GgufWeight`s) at 1, 16 and 256 rows against
         the bf16 matmul, timed in CUDA graphs rotating over > 1 GiB of weights (as a decode
-        step reads them);
+        step reads them); at one row both GEMVs: "gguf int8 act" (`gguf_dp4a`, the row
+        quantized to int8, the default) and "gguf bf16 act" (`gguf_gemv`,
+        --no-gguf-int8-activations);
         GB/s of the weights' bytes and % of the copy bandwidth
   sweep the one-row GEMV (`kernels/triton/gguf_gemv.py`) on the same shapes at one row, over
         candidate tiles (each keeps rows x super-blocks x 4 = the program's threads, the
         layout its loop is written for) and programs per SM
   8b    a Llama-3-8B-shaped Q4_K_M GGUF (written by `gguf_quantize.write_llama_q4_k_m`,
-        random weights) against bf16 (random weights made on the GPU, `load_format dummy`):
+        random weights) against bf16 (random weights made on the GPU, `load_format dummy`),
+        with int8 activations (the default) and with bf16 ones (--no-gguf-int8-activations):
         batch-1 TPOT (128 prompt, 128 output tokens, median of 3) and the GPU memory the
         weights take
 
@@ -46,10 +49,12 @@ from benchmarks.common import (LLAMA3_8B_LM_HEAD, LLAMA3_8B_PROJECTIONS,  # noqa
 from pagedserve.frontend.llm_engine import LoadedModel  # noqa: E402
 from pagedserve.kernels.gguf_format import GgufWeight, row_bytes  # noqa: E402
 from pagedserve.kernels.triton import gguf_gemv  # noqa: E402
-from pagedserve.kernels.triton.int_linear import linear  # noqa: E402
+from pagedserve.kernels.triton.int_linear import (DEFAULT, FLOAT_GGUF_ACTIVATIONS,  # noqa: E402
+                                                  linear)
 from pagedserve.model import load_model  # noqa: E402
 from pagedserve.model.gguf_weights import GgufMatmul  # noqa: E402
 from pagedserve.model.loader import load_tokenizer  # noqa: E402
+from pagedserve.model.ops import select_ops  # noqa: E402
 
 
 fp8 = sibling("fp8")
@@ -74,20 +79,24 @@ def random_blocks(n: int, k: int, qtype: T, tile_rows: int = 256) -> torch.Tenso
 
 def part_gemv(res: ResultRows, bandwidth: float) -> None:
     for name, (k, n, qtype) in SHAPES.items():
-        nbytes = {"gguf": n * row_bytes(int(qtype), k), "bf16 matmul": 2 * n * k}
-        copies = rotation_copies(nbytes["gguf"])
+        gguf_bytes = n * row_bytes(int(qtype), k)
+        copies = rotation_copies(gguf_bytes)
         base = random_blocks(n, k, qtype)
         blocks = [base] + [base.clone() for _ in range(copies - 1)]
-        w_copies = rotation_copies(nbytes["bf16 matmul"])
+        w_copies = rotation_copies(2 * n * k)
         w = torch.randn(w_copies, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for rows in (1, 16, 256):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            runs = {"gguf": [(lambda b: lambda: linear(x, GgufWeight(b, int(qtype), k)))(b)
-                             for b in blocks],
-                    "bf16 matmul": [(lambda wr: lambda: x @ wr.t())(wr) for wr in w]}
+            configs = ({"gguf int8 act": DEFAULT, "gguf bf16 act": FLOAT_GGUF_ACTIVATIONS}
+                       if rows == 1 else {"gguf": DEFAULT})
+            runs = {method: [(lambda b, c: lambda: linear(x, GgufWeight(b, int(qtype), k),
+                                                          config=c))(b, c)
+                             for b in blocks] for method, c in configs.items()}
+            runs["bf16 matmul"] = [(lambda wr: lambda: x @ wr.t())(wr) for wr in w]
             for method, fns in runs.items():
                 us = kernels.graph_us(fns)
-                gbps = nbytes[method] / (us * 1e-6) / 1e9
+                nbytes = 2 * n * k if method == "bf16 matmul" else gguf_bytes
+                gbps = nbytes / (us * 1e-6) / 1e9
                 res.add("gguf gemv", layer=name, k=k, n=n, type=qtype.name, rows=rows,
                         method=method, us=round(us, 2), gb_per_s=round(gbps, 1),
                         pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1))
@@ -144,13 +153,15 @@ def part_8b(res: ResultRows, root: Path) -> None:
     tpot = {}
     gguf_path = root / "llama3-8b-q4_k_m.gguf"
     quantizer.write_llama_q4_k_m(json.loads(config_path.read_text()), str(gguf_path))
-    for name in ("bf16", "gguf Q4_K_M"):
+    variants = {"bf16": None, "gguf Q4_K_M": True, "gguf Q4_K_M bf16 act": False}
+    for name, int8 in variants.items():  # int8: the GGUF's one-row GEMVs' activations
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()
-        if name == "bf16":
+        if int8 is None:
             loaded = fp8.load_dummy(model_dir, None)
         else:
-            model, config, _ = load_model(gguf_path, torch.bfloat16, "cuda")
+            ops = select_ops("cuda", torch.bfloat16, gguf_int8_activations=int8)
+            model, config, _ = load_model(gguf_path, torch.bfloat16, "cuda", ops=ops)
             loaded = LoadedModel(model, config, load_tokenizer(model_dir), str(model_dir))
         allocated = torch.cuda.memory_allocated() - before
         engine = fp8.engine_for(loaded, str(model_dir))
