@@ -1235,7 +1235,8 @@ def w_quant(ctx: Ctx) -> None:
     integer weights of 4 and 8 bits (symmetric, zero points, g_idx permutations, per channel;
     one in torch's int4 layout, by `int4pack_linear`'s row rule and through the fused GEMM
     `int4pack_gemm.matmul` with a split-K tile besides) and GGUF blocks of each type kept
-    quantized, at 1 row (the GEMV), a decode batch and a prefill (the GEMMs), N and K ragged
+    quantized, at 1 row (the GEMVs: for a bf16 row of Q4_K/Q6_K both the int8-activation one
+    and the float one), a decode batch and a prefill (the GEMMs), N and K ragged
     against the tiles, against x @ the weight that the torch reference dequantizes from the
     same bytes."""
     import numpy as np
@@ -1244,7 +1245,7 @@ def w_quant(ctx: Ctx) -> None:
     from pagedserve.kernels.gguf_format import BLOCKS, GgufWeight
     from pagedserve.kernels.int4pack import Int4Weight
     from pagedserve.kernels.triton import int4pack_gemm
-    from pagedserve.kernels.triton.int_linear import for_layer, linear
+    from pagedserve.kernels.triton.int_linear import FLOAT_GGUF_ACTIVATIONS, for_layer, linear
     from pagedserve.kernels.weight_formats import IntWeight, pack_codes
 
     dev = ctx.device
@@ -1292,6 +1293,9 @@ def w_quant(ctx: Ctx) -> None:
             x = torch.randn(rows, k, generator=gen).to(dtype)
             got = linear(x.to(dev), weight)
             ctx.rel_close(got, x.double() @ w.T, f"gguf type {qtype} rows={rows}", tol)
+            if rows == 1:  # the default took gguf_dp4a (int8 row) where it covers the type
+                got = linear(x.to(dev), weight, config=FLOAT_GGUF_ACTIVATIONS)
+                ctx.rel_close(got, x.double() @ w.T, f"gguf type {qtype} float row", tol)
 
 
 # where each GGUF type kept quantized holds its float16 scales in a block: (offset, count)
