@@ -11,7 +11,8 @@ Parts:
         quantized to int8, the default) and "gguf bf16 act" (`gguf_gemv`,
         --no-gguf-int8-activations);
         GB/s of the weights' bytes and % of the copy bandwidth
-  sweep the one-row GEMV (`kernels/triton/gguf_gemv.py`) on the same shapes at one row, over
+  sweep the one-row GEMVs (`kernels/triton/gguf_gemv.py`, and `gguf_dp4a.py` for Q4_K and
+        Q6_K: every shape here) on the same shapes at one row, over
         candidate tiles (each keeps rows x super-blocks x 4 = the program's threads, the
         layout its loop is written for) and programs per SM
   8b    a Llama-3-8B-shaped Q4_K_M GGUF (written by `gguf_quantize.write_llama_q4_k_m`,
@@ -48,7 +49,7 @@ from benchmarks.common import (LLAMA3_8B_LM_HEAD, LLAMA3_8B_PROJECTIONS,  # noqa
                                ResultRows, rotation_copies, sibling)
 from pagedserve.frontend.llm_engine import LoadedModel  # noqa: E402
 from pagedserve.kernels.gguf_format import GgufWeight, row_bytes  # noqa: E402
-from pagedserve.kernels.triton import gguf_gemv  # noqa: E402
+from pagedserve.kernels.triton import gguf_dp4a, gguf_gemv  # noqa: E402
 from pagedserve.kernels.triton.int_linear import (DEFAULT, FLOAT_GGUF_ACTIVATIONS,  # noqa: E402
                                                   linear)
 from pagedserve.model import load_model  # noqa: E402
@@ -115,22 +116,25 @@ def part_sweep(res: ResultRows, bandwidth: float) -> None:
         base = random_blocks(n, k, qtype)
         blocks = [base] + [base.clone() for _ in range(rotation_copies(nbytes) - 1)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        default = gguf_gemv.Q6_K_ONE_ROW if qtype == T.Q6_K else gguf_gemv.ONE_ROW
-        for (block_n, steps, warps), programs in itertools.product(SWEEP_TILES,
-                                                                   SWEEP_PROGRAMS):
-            if qtype == T.Q6_K:  # a Q6_K thread holds half a K-quant thread's columns
-                warps, block_n = (warps * 2, block_n) if warps <= 4 else (warps, block_n // 2)
-            cfg = replace(default, block_n=block_n, block_k=256 * steps, num_warps=warps,
-                          programs_per_sm=programs)
-            fns = [(lambda b: lambda: gguf_gemv.gemv(x, b, int(qtype), cfg=cfg))(b)
-                   for b in blocks]
-            us = kernels.graph_us(fns)
-            gbps = nbytes / (us * 1e-6) / 1e9
-            res.add("gguf gemv sweep", layer=name, k=k, n=n, type=qtype.name, rows=1,
-                    block_n=block_n, block_k=256 * steps, num_warps=warps,
-                    programs_per_sm=programs, default=cfg == default, us=round(us, 2),
-                    gb_per_s=round(gbps, 1),
-                    pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1))
+        for kernel in (gguf_gemv, gguf_dp4a):
+            default = (gguf_gemv.Q6_K_ONE_ROW if kernel is gguf_gemv and qtype == T.Q6_K
+                       else gguf_gemv.ONE_ROW)
+            for (block_n, steps, warps), programs in itertools.product(SWEEP_TILES,
+                                                                       SWEEP_PROGRAMS):
+                if kernel is gguf_gemv and qtype == T.Q6_K:  # half a K-quant thread's columns
+                    warps, block_n = ((warps * 2, block_n) if warps <= 4
+                                      else (warps, block_n // 2))
+                cfg = replace(default, block_n=block_n, block_k=256 * steps, num_warps=warps,
+                              programs_per_sm=programs)
+                fns = [(lambda b: lambda: kernel.gemv(x, b, int(qtype), cfg=cfg))(b)
+                       for b in blocks]
+                us = kernels.graph_us(fns)
+                gbps = nbytes / (us * 1e-6) / 1e9
+                res.add("gguf gemv sweep", layer=name, k=k, n=n, type=qtype.name, rows=1,
+                        kernel=kernel.__name__.rsplit(".", 1)[-1], block_n=block_n,
+                        block_k=256 * steps, num_warps=warps, programs_per_sm=programs,
+                        default=cfg == default, us=round(us, 2), gb_per_s=round(gbps, 1),
+                        pct_copy_bw=round(100 * gbps * 1e9 / bandwidth, 1))
         del blocks
         torch.cuda.empty_cache()
 
