@@ -1,6 +1,8 @@
 """One row of activations (a batch-1 decode step) against a weight in GGUF blocks
 (`kernels/gguf_format.py`: every type kept quantized on the GPU, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-Q6_K), read as the file stores them: `gemv`, which `int_linear.linear` takes for one row.
+Q6_K), read as the file stores them: `gemv`, which `int_linear.linear` takes for one row
+(except a bfloat16/float16 row against Q4_K or Q6_K, which by default takes `gguf_dp4a`:
+the row quantized to int8, integer dot products).
 
 Why its own kernel: a batch-1 step's time should be the packed bytes over memory bandwidth,
 and `dequant.dequant_tile`'s description of the blocks, right for the GEMM's tiles, reads
