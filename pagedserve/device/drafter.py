@@ -51,13 +51,13 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.config import EngineConfig
 from pagedserve.device.cuda_graphs import StepGraphs
 from pagedserve.device.input_batch import CachedRequestState, StepBuffers
+from pagedserve.device.loading import engine_ops
 from pagedserve.kernels.penalties import to_device
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model import parallel
 from pagedserve.model.eagle3 import Eagle3Head, eagle3_config, load_eagle3
 from pagedserve.model.loader import load_model, read_model_config
-from pagedserve.model.ops import select_ops
 from pagedserve.spec.config import SpeculativeConfig
 
 
@@ -393,16 +393,16 @@ def make_drafter(config: EngineConfig, target: Decoder, target_config: ModelConf
     if spec is None or not spec.on_device:
         return None
     dtype = target.embed_tokens.weight.dtype
+    ops = engine_ops(config, device, dtype)
     if spec.method == "eagle3":
         head, capture = load_eagle3(spec.model, target_config, target.embed_tokens, dtype,
-                                    device, select_ops(device, dtype),
-                                    _context(config, target_config))
+                                    device, ops, _context(config, target_config))
         _check_context(head.config, config, target_config, "the EAGLE-3 head's")
         return Eagle3Drafter(head, capture, device, config.block_size, attention_backend(
             config.attention_backend, device, head.config, head.fc.weight.dtype))
     # the engine's load_format holds for its draft ("dummy": random weights for both)
     model, draft_config, _ = load_model(spec.model, dtype, device,
-                                        load_format=config.load_format)
+                                        load_format=config.load_format, ops=ops)
     if draft_config.vocab_size != target_config.vocab_size:
         raise ValueError(f"speculative_config.model: the draft's vocabulary "
                          f"({draft_config.vocab_size} tokens) is not the target's "

@@ -15,7 +15,7 @@ from pagedserve.kernels.native.build import cpu_flags, has_bf16_compute
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.decoder import Decoder
 from pagedserve.model.loader import load_model, load_tokenizer, tokenizer_source
-from pagedserve.model.ops import select_ops
+from pagedserve.model.ops import Ops, select_ops
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,6 +81,13 @@ class LoadedModel:
         return cls(model, model_config, tokenizer, source)
 
 
+def engine_ops(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Ops:
+    """The kernels the engine's options choose (`select_ops` with --no-dense-gemv and
+    --no-gguf-int8-activations), for the model and for its speculative draft alike."""
+    return select_ops(device, dtype, dense_gemv=config.dense_gemv,
+                      gguf_int8_activations=config.gguf_int8_activations)
+
+
 def load_on_device(config: EngineConfig, device: torch.device,
                    timed: Timer = _untimed) -> tuple[Decoder, ModelConfig, str]:
     """The model on `device` (this rank's shard under tensor parallelism), its config and
@@ -93,8 +100,7 @@ def load_on_device(config: EngineConfig, device: torch.device,
         if device.type == "cuda":
             torch.zeros(1, device=device)  # the context and allocator, made here
     with timed("kernels"):
-        ops = select_ops(device, dtype, dense_gemv=config.dense_gemv,
-                         gguf_int8_activations=config.gguf_int8_activations)
+        ops = engine_ops(config, device, dtype)
     with timed("weights"):
         # "auto" on the CPU is the fast mode for a GGUF (its quantized blocks); an explicit
         # "float32" keeps the exact path.

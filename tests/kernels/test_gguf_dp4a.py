@@ -149,16 +149,20 @@ def test_only_the_k_quants_of_q4_k_m_are_taken():
 
 @pytest.mark.parametrize("int8", [True, False])
 def test_cuda_ops_choose_the_one_row_gguf_kernel_once(int8):
-    """`select_ops` on CUDA: the GGUF matmul takes `gguf_dp4a` for one bfloat16 Q4_K row,
-    or `gguf_gemv` with gguf_int8_activations=False (the engine's
-    --no-gguf-int8-activations)."""
-    from pagedserve.model.ops import select_ops
+    """The engine's kernels on CUDA (`engine_ops`, which the model and its speculative draft
+    both take): the GGUF matmul takes `gguf_dp4a` for one bfloat16 Q4_K row, or `gguf_gemv`
+    with --no-gguf-int8-activations; --no-dense-gemv takes the float GEMV away alone."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.device.loading import engine_ops
 
     seed = fresh_seed()
     qtype, n, k = TYPES[0], 6, 256
     blocks, _ = _blocks(qtype, n, k, seed)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    gguf_linear = select_ops("cuda", torch.bfloat16, gguf_int8_activations=int8).gguf_linear
+    ops = engine_ops(EngineConfig(gguf_int8_activations=int8, dense_gemv=int8),
+                     torch.device("cuda"), torch.bfloat16)
+    assert (ops.dense_linear is not None) == int8
+    gguf_linear = ops.gguf_linear
     kernel = gguf_dp4a if int8 else gguf_gemv
     assert torch.equal(gguf_linear(x, GgufWeight(blocks, qtype, k), None),
                        kernel.gemv(x, blocks, qtype))
