@@ -119,6 +119,10 @@ class EngineConfig:
     # ... that fusion for the messages two-shot takes too (one-shot's: fuse_all_reduce_norm);
     # False: two-shot's messages sum, then normalise in a kernel of its own
     fuse_two_shot_all_reduce_norm: bool = True
+    # ... the one-shot fused kernel pushing each rank's partial product into every peer's
+    # buffer before its barrier and summing locally after it, instead of reading the peers'
+    # buffers after it (kernels/triton/allreduce_norm.py): off until measured on the GPU
+    all_reduce_push: bool = False
     # CUDA: the float linears' decode steps of one row through the split-K Triton GEMV
     # (kernels/triton/dense_gemv.py); False: cuBLAS at every row count
     dense_gemv: bool = True

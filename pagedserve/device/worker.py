@@ -98,7 +98,8 @@ class Worker:
             self.rank, self.size, device, self.init_method,
             peer_all_reduce_max_bytes=config.peer_all_reduce_max_bytes,
             fuse_all_reduce_norm=config.fuse_all_reduce_norm,
-            fuse_two_shot_all_reduce_norm=config.fuse_two_shot_all_reduce_norm)
+            fuse_two_shot_all_reduce_norm=config.fuse_two_shot_all_reduce_norm,
+            all_reduce_push=config.all_reduce_push)
         torch.manual_seed(config.seed)  # unseeded sampling draws alike on every rank
         self.model, self.model_config, _ = load_on_device(config, device)
         self.channel.send(WorkerLoaded(

@@ -160,6 +160,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "one kernel, at 2 and 4 ranks (other sizes: the norm on its own)"),
     EngineArg("fuse_two_shot_all_reduce_norm", "with --fuse-all-reduce-norm: fuse the "
               "messages that take two-shot too (above one-shot's size); off: only one-shot's"),
+    EngineArg("all_reduce_push", "with --fuse-all-reduce-norm: one-shot's fused kernel "
+              "stores each rank's partial product into every peer's memory before its "
+              "barrier and sums locally after it (one link latency instead of about three; "
+              "buffers world size times as large) instead of reading the peers' memory"),
     EngineArg("dense_gemv", "CUDA: decode steps of one token multiply by the bf16/fp16 "
               "weights with a split-K Triton GEMV (else cuBLAS at every batch size)"),
     EngineArg("gguf_int8_activations", "CUDA, a GGUF kept in its blocks: decode steps of one "

@@ -26,7 +26,11 @@ one-shot takes goes through `FusedAllReduceNorm` instead: one kernel reads the p
 products, sums them, adds the residual and normalises (`kernels/triton/allreduce_norm.py`),
 in place of the reduction and the norm's own kernel. It has two buffers of its own, which
 the layers alternate between (o_proj's, down_proj's), as that kernel ends without a barrier.
-A message two-shot takes goes through `FusedTwoShotAllReduceNorm` likewise
+With `--all-reduce-push` (`EngineConfig.all_reduce_push`, off by default until measured) it
+pushes instead of reading: each rank stores its partial product into every peer's buffer
+before the barrier and sums them all from its own memory after it (one link latency where
+the reads cost about three; the buffers world size times as large). A message two-shot
+takes goes through `FusedTwoShotAllReduceNorm` likewise
 (`kernels/triton/allreduce_norm_two_shot.py`): each rank sums, adds and normalises its share
 of the rows and writes its rows of the new residual stream into every peer's buffer, then
 normalises the rows its peers wrote into its own; one buffer of its own (partial products,
@@ -168,27 +172,35 @@ def _peer_tables(nbytes: int, group: dist.ProcessGroup, device: torch.device,
 
 
 class FusedAllReduceNorm:
-    """Two buffers (slots) of symmetric memory of `slot_bytes` each, and the one-shot
-    all-reduce + residual add + RMSNorm over them (`kernels/triton/allreduce_norm.py`).
-    Callers alternate the slots: the kernel has no closing barrier, so a slot is written
-    again only after a reduction over the other one (see that module)."""
+    """Two buffers (slots) of symmetric memory of `slot_bytes` each (rounded up to 16 bytes),
+    and the one-shot all-reduce + residual add + RMSNorm over them
+    (`kernels/triton/allreduce_norm.py`). Callers alternate the slots: the kernel has no
+    closing barrier, so a slot is written again only after a reduction over the other one
+    (see that module). `push`: each rank stores its partial product into every peer's
+    buffer and reads them all locally (one link latency instead of about three); a slot
+    then holds a sub-slot per rank, so the buffer is world size times as large."""
 
-    def __init__(self, slot_bytes: int, group: dist.ProcessGroup,
-                 device: torch.device) -> None:
+    def __init__(self, slot_bytes: int, group: dist.ProcessGroup, device: torch.device,
+                 push: bool = False) -> None:
         from pagedserve.kernels.triton import allreduce_norm
 
         self.kernel = allreduce_norm.all_reduce_add_rms_norm
+        self.partial_offset = allreduce_norm.partial_offset
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if allreduce_norm.MAX_PROGRAMS > sms:  # its barrier needs every program resident
             raise RuntimeError(f"{sms} SMs, the fused kernel may launch "
                                f"{allreduce_norm.MAX_PROGRAMS} programs")
-        self.slot_bytes = slot_bytes
+        self.slot_bytes = -(-slot_bytes // ALIGNMENT) * ALIGNMENT
+        self.push = push
+        self.world = dist.get_world_size(group)
         self.buffer, self.rank, self.buffers, self.signals = _peer_tables(
-            2 * slot_bytes, group, device, allreduce_norm.signal_words)
+            allreduce_norm.buffer_bytes(self.slot_bytes, self.world, push), group, device,
+            allreduce_norm.signal_words)
 
     def target(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Slot `slot` as a tensor of `shape`, for the partial product to be written into."""
-        start = slot * self.slot_bytes
+        """Where this rank's partial product for slot `slot` goes, as a tensor of `shape`: the
+        slot (with `push`, this rank's own sub-slot of it; the peers' rows land beside it)."""
+        start = self.partial_offset(slot, self.rank, self.world, self.slot_bytes, self.push)
         return self.buffer[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(
             shape)
 
@@ -199,7 +211,7 @@ class FusedAllReduceNorm:
         ranks), that sum, written into `residual`). `split`: programs per row, the kernel's
         choice from the shape by default."""
         return self.kernel(self.buffers, self.signals, self.rank, slot, self.slot_bytes,
-                           partial, residual, weight, eps, split)
+                           partial, residual, weight, eps, split, self.push)
 
 
 class FusedTwoShotAllReduceNorm:
@@ -263,17 +275,20 @@ def start(world_size: int, rank: int, group: dist.ProcessGroup, device: torch.de
 
 
 def start_fused(peer: PeerAllReduce | None, rank: int, group: dist.ProcessGroup,
-                device: torch.device) -> FusedAllReduceNorm | None:
+                device: torch.device, push: bool = False) -> FusedAllReduceNorm | None:
     """Set up the fused all-reduce + add + RMSNorm beside `peer` for the messages one-shot
     takes (a collective call: every rank makes it and all get the same answer); None where
     there is no peer memory, at a world size where it was not the faster
-    (`FUSED_WORLD_SIZES`), or where its first results differ from NCCL's sum normalised."""
+    (`FUSED_WORLD_SIZES`), or where its first results differ from NCCL's sum normalised.
+    `push` (the same on every rank): the variant that pushes each rank's partial product to
+    its peers (`FusedAllReduceNorm`); the same first results are checked, so a GPU where its
+    stores and flags do not order as they must falls back to the unfused path."""
     # alike on every rank (`start` agreed on `peer`): no collective
     if (peer is None or peer.plan.one_shot_max_bytes < FUSED_CHECK_BYTES
             or dist.get_world_size(group) not in FUSED_WORLD_SIZES):
         return None
     try:
-        fused = FusedAllReduceNorm(peer.plan.one_shot_max_bytes, group, device)
+        fused = FusedAllReduceNorm(peer.plan.one_shot_max_bytes, group, device, push)
         ok = _fused_matches_nccl(fused, rank, group, device)
     except Exception:  # noqa: BLE001 - any failure here means the unfused path, on every rank
         logger.exception("fused all-reduce + RMSNorm unavailable; the norm runs on its own")
@@ -282,8 +297,8 @@ def start_fused(peer: PeerAllReduce | None, rank: int, group: dist.ProcessGroup,
         logger.info("all-reduce: the norm after it runs on its own (the fused kernel failed "
                     "its first reductions)")
         return None
-    logger.info("all-reduce: fused with the residual add and RMSNorm up to %d bytes",
-                fused.slot_bytes)
+    logger.info("all-reduce: fused with the residual add and RMSNorm up to %d bytes%s",
+                fused.slot_bytes, " (partial products pushed to the peers)" if push else "")
     return fused
 
 
@@ -344,14 +359,17 @@ def _fused_matches_nccl(fused: FusedAllReduceNorm, rank: int, group: dist.Proces
                         device: torch.device) -> bool:
     """One message through each slot, fused, and through NCCL and the norm's own kernel:
     equal? Integer values, so that any order of the sum gives the same result. Two rows of
-    one program each, and one row of several programs (`allreduce_norm.programs_per_row`)."""
+    one program each, and one row of several programs (`allreduce_norm.programs_per_row`).
+    Each call's values differ from every earlier call's, so a row that a pushing peer's
+    stores did not reach in time (the slot's last contents read instead) shows."""
     from pagedserve.kernels.triton import model_ops
 
-    for slot, shape in ((0, (2, 256)), (1, (2, 256)), (0, (1, FUSED_CHECK_BYTES // 4)),
-                        (1, (1, FUSED_CHECK_BYTES // 4))):  # float32
+    for call, (slot, shape) in enumerate(((0, (2, 256)), (1, (2, 256)),
+                                          (0, (1, FUSED_CHECK_BYTES // 4)),
+                                          (1, (1, FUSED_CHECK_BYTES // 4)))):  # float32
         weight = torch.arange(shape[1], dtype=torch.float32, device=device).remainder_(7).add_(1)
         x = torch.arange(math.prod(shape), dtype=torch.float32, device=device).view(shape)
-        x.remainder_(97).add_(rank + slot)
+        x.remainder_(97).add_(rank + 3 * call)
         residual = torch.ones(shape, device=device)
         want = x.clone()
         dist.all_reduce(want, group=group)

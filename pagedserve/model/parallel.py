@@ -72,13 +72,15 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
                          timeout: timedelta = timedelta(seconds=60),
                          peer_all_reduce_max_bytes: int = 0,
                          fuse_all_reduce_norm: bool = True,
-                         fuse_two_shot_all_reduce_norm: bool = True) -> TensorParallel:
+                         fuse_two_shot_all_reduce_norm: bool = True,
+                         all_reduce_push: bool = False) -> TensorParallel:
     """Join the group of `size` ranks (NCCL on CUDA, gloo on the CPU), and on CUDA set up the
     peer-memory all-reduce for messages up to `peer_all_reduce_max_bytes` where every rank
     can (`allreduce.start`; 0: NCCL for all), and with it, unless `fuse_all_reduce_norm` is
     off, the all-reduce fused with the norm after it (`allreduce.start_fused`; for the
     messages two-shot takes, `allreduce.start_fused_two_shot`, unless
-    `fuse_two_shot_all_reduce_norm` is off too).
+    `fuse_two_shot_all_reduce_norm` is off too); `all_reduce_push`: the one-shot fused
+    kernel that pushes the partial products to the peers (`allreduce.FusedAllReduceNorm`).
 
     The timeout bounds every collective and the rendezvous: a rank that never arrives (a dead
     or missing worker) makes the others fail instead of waiting forever.
@@ -97,8 +99,8 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
                                f"{dist.get_world_size()}, expected rank {rank} of {size}")
         group = dist.group.WORLD
         peer = allreduce.start(size, rank, group, device, peer_all_reduce_max_bytes)
-        fused = (allreduce.start_fused(peer, rank, group, device) if fuse_all_reduce_norm
-                 else None)
+        fused = (allreduce.start_fused(peer, rank, group, device, all_reduce_push)
+                 if fuse_all_reduce_norm else None)
         fused_two_shot = (allreduce.start_fused_two_shot(peer, rank, group, device)
                           if fuse_all_reduce_norm and fuse_two_shot_all_reduce_norm else None)
         _STATE = TensorParallel(rank, size, group, peer, fused, fused_two_shot)

@@ -36,6 +36,31 @@ the callers alternate between two buffers (`slot`): a rank writes a buffer again
 the other slot's barrier (or another collective in between), which it passes only once every
 peer has reached it, and so has left this kernel.
 
+Push (`push=True`, the engine's `--all-reduce-push`): the steps above wait for the link
+about three times: the flag's raise is posted, but then the barrier waits for the peers'
+flags (one crossing) and the reads of their rows are round trips (a request out, the data
+back: two more). Pushed instead, each rank first stores its slice of its own partial row
+into every peer's buffer (posted writes: nothing waits for an answer), then raises its
+flags; the release at system scope, after a CTA barrier that orders every thread's stores
+before it, makes the rows visible to any peer that sees the flag. After the barrier (whose
+acquire, and a CTA barrier after it, order every thread's reads after the flags) every row
+is read from local memory: one link latency in all. For that a slot holds a sub-slot per
+rank (sub-slot r: rank r's partial), so the buffers are WORLD times as large (at 512 KiB a
+message, 2 MiB a rank at two ranks, 4 MiB at four). The row-parallel layer still writes its
+partial product locally, into this rank's own sub-slot (`partial_offset`), and each rank
+sums the same WORLD rows in the same rank order in float32 as the pull does: the results are
+the pull's, bit for bit. The split over programs is unchanged: a program pushes exactly the
+slice of the rows it will sum, so its namesakes' flags cover everything it reads.
+
+The two slots still suffice for the pushed writes. Rank r stores into peer p's slot s (its
+sub-slot r, which no one else writes) only in its kernel of a call over s; that kernel
+started after r's kernel of the call before (over the other slot) had finished (stream
+order; PDL waits for the kernel before), so after r's programs passed that call's barrier,
+which needed p's namesake programs there, which started only after p's kernel of the call
+before that, the last to read p's slot s, had finished. So no store lands in a sub-slot
+that its owner may still read. And what a peer reads in its call over s is what r stored in
+the same call: r raises that call's flag only after its stores.
+
 The buffers and pads are given as tables of device addresses (int64, one per rank), which
 lets the CPU tests simulate the ranks as tensors of one process under TRITON_INTERPRET=1.
 """
@@ -97,24 +122,39 @@ def peer_pointer(buffers_ptr, peer, dtype: tl.constexpr):
 
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, out_ptr,
-                                    arrivals_ptr, rank, buffer_offset, signal_offset, num_rows,
-                                    stride_res, stride_out, eps, N: tl.constexpr,
-                                    BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                                    arrivals_ptr, rank, buffer_offset, part_stride,
+                                    signal_offset, num_rows, stride_res, stride_out, eps,
+                                    N: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
                                     SLICE: tl.constexpr, SLICE_BLOCK: tl.constexpr,
-                                    WORLD: tl.constexpr):
+                                    WORLD: tl.constexpr, PUSH: tl.constexpr):
     pdl.step_entry()
     program = tl.program_id(0)
-    barrier(signals_ptr, signal_offset + program * WORLD, rank, WORLD)
     dtype = out_ptr.dtype.element_ty
     lanes = tl.arange(0, SLICE_BLOCK)
     offs = (program % SPLIT) * SLICE + lanes  # this program's slice of its rows
     mask = (lanes < SLICE) & (offs < N)
-    for row in range(program // SPLIT, num_rows, tl.num_programs(0) // SPLIT):  # int32 offsets
+    first_row = program // SPLIT
+    row_step = tl.num_programs(0) // SPLIT
+    if PUSH:
+        _push_rows(buffers_ptr, rank, buffer_offset + rank * part_stride, first_row, row_step,
+                   num_rows, offs, mask, N, WORLD, dtype)
+        # Every thread's stores to the peers happen before the barrier, the barrier before
+        # the flags' release at system scope: a peer that sees our flag sees our rows.
+        tl.debug_barrier()
+    barrier(signals_ptr, signal_offset + program * WORLD, rank, WORLD)
+    if PUSH:
+        tl.debug_barrier()  # every thread reads the pushed rows after the flags' acquire
+        ours = peer_pointer(buffers_ptr, rank, dtype) + buffer_offset
+    for row in range(first_row, num_rows, row_step):  # int32 offsets
         total = tl.zeros([SLICE_BLOCK], dtype=tl.float32)
-        for peer in tl.static_range(WORLD):
-            part = peer_pointer(buffers_ptr, peer, dtype)
-            total += tl.load(part + buffer_offset + row * N + offs, mask=mask,
-                             other=0.0).to(tl.float32)
+        for peer in tl.static_range(WORLD):  # rank order: the same sum on every rank
+            if PUSH:  # sub-slot `peer` of our own buffer, written there by that rank
+                total += tl.load(ours + peer * part_stride + row * N + offs, mask=mask,
+                                 other=0.0, cache_modifier=".cg").to(tl.float32)
+            else:
+                part = peer_pointer(buffers_ptr, peer, dtype)
+                total += tl.load(part + buffer_offset + row * N + offs, mask=mask,
+                                 other=0.0).to(tl.float32)
         total = round_to(total, dtype)  # the all-reduce's output, in its dtype
         if SPLIT == 1:
             add_rms_norm_row(total, res_ptr + row * stride_res, w_ptr,
@@ -123,6 +163,21 @@ def _all_reduce_add_rms_norm_kernel(buffers_ptr, signals_ptr, res_ptr, w_ptr, ou
             _add_then_norm_when_last(total, res_ptr + row * stride_res, w_ptr,
                                      out_ptr + row * stride_out, arrivals_ptr + row, offs, mask,
                                      eps, N, BLOCK, SPLIT)
+
+
+@triton.jit
+def _push_rows(buffers_ptr, rank, own_offset, first_row, row_step, num_rows, offs, mask,
+               N: tl.constexpr, WORLD: tl.constexpr, dtype: tl.constexpr):
+    """This program's slice of each of its rows of our partial product (local, in our own
+    sub-slot at `own_offset`) stored into the same sub-slot of every peer's buffer: posted
+    writes, 16-byte vectors, none waiting for an answer. Each rank starts with the next
+    rank, so that at more than two ranks the first stores do not all go to one peer."""
+    mine = peer_pointer(buffers_ptr, rank, dtype) + own_offset
+    for row in range(first_row, num_rows, row_step):
+        x = tl.load(mine + row * N + offs, mask=mask, other=0.0)
+        for k in tl.static_range(1, WORLD):
+            theirs = peer_pointer(buffers_ptr, (rank + k) % WORLD, dtype) + own_offset
+            tl.store(theirs + row * N + offs, x, mask=mask)
 
 
 @triton.jit
@@ -163,22 +218,39 @@ def grid_size(num_rows: int, split: int) -> int:
     return min(num_rows * split, MAX_PROGRAMS)
 
 
+def partial_offset(slot: int, rank: int, world: int, slot_bytes: int, push: bool) -> int:
+    """Where `rank`'s partial product for `slot` lies in its own buffer (bytes): the slot's
+    start; with `push`, sub-slot `rank` of the slot, which holds every rank's partial."""
+    return (slot * world + rank) * slot_bytes if push else slot * slot_bytes
+
+
+def buffer_bytes(slot_bytes: int, world: int, push: bool) -> int:
+    """A rank's buffer for two slots of partial products of up to `slot_bytes`: `world` times
+    as large with `push` (a sub-slot per rank in each slot)."""
+    return 2 * slot_bytes * (world if push else 1)
+
+
 def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, slot: int,
                             slot_bytes: int, partial: Tensor, residual: Tensor, weight: Tensor,
-                            eps: float, split: int | None = None) -> tuple[Tensor, Tensor]:
+                            eps: float, split: int | None = None,
+                            push: bool = False) -> tuple[Tensor, Tensor]:
     """(RMSNorm(residual + sum over ranks of partial), that sum), the sum written into
     `residual` in place: `model_ops.rms_norm` of the all-reduced partial products.
 
     buffers, signals: int64 [world] device addresses of every rank's buffer and signal pad;
-    `partial` [T, N] is this rank's product, contiguous at the start of its buffer's `slot`
-    (0 or 1: a buffer holds two slots of `slot_bytes`, the first at buffers[r]); every rank
-    calls this with the same shapes and slot, in the same order. `split`: the programs per
-    row, `programs_per_row`'s by default (1 gives one program per row, as a benchmark
-    compares)."""
+    `partial` [T, N] is this rank's product, contiguous at `partial_offset(slot, rank, ...)`
+    in its buffer (slot 0 or 1; `buffer_bytes` long: two slots of `slot_bytes`, or with
+    `push` two slots of a sub-slot of `slot_bytes` per rank); every rank calls this with the
+    same shapes, slot and `push`, in the same order. `split`: the programs per row,
+    `programs_per_row`'s by default (1 gives one program per row, as a benchmark compares).
+    `push`: store our partial into every peer's buffer before the barrier and read all of
+    them locally after it, instead of reading the peers' buffers (see the module)."""
     world = buffers.numel()
     num_rows, n = partial.shape
     assert partial.is_contiguous() and residual.shape == partial.shape
     assert residual.stride(-1) == 1 and weight.is_contiguous() and slot in (0, 1)
+    assert partial.numel() * partial.element_size() <= slot_bytes
+    assert slot_bytes % 16 == 0, "a slot (and a sub-slot) starts on a 16-byte boundary"
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     if num_rows == 0:
         return out, residual
@@ -186,13 +258,15 @@ def all_reduce_add_rms_norm(buffers: Tensor, signals: Tensor, rank: int, slot: i
     assert split == 1 or num_rows * split <= MAX_PROGRAMS, "a split row's programs loop"
     block = triton.next_power_of_2(n)
     slice_size = triton.cdiv(n, split)
+    size = partial.element_size()
     # a row's counter, for its programs' arrivals (never read with one program per row)
     arrivals = out if split == 1 else arrival_counters(num_rows, partial.device)
     _all_reduce_add_rms_norm_kernel[(grid_size(num_rows, split),)](
         buffers, signals, residual, weight, out, arrivals, rank,
-        slot * slot_bytes // partial.element_size(),
+        partial_offset(slot, 0, world, slot_bytes, push) // size,
+        slot_bytes // size if push else 0,
         slot * MAX_PROGRAMS * world, num_rows, residual.stride(0), out.stride(0), eps,
         N=n, BLOCK=block, SPLIT=split, SLICE=slice_size,
-        SLICE_BLOCK=triton.next_power_of_2(slice_size), WORLD=world,
+        SLICE_BLOCK=triton.next_power_of_2(slice_size), WORLD=world, PUSH=push,
         num_warps=norm_warps(block), **pdl.launch_options())
     return out, residual
