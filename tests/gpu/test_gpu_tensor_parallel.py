@@ -13,12 +13,16 @@ the residual add and RMSNorm after it (kernels/triton/allreduce_norm.py) gives t
 path's, to the bit: against NCCL and the norm's own kernel, layer after layer, eager and in a
 CUDA graph, then in engines. On four GPUs the fused kernel is checked too, on sums that are
 exact in any order (a few rows are each split over several programs there as at two ranks).
+Both checks run again with the one-shot fused kernel pushing each rank's partial product
+into its peers' memory (--all-reduce-push), which must be taken (its start-up check passed)
+and give the same bits; the TP=2 engine with it gives the unfused engine's tokens.
 The two-shot fused kernel (kernels/triton/allreduce_norm_two_shot.py), which takes the
 messages above one-shot's size, is checked the same way at two and four ranks, and in engines
 (the prefill chunks' messages take it) against the engine with it turned off."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import queue
 import socket
@@ -47,8 +51,9 @@ def _rank(check, rank: int, size: int, port: int, results) -> None:
         results.put((rank, traceback.format_exc()))
 
 
-def _join(rank: int, size: int, port: int):
-    """This rank's GPU and its place in the group, set up as the workers do."""
+def _join(rank: int, size: int, port: int, push: bool = False):
+    """This rank's GPU and its place in the group, set up as the workers do (`push`: the
+    one-shot fused kernel that pushes the partial products, --all-reduce-push)."""
     import os
 
     from pagedserve.device.executor import WORKER_ENV
@@ -58,7 +63,8 @@ def _join(rank: int, size: int, port: int):
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     return device, parallel.init_tensor_parallel(rank, size, device, f"tcp://127.0.0.1:{port}",
-                                                 peer_all_reduce_max_bytes=8 << 20)
+                                                 peer_all_reduce_max_bytes=8 << 20,
+                                                 all_reduce_push=push)
 
 
 def _check_rank(rank: int, size: int, port: int) -> dict:
@@ -180,14 +186,17 @@ def _layers(x, residual, weight, rank: int, fused: bool, size: int = 2):
     return x, residual
 
 
-def _check_fused_rank(rank: int, size: int, port: int, kernel: str = "fused") -> dict:
+def _check_fused_rank(rank: int, size: int, port: int, kernel: str = "fused",
+                      push: bool = False) -> dict:
     """{(rows, dtype, eager|graph): the fused layers' (output, stream) equal to NCCL's and the
-    norm kernel's}, and whether the fused kernel was set up. `kernel`: "fused" (one-shot's
-    sizes, FUSED_SHAPES) or "fused_two_shot" (TWO_SHOT_SHAPES)."""
+    norm kernel's}, whether the fused kernel was set up and whether it pushes. `kernel`:
+    "fused" (one-shot's sizes, FUSED_SHAPES) or "fused_two_shot" (TWO_SHOT_SHAPES); `push`:
+    ask for the one-shot kernel that pushes the partial products."""
     from pagedserve.model import parallel
 
-    device, tp = _join(rank, size, port)
-    out = {"fused": getattr(tp, kernel) is not None}
+    device, tp = _join(rank, size, port, push)
+    out = {"fused": getattr(tp, kernel) is not None,
+           "push": tp.fused is not None and tp.fused.push}
     if not out["fused"]:
         return out
     gen = torch.Generator(device).manual_seed(0)  # the same inputs on every rank
@@ -227,27 +236,34 @@ def _check_fused_rank(rank: int, size: int, port: int, kernel: str = "fused") ->
     return out
 
 
-def test_fused_all_reduce_norm_equals_nccl_then_the_norm_eager_and_in_cuda_graphs():
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_fused_all_reduce_norm_equals_nccl_then_the_norm_eager_and_in_cuda_graphs(push):
     """Two ranks' sum is a + b whichever way it is taken, and the fused kernel normalises
-    with the norm kernel's own arithmetic: equal to the bit, in bf16 and float32."""
-    assert_fused_equals_nccl_then_the_norm(2)
+    with the norm kernel's own arithmetic: equal to the bit, in bf16 and float32; reading the
+    peers' partial products or pushing them to the peers (--all-reduce-push), layer after
+    layer through alternating slots, so a pushed row that arrived late would show."""
+    assert_fused_equals_nccl_then_the_norm(2, push)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
-def test_fused_all_reduce_norm_at_four_ranks_equals_nccl_then_the_norm():
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_fused_all_reduce_norm_at_four_ranks_equals_nccl_then_the_norm(push):
     """Four ranks (where a few rows are each split over several programs, the last of which
     normalises the row): sums exact in any order (see `_layers`), so equal to the bit to NCCL's
-    float32 sum rounded once and the norm kernel, eager and in CUDA graphs, bf16 and float32."""
-    assert_fused_equals_nccl_then_the_norm(4)
+    float32 sum rounded once and the norm kernel, eager and in CUDA graphs, bf16 and float32;
+    pulled or pushed (each program pushes its slice)."""
+    assert_fused_equals_nccl_then_the_norm(4, push)
 
 
-def assert_fused_equals_nccl_then_the_norm(size: int) -> None:
-    """`_check_fused_rank` on `size` GPUs of one host: every rank takes the fused kernel and
-    every shape, dtype and mode (eager, graph) gives NCCL + the norm kernel's bits."""
-    got = on_ranks(_check_fused_rank, size)
+def assert_fused_equals_nccl_then_the_norm(size: int, push: bool = False) -> None:
+    """`_check_fused_rank` on `size` GPUs of one host: every rank takes the fused kernel
+    (pushing if `push`: its start-up check passed) and every shape, dtype and mode (eager,
+    graph) gives NCCL + the norm kernel's bits."""
+    got = on_ranks(functools.partial(_check_fused_rank, push=push), size)
     for rank, result in got.items():
         assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
         assert result.pop("fused"), f"{size} GPUs of one host should get the fused kernel"
+        assert result.pop("push") == push, f"rank {rank}: push {push} asked for, not taken"
         assert len(result) == 2 * len(FUSED_SHAPES) * 2
         wrong = [key for key, ok in result.items() if not ok]
         assert not wrong, f"rank {rank}: differs from NCCL + RMSNorm at {wrong}"
@@ -269,6 +285,7 @@ def test_fused_two_shot_all_reduce_norm_equals_nccl_then_the_norm(size):
     for rank, result in got.items():
         assert isinstance(result, dict), f"rank {rank} failed:\n{result}"
         assert result.pop("fused"), f"{size} GPUs of one host should get the fused two-shot"
+        result.pop("push")
         assert len(result) == 2 * sum(map(len, TWO_SHOT_SHAPES.values()))
         wrong = [key for key, ok in result.items() if not ok]
         assert not wrong, f"rank {rank}: differs from NCCL + RMSNorm at {wrong}"
@@ -308,11 +325,16 @@ def test_tp2_engines_after_a_tp1_engine_in_one_process_float32(checkpoint):
 def test_tp2_fused_all_reduce_norm_gives_the_unfused_tokens(checkpoint, dtype):
     """Under CUDA graphs, the decode steps' all-reduces fused with their norms (and prefill
     chunks within the peer limit, through the fused two-shot kernel): two ranks' sums are the
-    same either way, so are the greedy tokens, in float32 and in bf16."""
+    same either way, so are the greedy tokens, in float32 and in bf16; also with the one-shot
+    kernel pushing the partial products (--all-reduce-push; that it is taken, not fallen back
+    from, is `test_fused_all_reduce_norm_equals_nccl_then_the_norm_eager_and_in_cuda_graphs`'s
+    to check)."""
     tokens = run_engines(checkpoint, dtype, {
         "unfused": dict(tensor_parallel_size=2, fuse_all_reduce_norm=False),
-        "fused": dict(tensor_parallel_size=2)})
+        "fused": dict(tensor_parallel_size=2),
+        "pushed": dict(tensor_parallel_size=2, all_reduce_push=True)})
     assert tokens["fused"] == tokens["unfused"]
+    assert tokens["pushed"] == tokens["unfused"]
 
 
 @torch.inference_mode()
