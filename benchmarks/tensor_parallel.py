@@ -10,7 +10,10 @@ size; the engines run TP=1, 2 (and 4 when N is 4), and TP=N once more with NCCL 
 TP size above 1 once more with the all-reduce and the RMSNorm after it as two kernels
 (--no-fuse-all-reduce-norm), so fused and unfused steps are timed in one run;
 `--two-shot-unfused` adds, for the tpot and workload parts, every TP size above 1 once more
-with only two-shot's messages unfused (--no-fuse-two-shot-all-reduce-norm); `--cublas`
+with only two-shot's messages unfused (--no-fuse-two-shot-all-reduce-norm); `--push` adds,
+for the tpot part, every TP size above 1 once more with the one-shot fused kernel pushing
+each rank's partial product into its peers' memory (--all-reduce-push), and to the
+allreduce part's fused rows fused_rms_norm_push (the same kernel, per call); `--cublas`
 adds, for the tpot part, every TP size once more with the float linears on cuBLAS at every
 batch size (--no-dense-gemv), against the default decode GEMV. Parts (all by
 default, in this order):
@@ -115,10 +118,13 @@ class Scale:
         # that does not replay right (the engines would then hang or compute garbage)
         self.eager_tp = False
         self.child_timeout = CHILD_TIMEOUT_S  # an engine part's child process, in seconds
+        self.push = False  # the allreduce part also times the pushing fused kernel
 
     def engine_options(self, tp: int, peer: bool = True, fuse: bool = True,
-                       gemv: bool = True, fuse_two_shot: bool = True) -> dict:
-        fusion = dict(fuse_all_reduce_norm=fuse, fuse_two_shot_all_reduce_norm=fuse_two_shot)
+                       gemv: bool = True, fuse_two_shot: bool = True,
+                       push: bool = False) -> dict:
+        fusion = dict(fuse_all_reduce_norm=fuse, fuse_two_shot_all_reduce_norm=fuse_two_shot,
+                      all_reduce_push=push)
         if self.tiny:
             return dict(device="cpu", dtype="float32", kv_cache_memory=64 << 20,
                         max_model_len=256, dense_gemv=gemv, **fusion)
@@ -169,9 +175,9 @@ def child_engines(spec: dict) -> dict:
 def one_engine(spec: dict, run: dict) -> dict:
     """Build one engine (TP=run["tp"], the peer all-reduce unless run["peer"] is false, fused
     with the norm after it unless run["fuse"] is false (two-shot's messages unless
-    run["fuse_two_shot"] is false), the float linears' decode GEMV unless run["gemv"] is
-    false) in this process, run its parts, shut it down and give its
-    memory back; results as a dict."""
+    run["fuse_two_shot"] is false; one-shot's pushing if run["push"]), the float linears'
+    decode GEMV unless run["gemv"] is false) in this process, run its parts, shut it down
+    and give its memory back; results as a dict."""
     import gc
 
     import torch
@@ -188,7 +194,8 @@ def one_engine(spec: dict, run: dict) -> dict:
     llm = LLM.from_engine(LLMEngine.from_options(
         spec["folder"], tensor_parallel_size=tp, load_format="dummy",
         **scale.engine_options(tp, run.get("peer", True), run.get("fuse", True),
-                               run.get("gemv", True), run.get("fuse_two_shot", True))))
+                               run.get("gemv", True), run.get("fuse_two_shot", True),
+                               run.get("push", False))))
     out = {"startup_s": round(time.perf_counter() - t0, 1),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "kv_blocks": llm.llm_engine.num_blocks}
@@ -538,7 +545,8 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
                        traceback.format_exc()[-1500:]}
             rows.append(row)
     norm_rows = ([] if peer is None else
-                 _norm_chain_rows(peer, spec["sizes"], device) + _two_shot_norm_rows(peer, device))
+                 _norm_chain_rows(peer, spec["sizes"], device, spec.get("push", False))
+                 + _two_shot_norm_rows(peer, device))
     if rank == 0:
         queue.put({"rows": rows, "norm_rows": norm_rows, "peer_error": peer_error,
                    "device": torch.cuda.get_device_name() if cuda else "cpu"})
@@ -559,12 +567,13 @@ NORM_CHAIN_MAX_BYTES = 2 << 20
 TWO_SHOT_NORM_BYTES = [512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
 
 
-def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
+def _norm_chain_rows(peer, sizes: list[int], device, push: bool = False) -> list[dict]:
     """Per size up to NORM_CHAIN_MAX_BYTES, in µs per call: the unfused engine's chain (the
     partial product already in the buffer, one-shot or two-shot as the engine's plan picks,
     into a new tensor, then the residual add + RMSNorm kernel), and the fused kernel (slots
     alternating, as the layers do; where it splits rows over several programs, also with one
-    program per row)."""
+    program per row); with `push`, also the fused kernel that pushes the partial products
+    (fused_rms_norm_push)."""
     import itertools
 
     import torch
@@ -579,6 +588,13 @@ def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
         fused = FusedAllReduceNorm(NORM_CHAIN_MAX_BYTES, dist.group.WORLD, device)
     except Exception:  # noqa: BLE001 - the all-reduce rows still come
         return [{"algorithm": "fused_rms_norm", "error": traceback.format_exc()[-1500:]}]
+    pushed = None
+    if push:
+        try:
+            pushed = FusedAllReduceNorm(NORM_CHAIN_MAX_BYTES, dist.group.WORLD, device, push=True)
+        except Exception:  # noqa: BLE001 - the other rows still come
+            rows.append({"algorithm": "fused_rms_norm_push",
+                         "error": traceback.format_exc()[-1500:]})
     hidden = 4096
     weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
     for nbytes in [b for b in sizes
@@ -587,23 +603,26 @@ def _norm_chain_rows(peer, sizes: list[int], device) -> list[dict]:
         shape = (nbytes // (2 * hidden), hidden)
         residual = torch.zeros(shape, dtype=torch.bfloat16, device=device)
         peer.target(shape, torch.bfloat16).fill_(0.001)
-        for slot in (0, 1):
-            fused.target(slot, shape, torch.bfloat16).fill_(0.001)
+        for kernel, slot in itertools.product((fused, pushed), (0, 1)):
+            if kernel is not None:
+                kernel.target(slot, shape, torch.bfloat16).fill_(0.001)
         slots = itertools.cycle((0, 1))
 
         def unfused():
             total = peer(peer.target(shape, torch.bfloat16), algorithm)
             model_ops.rms_norm(total, weight, 1e-6, residual)
 
-        def fused_call(split=None):
+        def fused_call(split=None, kernel=fused):
             slot = next(slots)
-            fused(slot, fused.target(slot, shape, torch.bfloat16), residual, weight, 1e-6,
-                  split)
+            kernel(slot, kernel.target(slot, shape, torch.bfloat16), residual, weight, 1e-6,
+                   split)
 
         split = allreduce_norm.programs_per_row(shape[0], hidden, dist.get_world_size())
         calls = [(f"{algorithm}+rms_norm", unfused, None), ("fused_rms_norm", fused_call, split)]
         if split > 1:  # also one program per row, as the kernel ran before rows were split
             calls.append(("fused_rms_norm_unsplit", lambda: fused_call(1), 1))
+        if pushed is not None:
+            calls.append(("fused_rms_norm_push", lambda: fused_call(kernel=pushed), split))
         for name, fn, programs_per_row in calls:
             try:
                 seconds = _time_calls(fn, 100, True)
@@ -817,7 +836,8 @@ def part_topo(res: Results) -> None:
 def part_allreduce(res: Results, scale: Scale) -> None:
     n = scale.ranks
     result = run_child("allreduce", {"tiny": scale.tiny, "sizes": scale.allreduce_bytes,
-                                     "ranks": n}, timeout=ALLREDUCE_TIMEOUT_S)
+                                     "ranks": n, "push": scale.push},
+                       timeout=ALLREDUCE_TIMEOUT_S)
     if "error" in result:
         res.add(n, None, "allreduce_bus_gb_per_s", None, error=result["error"])
         scale.eager_tp = not scale.tiny  # perhaps a captured all-reduce hung: no graphs
@@ -866,18 +886,21 @@ def engine_runs(res: Results, scale: Scale, root: Path, shape: str,
                 kv_blocks=result["kv_blocks"], peer_allreduce=run.get("peer", True),
                 fused_allreduce_norm=run.get("fuse", True),
                 fused_two_shot_allreduce_norm=run.get("fuse_two_shot", True),
+                all_reduce_push=run.get("push", False),
                 cuda_graphs=not (scale.eager_tp and run["tp"] > 1) and not scale.tiny)
     return results
 
 
 def dense_runs(scale: Scale, parts: list[str], unfused: bool = False,
-               cublas: bool = False, two_shot_unfused: bool = False) -> list[dict]:
+               cublas: bool = False, two_shot_unfused: bool = False,
+               push: bool = False) -> list[dict]:
     """TP=1, 2 (and 4) with the parts asked for; TP=N through NCCL alone for tpot; with
     `unfused`, every TP size above 1 once more for tpot, its all-reduce and norm apart; with
     `cublas`, every TP size once more for tpot, its float linears on cuBLAS at every row
     count (no decode GEMV); with `two_shot_unfused`, every TP size above 1 once more for
     tpot and workload, two-shot's messages summed, then normalised apart (one-shot's still
-    fused)."""
+    fused); with `push`, every TP size above 1 once more for tpot, one-shot's fused kernel
+    pushing the partial products (--all-reduce-push)."""
     runs = [{"label": str(tp), "tp": tp, "peer": True,
              "parts": [p for p in parts if p != "logits" or tp in (1, scale.ranks)]}
             for tp in scale.tps]
@@ -892,6 +915,9 @@ def dense_runs(scale: Scale, parts: list[str], unfused: bool = False,
                   "fuse_two_shot": False,
                   "parts": [p for p in parts if p in ("tpot", "workload")]}
                  for tp in scale.tps if tp > 1]
+    if "tpot" in parts and push:
+        runs += [{"label": f"{tp}-push", "tp": tp, "peer": True, "push": True,
+                  "parts": ["tpot"]} for tp in scale.tps if tp > 1]
     if "tpot" in parts and cublas:
         runs += [{"label": f"{tp}-cublas", "tp": tp, "peer": True, "gemv": False,
                   "parts": ["tpot"]} for tp in scale.tps]
@@ -921,6 +947,10 @@ def report_engines(res: Results, scale: Scale, shape: str, runs: dict[str, dict]
         if label.endswith("-cublas") and "tpot_ms" in run and "tpot_ms" in gemv:
             res.add(tp, shape, "tpot_gemv_over_cublas", round(gemv["tpot_ms"] / run["tpot_ms"], 3),
                     run=label.removesuffix("-cublas"))
+        pulled = runs.get(label.removesuffix("-push"), {})
+        if label.endswith("-push") and "tpot_ms" in run and "tpot_ms" in pulled:
+            res.add(tp, shape, "tpot_push_over_pull", round(run["tpot_ms"] / pulled["tpot_ms"], 3),
+                    run=label.removesuffix("-push"))
         if label == "1" or "error" in run or "error" in one:
             continue
         if "tpot_ms" in run and "tpot_ms" in one:
@@ -1003,6 +1033,10 @@ def main() -> None:
                         help="tpot, workload: also every TP size above 1 with two-shot's "
                         "messages summed, then normalised apart "
                         "(--no-fuse-two-shot-all-reduce-norm)")
+    parser.add_argument("--push", action="store_true",
+                        help="tpot: also every TP size above 1 with one-shot's fused kernel "
+                        "pushing the partial products (--all-reduce-push); allreduce: also "
+                        "that kernel per call (fused_rms_norm_push)")
     parser.add_argument("--cublas", action="store_true",
                         help="tpot: also every TP size with the float linears on cuBLAS at "
                         "every batch size (--no-dense-gemv), to compare with the GEMV")
@@ -1026,6 +1060,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     scale, res = Scale(args.tiny, args.ranks), Results(args.out)
     scale.child_timeout = args.child_timeout
+    scale.push = args.push
     if args.profile_batches:
         scale.profile_batches = tuple(int(b) for b in args.profile_batches.split(","))
     if args.tps:
@@ -1042,7 +1077,7 @@ def main() -> None:
         engine_parts = [p for p in ENGINE_PARTS if p in parts]
         if engine_parts:
             runs = dense_runs(scale, engine_parts, args.unfused, args.cublas,
-                              args.two_shot_unfused)
+                              args.two_shot_unfused, args.push)
             report_engines(res, scale, scale.shape,
                            engine_runs(res, scale, root, scale.shape, runs))
         if "moe" in parts:
