@@ -32,7 +32,8 @@ SIGNATURE = dict(buffers_ptr="*i64", signals_ptr="*i64", res_ptr="*bf16", w_ptr=
                  stride_out="i32", eps="fp32")
 # the ints a launch specializes as divisible by 16 (offsets into 16-byte aligned buffers)
 ALIGNED = {"buffer_offset", "part_stride", "signal_offset", "stride_res", "stride_out"}
-MEMORY_OP = re.compile(r"\b(?:ld\.global|st\.global|red\.global|atom|bar\.sync|fence|membar)[.\w:]*")
+MEMORY_OP = re.compile(r"\b(?:ld\.global|st\.global|red\.global|atom|bar\.sync|fence|membar)"
+                       r"[.\w:]*")
 
 
 def compile_one(world: int, n: int, push: bool):
