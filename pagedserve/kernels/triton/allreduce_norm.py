@@ -170,8 +170,10 @@ def _push_rows(buffers_ptr, rank, own_offset, first_row, row_step, num_rows, off
                N: tl.constexpr, WORLD: tl.constexpr, dtype: tl.constexpr):
     """This program's slice of each of its rows of our partial product (local, in our own
     sub-slot at `own_offset`) stored into the same sub-slot of every peer's buffer: posted
-    writes, 16-byte vectors, none waiting for an answer. Each rank starts with the next
-    rank, so that at more than two ranks the first stores do not all go to one peer."""
+    writes, none waiting for an answer (16-byte vectors at one program a row; a split row's
+    slice can leave a thread one element, as the pull's loads then are). Each rank starts
+    with the next rank, so that at more than two ranks the first stores do not all go to
+    one peer."""
     mine = peer_pointer(buffers_ptr, rank, dtype) + own_offset
     for row in range(first_row, num_rows, row_step):
         x = tl.load(mine + row * N + offs, mask=mask, other=0.0)
