@@ -4,8 +4,8 @@ float16 row against Q4_K and Q6_K (the types of a Q4_K_M file) unless the engine
 --no-gguf-int8-activations (then `gguf_gemv`, float activations, for every type).
 
 Why: `gguf_gemv` turns every weight into a float, scales it, rounds it to the activation dtype
-and multiplies: about 8.6 instructions a Q4_K weight on an H100, so its loop, not the bytes,
-sets the pace (Llama-3-8B Q4_K_M at batch 1 barely beat bf16). Quantizing the row first (one
+and multiplies: several instructions a weight, so its loop, not the bytes, sets the pace
+(docs/benchmarks.md, "The one-row GGUF GEMV with int8 activations"). Quantizing the row first (one
 tiny launch, `quantize`: per 32 columns an int8 code per column, a float32 scale and the sum
 of the codes, the layout llama.cpp calls Q8_1) lets the loop multiply 4 packed weights by 4
 codes in one `dp4a` instruction and leave the weights as the integers they are: a
@@ -23,8 +23,7 @@ dp4a(q, x) + dp4a(-32 in every byte, x), so no per-byte subtraction is needed; e
 columns have their own int8 scale. The codes' words are loaded at the weight words' shape,
 each row's the same (L1 serves the repeats): loaded once per column, the compiler lays them
 out for coalescing and moves the products between threads (shuffles, shared memory) to sum a
-sub-block. Compiled for sm_90 (benchmarks/gguf_ptx.py): about 3.5 SASS instructions a Q4_K
-weight and 4.1 a Q6_K one in the loop, against `gguf_gemv`'s 8.6 and 15.3, no spills.
+sub-block. `benchmarks/gguf_ptx.py` counts both loops' instructions a weight offline.
 
 Both keep `gguf_gemv`'s structure: split K (`fp8_linear.one_row_tiles`, partials summed by
 the last program to arrive, `arrivals`), the next tile's weights loaded one iteration ahead
@@ -46,7 +45,7 @@ from pagedserve.kernels.gguf_format import BLOCKS
 from pagedserve.kernels.triton import pdl
 from pagedserve.kernels.triton.arrivals import finish_row, split_buffers
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms
-from pagedserve.kernels.triton.gguf_gemv import ONE_ROW, _f16_half, tiles
+from pagedserve.kernels.triton.gguf_gemv import ONE_ROW, sub_scale_min, tiles
 from pagedserve.kernels.weight_formats import WeightFormat
 
 # the GGML types `gemv` takes
@@ -125,29 +124,12 @@ def _q4k_load(w_rows, n_mask, s0, s_stop, pairs, BLOCK_N: tl.constexpr, SB: tl.c
 
 
 @triton.jit
-def _q4k_scales(hdr, mask, sub):
-    """`gguf_gemv._sub_scales` for one sub-block of each pair: the scales d * sc and mins
-    dmin * m (float32) of sub-block `sub` [1, P] of each (row, pair), [BLOCK_N, P], from
-    pointers hdr [BLOCK_N, P] to each pair's super-block header (word 0: d, dmin; words 1-3:
-    the 6-bit scales and mins)."""
-    w0 = tl.load(hdr, mask=mask, other=0)
-    s0 = tl.load(hdr + 1, mask=mask, other=0)
-    s1 = tl.load(hdr + 2, mask=mask, other=0)
-    s2 = tl.load(hdr + 3, mask=mask, other=0)
-    sh = 8 * (sub % 4)
-    low = sub < 4
-    sc = tl.where(low, (s0 >> sh) & 63, ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4))
-    mn = tl.where(low, (s1 >> sh) & 63, ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4))
-    return _f16_half(w0, 0) * sc.to(tl.float32), _f16_half(w0, 16) * mn.to(tl.float32)
-
-
-@triton.jit
 def _q4k_half(acc, q, hdr, hdr_mask, xq_at, xd_at, xs_at, sub, in_slice):
     """acc [BLOCK_N, P] + one sub-block of each pair: q [BLOCK_N, P, 8] its weight words
     (nibbles as bytes), xq_at [BLOCK_N, P, 8] its codes' words (the same for every row, so
     that they load in q's layout), xd_at, xs_at [1, P] its activation block's scale and
     sum, sub [1, P] its index in its super-block."""
-    scales, mins = _q4k_scales(hdr, hdr_mask, sub)
+    scales, mins = sub_scale_min(hdr, hdr_mask, sub)
     xq = tl.load(xq_at, mask=in_slice[:, :, None], other=0)
     xd = tl.load(xd_at, mask=in_slice, other=0.0)
     xs = tl.load(xs_at, mask=in_slice, other=0).to(tl.float32)

@@ -145,11 +145,20 @@ def _sub_scales(hdr, mask, pairs):
     in the low 6 bits of bytes i (scale) and i + 4 (min); 4-7 in the nibbles of byte i + 8
     with their top 2 bits in the top bits of bytes i and i + 4. Computed at that shape, so
     each thread unpacks only the few its weights take."""
+    sub = 2 * (pairs % 4)[None, :, None, None, None] + tl.arange(0, 2)[None, None, None, :, None]
+    return sub_scale_min(hdr, mask, sub)
+
+
+@triton.jit
+def sub_scale_min(hdr, mask, sub):
+    """The scale d * sc and min dmin * m (float32) of sub-block `sub` (0-7) of the K-quant
+    super-block whose header `hdr` points to (int32 words; `_sub_scales` says where the
+    6-bit values lie), at the shape of hdr and sub broadcast: each thread unpacks only the
+    sub-blocks its weights take. Shared with `gguf_dp4a`'s Q4_K kernel."""
     w0 = tl.load(hdr, mask=mask, other=0)
     s0 = tl.load(hdr + 1, mask=mask, other=0)
     s1 = tl.load(hdr + 2, mask=mask, other=0)
     s2 = tl.load(hdr + 3, mask=mask, other=0)
-    sub = 2 * (pairs % 4)[None, :, None, None, None] + tl.arange(0, 2)[None, None, None, :, None]
     sh = 8 * (sub % 4)
     low = sub < 4
     sc = tl.where(low, (s0 >> sh) & 63, ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4))
