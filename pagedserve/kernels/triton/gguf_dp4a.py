@@ -45,7 +45,8 @@ from pagedserve.kernels.gguf_format import BLOCKS
 from pagedserve.kernels.triton import pdl
 from pagedserve.kernels.triton.arrivals import finish_row, split_buffers
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms
-from pagedserve.kernels.triton.gguf_gemv import ONE_ROW, sub_scale_min, tiles
+from pagedserve.kernels.triton.gguf_gemv import (ONE_ROW, program_blocks, sub_scale_min,
+                                                    tiles)
 from pagedserve.kernels.weight_formats import WeightFormat
 
 # the GGML types `gemv` takes
@@ -152,12 +153,8 @@ def _q4k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arriva
     for coalescing and moves the products through shared memory to sum them."""
     P: tl.constexpr = SB * 4
     pdl.allow_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    s_start = pid_k * blocks_per_split
-    s_stop = tl.minimum(s_start + blocks_per_split, blocks_per_row)
+    pid_n, pid_k, offs_n, n_mask, s_start, s_stop = program_blocks(
+        N, blocks_per_row, blocks_per_split, BLOCK_N)
     w_rows = (w_ptr.to(tl.pointer_type(tl.int32))
               + offs_n.to(tl.int64)[:, None] * tl.multiple_of(row_words, 4))
     pairs = tl.arange(0, P)
@@ -243,12 +240,8 @@ def _q6k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arriva
     4 h + qq."""
     U: tl.constexpr = SB * 4
     pdl.allow_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    s_start = pid_k * blocks_per_split
-    s_stop = tl.minimum(s_start + blocks_per_split, blocks_per_row)
+    pid_n, pid_k, offs_n, n_mask, s_start, s_stop = program_blocks(
+        N, blocks_per_row, blocks_per_split, BLOCK_N)
     w_rows = (w_ptr.to(tl.pointer_type(tl.int16))
               + offs_n.to(tl.int64)[:, None] * row_halves)
     units = tl.arange(0, U)

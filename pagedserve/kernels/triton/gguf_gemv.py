@@ -137,6 +137,19 @@ def _f16_half(word, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def program_blocks(N, blocks_per_row, blocks_per_split, BLOCK_N: tl.constexpr):
+    """A one-row program's share of the output and of K: (pid_n, pid_k, its rows offs_n
+    [BLOCK_N] and their mask, its blocks s_start .. s_stop of each row). Shared with
+    `gguf_dp4a`'s kernels."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    s_start = pid_k * blocks_per_split
+    return (pid_n, pid_k, offs_n, offs_n < N, s_start,
+            tl.minimum(s_start + blocks_per_split, blocks_per_row))
+
+
+@triton.jit
 def _sub_scales(hdr, mask, pairs):
     """The sub-block scales d * sc and mins dmin * m (float32) of each (row, pair p, half h)
     of the tile, [BLOCK_N, P, 1, 2, 1] (sub-block 2 (p % 4) + h of its super-block), from
@@ -229,12 +242,8 @@ def _kquant_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blo
     P: tl.constexpr = SB * 4
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pdl.allow_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    s_start = pid_k * blocks_per_split
-    s_stop = tl.minimum(s_start + blocks_per_split, blocks_per_row)
+    pid_n, pid_k, offs_n, n_mask, s_start, s_stop = program_blocks(
+        N, blocks_per_row, blocks_per_split, BLOCK_N)
     w_rows = (w_ptr.to(tl.pointer_type(tl.int32))
               + offs_n.to(tl.int64)[:, None] * tl.multiple_of(row_words, 4))
     pairs = tl.arange(0, P)
@@ -301,12 +310,8 @@ def _q6k_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, blocks
     U: tl.constexpr = SB * 2 * LQ
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pdl.allow_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    s_start = pid_k * blocks_per_split
-    s_stop = tl.minimum(s_start + blocks_per_split, blocks_per_row)
+    pid_n, pid_k, offs_n, n_mask, s_start, s_stop = program_blocks(
+        N, blocks_per_row, blocks_per_split, BLOCK_N)
     w_rows = (w_ptr.to(tl.pointer_type(tl.int16))
               + offs_n.to(tl.int64)[:, None] * row_halves)
     units = tl.arange(0, U)
@@ -372,12 +377,8 @@ def _block32_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrivals_ptr, N, bl
     H: tl.constexpr = 1 if QTYPE == _Q8_0 else 2
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     pdl.allow_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    s_start = pid_k * blocks_per_split
-    s_stop = tl.minimum(s_start + blocks_per_split, blocks_per_row)
+    pid_n, pid_k, offs_n, n_mask, s_start, s_stop = program_blocks(
+        N, blocks_per_row, blocks_per_split, BLOCK_N)
     w_rows = (w_ptr.to(tl.pointer_type(tl.int16))
               + offs_n.to(tl.int64)[:, None] * row_halves)[:, :, None, None, None]
     b = tl.arange(0, B)[None, :, None, None, None]
