@@ -458,13 +458,15 @@ def run_workload(llm, scale: Scale) -> dict:
 
     prompts, out_lens = workload_a(scale)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in out_lens]
-    t0 = time.perf_counter()
+    before, t0 = llm.llm_engine.get_stats(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    after = llm.llm_engine.get_stats()
     return {"workload_s": round(seconds, 2), "output_tokens": tokens,
             "output_tok_per_s": round(tokens / seconds, 1),
-            "preemptions": llm.llm_engine.get_stats().num_preemptions}
+            "preemptions": after.num_preemptions,
+            "workload_steps": step_costs(before, after, seconds)}
 
 
 # ------------------------------------------------------------------ children (all-reduce)
@@ -942,7 +944,8 @@ def report_engines(res: Results, scale: Scale, shape: str, runs: dict[str, dict]
         if "output_tok_per_s" in run:
             res.add(tp, shape, "workload_A_output_tok_per_s", run["output_tok_per_s"],
                     run=label, seconds=run["workload_s"], output_tokens=run["output_tokens"],
-                    preemptions=run["preemptions"], kv_blocks=run["kv_blocks"])
+                    preemptions=run["preemptions"], kv_blocks=run["kv_blocks"],
+                    **run.get("workload_steps", {}))
         gemv = runs.get(label.removesuffix("-cublas"), {})
         if label.endswith("-cublas") and "tpot_ms" in run and "tpot_ms" in gemv:
             res.add(tp, shape, "tpot_gemv_over_cublas", round(gemv["tpot_ms"] / run["tpot_ms"], 3),
