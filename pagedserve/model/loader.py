@@ -315,6 +315,7 @@ def load_model(
         gguf_weights.attach(model, ops.gguf_linear, targets, kept)
         gguf_weights.attach_experts(model, ops.fused_moe, experts, kept)
     model.quantization = quantization or (scheme.name if scheme is not None else None)
+    model.embed_tokens.replicate()
     if quantized and quantization is None and path.suffix == ".gguf" and (
             dtype == torch.float32 and device.type == "cpu") and (
             parallel.get_tp().size == 1 and native_quant.available()):

@@ -194,6 +194,17 @@ def broadcast_(x: torch.Tensor) -> torch.Tensor:
 _ALL_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def gather_first_dim(x: torch.Tensor) -> torch.Tensor:
+    """Each rank's [n, ...] -> [size * n, ...], rank order, on every rank, in one collective."""
+    tp = _STATE
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _ALL_GATHER_INTO(out, x, group=tp.group)
+    return out
+
+
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Each rank's [..., n] -> [..., size * n], rank order, on every rank: one collective into
     one buffer (rank-major), then one copy into place (a list of outputs costs NCCL a copy out
@@ -201,10 +212,7 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     tp = _STATE
     if tp.size == 1:
         return x
-    x = x.contiguous()
-    out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _ALL_GATHER_INTO(out, x, group=tp.group)
-    ranked = out.view(tp.size, *x.shape).movedim(0, -2)  # [..., size, n]
+    ranked = gather_first_dim(x).view(tp.size, *x.shape).movedim(0, -2)  # [..., size, n]
     return ranked.reshape(*x.shape[:-1], tp.size * x.shape[-1])
 
 
@@ -327,20 +335,31 @@ def take_rows(source, dim: int, rows: list[int]) -> torch.Tensor:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding of this rank's vocabulary rows; other ids embed to zeros before the
-    all-reduce adds every rank's part. Named `weight` like nn.Embedding, and shared with a
-    tied LM head (same rows)."""
+    """Embedding of this rank's vocabulary rows (`weight`, as the checkpoint is sharded, and
+    shared with a tied LM head: same rows); under tensor parallelism, once the weights are
+    loaded, also the whole padded table (`replicate`), which the lookup reads.
+
+    Why the whole table: a lookup in the rows alone embeds other ranks' ids to zeros, and the
+    parts are then all-reduced, at the start of every step: six small kernels and an
+    all-reduce that waits for every rank, about 1% of a batch-1 decode step (docs/benchmarks.md).
+    The whole table costs each rank (size - 1) / size of it more memory, which the KV pool,
+    sized after loading, gives up."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         rows = local_vocab(config)
         self.start, self.end = rows.start, rows.stop
         self.weight = nn.Parameter(torch.empty(len(rows), config.hidden_size))
+        self.table: torch.Tensor | None = None  # every rank's rows (TP > 1, `replicate`)
+
+    def replicate(self) -> None:
+        """Gather every rank's rows into the whole table (collective: every rank calls it)."""
+        if _STATE.size > 1:
+            self.table = gather_first_dim(self.weight.detach())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if _STATE.size == 1:
             return F.embedding(input_ids, self.weight)
-        inside = (input_ids >= self.start) & (input_ids < self.end)
-        local = torch.where(inside, input_ids - self.start, 0)
-        h = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce_(h)
+        if self.table is None:
+            raise RuntimeError("the embedding's table is gathered once the weights are loaded")
+        return F.embedding(input_ids, self.table)
