@@ -424,7 +424,7 @@ class TierCosts(msgspec.Struct, frozen=True):
     (`block_copy_s`, over `copy_blocks` blocks), a prefill's cost per token (`token_s`)
     and per token per context token (`token_context_s`, the attention's growth; both fitted to
     prefills of `prefill_tokens` tokens at two sequence lengths), and the least a step costs
-    (`step_s`: a forward pass over one token), which a recall waits at least."""
+    (`step_s`: a one-request decode step), which a recall waits at least."""
 
     block_copy_s: float
     token_s: float

@@ -375,8 +375,12 @@ class ModelRunner:
         compiled, allocator grown, the first call's set-up: what the first step would pay
         otherwise). On CUDA: a step's budget of tokens, as a recompute runs, in prompts of
         two lengths, fitted to `token_s * l + token_context_s * l * l` a prompt of length
-        l (a long history's recompute pays the attention's growth); the step, a pass over
-        one token (eager: at most what a captured decode step costs). On the CPU one block,
+        l (a long history's recompute pays the attention's growth); the step, the cheapest
+        a recall can wait: the one-request decode graph's replay (before any step: its
+        inputs are still capture's, which write nothing), or without graphs an eager pass
+        over one token. The eager pass is no floor with graphs: it is bound by the host's
+        launches, a few times the replay, and it varied 2.4x between starts of one engine
+        on one GPU (docs/benchmarks.md), declining recalls that paid. On the CPU one block,
         which is also the step (a pass there is bound by the weights at the lengths a probe
         can afford), and no context term (this runs at every start with a tier)."""
         def timed(num_tokens: int, max_len: int) -> float:
@@ -391,7 +395,10 @@ class ModelRunner:
         t_long, t_short = timed(long, long), timed(long, short)
         token_context_s = max(0.0, (t_long - t_short) / (long * max(1, long - short)))
         token_s = max(0.0, t_short / long - token_context_s * short)
-        return token_s, token_context_s, timed(1, 1), long
+        size = self.graphs.padded_size(1) if self.graphs is not None else None
+        step_s = (self._timed(partial(self.graphs.replay, size)) if size is not None
+                  else timed(1, 1))
+        return token_s, token_context_s, step_s, long
 
     def _timed(self, work: Callable[[], None]) -> float:
         """Seconds from an idle device to `work` done on it, its second run (the first

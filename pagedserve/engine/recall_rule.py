@@ -13,7 +13,7 @@ The model of the costs, in seconds:
 
 * recalling n blocks: `max(n * block_copy_s, step_s)`: the copy overlaps the step that
   queues it, and the request computes only in the step after, so it waits at least a step
-  (`step_s`, the least one costs: a forward pass over one token);
+  (`step_s`, the least one costs: a one-request decode step);
 * recomputing the tokens [s, e) of a prompt: `token_s * (e - s) + token_context_s * (e*e - s*s)`,
   a per-token part (weights, MLP) and an attention part growing with the position (a prefill
   of a sequence of length l from zero costs `token_s * l + token_context_s * l * l`).
