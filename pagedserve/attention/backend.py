@@ -9,9 +9,10 @@ signature identical to a plain decoder's (`input_ids`, `positions`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,8 +34,31 @@ class AttentionShape:
     softcap: float | None = None  # a score cap (Gemma 2)
 
 
+class QKRotation(NamedTuple):
+    """A layer's rotation of q and k in one step: `rotate_qk_` (the model's `Ops.rotate_qk_`)
+    and its arguments, RoPE at `positions` from the cos/sin tables after an RMSNorm of each q
+    and k head with q_weight / k_weight (Qwen3; None: no norm)."""
+
+    rotate_qk_: Callable[..., None]
+    positions: Tensor
+    cos: Tensor
+    sin: Tensor
+    q_weight: Tensor | None
+    k_weight: Tensor | None
+    eps: float
+
+    def apply_(self, qkv: Tensor, num_q_heads: int, num_kv_heads: int) -> None:
+        """Rotates qkv's q and k heads in place."""
+        self.rotate_qk_(qkv, self.positions, self.cos, self.sin, num_q_heads, num_kv_heads,
+                        self.q_weight, self.k_weight, self.eps)
+
+
 class AttentionBackend(ABC):
     """Stores new K/V into the paged cache and attends through block tables.
+
+    A model's attention layer hands it the fused QKV projection with q and k not yet rotated
+    (`forward_qkv`), so that a backend whose K/V store can rotate them does both in one kernel
+    (the Triton backend); the others rotate with the model's op, then run `forward`.
 
     `copy_blocks` and `swap_blocks` are plain torch here, correct on every device; a backend
     overrides them where a kernel is faster (the Triton backend's copy_blocks).
@@ -56,6 +80,20 @@ class AttentionBackend(ABC):
         (after the scale, before the softmax), None for none. kv_scales: an FP8 cache's
         (K, V) scales [Hkv] (`kv_quant`), None for a cache in the model's dtype.
         """
+
+    def forward_qkv(self, qkv: Tensor, num_kv_heads: int, rotation: QKRotation,
+                    k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None = None, softcap: float | None = None,
+                    kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """qkv [T, Hq + 2 Hkv, D], q and k not yet rotated -> [T, Hq, D]: `rotation` applied
+        to q (in place) and k, then `forward` of q, k and v. Here the two in turn; a backend
+        may instead rotate in its K/V store, with the arithmetic of `rotate_qk_` on its
+        device (the Triton backend: `kernels/triton/model_ops.rotate_qk_`'s, which every
+        model on CUDA takes), leaving qkv's k heads as they were."""
+        num_q_heads = qkv.shape[1] - 2 * num_kv_heads
+        rotation.apply_(qkv, num_q_heads, num_kv_heads)
+        q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
 
     def copy_blocks(self, kv_caches: list[tuple[Tensor, Tensor]], src_dst: Tensor) -> None:
         """Copy whole blocks within each layer's caches (copy-on-write). src_dst: [N, 2]."""

@@ -7,9 +7,10 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from pagedserve.attention.backend import AttentionBackend
+from pagedserve.attention.backend import AttentionBackend, QKRotation
 from pagedserve.kernels.triton.attention import (DecodeConfig, PrefillConfig, copy_blocks,
-                                          longest_first, paged_decode, paged_prefill, store_kv)
+                                                 longest_first, paged_decode, paged_prefill,
+                                                 rotate_store_kv_, store_kv)
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -32,9 +33,11 @@ def _decode_order(meta: AttentionMetadata) -> Tensor | None:
 
 
 class TritonBackend(AttentionBackend):
-    """store_kv, then the decode kernel on the leading decodes and the prefill kernel on the
-    rest; copy_blocks is a Triton kernel, swap_blocks the base class's staged torch copy.
-    decode_cfg None: each cache dtype's own launch settings (`decode.default_config`)."""
+    """The K/V store, then the decode kernel on the leading decodes and the prefill kernel on
+    the rest; copy_blocks is a Triton kernel, swap_blocks the base class's staged torch copy.
+    A layer's fused QKV (`forward_qkv`) is rotated by the store itself (`rotate_store_kv_`):
+    one launch a layer fewer than RoPE's kernel then the store's, every step. decode_cfg
+    None: each cache dtype's own launch settings (`decode.default_config`)."""
 
     name = "triton"
 
@@ -48,6 +51,22 @@ class TritonBackend(AttentionBackend):
                 softcap: float | None = None,
                 kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        return self._attend(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
+
+    def forward_qkv(self, qkv: Tensor, num_kv_heads: int, rotation: QKRotation,
+                    k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+                    window: int | None = None, softcap: float | None = None,
+                    kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        r = rotation
+        rotate_store_kv_(qkv, num_kv_heads, r.positions, r.cos, r.sin, r.q_weight, r.k_weight,
+                         r.eps, k_cache, v_cache, meta.slot_mapping, kv_scales)
+        q = qkv[:, :qkv.shape[1] - 2 * num_kv_heads]
+        return self._attend(q, k_cache, v_cache, meta, scale, window, softcap, kv_scales)
+
+    def _attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                scale: float, window: int | None, softcap: float | None,
+                kv_scales: tuple[Tensor, Tensor] | None) -> Tensor:
+        """The step's attention over the caches, this step's K/V already in them."""
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty_like(q, memory_format=torch.contiguous_format)

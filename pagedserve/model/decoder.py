@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.attention.backend import get_forward_context
+from pagedserve.attention.backend import QKRotation, get_forward_context
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.moe import SparseMoE
@@ -152,7 +152,8 @@ def make_norm(config: ModelConfig, dim: int, ops: Ops) -> RMSNorm:
 class Attention(nn.Module):
     """Self-attention of one layer. Its options come from the config, per layer: the sliding
     window (None: global), the score cap, the scale, and which RoPE table it reads
-    (`layer_type`)."""
+    (`layer_type`). The attention backend gets q and k unrotated, with the rotation to apply
+    (`AttentionBackend.forward_qkv`): the Triton backend's K/V store rotates as it stores."""
 
     def __init__(self, config: ModelConfig, layer: int, ops: Ops) -> None:
         super().__init__()
@@ -171,6 +172,9 @@ class Attention(nn.Module):
                                         bias=config.o_bias, matmul=ops.matmul(), slot=0)
         self.q_norm = make_norm(config, config.head_dim, ops) if config.qk_norm else None
         self.k_norm = make_norm(config, config.head_dim, ops) if config.qk_norm else None
+        # Qwen3's q/k norm is part of the rotation (`ops.eager_rotate_qk_`); Gemma 3's
+        # (unit-offset), which no kernel takes, runs eagerly before it
+        self.eager_qk_norm = isinstance(self.q_norm, UnitOffsetRMSNorm)
         self.rotate_qk_ = ops.rotate_qk_
         # Paged caches [num_blocks, block_size, num_kv_heads, head_dim], bound by the runner
         # after it sizes the pool. Plain attributes, not buffers: they are not weights, must not
@@ -190,21 +194,23 @@ class Attention(nn.Module):
         T = x.shape[0]
         hq, hkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(T, hq + 2 * hkv, self.head_dim)
-        if self.q_norm is None:
-            self.rotate_qk_(qkv, positions, cos, sin, hq, hkv, None, None, 0.0)
-        elif isinstance(self.q_norm, UnitOffsetRMSNorm):  # Gemma 3: no fused kernel
+        if self.eager_qk_norm:
             qkv[:, :hq] = self.q_norm.normalize(qkv[:, :hq])
             qkv[:, hq:hq + hkv] = self.k_norm.normalize(qkv[:, hq:hq + hkv])
-            self.rotate_qk_(qkv, positions, cos, sin, hq, hkv, None, None, 0.0)
-        else:
-            self.rotate_qk_(qkv, positions, cos, sin, hq, hkv, self.q_norm.weight,
-                            self.k_norm.weight, self.q_norm.eps)
-        q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+        # the backend rotates q and k (in its K/V store where it can: `forward_qkv`)
+        rotation = QKRotation(self.rotate_qk_, positions, cos, sin, *self._rotation_norm())
         ctx = get_forward_context()
-        out = ctx.backend.forward(q, k, v, self.k_cache, self.v_cache, ctx.meta, self.scale,
-                                  window=self.window, softcap=self.softcap,
-                                  kv_scales=self.kv_scales)
+        out = ctx.backend.forward_qkv(qkv, hkv, rotation, self.k_cache, self.v_cache, ctx.meta,
+                                      self.scale, window=self.window, softcap=self.softcap,
+                                      kv_scales=self.kv_scales)
         return self.o_proj(out.reshape(T, hq * self.head_dim), norm, residual)
+
+    def _rotation_norm(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """The per-head q/k RMSNorm the rotation applies first: (q weight, k weight, eps);
+        (None, None, 0.0) for none (Gemma 3's was applied before)."""
+        if self.q_norm is None or self.eager_qk_norm:
+            return None, None, 0.0
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
 
 class MLP(nn.Module):

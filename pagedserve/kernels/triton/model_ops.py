@@ -90,6 +90,23 @@ def _rotate_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, stri
     pdl.step_entry()
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    lo, out1, out2, mask = rotated_heads(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr,
+                                         token, heads, stride_tok, eps, NUM_Q, NUM_ROT,
+                                         HEAD_DIM, HALF_PAD, HAS_NORM)
+    dtype = qkv_ptr.dtype.element_ty
+    tl.store(lo, out1.to(dtype), mask=mask)
+    tl.store(lo + HEAD_DIM // 2, out2.to(dtype), mask=mask)
+
+
+@triton.jit
+def rotated_heads(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, token, heads,
+                  stride_tok, eps, NUM_Q: tl.constexpr, NUM_ROT: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
+    """`heads` [BLOCK_H] of one token's q and k (q heads first), RMSNormed (HAS_NORM) and
+    rotated: (each head's first half in qkv [BLOCK_H, HALF_PAD] pointers, the rotated first
+    and second halves in float32, the mask of real elements). `rotate_qk_` stores them back;
+    the KV store that rotates (`attention/store_kv.rotate_store_kv_`) stores q back and k in
+    the cache: one function, launched on the same tiles, so both compute the same bits."""
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF_PAD)
     d_mask = d < HALF
@@ -117,8 +134,7 @@ def _rotate_qk_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, stri
     # transformers: x * cos + rotate_half(x) * sin, each product rounded to the activation dtype.
     out1 = round_to(x1 * cos, dtype) - round_to(x2 * sin, dtype)
     out2 = round_to(x2 * cos, dtype) + round_to(x1 * sin, dtype)
-    tl.store(lo, out1.to(dtype), mask=mask)
-    tl.store(lo + HALF, out2.to(dtype), mask=mask)
+    return lo, out1, out2, mask
 
 
 def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_heads: int,
@@ -128,23 +144,39 @@ def rotate_qk_(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, num_q_h
     then rotate it by its token's position. cos/sin: [max_positions, D] tables (decoder.py);
     positions must be below max_positions (not checked: no host sync)."""
     num_tokens, _, head_dim = qkv.shape
-    assert qkv.stride(2) == 1 and qkv.stride(1) == head_dim, "each head must be contiguous"
-    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == head_dim
+    check_rotation(qkv, cos, sin, q_weight, k_weight)
     if num_tokens == 0:
         return
     num_rot = num_q_heads + num_kv_heads
-    half_pad = triton.next_power_of_2(head_dim // 2)
-    # Up to 2K elements per half-tile: one program per token holds all 24 q/k heads of
-    # Qwen3-0.6B (D=128) in 64 registers a thread, no spills (sm_90).
-    block_h = min(triton.next_power_of_2(num_rot), max(1, 2048 // half_pad))
+    half_pad, block_h = rotation_tile(num_rot, head_dim)
     has_norm = q_weight is not None
-    if has_norm:
-        assert k_weight is not None and q_weight.is_contiguous() and k_weight.is_contiguous()
     grid = (num_tokens, triton.cdiv(num_rot, block_h))
     _rotate_qk_kernel[grid](
         qkv, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
         qkv.stride(0), eps, NUM_Q=num_q_heads, NUM_ROT=num_rot, HEAD_DIM=head_dim,
-        HALF_PAD=half_pad, BLOCK_H=block_h, HAS_NORM=has_norm, num_warps=4, **pdl.launch_options())
+        HALF_PAD=half_pad, BLOCK_H=block_h, HAS_NORM=has_norm, num_warps=ROTATION_WARPS,
+        **pdl.launch_options())
+
+
+ROTATION_WARPS = 4  # of a `rotated_heads` tile's program
+
+
+def rotation_tile(num_rot: int, head_dim: int) -> tuple[int, int]:
+    """(HALF_PAD, BLOCK_H) of the `rotated_heads` tiles over `num_rot` q and k heads. Up to 2K
+    elements per half-tile: one program per token holds all 24 q/k heads of Qwen3-0.6B
+    (D=128) in 64 registers a thread, no spills (sm_90)."""
+    half_pad = triton.next_power_of_2(head_dim // 2)
+    return half_pad, min(triton.next_power_of_2(num_rot), max(1, 2048 // half_pad))
+
+
+def check_rotation(qkv: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
+                   k_weight: Tensor | None) -> None:
+    """What the `rotated_heads` kernels assume of their arguments."""
+    head_dim = qkv.shape[2]
+    assert qkv.stride(2) == 1 and qkv.stride(1) == head_dim, "each head must be contiguous"
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == head_dim
+    if q_weight is not None:
+        assert k_weight is not None and q_weight.is_contiguous() and k_weight.is_contiguous()
 
 
 @triton.jit

@@ -15,6 +15,9 @@ from torch import Tensor
 from pagedserve.kernels.fp8_format import FP8_MAX, is_fp8
 from pagedserve.kernels.triton import pdl
 from pagedserve.kernels.triton.e4m3 import round_to_e4m3
+from pagedserve.kernels.triton.model_ops import (ROTATION_WARPS, check_rotation, rotated_heads,
+                                               rotation_tile)
+from pagedserve.kernels.triton.precision import round_to
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
@@ -38,15 +41,21 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_p
     slot = tl.load(slot_ptr + token)
     if slot < 0:
         return
+    _store_row(k_ptr + token * stride_k, k_cache_ptr, k_scale_ptr, slot, ROW, BLOCK, HEAD_DIM,
+               FP8)
+    _store_row(v_ptr + token * stride_v, v_cache_ptr, v_scale_ptr, slot, ROW, BLOCK, HEAD_DIM,
+               FP8)
+
+
+@triton.jit
+def _store_row(row_ptr, cache_ptr, scale_ptr, slot, ROW: tl.constexpr, BLOCK: tl.constexpr,
+               HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+    """One token's K (or V) row [Hkv * D] into the cache at `slot`, as the cache stores it."""
     offs = tl.arange(0, BLOCK)
     mask = offs < ROW
-    dst = slot.to(tl.int64) * ROW + offs
-    k = _quantized(tl.load(k_ptr + token * stride_k + offs, mask=mask), k_scale_ptr, offs,
-                   mask, HEAD_DIM, FP8)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = _quantized(tl.load(v_ptr + token * stride_v + offs, mask=mask), v_scale_ptr, offs,
-                   mask, HEAD_DIM, FP8)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    x = _quantized(tl.load(row_ptr + offs, mask=mask), scale_ptr, offs, mask, HEAD_DIM, FP8)
+    tl.store(cache_ptr + slot.to(tl.int64) * ROW + offs, x.to(cache_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def _rows_contiguous(x: Tensor) -> Tensor:
@@ -64,13 +73,95 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
-    fp8 = is_fp8(k_cache)
-    assert not fp8 or kv_scales is not None, "an FP8 KV cache needs its scales"
-    k_scale, v_scale = kv_scales if fp8 else (k_cache, v_cache)  # unread without FP8
+    k_scale, v_scale = _cache_scales(k_cache, v_cache, kv_scales)
     k, v = _rows_contiguous(k), _rows_contiguous(v)
     row = k.shape[1] * k.shape[2]
     _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                                     k.stride(0), v.stride(0), ROW=row,
                                     BLOCK=triton.next_power_of_2(row), HEAD_DIM=k.shape[2],
-                                    FP8=fp8, **pdl.launch_options())
+                                    FP8=is_fp8(k_cache), **pdl.launch_options())
+
+
+def _cache_scales(k_cache: Tensor, v_cache: Tensor,
+                  kv_scales: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """The (K, V) scale pointers a store kernel takes: an FP8 cache's own (which it needs),
+    else any tensors (unread)."""
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV caches must be contiguous"
+    fp8 = is_fp8(k_cache)
+    assert not fp8 or kv_scales is not None, "an FP8 KV cache needs its scales"
+    return kv_scales if fp8 else (k_cache, v_cache)
+
+
+@triton.jit
+def _rotate_store_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr, k_cache_ptr,
+                            v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, stride_tok, eps,
+                            NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_V: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr):
+    pdl.step_entry()
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    NUM_ROT: tl.constexpr = NUM_Q + NUM_KV
+    ROW: tl.constexpr = NUM_KV * HEAD_DIM
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if tl.program_id(1) == tl.num_programs(1) - 1:  # the last program stores v
+        if slot >= 0:
+            _store_row(qkv_ptr + token * stride_tok + NUM_ROT * HEAD_DIM, v_cache_ptr,
+                       v_scale_ptr, slot, ROW, BLOCK_V, HEAD_DIM, FP8)
+    else:  # the others rotate heads of q (stored back) and k (stored in the cache)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        lo, out1, out2, mask = rotated_heads(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr,
+                                             k_w_ptr, token, heads, stride_tok, eps, NUM_Q,
+                                             NUM_ROT, HEAD_DIM, HALF_PAD, HAS_NORM)
+        dtype = qkv_ptr.dtype.element_ty
+        is_q = (heads < NUM_Q)[:, None]
+        tl.store(lo, out1.to(dtype), mask=mask & is_q)
+        tl.store(lo + HALF, out2.to(dtype), mask=mask & is_q)
+        if slot >= 0:
+            k_mask = mask & (heads >= NUM_Q)[:, None]
+            offs = (heads - NUM_Q)[:, None] * HEAD_DIM + tl.arange(0, HALF_PAD)[None, :]
+            dst = k_cache_ptr + slot * ROW + offs
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            k1 = _quantized(_as_stored(out1, dtype, FP8), k_scale_ptr, offs, k_mask, HEAD_DIM,
+                            FP8)
+            tl.store(dst, k1.to(cache_dtype), mask=k_mask)
+            k2 = _quantized(_as_stored(out2, dtype, FP8), k_scale_ptr, offs + HALF, k_mask,
+                            HEAD_DIM, FP8)
+            tl.store(dst + HALF, k2.to(cache_dtype), mask=k_mask)
+
+
+@triton.jit
+def _as_stored(x, dtype: tl.constexpr, FP8: tl.constexpr):
+    """float32 `x` as `store_kv` reads it back from a tensor of the activation dtype: in that
+    dtype, or, for an FP8 cache, rounded to it in float32 (`round_to`: a plain cast there and
+    back is folded away by the compiler)."""
+    if FP8:
+        return round_to(x, dtype)
+    return x.to(dtype)
+
+
+def rotate_store_kv_(qkv: Tensor, num_kv_heads: int, positions: Tensor, cos: Tensor,
+                     sin: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float,
+                     k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                     kv_scales: tuple[Tensor, Tensor] | None = None) -> None:
+    """`model_ops.rotate_qk_` then `store_kv` of the rotated k and v, in one launch: qkv
+    [T, Hq + 2 Hkv, D] has its q heads RMSNormed (with q_weight / k_weight, when given) and
+    rotated in place, and its k heads, likewise, and its v heads written into the caches at
+    slot_mapping (nothing where -1), the same bits as the two kernels write. qkv's k heads
+    are left as they were: attention reads K only from the cache."""
+    num_tokens, width, head_dim = qkv.shape
+    check_rotation(qkv, cos, sin, q_weight, k_weight)
+    if num_tokens == 0:
+        return
+    k_scale, v_scale = _cache_scales(k_cache, v_cache, kv_scales)
+    num_q = width - 2 * num_kv_heads
+    half_pad, block_h = rotation_tile(num_q + num_kv_heads, head_dim)
+    has_norm = q_weight is not None
+    # a token's rotation tiles, then one program for its v row
+    grid = (num_tokens, triton.cdiv(num_q + num_kv_heads, block_h) + 1)
+    _rotate_store_kv_kernel[grid](
+        qkv, positions, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos,
+        k_cache, v_cache, slot_mapping, k_scale, v_scale, qkv.stride(0), eps, NUM_Q=num_q,
+        NUM_KV=num_kv_heads, HEAD_DIM=head_dim, HALF_PAD=half_pad, BLOCK_H=block_h,
+        BLOCK_V=triton.next_power_of_2(num_kv_heads * head_dim), HAS_NORM=has_norm,
+        FP8=is_fp8(k_cache), num_warps=ROTATION_WARPS, **pdl.launch_options())
