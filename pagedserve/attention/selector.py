@@ -51,9 +51,10 @@ def get_attention_backend(name: str | None, device: torch.device | str,
                      "'triton'")
 
 
-# the attention kernels and the helpers they jit with
+# the attention kernels and the helpers they jit with (model_ops: the rotation the K/V store
+# applies)
 _ATTENTION_KERNELS = tuple(f"pagedserve.kernels.triton.{name}" for name in
-                           ("attention", "arrivals", "e4m3", "pdl", "precision"))
+                           ("attention", "arrivals", "e4m3", "model_ops", "pdl", "precision"))
 
 
 def _require_interpreter() -> None:

@@ -28,8 +28,14 @@ def _quantized(x, scale_ptr, offs, mask, HEAD_DIM: tl.constexpr, FP8: tl.constex
     e4m3."""
     if FP8:
         scale = tl.load(scale_ptr + offs // HEAD_DIM, mask=mask, other=1.0)
-        x = round_to_e4m3(tl.clamp(x.to(tl.float32) / scale, -_FP8_MAX, _FP8_MAX))
+        x = _to_e4m3(x.to(tl.float32), scale)
     return x
+
+
+@triton.jit
+def _to_e4m3(x, scale):
+    """float32 x / scale, clamped to e4m3's range and rounded to an e4m3 value."""
+    return round_to_e4m3(tl.clamp(x / scale, -_FP8_MAX, _FP8_MAX))
 
 
 @triton.jit
@@ -118,26 +124,34 @@ def _rotate_store_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_w_ptr, k_w_ptr
         tl.store(lo, out1.to(dtype), mask=mask & is_q)
         tl.store(lo + HALF, out2.to(dtype), mask=mask & is_q)
         if slot >= 0:
-            k_mask = mask & (heads >= NUM_Q)[:, None]
-            offs = (heads - NUM_Q)[:, None] * HEAD_DIM + tl.arange(0, HALF_PAD)[None, :]
-            dst = k_cache_ptr + slot * ROW + offs
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            k1 = _quantized(_as_stored(out1, dtype, FP8), k_scale_ptr, offs, k_mask, HEAD_DIM,
-                            FP8)
-            tl.store(dst, k1.to(cache_dtype), mask=k_mask)
-            k2 = _quantized(_as_stored(out2, dtype, FP8), k_scale_ptr, offs + HALF, k_mask,
-                            HEAD_DIM, FP8)
-            tl.store(dst + HALF, k2.to(cache_dtype), mask=k_mask)
+            _store_k(out1, out2, mask, heads - NUM_Q, k_cache_ptr + slot * ROW, k_scale_ptr,
+                     dtype, NUM_KV, HEAD_DIM, HALF_PAD, FP8)
 
 
 @triton.jit
-def _as_stored(x, dtype: tl.constexpr, FP8: tl.constexpr):
-    """float32 `x` as `store_kv` reads it back from a tensor of the activation dtype: in that
-    dtype, or, for an FP8 cache, rounded to it in float32 (`round_to`: a plain cast there and
-    back is folded away by the compiler)."""
-    if FP8:
-        return round_to(x, dtype)
-    return x.to(dtype)
+def _store_k(out1, out2, mask, k_heads, row_ptr, scale_ptr, dtype: tl.constexpr,
+             NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
+             FP8: tl.constexpr):
+    """The rotated halves of a tile's k heads (0 <= `k_heads` < NUM_KV; below: q's) into
+    their cache row, as `store_kv` stores what `rotate_qk_` stored: rounded to the activation
+    dtype, and for an FP8 cache quantized with the head's scale."""
+    is_k = (k_heads >= 0) & (k_heads < NUM_KV)
+    mask = mask & is_k[:, None]
+    offs = k_heads[:, None] * HEAD_DIM + tl.arange(0, HALF_PAD)[None, :]
+    # Stores no wider than qkv's loads (16 bytes): a wider one (16 FP8 values) would pull
+    # the tile into another layout, where the q/k norm's sum adds up in another order than
+    # `rotate_qk_`'s (sm_90 TTGIR, benchmarks/rotate_store_ptx.py).
+    offs = tl.max_contiguous(offs, [1, 128 // dtype.primitive_bitwidth])
+    if FP8:  # rounded on the bits (`round_to`): the compiler folds a cast there and back
+        scale = tl.load(scale_ptr + k_heads, mask=is_k, other=1.0)[:, None]
+        k1 = _to_e4m3(round_to(out1, dtype), scale)
+        k2 = _to_e4m3(round_to(out2, dtype), scale)
+    else:
+        k1 = out1.to(dtype)
+        k2 = out2.to(dtype)
+    cache_dtype = row_ptr.dtype.element_ty
+    tl.store(row_ptr + offs, k1.to(cache_dtype), mask=mask)
+    tl.store(row_ptr + offs + HEAD_DIM // 2, k2.to(cache_dtype), mask=mask)
 
 
 def rotate_store_kv_(qkv: Tensor, num_kv_heads: int, positions: Tensor, cos: Tensor,
