@@ -460,13 +460,13 @@ def same_bytes(a, b) -> bool:
 
 
 def w_attention(ctx: Ctx) -> None:
-    """Store-KV (bf16, FP8), decode v1 (in order and longest first) and v2 (split_short on and
-    off, a grid sized for 4x the longest sequence, three launches in a row on the same arrival
-    counters), chunked prefill over a cached prefix (with prefix hits written as slot -1, and
-    a sliding window), whole mixed steps through the Triton backend (window and score cap),
-    GQA 1-8, ragged contexts crossing blocks, tiles and partitions, NaN-filled caches padded
-    with the null block, bf16 (fp32 on the interpreter) and FP8 caches; block copy and swap
-    between GPU and pinned CPU caches."""
+    """Store-KV (bf16, FP8; alone and rotating q/k as it stores), decode v1 (in order and
+    longest first) and v2 (split_short on and off, a grid sized for 4x the longest sequence,
+    three launches in a row on the same arrival counters), chunked prefill over a cached
+    prefix (with prefix hits written as slot -1, and a sliding window), whole mixed steps
+    through the Triton backend (window and score cap), GQA 1-8, ragged contexts crossing
+    blocks, tiles and partitions, NaN-filled caches padded with the null block, bf16 (fp32 on
+    the interpreter) and FP8 caches; block copy and swap between GPU and pinned CPU caches."""
     import torch
 
     from pagedserve.attention import kv_quant, torch_ref
@@ -526,6 +526,7 @@ def w_attention(ctx: Ctx) -> None:
             ctx.check(one_step_apart(got, ref) if fp8 and ctx.gpu else same_bytes(got, ref),
                       f"store_kv fp8={fp8}: cache differs from torch_ref")
         ctx.check(null_block_untouched(case), "store_kv wrote into the null block")
+    rotate_store(ctx, dtype, head_dim, gqa, scales, null_block_untouched)
 
     for heads, kv_heads in gqa:
         for fp8 in (False, True) if heads == 8 or not ctx.small else (False,):
@@ -608,6 +609,55 @@ def w_attention(ctx: Ctx) -> None:
         backend.swap_blocks(host, caches, torch.tensor([[3, 1], [0, 2]]))
         ctx.check(all(same_bytes(c[[1, 2]].cpu(), h[[3, 0]]) for lh, lc in zip(host, caches)
                       for h, c in zip(lh, lc)), f"swap in {cache_dtype}")
+
+
+def rotate_store(ctx: Ctx, dtype, head_dim: int, gqa: list, scales,
+                 null_block_untouched) -> None:
+    """The K/V store that rotates (`rotate_store_kv_`) against `rotate_qk_` then `store_kv`:
+    the same bytes in q and both caches, with and without the q/k norm, bf16 (fp32 on the
+    interpreter) and FP8 caches, prefix hits and padding as slot -1, a wider token stride."""
+    import torch
+
+    from pagedserve.kernels.triton import model_ops
+    from pagedserve.kernels.triton.attention import rotate_store_kv_, store_kv
+    from pagedserve.model.config import ModelConfig
+    from pagedserve.model.rope import RotaryEmbedding
+    from tests.attention.paged_case import make_case
+
+    dev, gen, max_len = ctx.device, seeded(ctx, 5), 4096 if ctx.gpu else 40
+    config = ModelConfig(family="llama", vocab_size=8, hidden_size=head_dim, intermediate_size=8,
+                         num_layers=1, num_heads=1, num_kv_heads=1, head_dim=head_dim,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, max_model_len=max_len,
+                         tie_word_embeddings=True)
+    cos, sin = RotaryEmbedding(config).tables(torch.device(dev), dtype)
+    for heads, kv_heads in gqa:
+        for fp8 in (False, True):
+            for qk_norm in (False, True):
+                case = make_case([(5, 1), (0, 20), (40, 9)], heads, kv_heads, head_dim, 16,
+                                 dtype=dtype, seed=heads + kv_heads, prefix_hit_rows=3,
+                                 device=dev, kv_scales=scales(kv_heads, 2) if fp8 else None)
+                m, kv, width = case.meta, case.kv_scales, heads + 2 * kv_heads
+                buffer = torch.zeros(case.q.shape[0], width + 1, head_dim, dtype=dtype,
+                                     device=dev)
+                qkv = buffer[:, 1:]  # the fused projection's token stride, wider
+                qkv.copy_(torch.cat([case.q, case.k, case.v], 1))
+                positions = torch.randint(0, max_len, (qkv.shape[0],), generator=gen,
+                                          device=dev)
+                positions[0] = max_len - 1
+                weights = ([(1 + 0.3 * torch.randn(head_dim, generator=gen, device=dev))
+                            .to(dtype) for _ in range(2)] if qk_norm else [None, None])
+                want, want_k, want_v = qkv.clone(), case.k_cache.clone(), case.v_cache.clone()
+                model_ops.rotate_qk_(want, positions, cos, sin, heads, kv_heads, *weights, 1e-6)
+                store_kv(want[:, heads:heads + kv_heads], want[:, heads + kv_heads:], want_k,
+                         want_v, m.slot_mapping, kv)
+                rotate_store_kv_(qkv, kv_heads, positions, cos, sin, *weights, 1e-6,
+                                 case.k_cache, case.v_cache, m.slot_mapping, kv)
+                what = f"rotate_store_kv_ GQA {heads}/{kv_heads} fp8={fp8} qk_norm={qk_norm}"
+                ctx.check(same_bytes(qkv[:, :heads], want[:, :heads]), f"{what}: q differs")
+                ctx.check(same_bytes(case.k_cache, want_k) and same_bytes(case.v_cache, want_v),
+                          f"{what}: the caches differ from rotate_qk_ then store_kv")
+                ctx.check(not buffer[:, 0].any(), f"{what}: wrote outside qkv")
+                ctx.check(null_block_untouched(case), f"{what}: wrote into the null block")
 
 
 def w_model_ops(ctx: Ctx) -> None:

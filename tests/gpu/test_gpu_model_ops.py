@@ -70,6 +70,48 @@ def test_rotary_with_qk_norm(head_dim, heads, kv_heads):
     assert_near_equal(qkv, expected, f"seed {seed}", share=0.98)
 
 
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(128, 16, 4), (128, 32, 8), (128, 16, 8),
+                                                    (64, 8, 1), (128, 24, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotating_store_is_rotate_then_store_bit_for_bit(head_dim, heads, kv_heads, dtype, fp8,
+                                                         qk_norm):
+    """The Triton backend's K/V store that rotates (`rotate_store_kv_`) writes the q and cache
+    bytes of `rotate_qk_` then `store_kv`, compiled: the q/k norm's sum in the same order, k
+    rounded to the activation dtype before its FP8 quantization (Llama-3-8B's heads at TP=2
+    and 1, Qwen3-0.6B's, GQA 8 at D=64, 32 q/k heads over two tiles)."""
+    from pagedserve.kernels import fp8_format
+    from pagedserve.kernels.triton.attention import rotate_store_kv_, store_kv
+
+    gen, seed = fresh_generator()
+    tokens, block_size, max_len = 37, 16, 4096
+    cos, sin = (t.to(dtype) for t in tables(head_dim, max_len))
+    positions = torch.randint(0, max_len, (tokens,), generator=gen, device=DEV)
+    qkv = (2 * torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=gen,
+                           device=DEV)).to(dtype)
+    weights = ([(1 + 0.3 * torch.randn(head_dim, generator=gen, device=DEV)).to(dtype)
+                for _ in range(2)] if qk_norm else [None, None])
+    num_blocks = 1 + tokens // block_size + 2  # block 0: the null block, never a slot
+    slots = block_size + torch.randperm((num_blocks - 1) * block_size, device=DEV)[:tokens]
+    slots[::5] = -1  # padding rows
+    cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), device=DEV)
+    cache = cache.to(fp8_format.FP8_DTYPE if fp8 else dtype)
+    scales = tuple(0.004 + 0.03 * torch.rand(kv_heads, generator=gen, device=DEV)
+                   for _ in range(2)) if fp8 else None
+    want, want_k, want_v = qkv.clone(), cache.clone(), cache.clone()
+    model_ops.rotate_qk_(want, positions, cos, sin, heads, kv_heads, *weights, 1e-6)
+    store_kv(want[:, heads:heads + kv_heads], want[:, heads + kv_heads:], want_k, want_v, slots,
+             scales)
+    k_cache, v_cache = cache.clone(), cache.clone()
+    rotate_store_kv_(qkv, kv_heads, positions, cos, sin, *weights, 1e-6, k_cache, v_cache,
+                     slots, scales)
+    for got, expected, what in ((qkv[:, :heads], want[:, :heads], "q"),
+                                (k_cache, want_k, "K cache"), (v_cache, want_v, "V cache")):
+        assert torch.equal(got.contiguous().view(torch.uint8),
+                           expected.contiguous().view(torch.uint8)), f"{what}: seed {seed}"
+
+
 @pytest.mark.parametrize("tokens,hidden", [(1, 1024), (33, 4096)])
 def test_add_rms_norm(tokens, hidden):
     gen, seed = fresh_generator()
