@@ -7,6 +7,8 @@ reads its inputs once and writes its outputs once:
 - `rms_norm`: optional residual add (written back in place) then RMSNorm, one program per row.
 - `rotate_qk_`: Qwen3's per-head q/k RMSNorm and RoPE, in place on the fused QKV output, one
   program per (token, group of heads); the cos/sin rows are read by position inside the kernel.
+  Its arithmetic (`rotated_heads`) is also the Triton backend's KV store's, which rotates as it
+  stores (`attention/store_kv.rotate_store_kv_`): models on CUDA run that one.
 - `silu_and_mul`: silu(gate) * up over the fused gate/up output.
 
 Numerics are those of the eager path in `ops.py` (and of transformers): math in float32, and a

@@ -1,9 +1,17 @@
 """Triton store of this step's K/V rows into the paged cache at their slots.
 
-One program per token copies its whole [Hkv, D] row for K and for V; a token whose slot is -1
-(its KV is already cached: a prefix hit, or padding) writes nothing. Into an FP8 cache each
-element is divided by its KV head's scale, clamped to e4m3's range and rounded
+`store_kv`: one program per token copies its whole [Hkv, D] row for K and for V; a token whose
+slot is -1 (its KV is already cached: a prefix hit, or padding) writes nothing. Into an FP8
+cache each element is divided by its KV head's scale, clamped to e4m3's range and rounded
 (`pagedserve.attention.kv_quant`).
+
+`rotate_store_kv_` (what the Triton backend runs): the same store fused with the RoPE kernel
+before it (`model_ops.rotate_qk_`, with Qwen3's q/k norm), which writes q back into the fused
+QKV projection and k straight into the cache. Why: at batch 1 a decode step is a chain of
+~340 small kernels, each boundary a few microseconds beyond its memory traffic, and this is
+one a layer fewer (docs/benchmarks.md, "RoPE fused with the KV store"). It writes the bits of
+the two kernels: the rotation is `model_ops.rotated_heads` on `rotate_qk_`'s tiles, and k goes
+through the rounding to the activation dtype that storing it into qkv did.
 """
 
 from __future__ import annotations
@@ -138,9 +146,9 @@ def _store_k(out1, out2, mask, k_heads, row_ptr, scale_ptr, dtype: tl.constexpr,
     is_k = (k_heads >= 0) & (k_heads < NUM_KV)
     mask = mask & is_k[:, None]
     offs = k_heads[:, None] * HEAD_DIM + tl.arange(0, HALF_PAD)[None, :]
-    # Stores no wider than qkv's loads (16 bytes): a wider one (16 FP8 values) would pull
-    # the tile into another layout, where the q/k norm's sum adds up in another order than
-    # `rotate_qk_`'s (sm_90 TTGIR, benchmarks/rotate_store_ptx.py).
+    # No more elements a store than qkv's 16-byte loads take: a 16-byte store of 16 FP8
+    # values would pull the tile into another layout, where the q/k norm's sum adds up in
+    # another order than `rotate_qk_`'s (sm_90 TTGIR, benchmarks/rotate_store_ptx.py).
     offs = tl.max_contiguous(offs, [1, 128 // dtype.primitive_bitwidth])
     if FP8:  # rounded on the bits (`round_to`): the compiler folds a cast there and back
         scale = tl.load(scale_ptr + k_heads, mask=is_k, other=1.0)[:, None]
@@ -158,11 +166,12 @@ def rotate_store_kv_(qkv: Tensor, num_kv_heads: int, positions: Tensor, cos: Ten
                      sin: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float,
                      k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
                      kv_scales: tuple[Tensor, Tensor] | None = None) -> None:
-    """`model_ops.rotate_qk_` then `store_kv` of the rotated k and v, in one launch: qkv
-    [T, Hq + 2 Hkv, D] has its q heads RMSNormed (with q_weight / k_weight, when given) and
-    rotated in place, and its k heads, likewise, and its v heads written into the caches at
-    slot_mapping (nothing where -1), the same bits as the two kernels write. qkv's k heads
-    are left as they were: attention reads K only from the cache."""
+    """`model_ops.rotate_qk_` then `store_kv` of qkv's k and v, in one launch, to the bit:
+    the q and k heads of qkv [T, Hq + 2 Hkv, D] RMSNormed (with q_weight / k_weight, when
+    given) and rotated by their token's position, q written back in place, k and v into the
+    caches at slot_mapping (nothing where -1). qkv's k heads are left as they were:
+    attention reads K only from the cache. cos/sin and positions as `rotate_qk_` takes
+    them; an FP8 cache needs kv_scales, as `store_kv`."""
     num_tokens, width, head_dim = qkv.shape
     check_rotation(qkv, cos, sin, q_weight, k_weight)
     if num_tokens == 0:
