@@ -98,7 +98,7 @@ from collections.abc import Iterable
 from pagedserve.config import EngineConfig
 from pagedserve.device.swap import SwappedRequest, SwapSpace
 from pagedserve.engine.recall_rule import RecallRule
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.request import FIRST_FINISHED, Request, RequestStatus
 from pagedserve.kv_cache.host_tier import HostTier
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -219,7 +219,7 @@ class Scheduler:
                 out.draft_token_ids[request.request_id] = drafts
                 num_new += len(drafts)
             ahead = self._lookahead(request, request.num_computed_tokens + num_new,
-                                    num_pending + len(drafts or ()))
+                                    num_pending + len(drafts or ())) if self.lookahead else 0
             if ahead and self._allocate(request, num_new + ahead, out):
                 out.num_lookahead_tokens[request.request_id] = ahead
             elif not self._holds_its_slot(request, num_new) and not self._allocate_or_preempt(
@@ -321,7 +321,7 @@ class Scheduler:
 
     def _ends_in_flight(self, request: Request, num_tokens: int, num_pending: int) -> bool:
         """Its tokens in flight take it to max_tokens or max_model_len: no step can use it."""
-        return (request.num_output_tokens + num_pending >= request.max_tokens
+        return (num_tokens - request.num_prompt_tokens + num_pending >= request.max_tokens
                 or num_tokens + num_pending >= self.max_model_len)
 
     def _advance(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
@@ -623,11 +623,12 @@ class Scheduler:
         block_size, max_model_len = self.block_size, self.max_model_len
         drafts, accepted = output.draft_token_ids, runner_output.accepted_token_ids
         proposed = runner_output.draft_token_ids or {}
+        lookahead, ahead = self.lookahead, output.num_lookahead_tokens
         for row, (request, token) in enumerate(zip(sampling, tokens)):
-            if request.is_finished:
+            if request.status >= FIRST_FINISHED:  # `is_finished`, read per request per step
                 continue
             request.num_output_placeholders -= 1
-            if self.lookahead:
+            if lookahead:
                 request.spec_token_ids = proposed.get(request.request_id, [])
             if drafts and request.request_id in drafts:
                 progressed.append((request, self._place_verified(
@@ -639,7 +640,7 @@ class Scheduler:
             if request.check_stop(max_model_len):
                 self._finish(request)
                 continue
-            if request.request_id in output.num_lookahead_tokens:
+            if ahead and request.request_id in ahead:
                 self._trim(request)  # the drafter's positions past the known tokens
             if (num_tokens % block_size == 0 and request.num_computed_tokens >= num_tokens
                   and request.status == RequestStatus.RUNNING):
