@@ -628,10 +628,10 @@ class ModelRunner:
             positions=b.positions.upload(token_rows),
             meta=meta,
             logits_indices=b.logits_indices.upload(len(sample_rows)),
-            sampling_states=self._sampling_states(requests, output.samples,
-                                                  seq_lens - num_drafts),
+            sampling_states=self._sampling_states(requests, samples, seq_lens - num_drafts),
             graphs=graphs, graph_size=graph_size,
-            placeholder_ids=[output.req_ids[i] for i in placeholders.tolist()],
+            placeholder_ids=(output.req_ids if len(placeholders) == num_seqs else  # decoding
+                             [output.req_ids[i] for i in placeholders.tolist()]),
             placeholder_rows=placeholder_rows, lora=lora,
             drafts=([drafts.get(r, []) for r, sample in zip(output.req_ids, output.samples)
                      if sample] if drafts else None))
@@ -679,12 +679,17 @@ class ModelRunner:
         b.query_start_loc.np[:num_tokens + 1] = np.arange(num_tokens + 1)
 
     @staticmethod
-    def _sampling_states(requests: list[CachedRequestState], samples: list[bool],
+    def _sampling_states(requests: list[CachedRequestState], samples: np.ndarray,
                          seq_lens: np.ndarray) -> list[CachedRequestState]:
-        """The requests this step samples for, each told how many of its tokens are not
-        known yet, the one drawn now included (the sampler's seeded streams count them)."""
-        states = [state for state, sample in zip(requests, samples) if sample]
-        for state, seq_len in zip(states, seq_lens[np.array(samples, dtype=bool)].tolist()):
+        """The requests this step samples for (`samples`, a mask of the batch: all of it
+        when decoding), each told how many of its tokens are not known yet, the one drawn
+        now included (the sampler's seeded streams count them)."""
+        if samples.all():
+            states, ends = requests, seq_lens.tolist()
+        else:
+            states = [requests[i] for i in np.flatnonzero(samples).tolist()]
+            ends = seq_lens[samples].tolist()
+        for state, seq_len in zip(states, ends):
             state.num_output_placeholders = seq_len + 1 - len(state.all_token_ids)
         return states
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -247,6 +248,7 @@ class PlainBatch:
         self._requests: list[CachedRequestState] = []
         self._columns: SamplingMetadata | None = None  # None: the batch is not plain
         self._greedy: list[bool] = []
+        self._seeded: list[int] = []  # the rows with a seed
 
     def metadata(self, requests: list[CachedRequestState]) -> SamplingMetadata | None:
         """This step's metadata (a new object: the caller may attach a bitmask to it), or
@@ -256,6 +258,8 @@ class PlainBatch:
             self._requests = list(requests)
             plain = bool(requests) and all(is_plain(r.sampling_params) for r in requests)
             self._greedy = [r.sampling_params.is_greedy for r in requests] if plain else []
+            self._seeded = [i for i, r in enumerate(requests)
+                            if r.sampling_params.seed is not None] if plain else []
             self._columns = (SamplingMetadata.from_requests(requests, 0, self.device,
                                                             fused=self.fused)
                              if plain else None)
@@ -266,7 +270,7 @@ class PlainBatch:
         meta = SamplingMetadata(all_greedy=False, greedy_mask=columns.greedy_mask,
                                 temperature=columns.temperature)
         if self.fused:
-            meta.philox = to_device(philox_rows(requests), self.device)
+            meta.philox = to_device(philox_rows(requests, self._seeded), self.device)
         else:
             greedy = self._greedy
             meta.generators = {i: r.generator_for(self.device) for i, r in enumerate(requests)
@@ -333,7 +337,8 @@ def _bad_word_bans(row: int, request: CachedRequestState) -> list[tuple[int, int
     return bans
 
 
-def philox_rows(requests: Sequence[CachedRequestState]) -> Tensor:
+def philox_rows(requests: Sequence[CachedRequestState],
+                seeded_rows: Sequence[int] | None = None) -> Tensor:
     """The fused kernel's (seed, stream) per row, int64 [S, 2] on the host.
 
     A seeded row: its own seed and the index of the token being drawn, so its draws depend
@@ -343,16 +348,18 @@ def philox_rows(requests: Sequence[CachedRequestState]) -> Tensor:
     step's token may not have arrived yet. Unseeded rows share one seed drawn per step from
     torch's default generator (torch.manual_seed makes a run repeatable, as on the torch
     path) and take distinct streams by row, in a stream range no seeded row reaches.
+    `seeded_rows`: the rows with a seed, where the caller knows them already (`PlainBatch`).
+    Built in numpy: at a few hundred rows torch's per-op cost was most of it.
     """
-    rows = torch.empty(len(requests), 2, dtype=torch.int64)
+    rows = np.empty((len(requests), 2), dtype=np.int64)
     rows[:, 0] = int(torch.randint(_SEED_MASK, (1,)))
-    rows[:, 1] = torch.arange(_UNSEEDED_STREAM, _UNSEEDED_STREAM + len(requests))
-    seeded = [(i, r.sampling_params.seed & _SEED_MASK, _drawn_token_index(r))
-              for i, r in enumerate(requests) if r.sampling_params.seed is not None]
-    if seeded:
-        index, seeds, streams = zip(*seeded)
-        rows[list(index)] = torch.tensor([seeds, streams], dtype=torch.int64).T
-    return rows
+    rows[:, 1] = np.arange(_UNSEEDED_STREAM, _UNSEEDED_STREAM + len(requests))
+    if seeded_rows is None:
+        seeded_rows = [i for i, r in enumerate(requests) if r.sampling_params.seed is not None]
+    for i in seeded_rows:
+        r = requests[i]
+        rows[i] = r.sampling_params.seed & _SEED_MASK, _drawn_token_index(r)
+    return torch.from_numpy(rows)
 
 
 def _drawn_token_index(request: CachedRequestState) -> int:

@@ -205,7 +205,7 @@ class Scheduler:
         self._finished_ids, self._truncated = [], {}
         self._landing = set()
         scheduled: list[tuple[Request, int]] = []
-        index = 0
+        index = num_decodes = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             index += 1
@@ -228,9 +228,12 @@ class Scheduler:
                 break
             scheduled.append((request, num_new))
             budget -= num_new
-        if not out.preempted_req_ids and not self._holds_admission(scheduled, out):
+            num_decodes += num_new == 1
+        decodes_only = bool(scheduled) and num_decodes == len(scheduled)
+        if not out.preempted_req_ids and not self._holds_admission(decodes_only, out):
             budget = self._admit_waiting(budget, scheduled, out)
-        scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
+        if num_decodes < len(scheduled):  # else the batch is all decodes, in order
+            scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
         self._advance(scheduled, out)
         if self.tiers_pay:
             self._offload_evicted(out)
@@ -238,8 +241,7 @@ class Scheduler:
             self.kv_cache_manager.take_evicted()  # nothing stored could ever be recalled
         return out
 
-    def _holds_admission(self, scheduled: list[tuple[Request, int]],
-                         out: SchedulerOutput) -> bool:
+    def _holds_admission(self, decodes_only: bool, out: SchedulerOutput) -> bool:
         """Whether this step leaves the waiting queue alone (`admission_interval`): only
         while the batch is full (more requests wait than there are free slots, and fewer
         slots are free than the interval: each slot freed would be filled at once, one eager
@@ -247,8 +249,7 @@ class Scheduler:
         costs nothing more), and for at most admission_interval - 1 steps in a row."""
         free = self.max_num_seqs - len(self.running)
         full = len(self.waiting) > free and free < self.admission_interval
-        decodes_only = (bool(scheduled) and not out.draft_token_ids
-                        and all(num_new == 1 for _, num_new in scheduled))
+        decodes_only = decodes_only and not out.draft_token_ids
         if full and decodes_only and self._steps_held < self.admission_interval - 1:
             self._steps_held += 1
             return True
@@ -345,12 +346,21 @@ class Scheduler:
             self._steps_in_flight.append(sampling)
 
     def _holds_its_slot(self, request: Request, num_new: int) -> bool:
-        """A decode whose token lands inside its last block, neither starting a block (which
-        needs a new one) nor completing one (which the manager must cache): allocate_slots
-        would do nothing, and skipping it saves a visible part of a large batch's step
-        (docs/benchmarks.md, "Host-side costs behind the engine's choices")."""
-        offset = request.num_computed_tokens % self.block_size
-        return num_new == 1 and 0 < offset < self.block_size - 1
+        """A decode for which allocate_slots would do nothing, skipped: it saves a visible
+        part of a large batch's step (docs/benchmarks.md, "Host-side costs behind the
+        engine's choices" and "The engine's host work per step at batch 256"). Its token
+        lands inside its last block, neither starting a block (which needs a new one) nor
+        completing one (which the manager must cache); or it completes the block while the
+        token is in flight (async scheduling: the block is cached by update_from_output
+        when the token arrives), where no sliding window frees blocks behind it."""
+        position = request.num_computed_tokens
+        offset = position % self.block_size
+        if num_new != 1 or offset == 0:
+            return False
+        if offset < self.block_size - 1:
+            return True
+        return (position >= len(request.all_token_ids)
+                and self.kv_cache_manager.sliding_window is None)
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              out: SchedulerOutput) -> bool:
