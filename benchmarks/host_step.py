@@ -47,7 +47,7 @@ from pagedserve.device.model_runner import ModelRunner, PendingRunnerOutput  # n
 from pagedserve.device.sampler import SamplerOutput, SamplingMetadata  # noqa: E402
 from pagedserve.frontend.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.messages import (  # noqa: E402
-    CollectedOutput, ModelRunnerOutput, SchedulerOutput, encode)
+    CollectedOutput, ModelRunnerOutput, SchedulerOutput, decode, encode)
 
 HERE = Path(__file__).resolve().parent
 # this thread's CPU time: the box these numbers come from is shared, and wall time would
@@ -92,9 +92,8 @@ class RankZero:
         except ImportError:
             self.plain = None
 
-    def step(self, output: SchedulerOutput, data: bytes) -> PendingRunnerOutput:
-        from pagedserve.messages import decode
-
+    def step(self, data: bytes) -> PendingRunnerOutput:
+        """One step's host work, from its message to its pending output."""
         start = clock()
         message = decode(data, SchedulerOutput)
         decoded = clock()
@@ -106,11 +105,7 @@ class RankZero:
             runner._copy_last_sampled(inputs, self.previous)
         copied = clock()
         states = inputs.sampling_states
-        # as `ModelRunner._handle` builds them on CUDA (the fused kernels' inputs)
-        meta = self.plain.metadata(states) if self.plain is not None else None
-        if meta is None:
-            meta = SamplingMetadata.from_requests(states, runner.model_config.vocab_size,
-                                                  runner.device, fused=True)
+        self.sampling_metadata(states)
         launched = clock()
         tokens = torch.randint(3, 1000, (len(states),), dtype=torch.int64)
         pending = PendingRunnerOutput(states, SamplerOutput(tokens, None))
@@ -120,11 +115,19 @@ class RankZero:
         self.timer.add("rank0_placeholders", copied - prepared_at)
         self.timer.add("rank0_sampling_inputs", launched - copied)
         self.timer.add("rank0_sample_host", sampled - launched)
-        del meta
         self.previous = pending
         return pending
 
-    def collect(self, pending: PendingRunnerOutput) -> ModelRunnerOutput:
+    def sampling_metadata(self, states: list) -> SamplingMetadata:
+        """As `ModelRunner._handle` builds it on CUDA (the fused kernels' inputs)."""
+        meta = self.plain.metadata(states) if self.plain is not None else None
+        if meta is None:
+            meta = SamplingMetadata.from_requests(states, self.runner.model_config.vocab_size,
+                                                  self.runner.device, fused=True)
+        return meta
+
+    def collect(self, pending: PendingRunnerOutput) -> bytes:
+        """`result()` (the tokens placed) and the answer encoded, as rank 0 sends it."""
         start = clock()
         output = pending.result()
         data = encode(CollectedOutput(output))
@@ -135,7 +138,7 @@ class RankZero:
 class HostOnlyExecutor:
     """The engine's executor with the device taken out: the step's message encoded once
     (as `MultiprocExecutor` sends it), rank 0's host work done in turn when asked
-    (`rank0`), and sampled tokens that are random ids."""
+    (`rank0`), whose sampled tokens are random ids (a fixed id without it)."""
 
     def __init__(self, real, rank0: RankZero | None, timer: Timer) -> None:
         self.real, self.rank0, self.timer = real, rank0, timer
@@ -153,7 +156,7 @@ class HostOnlyExecutor:
     def sample_tokens(self, handle, grammar=None):
         scheduler_output, data = handle
         if self.rank0 is not None:
-            return Collected(self, self.rank0.step(scheduler_output, data))
+            return Collected(self, self.rank0.step(data))
         return Collected(self, scheduler_output)
 
     def sample_awaiting(self, step: InFlightStep) -> InFlightStep:
@@ -164,17 +167,16 @@ class HostOnlyExecutor:
 
 
 class Collected:
-    """A step's pending tokens: random ids, or rank 0's output decoded as the engine does."""
+    """A step's pending tokens: rank 0's output decoded as the engine does (or a fixed id
+    for every row, without rank 0)."""
 
     def __init__(self, executor: HostOnlyExecutor, pending) -> None:
         self.executor, self.pending = executor, pending
 
     def result(self) -> ModelRunnerOutput:
-        from pagedserve.messages import decode
-
         if isinstance(self.pending, SchedulerOutput):
             ids = self.pending.sampling_req_ids
-            return ModelRunnerOutput(ids, [random.randrange(3, 1000) for _ in ids])
+            return ModelRunnerOutput(ids, [7] * len(ids))  # any id: no request stops on one
         data = self.executor.rank0.collect(self.pending)
         start = clock()
         output = decode(data, CollectedOutput).output
