@@ -63,8 +63,8 @@ from pagedserve.kv_cache.disk_format import rank_dir
 from pagedserve.device.profile_run import profile_batch
 from pagedserve.device.rejection import Verified, VerifyRows, verify
 from pagedserve.device.sampler import (
-    LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, VocabShard, gather_logprobs,
-    select_sampling_kernels, warm_up_sampler)
+    LogprobsTensors, PlainBatch, Sampler, SamplerOutput, SamplingMetadata, VocabShard,
+    gather_logprobs, select_sampling_kernels, warm_up_sampler)
 from pagedserve.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput, TierCosts
 from pagedserve.model import parallel
 from pagedserve.model.config import ModelConfig
@@ -263,6 +263,8 @@ class ModelRunner:
             self.dtype, self.kv_cache_dtype, len(parallel.local_q_heads(model_config)),
             self.num_kv_heads, model_config.head_dim, model_config.attn_softcap))
         self.sampler = Sampler(select_sampling_kernels(device))
+        # a step's sampling inputs when every row is plain, kept while the rows stay the same
+        self.plain_batch = PlainBatch(device, self.sampler.fused)
         # under tensor parallelism: this rank's LM-head rows, for steps whose rows the
         # sampler can draw from them (`_handle`); None: every step gathers the logits
         self.vocab_shard = vocab_shard(model_config)
@@ -626,10 +628,10 @@ class ModelRunner:
             positions=b.positions.upload(token_rows),
             meta=meta,
             logits_indices=b.logits_indices.upload(len(sample_rows)),
-            sampling_states=self._sampling_states(requests, output.samples,
-                                                  seq_lens - num_drafts),
+            sampling_states=self._sampling_states(requests, samples, seq_lens - num_drafts),
             graphs=graphs, graph_size=graph_size,
-            placeholder_ids=[output.req_ids[i] for i in placeholders.tolist()],
+            placeholder_ids=(output.req_ids if len(placeholders) == num_seqs else  # decoding
+                             [output.req_ids[i] for i in placeholders.tolist()]),
             placeholder_rows=placeholder_rows, lora=lora,
             drafts=([drafts.get(r, []) for r, sample in zip(output.req_ids, output.samples)
                      if sample] if drafts else None))
@@ -677,12 +679,17 @@ class ModelRunner:
         b.query_start_loc.np[:num_tokens + 1] = np.arange(num_tokens + 1)
 
     @staticmethod
-    def _sampling_states(requests: list[CachedRequestState], samples: list[bool],
+    def _sampling_states(requests: list[CachedRequestState], samples: np.ndarray,
                          seq_lens: np.ndarray) -> list[CachedRequestState]:
-        """The requests this step samples for, each told how many of its tokens are not
-        known yet, the one drawn now included (the sampler's seeded streams count them)."""
-        states = [state for state, sample in zip(requests, samples) if sample]
-        for state, seq_len in zip(states, seq_lens[np.array(samples, dtype=bool)].tolist()):
+        """The requests this step samples for (`samples`, a mask of the batch: all of it
+        when decoding), each told how many of its tokens are not known yet, the one drawn
+        now included (the sampler's seeded streams count them)."""
+        if samples.all():
+            states, ends = requests, seq_lens.tolist()
+        else:
+            states = [requests[i] for i in np.flatnonzero(samples).tolist()]
+            ends = seq_lens[samples].tolist()
+        for state, seq_len in zip(states, ends):
             state.num_output_placeholders = seq_len + 1 - len(state.all_token_ids)
         return states
 
@@ -719,12 +726,14 @@ class ModelRunner:
                                "that samples them")
         b = self.buffers
         count = len(inputs.placeholder_ids)
-        rows = {req_id: row for row, req_id in enumerate(previous.req_ids)}
         b.placeholder_rows.np[:count] = inputs.placeholder_rows
-        b.placeholder_sources.np[:count] = [rows[r] for r in inputs.placeholder_ids]
-        sources = b.placeholder_sources.upload(count)
-        tokens = previous.sampled_token_ids.index_select(0, sources).to(inputs.input_ids.dtype)
-        inputs.input_ids.index_copy_(0, b.placeholder_rows.upload(count), tokens)
+        tokens = previous.sampled_token_ids
+        if inputs.placeholder_ids != previous.req_ids:  # else (steady decoding) row i is i
+            rows = {req_id: row for row, req_id in enumerate(previous.req_ids)}
+            b.placeholder_sources.np[:count] = [rows[r] for r in inputs.placeholder_ids]
+            tokens = tokens.index_select(0, b.placeholder_sources.upload(count))
+        inputs.input_ids.index_copy_(0, b.placeholder_rows.upload(count),
+                                     tokens.to(inputs.input_ids.dtype))
 
     def swap(self, output: SchedulerOutput) -> TierReport:
         """Block copies the scheduler asked for, before this step's forward pass: the
@@ -826,10 +835,12 @@ class ModelRunner:
         if inputs.drafts is not None:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             return self._verify_handle(states, logits, inputs, prompt_logprobs, tiers)
-        last = inputs.input_ids[inputs.logits_indices] if any(  # in-flight tokens' conditions
-            state.sampling_params.bad_words_token_ids or state.sampling_params.thinking_budget
-            for state in states) else None
-        meta = self.sampling_metadata(states, self.model_config.vocab_size, last)
+        meta = self.plain_batch.metadata(states)  # the same rows as the step before: cheap
+        if meta is None:
+            last = inputs.input_ids[inputs.logits_indices] if any(  # in-flight tokens' conditions
+                state.sampling_params.bad_words_token_ids
+                or state.sampling_params.thinking_budget for state in states) else None
+            meta = self.sampling_metadata(states, self.model_config.vocab_size, last)
         # rows the sampler draws from each rank's vocabulary rows: no logits gathered (a
         # grammar's bitmask comes only at sampling, so requests with one gather)
         sharded = (self.vocab_shard is not None and self.sampler.samples_shards(meta)

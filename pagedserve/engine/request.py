@@ -47,7 +47,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-_FIRST_FINISHED = RequestStatus.FINISHED_STOPPED  # statuses from here on are finished
+FIRST_FINISHED = RequestStatus.FINISHED_STOPPED  # statuses from here on are finished
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -82,10 +82,15 @@ class Request(TokenSequence):
         # a proposer on the device: its drafts to follow the tokens as they stand (from the
         # step that last sampled for this request; the next verify takes them)
         self.spec_token_ids: list[int] = []
+        params = self.sampling_params
+        # the token ids that may stop it (EOS unless ignored, then stop_token_ids): one set
+        # `check_stop` looks into for every token
+        self._stop_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= _FIRST_FINISHED  # read per request per step: no enum property
+        return self.status >= FIRST_FINISHED  # read per request per step: no enum property
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -97,18 +102,16 @@ class Request(TokenSequence):
         Stop *strings* need the detokenized text and are checked by the frontend's output
         processor, which then aborts the request.
         """
+        tokens = self.all_token_ids
+        num_tokens, last = len(tokens), tokens[-1]
+        num_output = num_tokens - self.num_prompt_tokens
         params = self.sampling_params
-        last = self.all_token_ids[-1]
-        num_output = self.num_output_tokens
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and last in self.eos_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                self.status = RequestStatus.FINISHED_STOPPED
-                self.stop_reason = last
-                return True
-        if num_output >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
+        if last in self._stop_ids and num_output >= params.min_tokens:
+            self.status = RequestStatus.FINISHED_STOPPED
+            if params.ignore_eos or last not in self.eos_token_ids:
+                self.stop_reason = last  # a stop token id (EOS reports none)
+            return True
+        if num_output >= self.max_tokens or num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -98,7 +98,7 @@ from collections.abc import Iterable
 from pagedserve.config import EngineConfig
 from pagedserve.device.swap import SwappedRequest, SwapSpace
 from pagedserve.engine.recall_rule import RecallRule
-from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.request import FIRST_FINISHED, Request, RequestStatus
 from pagedserve.kv_cache.host_tier import HostTier
 from pagedserve.kv_cache.kv_cache_manager import KVCacheManager
 from pagedserve.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -205,7 +205,7 @@ class Scheduler:
         self._finished_ids, self._truncated = [], {}
         self._landing = set()
         scheduled: list[tuple[Request, int]] = []
-        index = 0
+        index = num_decodes = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             index += 1
@@ -219,7 +219,7 @@ class Scheduler:
                 out.draft_token_ids[request.request_id] = drafts
                 num_new += len(drafts)
             ahead = self._lookahead(request, request.num_computed_tokens + num_new,
-                                    num_pending + len(drafts or ()))
+                                    num_pending + len(drafts or ())) if self.lookahead else 0
             if ahead and self._allocate(request, num_new + ahead, out):
                 out.num_lookahead_tokens[request.request_id] = ahead
             elif not self._holds_its_slot(request, num_new) and not self._allocate_or_preempt(
@@ -228,9 +228,12 @@ class Scheduler:
                 break
             scheduled.append((request, num_new))
             budget -= num_new
-        if not out.preempted_req_ids and not self._holds_admission(scheduled, out):
+            num_decodes += num_new == 1
+        decodes_only = bool(scheduled) and num_decodes == len(scheduled)
+        if not out.preempted_req_ids and not self._holds_admission(decodes_only, out):
             budget = self._admit_waiting(budget, scheduled, out)
-        scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
+        if num_decodes < len(scheduled):  # else the batch is all decodes, in order
+            scheduled.sort(key=lambda item: item[1] != 1)  # stable: decodes first
         self._advance(scheduled, out)
         if self.tiers_pay:
             self._offload_evicted(out)
@@ -238,8 +241,7 @@ class Scheduler:
             self.kv_cache_manager.take_evicted()  # nothing stored could ever be recalled
         return out
 
-    def _holds_admission(self, scheduled: list[tuple[Request, int]],
-                         out: SchedulerOutput) -> bool:
+    def _holds_admission(self, decodes_only: bool, out: SchedulerOutput) -> bool:
         """Whether this step leaves the waiting queue alone (`admission_interval`): only
         while the batch is full (more requests wait than there are free slots, and fewer
         slots are free than the interval: each slot freed would be filled at once, one eager
@@ -247,8 +249,7 @@ class Scheduler:
         costs nothing more), and for at most admission_interval - 1 steps in a row."""
         free = self.max_num_seqs - len(self.running)
         full = len(self.waiting) > free and free < self.admission_interval
-        decodes_only = (bool(scheduled) and not out.draft_token_ids
-                        and all(num_new == 1 for _, num_new in scheduled))
+        decodes_only = decodes_only and not out.draft_token_ids
         if full and decodes_only and self._steps_held < self.admission_interval - 1:
             self._steps_held += 1
             return True
@@ -321,7 +322,7 @@ class Scheduler:
 
     def _ends_in_flight(self, request: Request, num_tokens: int, num_pending: int) -> bool:
         """Its tokens in flight take it to max_tokens or max_model_len: no step can use it."""
-        return (request.num_output_tokens + num_pending >= request.max_tokens
+        return (num_tokens - request.num_prompt_tokens + num_pending >= request.max_tokens
                 or num_tokens + num_pending >= self.max_model_len)
 
     def _advance(self, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
@@ -345,12 +346,21 @@ class Scheduler:
             self._steps_in_flight.append(sampling)
 
     def _holds_its_slot(self, request: Request, num_new: int) -> bool:
-        """A decode whose token lands inside its last block, neither starting a block (which
-        needs a new one) nor completing one (which the manager must cache): allocate_slots
-        would do nothing, and skipping it saves a visible part of a large batch's step
-        (docs/benchmarks.md, "Host-side costs behind the engine's choices")."""
-        offset = request.num_computed_tokens % self.block_size
-        return num_new == 1 and 0 < offset < self.block_size - 1
+        """A decode for which allocate_slots would do nothing, skipped: it saves a visible
+        part of a large batch's step (docs/benchmarks.md, "Host-side costs behind the
+        engine's choices" and "The engine's host work per step at batch 256"). Its token
+        lands inside its last block, neither starting a block (which needs a new one) nor
+        completing one (which the manager must cache); or it completes the block while the
+        token is in flight (async scheduling: the block is cached by update_from_output
+        when the token arrives), where no sliding window frees blocks behind it."""
+        position = request.num_computed_tokens
+        offset = position % self.block_size
+        if num_new != 1 or offset == 0:
+            return False
+        if offset < self.block_size - 1:
+            return True
+        return (position >= len(request.all_token_ids)
+                and self.kv_cache_manager.sliding_window is None)
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              out: SchedulerOutput) -> bool:
@@ -623,11 +633,12 @@ class Scheduler:
         block_size, max_model_len = self.block_size, self.max_model_len
         drafts, accepted = output.draft_token_ids, runner_output.accepted_token_ids
         proposed = runner_output.draft_token_ids or {}
+        lookahead, ahead = self.lookahead, output.num_lookahead_tokens
         for row, (request, token) in enumerate(zip(sampling, tokens)):
-            if request.is_finished:
+            if request.status >= FIRST_FINISHED:  # `is_finished`, read per request per step
                 continue
             request.num_output_placeholders -= 1
-            if self.lookahead:
+            if lookahead:
                 request.spec_token_ids = proposed.get(request.request_id, [])
             if drafts and request.request_id in drafts:
                 progressed.append((request, self._place_verified(
@@ -639,7 +650,7 @@ class Scheduler:
             if request.check_stop(max_model_len):
                 self._finish(request)
                 continue
-            if request.request_id in output.num_lookahead_tokens:
+            if ahead and request.request_id in ahead:
                 self._trim(request)  # the drafter's positions past the known tokens
             if (num_tokens % block_size == 0 and request.num_computed_tokens >= num_tokens
                   and request.status == RequestStatus.RUNNING):

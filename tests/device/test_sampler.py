@@ -10,8 +10,8 @@ import torch
 from pagedserve.device.input_batch import CachedRequestState
 from pagedserve.device.penalties import PenaltyState
 from pagedserve.device.sampler import (
-    Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p, philox_rows,
-    select_sampling_kernels)
+    PlainBatch, Sampler, SamplingMetadata, apply_min_p, apply_penalties, apply_top_k_top_p,
+    philox_rows, select_sampling_kernels)
 from pagedserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -285,6 +285,42 @@ def test_philox_rows_seeded_by_request_unseeded_by_step():
     assert again[1, 0] != rows[1, 0] and torch.equal(again[[0, 3]], rows[[0, 3]])
     torch.manual_seed(0)
     assert torch.equal(philox_rows(requests), rows)
+
+
+def _columns(meta: SamplingMetadata) -> dict:
+    """What a step's metadata holds, tensors as lists (None where unset)."""
+    return {name: (value.tolist() if isinstance(value, torch.Tensor) else value)
+            for name, value in vars(meta).items() if name != "generators"}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_plain_batch_kept_across_steps_equals_its_metadata_built_anew(fused):
+    """Step after step (tokens arriving, the batch shrinking, reordered, growing) the kept
+    columns give what `from_requests` builds from scratch with the same default generator;
+    a batch with a row that is not plain is left to `from_requests` (None)."""
+    device = torch.device("cpu")
+    requests = [make_request(i, temperature=t, seed=seed, output=(5,) * i)
+                for i, (t, seed) in enumerate([(0.6, None), (0.0, None), (1.3, 7),
+                                               (0.6, 2**63 + 5), (0.9, None)])]
+    plain = PlainBatch(device, fused)
+    batches = [requests, requests, requests[1:], requests[1:], requests[::-1],
+               requests[::-1] + [make_request(9, temperature=0.2)], requests[::-1]]
+    for step, rows in enumerate(batches):
+        for request in rows:
+            request.append_output_token(step)
+        torch.manual_seed(step)
+        kept = plain.metadata(rows)
+        torch.manual_seed(step)
+        fresh = SamplingMetadata.from_requests(rows, 100, device, fused=fused)
+        assert _columns(kept) == _columns(fresh)
+        assert kept.generators.keys() == fresh.generators.keys()
+    greedy = [make_request(i, temperature=0.0) for i in range(3)]
+    assert plain.metadata(greedy).all_greedy and plain.metadata(greedy).all_greedy
+    for other in (dict(top_k=5), dict(logprobs=2), dict(repetition_penalty=1.2),
+                  dict(min_p=0.1), dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[4])):
+        mixed = requests + [make_request(8, temperature=0.7, **other)]
+        assert plain.metadata(mixed) is None and plain.metadata(mixed) is None
+    assert plain.metadata(requests) is not None
 
 
 def test_philox_stream_is_the_drawn_tokens_index_with_tokens_in_flight():

@@ -281,3 +281,34 @@ def test_admission_interval_holds_only_a_few_free_slots():
         ["r0", "r1", "r2", "r3"], [], ["r4", "r5", "r6"], [], [], []]
     assert admissions(3, (2, 2, 20, 20, 20, 20, 20, 20), slots=4) == [
         ["r0", "r1", "r2", "r3"], [], [], ["r4", "r5"], [], []]
+
+
+def test_pipelined_decodes_cache_each_block_once_its_tokens_are_known():
+    """Async scheduling: each step is scheduled before the previous one's tokens are back,
+    so a decode that completes a block does so with its token in flight (the scheduler
+    then leaves the manager alone for it). After every step's tokens arrive, every block
+    holding only known, scheduled tokens is cached, and the runner's rows from the
+    messages match the manager's blocks."""
+    scheduler = make()
+    for i in range(3):
+        scheduler.add_request(request(i, 5 + 2 * i, max_tokens=13))
+    rows, manager = _ROWS[id(scheduler)], scheduler.kv_cache_manager
+    in_flight, steps = None, 0
+    while True:
+        out = scheduler.schedule()
+        apply_blocks(rows, decode(encode(out), SchedulerOutput))
+        for req_id, row in zip(out.req_ids, rows.rows(out.req_ids).tolist()):
+            block_ids = manager.get_block_ids(req_id)
+            assert rows.table[row, :len(block_ids) + 1].tolist() == block_ids + [0]
+        if in_flight is not None:
+            sampled = [r for r, s in zip(in_flight.req_ids, in_flight.samples) if s]
+            scheduler.update_from_output(in_flight, ModelRunnerOutput(
+                sampled, [100 + steps] * len(sampled)))
+        for r in scheduler.running:
+            full = min(r.num_computed_tokens, len(r.all_token_ids)) // BLOCK
+            assert all(b.block_hash is not None for b in manager.req_to_blocks[r.request_id][:full])
+        in_flight = out if out.req_ids else None
+        steps += 1
+        if in_flight is None and not scheduler.has_unfinished_requests():
+            break
+    assert steps > 13 and manager.get_num_free_blocks() == 63
