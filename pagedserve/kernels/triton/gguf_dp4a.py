@@ -45,8 +45,7 @@ from pagedserve.kernels.gguf_format import BLOCKS
 from pagedserve.kernels.triton import pdl
 from pagedserve.kernels.triton.arrivals import finish_row, split_buffers
 from pagedserve.kernels.triton.fp8_linear import WeightOnlyConfig, num_sms
-from pagedserve.kernels.triton.gguf_gemv import (ONE_ROW, program_blocks, sub_scale_min,
-                                                    tiles)
+from pagedserve.kernels.triton.gguf_gemv import ONE_ROW, program_blocks, scale_min, tiles
 from pagedserve.kernels.weight_formats import WeightFormat
 
 # the GGML types `gemv` takes
@@ -72,16 +71,23 @@ _RINT_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _dp4a(a, b, c):
-    """c + the sum of the products of the 4 signed bytes of int32 a and b (dp4a.s32.s32)."""
+def _dp4a(a, b, c, A_SIGNED: tl.constexpr):
+    """c + the sum of the products of the 4 bytes of int32 a (signed if A_SIGNED, else
+    unsigned) and the 4 signed bytes of b: dp4a.s32.s32 or dp4a.u32.s32."""
     if _PTX:
-        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
-                                         [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+        if A_SIGNED:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r",
+                                             [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
     else:
         total = c
         for i in tl.static_range(4):
-            total += ((((a >> (8 * i)) & 255) ^ 128) - 128) * ((((b >> (8 * i)) & 255) ^ 128)
-                                                               - 128)
+            a_byte = (a >> (8 * i)) & 255
+            if A_SIGNED:
+                a_byte = (a_byte ^ 128) - 128
+            total += a_byte * ((((b >> (8 * i)) & 255) ^ 128) - 128)
         return total
 
 
@@ -107,35 +113,69 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, n_blocks,
 
 
 @triton.jit
-def _q4k_load(w_rows, n_mask, s0, s_stop, pairs, BLOCK_N: tl.constexpr, SB: tl.constexpr,
-              EVICT: tl.constexpr):
-    """Q4_K super-blocks s0 .. s0 + SB (none at or past s_stop) of rows w_rows [BLOCK_N, 1]
-    (int32 pointers; 36 words a block): (the nibble words [BLOCK_N, P, 8], each
-    super-block's 32 loaded as one run; pointers to each pair's header [BLOCK_N, P] and
-    their mask)."""
-    P: tl.constexpr = SB * 4
-    blocks = s0 + tl.arange(0, SB)
-    base = w_rows[:, :, None] + (blocks * 36)[None, :, None]  # [BLOCK_N, SB, 1]
-    mask = (n_mask[:, None] & (blocks < s_stop)[None, :])[:, :, None]
-    words = tl.load(base + 4 + tl.arange(0, 32)[None, None, :], mask=mask, other=0,
-                    eviction_policy=EVICT)
-    words = tl.reshape(words, (BLOCK_N, P, 8))
-    s = (s0 + pairs // 4)[None, :]
-    return words, w_rows + s * 36, n_mask[:, None] & (s < s_stop)
+def _q4k_load(w_rows, s0, s_stop, pairs, word, EVICT: tl.constexpr):
+    """Q4_K super-blocks s0 .. s0 + P // 4 of rows w_rows [BLOCK_N, 1, 1] (int32 pointers;
+    36 words a block) by pair p [1, P, 1] (nibble words 8 (p % 4) .. + 7 of super-block
+    s0 + p // 4, none past s_stop - 1: `_q4k_step` drops what it repeats), word [1, 1, 4]:
+    (the pair's words 0-3, its words 4-7, its super-block's header words 0-3), each
+    [BLOCK_N, P, 4] and one 16-byte load, so that all three come in one layout, a thread's
+    (row, pair) whole. Unmasked (a masked load zeroes its registers first)."""
+    hdr = w_rows + tl.minimum(s0 + pairs // 4, s_stop - 1) * 36 + word
+    nibbles = hdr + 4 + 8 * (pairs % 4)
+    return (tl.load(nibbles, eviction_policy=EVICT), tl.load(nibbles + 4, eviction_policy=EVICT),
+            tl.load(hdr, eviction_policy=EVICT))
 
 
 @triton.jit
-def _q4k_half(acc, q, hdr, hdr_mask, xq_at, xd_at, xs_at, sub, in_slice):
-    """acc [BLOCK_N, P] + one sub-block of each pair: q [BLOCK_N, P, 8] its weight words
-    (nibbles as bytes), xq_at [BLOCK_N, P, 8] its codes' words (the same for every row, so
-    that they load in q's layout), xd_at, xs_at [1, P] its activation block's scale and
-    sum, sub [1, P] its index in its super-block."""
-    scales, mins = sub_scale_min(hdr, hdr_mask, sub)
-    xq = tl.load(xq_at, mask=in_slice[:, :, None], other=0)
-    xd = tl.load(xd_at, mask=in_slice, other=0.0)
-    xs = tl.load(xs_at, mask=in_slice, other=0).to(tl.float32)
-    dots = tl.sum(_dp4a(q, xq, tl.zeros_like(q)), 2).to(tl.float32)
-    return acc + xd * (scales * dots - mins * xs)
+def _word(words, word, i: tl.constexpr):
+    """Word i of each thread's 4 words [BLOCK_N, P, 4] -> [BLOCK_N, P] (in the thread)."""
+    return tl.sum(tl.where(word == i, words, 0), 2)
+
+
+@triton.jit
+def _sub_block(dots, scale, min_, xd, xs):
+    """A sub-block's share, dx (d sc sum(q x) - dmin m sum(x)), as `gguf_format` orders it."""
+    return xd * (scale * dots.to(tl.float32) - min_ * xs.to(tl.float32))
+
+
+@triton.jit
+def _q4k_step(acc, lo_words, hi_words, hdr, s0, s_stop, xq_ptr, xd_ptr, xs_ptr, pairs, word,
+              RAGGED: tl.constexpr):
+    """acc [BLOCK_N, P] + the step's super-blocks s0 .. (`_q4k_load`'s words): pair p's two
+    sub-blocks 2 (p % 4), + 1 of super-block s0 + p // 4, whose codes, activation scales and
+    sums are loaded at the tile's shape (each row's the same, from L1) so that they come in
+    the words' layout. RAGGED: the step may reach past s_stop - 1 (the loads repeat that
+    block there): those pairs are left out of acc."""
+    s = s0 + pairs // 4  # [BLOCK_N, P, 1]
+    if RAGGED:
+        s = tl.minimum(s, s_stop - 1)
+    q = pairs % 4
+    xq_at = xq_ptr.to(tl.pointer_type(tl.int32)) + 64 * s + 16 * q + word
+    x0 = tl.load(xq_at)
+    x1 = tl.load(xq_at + 4)
+    x2 = tl.load(xq_at + 8)
+    x3 = tl.load(xq_at + 12)
+    x_blocks = 8 * s + 2 * q + tl.arange(0, 2)[None, None, :]  # the pair's two blocks
+    xd_lo, xd_hi = tl.split(tl.load(xd_ptr + x_blocks))
+    xs_lo, xs_hi = tl.split(tl.load(xs_ptr + x_blocks))
+    w0 = _word(hdr, word, 0)
+    s_0 = _word(hdr, word, 1)
+    s_1 = _word(hdr, word, 2)
+    s_2 = _word(hdr, word, 3)
+    sub = 2 * tl.sum(q, 2)
+    sc_lo, mn_lo = scale_min(w0, s_0, s_1, s_2, sub)
+    sc_hi, mn_hi = scale_min(w0, s_0, s_1, s_2, sub + 1)
+    dots_lo = tl.sum(_dp4a(hi_words & 0x0F0F0F0F, x1,
+                           _dp4a(lo_words & 0x0F0F0F0F, x0, tl.zeros_like(x0), False),
+                           False), 2)
+    dots_hi16 = tl.sum(_dp4a(hi_words & -252645136, x3,
+                             _dp4a(lo_words & -252645136, x2, tl.zeros_like(x2), False),
+                             False), 2)
+    total = (acc + _sub_block(dots_lo, sc_lo, mn_lo, xd_lo, xs_lo)
+             + _sub_block(dots_hi16, sc_hi * 0.0625, mn_hi, xd_hi, xs_hi))
+    if RAGGED:
+        total = tl.where(tl.sum(s0 + pairs // 4, 2) < s_stop, total, acc)
+    return total
 
 
 @triton.jit
@@ -145,38 +185,40 @@ def _q4k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arriva
                 EVICT: tl.constexpr):
     """y[n-tile] = x @ W[n-tile]^T (+ bias) for one quantized row (codes xq, scales xd, sums
     xs per 32 columns) and Q4_K blocks, program (n, s) over super-blocks s * blocks_per_split
-    onwards, SB a step. The tile is [rows, pairs p, 8 words i]: the low nibbles of word i
-    of pair p are columns 64 p + 4 i .. + 3 (sub-block and activation block 2 p, codes word
-    16 p + i), its high nibbles those 32 columns on (2 p + 1, codes word 16 p + 8 + i). The
-    codes' words are loaded at the tile's shape, each row's the same (from L1), so that
-    they come in the weight words' layout: loaded without rows, the compiler lays them out
-    for coalescing and moves the products through shared memory to sum them."""
+    onwards, SB a step. A thread holds one (row, pair p) of the tile [rows, P = 4 SB pairs,
+    4 words] twice (words 0-3, 4-7), and the pair's header: word i's low nibbles are
+    columns 64 p + 4 i .. + 3 (sub-block 2 p % 8, activation block 2 p, codes word 16 p +
+    i), its high ones those 32 columns on (2 p + 1; codes word 16 p + 8 + i). All of a
+    step's tensors are in that one layout, so a sub-block is summed in its thread (dp4a
+    into dp4a, then 3 adds) and its scale and min unpacked there: no shuffle, no shared
+    memory. The high nibbles are multiplied in place (w & 0xF0F0F0F0 = 16 q, as unsigned
+    bytes) and their scale taken / 16 (exact, a power of 2). No load is masked (a masked
+    load zeroes its registers first): rows past N read row N - 1 (not stored), and blocks
+    past the slice its last block (`_q4k_step` drops them); the last step, the only one
+    that can reach past the slice, runs after the loop, which loads each next step's words
+    one ahead."""
     P: tl.constexpr = SB * 4
     pdl.allow_dependents()
     pid_n, pid_k, offs_n, n_mask, s_start, s_stop = program_blocks(
         N, blocks_per_row, blocks_per_split, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)[:, None, None]
     w_rows = (w_ptr.to(tl.pointer_type(tl.int32))
-              + offs_n.to(tl.int64)[:, None] * tl.multiple_of(row_words, 4))
-    pairs = tl.arange(0, P)
-    sub = 2 * (pairs % 4)[None, :]
-    x_words = (xq_ptr.to(tl.pointer_type(tl.int32)) + 0 * offs_n[:, None, None]
-               + 16 * pairs[None, :, None] + tl.arange(0, 8)[None, None, :])
-    x_blocks = 2 * pairs[None, :]
+              + rows.to(tl.int64) * tl.multiple_of(row_words, 4))
+    # codes, scales and sums of the row at the tile's shape: each row's the same
+    x_rows = 0 * rows
+    pairs = tl.arange(0, P)[None, :, None]
+    word = tl.arange(0, 4)[None, None, :]
     acc = tl.zeros((BLOCK_N, P), tl.float32)
-    words, hdr, hdr_mask = _q4k_load(w_rows, n_mask, s_start, s_stop, pairs, BLOCK_N, SB,
-                                     EVICT)
+    lo_words, hi_words, hdr = _q4k_load(w_rows, s_start, s_stop, pairs, word, EVICT)
     pdl.wait_for_previous()  # the codes are the previous kernel's output; the weights are not
-    for s0 in range(s_start, s_stop, SB):
-        next_words, next_hdr, next_mask = _q4k_load(w_rows, n_mask, s0 + SB, s_stop, pairs,
-                                                    BLOCK_N, SB, EVICT)
-        in_slice = (s0 + pairs // 4 < s_stop)[None, :]
-        xq_at = x_words + 64 * s0
-        x_at = 8 * s0 + x_blocks
-        acc = _q4k_half(acc, words & 0x0F0F0F0F, hdr, hdr_mask, xq_at, xd_ptr + x_at,
-                        xs_ptr + x_at, sub, in_slice)
-        acc = _q4k_half(acc, (words >> 4) & 0x0F0F0F0F, hdr, hdr_mask, xq_at + 8,
-                        xd_ptr + x_at + 1, xs_ptr + x_at + 1, sub + 1, in_slice)
-        words, hdr, hdr_mask = next_words, next_hdr, next_mask
+    for s0 in range(s_start, s_stop - SB, SB):
+        next_lo, next_hi, next_hdr = _q4k_load(w_rows, s0 + SB, s_stop, pairs, word, EVICT)
+        acc = _q4k_step(acc, lo_words, hi_words, hdr, s0, s_stop, xq_ptr, xd_ptr, xs_ptr,
+                        x_rows + pairs, word, False)
+        lo_words, hi_words, hdr = next_lo, next_hi, next_hdr
+    last = s_start + (s_stop - 1 - s_start) // SB * SB
+    acc = _q4k_step(acc, lo_words, hi_words, hdr, last, s_stop, xq_ptr, xd_ptr, xs_ptr,
+                    x_rows + pairs, word, True)
     finish_row(tl.sum(acc, 1), bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n,
                pid_k, N, HAS_BIAS, SPLIT_K)
 
@@ -217,7 +259,7 @@ def _q6k_quarter(acc, low, high, block, mask, xq_at, xd_at, in_slice, u,
     xq = tl.load(xq_at, mask=in_slice[:, :, None], other=0)
     # sum((q - 32) x): -32 in every byte is 0xE0
     minus_32 = tl.full(q.shape, -522133280, tl.int32)
-    dots = tl.sum(_dp4a(q, xq, _dp4a(minus_32, xq, tl.zeros_like(q))), 2)
+    dots = tl.sum(_dp4a(q, xq, _dp4a(minus_32, xq, tl.zeros_like(q), True), False), 2)
     d = tl.load(block + 104, mask=mask, other=0).to(tl.float16, bitcast=True)
     sc = tl.load(block.to(tl.pointer_type(tl.int8)) + 192 + 8 * ((u // 2) % 2) + 2 * QQ
                  + u % 2, mask=mask, other=0)
