@@ -224,47 +224,98 @@ def _q4k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arriva
 
 
 @triton.jit
-def _q6k_words(w_rows, n_mask, s0, s_stop, units, EVICT: tl.constexpr):
-    """Q6_K super-blocks s0 .. s0 + U // 4 (none at or past s_stop) of rows w_rows
-    [BLOCK_N, 1] (int16 pointers; a block is 105 halfwords, only 2-byte aligned), by unit
-    (`_q6k_kernel`), each word two halfwords: (the low-nibble words of quarters 0 and 2,
-    of quarters 1 and 3, the high-bits words, each [BLOCK_N, U, 4]; the mask [BLOCK_N, U,
-    1])."""
-    u = units[None, :, None]
-    s = s0 + u // 4
-    base = w_rows[:, :, None] + s * 105 + 8 * (u % 2) + 2 * tl.arange(0, 4)[None, None, :]
-    mask = n_mask[:, None, None] & (s < s_stop)
-    low = base + 32 * ((u // 2) % 2)
-    return (_halfword_pairs(low, mask, EVICT), _halfword_pairs(low + 16, mask, EVICT),
-            _halfword_pairs(base + 64 + 16 * ((u // 2) % 2), mask, EVICT), mask)
+def _funnel(lo, hi, n):
+    """The word at byte n // 8 (n 0 or 16) of the 8 bytes lo, hi (little-endian): one
+    funnel shift (shf.r.wrap), where the interpreter selects the halves."""
+    if _PTX:
+        return tl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [lo, hi, n], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.where(n == 0, lo, ((lo >> 16) & 0xFFFF) | (hi << 16))
 
 
 @triton.jit
-def _halfword_pairs(at, mask, EVICT: tl.constexpr):
-    """The int32 words whose low halves are the halfwords at `at`, their high ones at + 1."""
-    lo = tl.load(at, mask=mask, other=0, eviction_policy=EVICT).to(tl.int32) & 0xFFFF
-    hi = tl.load(at + 1, mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
-    return lo | (hi << 16)
+def _run(words, EVICT: tl.constexpr):
+    """The 5 words from `words` on (int32 pointers [BLOCK_N, U]): 16 bytes that start 0 or
+    2 bytes past the first, put together by `_unaligned`."""
+    return (tl.load(words, eviction_policy=EVICT), tl.load(words + 1, eviction_policy=EVICT),
+            tl.load(words + 2, eviction_policy=EVICT), tl.load(words + 3, eviction_policy=EVICT),
+            tl.load(words + 4, eviction_policy=EVICT))
 
 
 @triton.jit
-def _q6k_quarter(acc, low, high, block, mask, xq_at, xd_at, in_slice, u,
-                 QQ: tl.constexpr):
+def _unaligned(run, n):
+    """A `_run`'s 16 bytes from bit n of its first word on, as 4 words."""
+    return (_funnel(run[0], run[1], n), _funnel(run[1], run[2], n),
+            _funnel(run[2], run[3], n), _funnel(run[3], run[4], n))
+
+
+@triton.jit
+def _q6k_load(w_rows, s0, s_stop, units, EVICT: tl.constexpr):
+    """Q6_K super-blocks s0 .. s0 + U // 4 of rows w_rows [BLOCK_N, 1] (byte pointers; a
+    block is 210 bytes, so 2-byte aligned) by unit u [1, U] (`_q6k_kernel`; none past
+    s_stop - 1: `_q6k_step` drops what it repeats): (the bit n of the first word its bytes
+    start at (0 or 16), the `_run`s of its low-nibble bytes of quarters 0 and 2, of quarters
+    1 and 3 and of its high bits; its int8 scales of quarters 0-3; d). Aligned word loads,
+    unmasked (a masked load zeroes its registers first), put together after the next
+    iteration's wait (`_unaligned`), not here, so that they stay in flight."""
+    block = w_rows + tl.minimum(s0 + units // 4, s_stop - 1) * 210
+    off = (block.to(tl.int64) & 3).to(tl.int32)
+    words = (block - off).to(tl.pointer_type(tl.int32))
+    h = (units // 2) % 2
+    j = units % 2
+    low = words + 16 * h + 4 * j
+    scales = (block + 192 + 8 * h + j).to(tl.pointer_type(tl.int8))
+    return (8 * off, _run(low, EVICT), _run(low + 8, EVICT),
+            _run(words + 32 + 8 * h + 4 * j, EVICT),
+            (tl.load(scales, eviction_policy=EVICT), tl.load(scales + 2, eviction_policy=EVICT),
+             tl.load(scales + 4, eviction_policy=EVICT),
+             tl.load(scales + 6, eviction_policy=EVICT)),
+            tl.load((block + 208).to(tl.pointer_type(tl.float16)), eviction_policy=EVICT))
+
+
+@triton.jit
+def _q6k_quarter(acc, low, high, sc, d, xq, xd, word, QQ: tl.constexpr):
     """acc [BLOCK_N, U] + quarter QQ of each unit's 16 columns: its low bits nibble QQ // 2
-    of `low` [BLOCK_N, U, 4], its high bits 2 QQ, 2 QQ + 1 of `high`; its int8 scale at
-    byte 192 + 8 h + 2 QQ + j of the block (`block` [BLOCK_N, U], int16 pointers), d at
-    halfword 104; xq_at [BLOCK_N, U, 4] its codes' words (each row's the same, loaded in the
-    weights' layout), xd_at [1, U] its activation block's scale."""
-    q = ((low >> (4 * (QQ // 2))) & 0x0F0F0F0F) | (((high >> (2 * QQ)) & 0x03030303) << 4)
-    xq = tl.load(xq_at, mask=in_slice[:, :, None], other=0)
-    # sum((q - 32) x): -32 in every byte is 0xE0
-    minus_32 = tl.full(q.shape, -522133280, tl.int32)
-    dots = tl.sum(_dp4a(q, xq, _dp4a(minus_32, xq, tl.zeros_like(q), True), False), 2)
-    d = tl.load(block + 104, mask=mask, other=0).to(tl.float16, bitcast=True)
-    sc = tl.load(block.to(tl.pointer_type(tl.int8)) + 192 + 8 * ((u // 2) % 2) + 2 * QQ
-                 + u % 2, mask=mask, other=0)
-    xd = tl.load(xd_at, mask=in_slice, other=0.0)
+    of the 4 words `low`, its high bits 2 QQ, 2 QQ + 1 of `high`, its int8 scale sc, xq
+    [BLOCK_N, U, 4] its codes' words, xd its activation block's scale; q - 32 summed as
+    dp4a(q, x) + dp4a(-32 in every byte, x), all 8 into one int32."""
+    dots = tl.zeros_like(acc).to(tl.int32)
+    for i in tl.static_range(4):
+        q = (((low[i] >> (4 * (QQ // 2))) & 0x0F0F0F0F)
+             | (((high[i] >> (2 * QQ)) & 0x03030303) << 4))
+        x = _word(xq, word, i)
+        # -32 in every byte is 0xE0
+        dots = _dp4a(q, x, _dp4a(tl.full(q.shape, -522133280, tl.int32), x, dots, True), False)
     return acc + xd * ((d.to(tl.float32) * sc.to(tl.float32)) * dots.to(tl.float32))
+
+
+@triton.jit
+def _q6k_step(acc, loaded, s0, s_stop, xq_ptr, xd_ptr, units, word, RAGGED: tl.constexpr):
+    """acc [BLOCK_N, U] + the step's super-blocks s0 .. (`_q6k_load`'s `loaded`), whose codes
+    and activation scales are loaded at [BLOCK_N, U, 4] (each row's the same, from L1: in
+    the words' layout). RAGGED: as `_q4k_step`'s."""
+    n, low02, low13, high, sc, d = loaded
+    low02 = _unaligned(low02, n)
+    low13 = _unaligned(low13, n)
+    high = _unaligned(high, n)
+    s = s0 + units // 4
+    if RAGGED:
+        s = tl.minimum(s, s_stop - 1)
+    h = (units // 2) % 2
+    x_block = (8 * s + 4 * h)[:, :, None]  # quarter 0's activation block
+    xq_at = (xq_ptr.to(tl.pointer_type(tl.int32)) + 8 * x_block + 4 * (units % 2)[:, :, None]
+             + word)
+    # the 4 quarters' activation scales, as int32 (their words are picked by integer sums)
+    xd = tl.load(xd_ptr + x_block + word).to(tl.int32, bitcast=True)
+    total = acc
+    for qq in tl.static_range(4):
+        total = _q6k_quarter(total, low02 if qq % 2 == 0 else low13, high, sc[qq], d,
+                             tl.load(xq_at + 8 * qq),
+                             _word(xd, word, qq).to(tl.float32, bitcast=True), word, qq)
+    if RAGGED:
+        total = tl.where(s0 + units // 4 < s_stop, total, acc)
+    return total
 
 
 @triton.jit
@@ -276,37 +327,29 @@ def _q6k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arriva
     l (0-31) has its low bits in nibble qq // 2 of byte 32 (qq % 2) + l of the half's 64
     and its high bits at bits 2 qq, 2 qq + 1 of byte l of the half's 32 high bytes; its
     scale is int8 8 h + 2 qq + l // 16, times d. A unit u is half h = u // 2 % 2 of
-    super-block u // 4, l = 16 j .. 16 j + 15 (j = u % 2) of all four quarters; the tile is
-    [rows, units, 4 words w]: word w of quarter qq is columns 128 h + 32 qq + 16 j + 4 w ..
-    + 3, codes word 32 h + 8 qq + 4 j + w of the super-block's 64, activation block
-    4 h + qq."""
+    super-block u // 4, l = 16 j .. 16 j + 15 (j = u % 2) of all four quarters: a thread
+    holds one (row, unit), [rows, U = 4 SB units], its 12 words of 6-bit codes loaded as 3
+    runs of aligned words (the block is only 2-byte aligned) and shifted into place; word w
+    of quarter qq is columns 128 h + 32 qq + 16 j + 4 w .. + 3, codes word 32 h + 8 qq +
+    4 j + w of the super-block's 64, activation block 4 h + qq. Rows past N read row
+    N - 1, blocks past the slice its last (dropped), as `_q4k_kernel`'s."""
     U: tl.constexpr = SB * 4
     pdl.allow_dependents()
     pid_n, pid_k, offs_n, n_mask, s_start, s_stop = program_blocks(
         N, blocks_per_row, blocks_per_split, BLOCK_N)
-    w_rows = (w_ptr.to(tl.pointer_type(tl.int16))
-              + offs_n.to(tl.int64)[:, None] * row_halves)
-    units = tl.arange(0, U)
-    u = units[None, :]
-    x_block = 8 * (u // 4) + 4 * ((u // 2) % 2)  # quarter 0's; [1, U]
-    x_words = (xq_ptr.to(tl.pointer_type(tl.int32)) + 0 * offs_n[:, None, None]
-               + (8 * x_block + 4 * (u % 2))[:, :, None] + tl.arange(0, 4)[None, None, :])
+    rows = tl.minimum(offs_n, N - 1)[:, None]
+    w_rows = w_ptr + rows.to(tl.int64) * (2 * row_halves)
+    units = 0 * rows + tl.arange(0, U)[None, :]
+    word = tl.arange(0, 4)[None, None, :]
     acc = tl.zeros((BLOCK_N, U), tl.float32)
-    low02, low13, high, mask = _q6k_words(w_rows, n_mask, s_start, s_stop, units, EVICT)
+    loaded = _q6k_load(w_rows, s_start, s_stop, units, EVICT)
     pdl.wait_for_previous()  # the codes are the previous kernel's output; the weights are not
-    for s0 in range(s_start, s_stop, SB):
-        next_low02, next_low13, next_high, next_mask = _q6k_words(w_rows, n_mask, s0 + SB,
-                                                                  s_stop, units, EVICT)
-        block = w_rows + (s0 + u // 4) * 105
-        in_slice = s0 + u // 4 < s_stop
-        m = mask.reshape(mask.shape[0], U)
-        xq_at = x_words + 64 * s0
-        xd_at = xd_ptr + 8 * s0 + x_block
-        acc = _q6k_quarter(acc, low02, high, block, m, xq_at, xd_at, in_slice, u, 0)
-        acc = _q6k_quarter(acc, low13, high, block, m, xq_at + 8, xd_at + 1, in_slice, u, 1)
-        acc = _q6k_quarter(acc, low02, high, block, m, xq_at + 16, xd_at + 2, in_slice, u, 2)
-        acc = _q6k_quarter(acc, low13, high, block, m, xq_at + 24, xd_at + 3, in_slice, u, 3)
-        low02, low13, high, mask = next_low02, next_low13, next_high, next_mask
+    for s0 in range(s_start, s_stop - SB, SB):
+        next_loaded = _q6k_load(w_rows, s0 + SB, s_stop, units, EVICT)
+        acc = _q6k_step(acc, loaded, s0, s_stop, xq_ptr, xd_ptr, units, word, False)
+        loaded = next_loaded
+    last = s_start + (s_stop - 1 - s_start) // SB * SB
+    acc = _q6k_step(acc, loaded, last, s_stop, xq_ptr, xd_ptr, units, word, True)
     finish_row(tl.sum(acc, 1), bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n,
                pid_k, N, HAS_BIAS, SPLIT_K)
 
