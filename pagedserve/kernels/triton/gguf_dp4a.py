@@ -14,22 +14,32 @@ activation block's. The price is the activations' rounding, at most half a step 
 amax / 127 per column (tests/kernels/test_gguf_dp4a.py bounds the product's error by it).
 
 Q4_K: y += dx * (d sc * sum(q x) - dmin m * sum(x)) per 32-column sub-block, sum(x) from
-`quantize`. The super-block's nibble words are read 16 bytes a load and its scales unpacked
-as `gguf_gemv` does; a word's low nibbles (mask 0x0F0F0F0F) are 4 consecutive columns of a
-pair of sub-blocks' first, its high ones of the second, each one dp4a against a word of
-codes. Q6_K (2-byte aligned blocks: read as halfwords, two to a word): a program's unit is
-16 columns of each of a half super-block's four 32-column quarters; q - 32 is summed as
-dp4a(q, x) + dp4a(-32 in every byte, x), so no per-byte subtraction is needed; each 16
-columns have their own int8 scale. The codes' words are loaded at the weight words' shape,
-each row's the same (L1 serves the repeats): loaded once per column, the compiler lays them
-out for coalescing and moves the products between threads (shuffles, shared memory) to sum a
-sub-block. `benchmarks/gguf_ptx.py` counts both loops' instructions a weight offline.
+`quantize`. A word's low nibbles (mask 0x0F0F0F0F) are 4 consecutive columns of a pair of
+sub-blocks' first, its high ones (mask 0xF0F0F0F0: 16 q, the 16 taken out of the scale) of
+the second, each one dp4a against a word of codes. Q6_K: a program's unit is 16 columns of
+each of a half super-block's four 32-column quarters; q - 32 is summed as dp4a(q, x) +
+dp4a(-32 in every byte, x), so no per-byte subtraction is needed; each 16 columns have
+their own int8 scale; its blocks are only 2-byte aligned, so its words come from aligned
+word loads and a funnel shift (`_funnel`).
+
+The loop's pace is its instructions a weight (`benchmarks/gguf_ptx.py` counts them
+offline), and what costs most there is moving values between threads: a layout conversion
+in the loop is a round trip through shared memory with barriers. So a thread holds one
+(row, pair of sub-blocks) of Q4_K, one (row, unit) of Q6_K, and every tensor of a step is
+loaded at the shape [rows, pairs or units, 4] (16 bytes a thread a load where aligned): the
+weight words, the Q4_K header (scales unpacked in the thread, `gguf_gemv.scale_min`), and
+the codes, activation scales and sums, each row's the same (L1 serves the repeats), so that
+the compiler gives them all one layout; a sub-block's dp4a feed one another and its sum
+stays in its thread. No load is masked (Triton zeroes a masked load's registers first, an
+instruction a pair): rows past N read row N - 1 (never stored) and blocks past a slice its
+last block, whose sums the last step, run after the loop, drops.
 
 Both keep `gguf_gemv`'s structure: split K (`fp8_linear.one_row_tiles`, partials summed by
 the last program to arrive, `arrivals`), the next tile's weights loaded one iteration ahead
 and the first before the PDL wait (`pdl`); no host sync and no memset (CUDA graphs capture
 the two launches). Under TRITON_INTERPRET=1 the inline PTX does not run: `_dp4a` then sums
-the same signed bytes with integer ops, so the CPU tests run the kernels' indexing.
+the same bytes with integer ops and `_funnel` selects the same halves, so the CPU tests run
+the kernels' indexing.
 """
 
 from __future__ import annotations
@@ -258,7 +268,10 @@ def _q6k_load(w_rows, s0, s_stop, units, EVICT: tl.constexpr):
     start at (0 or 16), the `_run`s of its low-nibble bytes of quarters 0 and 2, of quarters
     1 and 3 and of its high bits; its int8 scales of quarters 0-3; d). Aligned word loads,
     unmasked (a masked load zeroes its registers first), put together after the next
-    iteration's wait (`_unaligned`), not here, so that they stay in flight."""
+    iteration's wait (`_unaligned`), not here, so that they stay in flight. Every word read
+    lies in the block or, for a block 2 bytes past a word, starts 2 bytes before it (inside
+    the allocation: allocations are word aligned); a run's fifth word ends at byte 196 of
+    the block at most, d (bytes 208-209) is read as a halfword."""
     block = w_rows + tl.minimum(s0 + units // 4, s_stop - 1) * 210
     off = (block.to(tl.int64) & 3).to(tl.int32)
     words = (block - off).to(tl.pointer_type(tl.int32))
