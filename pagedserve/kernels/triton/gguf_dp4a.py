@@ -123,17 +123,17 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, n_blocks,
 
 
 @triton.jit
-def _q4k_load(w_rows, s0, s_stop, pairs, word, EVICT: tl.constexpr):
-    """Q4_K super-blocks s0 .. s0 + P // 4 of rows w_rows [BLOCK_N, 1, 1] (int32 pointers;
-    36 words a block) by pair p [1, P, 1] (nibble words 8 (p % 4) .. + 7 of super-block
-    s0 + p // 4, none past s_stop - 1: `_q4k_step` drops what it repeats), word [1, 1, 4]:
-    (the pair's words 0-3, its words 4-7, its super-block's header words 0-3), each
-    [BLOCK_N, P, 4] and one 16-byte load, so that all three come in one layout, a thread's
-    (row, pair) whole. Unmasked (a masked load zeroes its registers first)."""
-    hdr = w_rows + tl.minimum(s0 + pairs // 4, s_stop - 1) * 36 + word
-    nibbles = hdr + 4 + 8 * (pairs % 4)
+def _q4k_load(w_hdr, w_nibbles, s0, s_stop, pairs, EVICT: tl.constexpr):
+    """Q4_K super-blocks s0 .. s0 + P // 4 by pair p [1, P, 1] (none past s_stop - 1:
+    `_q4k_step` drops what it repeats): from w_hdr [BLOCK_N, P, 4], each row's super-block
+    0's header words 0-3, and w_nibbles, its nibble words 8 (p % 4) .. + 3 (int32 pointers;
+    36 words a block), (the pair's words 0-3, its words 4-7, its super-block's header words
+    0-3), each [BLOCK_N, P, 4] and one 16-byte load, so that all three come in one layout, a
+    thread's (row, pair) whole. Unmasked (a masked load zeroes its registers first)."""
+    at = tl.minimum(s0 + pairs // 4, s_stop - 1) * 36
+    nibbles = w_nibbles + at
     return (tl.load(nibbles, eviction_policy=EVICT), tl.load(nibbles + 4, eviction_policy=EVICT),
-            tl.load(hdr, eviction_policy=EVICT))
+            tl.load(w_hdr + at, eviction_policy=EVICT))
 
 
 @triton.jit
@@ -149,30 +149,30 @@ def _sub_block(dots, scale, min_, xd, xs):
 
 
 @triton.jit
-def _q4k_step(acc, lo_words, hi_words, hdr, s0, s_stop, xq_ptr, xd_ptr, xs_ptr, pairs, word,
-              RAGGED: tl.constexpr):
+def _q4k_step(acc, lo_words, hi_words, hdr, s0, s_stop, x_pairs, xd_pairs, xs_pairs, pairs,
+              word, RAGGED: tl.constexpr):
     """acc [BLOCK_N, P] + the step's super-blocks s0 .. (`_q4k_load`'s words): pair p's two
-    sub-blocks 2 (p % 4), + 1 of super-block s0 + p // 4, whose codes, activation scales and
-    sums are loaded at the tile's shape (each row's the same, from L1) so that they come in
-    the words' layout. RAGGED: the step may reach past s_stop - 1 (the loads repeat that
-    block there): those pairs are left out of acc."""
-    s = s0 + pairs // 4  # [BLOCK_N, P, 1]
+    sub-blocks 2 (p % 4), + 1 of super-block s0 + p // 4, whose codes (x_pairs: pair p's 16
+    words in super-block 0 from word 0, 4 a thread, [BLOCK_N, P, 4]), activation scales and
+    sums (xd_pairs, xs_pairs: its two blocks, [BLOCK_N, P, 2]) are loaded at the tile's
+    shape (each row's the same, from L1) so that they come in the words' layout. RAGGED: the
+    step may reach past s_stop - 1 (the loads repeat that block there): those pairs are
+    left out of acc."""
+    at = s0  # the step's first super-block; each pair's, past s_stop - 1, its last
     if RAGGED:
-        s = tl.minimum(s, s_stop - 1)
-    q = pairs % 4
-    xq_at = xq_ptr.to(tl.pointer_type(tl.int32)) + 64 * s + 16 * q + word
+        at = tl.minimum(s0 + pairs // 4, s_stop - 1) - pairs // 4
+    xq_at = x_pairs + 64 * at
     x0 = tl.load(xq_at)
     x1 = tl.load(xq_at + 4)
     x2 = tl.load(xq_at + 8)
     x3 = tl.load(xq_at + 12)
-    x_blocks = 8 * s + 2 * q + tl.arange(0, 2)[None, None, :]  # the pair's two blocks
-    xd_lo, xd_hi = tl.split(tl.load(xd_ptr + x_blocks))
-    xs_lo, xs_hi = tl.split(tl.load(xs_ptr + x_blocks))
+    xd_lo, xd_hi = tl.split(tl.load(xd_pairs + 8 * at))
+    xs_lo, xs_hi = tl.split(tl.load(xs_pairs + 8 * at))
     w0 = _word(hdr, word, 0)
     s_0 = _word(hdr, word, 1)
     s_1 = _word(hdr, word, 2)
     s_2 = _word(hdr, word, 3)
-    sub = 2 * tl.sum(q, 2)
+    sub = 2 * tl.sum(pairs % 4, 2)
     sc_lo, mn_lo = scale_min(w0, s_0, s_1, s_2, sub)
     sc_hi, mn_hi = scale_min(w0, s_0, s_1, s_2, sub + 1)
     dots_lo = tl.sum(_dp4a(hi_words & 0x0F0F0F0F, x1,
@@ -214,21 +214,24 @@ def _q4k_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arriva
     rows = tl.minimum(offs_n, N - 1)[:, None, None]
     w_rows = (w_ptr.to(tl.pointer_type(tl.int32))
               + rows.to(tl.int64) * tl.multiple_of(row_words, 4))
-    # codes, scales and sums of the row at the tile's shape: each row's the same
-    x_rows = 0 * rows
-    pairs = tl.arange(0, P)[None, :, None]
+    pairs = 0 * rows + tl.arange(0, P)[None, :, None]
     word = tl.arange(0, 4)[None, None, :]
+    # codes, activation scales and sums at the tile's shape, each row's the same
+    x_pairs = xq_ptr.to(tl.pointer_type(tl.int32)) + 16 * pairs + word
+    x_blocks = 2 * pairs + tl.arange(0, 2)[None, None, :]  # each pair's two
     acc = tl.zeros((BLOCK_N, P), tl.float32)
-    lo_words, hi_words, hdr = _q4k_load(w_rows, s_start, s_stop, pairs, word, EVICT)
+    w_hdr = w_rows + word
+    w_nibbles = w_hdr + 4 + 8 * (pairs % 4)
+    lo_words, hi_words, hdr = _q4k_load(w_hdr, w_nibbles, s_start, s_stop, pairs, EVICT)
     pdl.wait_for_previous()  # the codes are the previous kernel's output; the weights are not
     for s0 in range(s_start, s_stop - SB, SB):
-        next_lo, next_hi, next_hdr = _q4k_load(w_rows, s0 + SB, s_stop, pairs, word, EVICT)
-        acc = _q4k_step(acc, lo_words, hi_words, hdr, s0, s_stop, xq_ptr, xd_ptr, xs_ptr,
-                        x_rows + pairs, word, False)
+        next_lo, next_hi, next_hdr = _q4k_load(w_hdr, w_nibbles, s0 + SB, s_stop, pairs, EVICT)
+        acc = _q4k_step(acc, lo_words, hi_words, hdr, s0, s_stop, x_pairs, xd_ptr + x_blocks,
+                        xs_ptr + x_blocks, pairs, word, False)
         lo_words, hi_words, hdr = next_lo, next_hi, next_hdr
     last = s_start + (s_stop - 1 - s_start) // SB * SB
-    acc = _q4k_step(acc, lo_words, hi_words, hdr, last, s_stop, xq_ptr, xd_ptr, xs_ptr,
-                    x_rows + pairs, word, True)
+    acc = _q4k_step(acc, lo_words, hi_words, hdr, last, s_stop, x_pairs, xd_ptr + x_blocks,
+                    xs_ptr + x_blocks, pairs, word, True)
     finish_row(tl.sum(acc, 1), bias_ptr, y_ptr, part_ptr, arrivals_ptr, offs_n, n_mask, pid_n,
                pid_k, N, HAS_BIAS, SPLIT_K)
 
