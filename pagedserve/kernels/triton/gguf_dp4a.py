@@ -124,7 +124,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, n_blocks,
 
 @triton.jit
 def _q4k_load(w_hdr, w_nibbles, s0, s_stop, pairs, EVICT: tl.constexpr):
-    """Q4_K super-blocks s0 .. s0 + P // 4 by pair p [1, P, 1] (none past s_stop - 1:
+    """Q4_K super-blocks s0 .. s0 + P // 4 by pair p [BLOCK_N, P, 1] (none past s_stop - 1:
     `_q4k_step` drops what it repeats): from w_hdr [BLOCK_N, P, 4], each row's super-block
     0's header words 0-3, and w_nibbles, its nibble words 8 (p % 4) .. + 3 (int32 pointers;
     36 words a block), (the pair's words 0-3, its words 4-7, its super-block's header words
