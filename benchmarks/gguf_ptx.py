@@ -74,9 +74,10 @@ def report(name: str, kernel, weights_per_thread: int) -> None:
           f"{regs.group(2)} bytes")
     print("   loads:", dict(loads))
     print("   loop:", dict(ops.most_common(12)))
-    dp4a = len(re.findall(r"dp4a\.s32\.s32", kernel.asm["ptx"]))
+    print("   between threads in the loop:", {op: ops[op] for op in ("BAR", "LDS", "STS", "SHFL")})
+    dp4a = len(re.findall(r"dp4a\.[su]32\.s32", kernel.asm["ptx"]))
     if dp4a:
-        print(f"   dp4a.s32.s32 in the PTX: {dp4a}; IDP.4A in the loop: {ops['IDP']}")
+        print(f"   dp4a in the PTX: {dp4a}; IDP.4A in the loop: {ops['IDP']}")
 
 
 def report_dp4a(name: str, dt: str) -> None:

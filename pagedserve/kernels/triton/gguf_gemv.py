@@ -167,15 +167,24 @@ def sub_scale_min(hdr, mask, sub):
     """The scale d * sc and min dmin * m (float32) of sub-block `sub` (0-7) of the K-quant
     super-block whose header `hdr` points to (int32 words; `_sub_scales` says where the
     6-bit values lie), at the shape of hdr and sub broadcast: each thread unpacks only the
-    sub-blocks its weights take. Shared with `gguf_dp4a`'s Q4_K kernel."""
-    w0 = tl.load(hdr, mask=mask, other=0)
-    s0 = tl.load(hdr + 1, mask=mask, other=0)
-    s1 = tl.load(hdr + 2, mask=mask, other=0)
-    s2 = tl.load(hdr + 3, mask=mask, other=0)
+    sub-blocks its weights take."""
+    return scale_min(tl.load(hdr, mask=mask, other=0), tl.load(hdr + 1, mask=mask, other=0),
+                     tl.load(hdr + 2, mask=mask, other=0), tl.load(hdr + 3, mask=mask, other=0),
+                     sub)
+
+
+@triton.jit
+def scale_min(w0, s0, s1, s2, sub):
+    """`sub_scale_min` from the header's words already loaded (w0: d and dmin; s0, s1, s2:
+    the 6-bit scales and mins). The source words and masks are chosen by `sub` before
+    shifting (sub is fixed per thread, so those choices leave the loop): per value two
+    shifts, two logic ops and a select. Shared with `gguf_dp4a`'s Q4_K kernel."""
     sh = 8 * (sub % 4)
     low = sub < 4
-    sc = tl.where(low, (s0 >> sh) & 63, ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4))
-    mn = tl.where(low, (s1 >> sh) & 63, ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4))
+    keep = tl.where(low, 63, 15)
+    top = tl.where(low, 0, 48)  # bits 6-7 of the low byte, at bits 4-5, for sub-blocks 4-7
+    sc = ((tl.where(low, s0, s2) >> sh) & keep) | ((s0 >> (sh + 2)) & top)
+    mn = ((tl.where(low, s1, s2 >> 4) >> sh) & keep) | ((s1 >> (sh + 2)) & top)
     return _f16_half(w0, 0) * sc.to(tl.float32), _f16_half(w0, 16) * mn.to(tl.float32)
 
 
