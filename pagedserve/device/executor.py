@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import time
 import weakref
@@ -63,6 +62,7 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 import torch
+import torch.distributed as dist
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -295,6 +295,7 @@ class MultiprocExecutor(Executor):
                                       self._procs, self._ranks)
         self._error: str | None = None
         self._launched = self._collected = 0  # steps sampled, steps collected
+        self._store: dist.TCPStore | None = None  # the spawned workers' rendezvous (`_spawn`)
         try:
             if config.tensor_parallel_address is None:
                 port = self._socket.bind_to_random_port("tcp://127.0.0.1")
@@ -319,15 +320,18 @@ class MultiprocExecutor(Executor):
     # -- set-up ---------------------------------------------------------------------------
 
     def _spawn(self, address: str, config: EngineConfig) -> None:
-        """Start one worker per rank on this host; they join the group over TCP on a free
-        local port and connect to `address`."""
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        """Start one worker per rank on this host; they connect to `address` and join the
+        group through a TCPStore this process holds open (`self._store`: its port bound
+        here, by the OS, before any worker starts; a port probed free and bound by rank 0
+        later could be taken in between)."""
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         env = worker_env()
         for rank in range(self.size):
             cmd = ipc.module_command(
                 "pagedserve.device.worker", "--engine", address, "--rank", str(rank),
                 "--size", str(self.size), "--local-rank", str(rank),
-                "--init-method", init_method, "--parent-pid", str(os.getpid()))
+                "--store", f"tcp://127.0.0.1:{self._store.port}",
+                "--parent-pid", str(os.getpid()))
             self._procs.append(subprocess.Popen(cmd, env=env))
 
     def _await_hellos(self) -> None:
@@ -516,12 +520,6 @@ def set_heartbeat(sock: zmq.Socket) -> None:
     interval, timeout = HEARTBEAT_MS
     sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop_workers(context: zmq.Context, channel: ipc.RouterChannel,

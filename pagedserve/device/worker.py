@@ -32,9 +32,11 @@ import signal
 import socket
 import threading
 import traceback
+from datetime import timedelta
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -52,12 +54,16 @@ from pagedserve.messages import (
 from pagedserve.model import parallel
 from pagedserve.structured.manager import GrammarOutput
 
+STORE_TIMEOUT_S = 60.0  # connecting to the engine's store, which is up before we start
+
 
 class Worker:
     def __init__(self, rank: int, size: int, local_rank: int, init_method: str,
-                 channel: ipc.Channel, stopping: threading.Event) -> None:
+                 channel: ipc.Channel, stopping: threading.Event,
+                 store_address: str | None = None) -> None:
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.init_method = init_method
+        self.store_address = store_address  # the engine's open TCPStore, tcp://HOST:PORT
         self.channel = channel
         self.stopping = stopping  # set once told to stop
         self.runner: ModelRunner | None = None
@@ -95,7 +101,7 @@ class Worker:
         # oversubscribes them, and a GPU rank's host work between launches waits on it
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
         parallel.init_tensor_parallel(
-            self.rank, self.size, device, self.init_method,
+            self.rank, self.size, device, self.init_method, store=self.join_store(),
             peer_all_reduce_max_bytes=config.peer_all_reduce_max_bytes,
             fuse_all_reduce_norm=config.fuse_all_reduce_norm,
             fuse_two_shot_all_reduce_norm=config.fuse_two_shot_all_reduce_norm,
@@ -105,6 +111,18 @@ class Worker:
         self.channel.send(WorkerLoaded(
             device.type, total_memory(device), weight_bytes(self.model),
             dtype_name(self.model.embed_tokens.weight.dtype), self.model.quantization))
+
+    def join_store(self) -> dist.TCPStore | None:
+        """A client of the store the engine holds open (workers it spawned), else None (the
+        group joins by `init_method`, as under torchrun). A port that rank 0 would bind for
+        the rendezvous, probed free by the engine seconds before, could be taken in between
+        (a clash seen when two engines started at once on one host); the engine's store holds
+        its port from the start."""
+        if self.store_address is None:
+            return None
+        host, port = self.store_address.removeprefix("tcp://").rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False,
+                             timeout=timedelta(seconds=STORE_TIMEOUT_S))
 
     def rank_device(self, config: EngineConfig) -> torch.device:
         """GPU local_rank when the engine's device is CUDA (whatever index it names), else
@@ -191,6 +209,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--local-rank", type=int, default=int(env.get("LOCAL_RANK", -1)))
     parser.add_argument("--init-method", default="env://",
                         help="torch.distributed rendezvous (default: env://, as torchrun sets)")
+    parser.add_argument("--store", default=None,
+                        help="join the group through the engine's open TCPStore, "
+                             "tcp://HOST:PORT, instead of --init-method")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process is no longer the parent")
     args = parser.parse_args(argv)
@@ -216,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     sock.connect(args.engine)
     channel = ipc.Channel(sock, ToWorker)
     channel.send(WorkerHello(args.rank, args.size, os.getpid(), socket.gethostname()))
-    worker = Worker(args.rank, args.size, args.local_rank, args.init_method, channel, stopping)
+    worker = Worker(args.rank, args.size, args.local_rank, args.init_method, channel, stopping,
+                    args.store)
     try:
         worker.serve()
     except BaseException:  # noqa: BLE001 - whatever it was, the engine must hear of it

@@ -68,13 +68,15 @@ def get_tp() -> TensorParallel:
     return _STATE
 
 
-def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str,
+def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str | None,
                          timeout: timedelta = timedelta(seconds=60),
                          peer_all_reduce_max_bytes: int = 0,
                          fuse_all_reduce_norm: bool = True,
                          fuse_two_shot_all_reduce_norm: bool = True,
-                         all_reduce_push: bool = False) -> TensorParallel:
-    """Join the group of `size` ranks (NCCL on CUDA, gloo on the CPU), and on CUDA set up the
+                         all_reduce_push: bool = False,
+                         store: dist.Store | None = None) -> TensorParallel:
+    """Join the group of `size` ranks (NCCL on CUDA, gloo on the CPU) through `init_method`
+    (a torch.distributed rendezvous URL) or an open `store`, and on CUDA set up the
     peer-memory all-reduce for messages up to `peer_all_reduce_max_bytes` where every rank
     can (`allreduce.start`; 0: NCCL for all), and with it, unless `fuse_all_reduce_norm` is
     off, the all-reduce fused with the norm after it (`allreduce.start_fused`; for the
@@ -92,8 +94,9 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             options = {"device_id": device} if device.type == "cuda" else {}
-            dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                    world_size=size, timeout=timeout, **options)
+            rendezvous = {"store": store} if store is not None else {"init_method": init_method}
+            dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout,
+                                    **rendezvous, **options)
         if dist.get_world_size() != size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed is initialised as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, expected rank {rank} of {size}")
