@@ -381,8 +381,8 @@ class ModelRunner:
         a recall can wait: the one-request decode graph's replay (before any step: its
         inputs are still capture's, which write nothing), or without graphs an eager pass
         over one token. The eager pass is no floor with graphs: it is bound by the host's
-        launches, a few times the replay, and it varied 2.4x between starts of one engine
-        on one GPU (docs/benchmarks.md), declining recalls that paid. On the CPU one block,
+        launches, a few times the replay, and it varied widely between starts of one engine
+        (docs/benchmarks.md), declining recalls that paid. On the CPU one block,
         which is also the step (a pass there is bound by the weights at the lengths a probe
         can afford), and no context term (this runs at every start with a tier)."""
         def timed(num_tokens: int, max_len: int) -> float:

@@ -237,9 +237,9 @@ class PlainBatch:
     At steady state a decode step samples the same requests in the same order as the step
     before, so its greedy mask and temperatures are that step's: only the noise (the fused
     kernels' `philox_rows`, or the seeded rows' generators) is drawn anew. Rebuilding the
-    columns read every row's parameters a dozen times and copied two tensors to the device:
-    0.6 ms of the host's step at 256 rows on a 2-core CPU box, 0.1 ms kept
-    (docs/benchmarks.md, "The engine's host work per step at batch 256"). The batch is
+    columns read every row's parameters a dozen times and copied two tensors to the device,
+    most of the runner's host work in a large decode step (docs/benchmarks.md, "The
+    engine's host work per step at batch 256"). The batch is
     recognised by its states (the runner's objects, one per request for its life), compared
     in order; whether it is plain is decided once per batch."""
 

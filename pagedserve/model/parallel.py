@@ -344,15 +344,13 @@ class VocabParallelEmbedding(nn.Module):
 
     Why the whole table: a lookup in the rows alone embeds other ranks' ids to zeros, and the
     parts are then all-reduced, at the start of every step: six small kernels and an
-    all-reduce that waits for every rank, about 1% of a batch-1 decode step (docs/benchmarks.md).
+    all-reduce that waits for every rank, a visible part of a decode step (docs/benchmarks.md).
     The whole table costs each rank (size - 1) / size of it more memory, which the KV pool,
     sized after loading, gives up."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        rows = local_vocab(config)
-        self.start, self.end = rows.start, rows.stop
-        self.weight = nn.Parameter(torch.empty(len(rows), config.hidden_size))
+        self.weight = nn.Parameter(torch.empty(len(local_vocab(config)), config.hidden_size))
         self.table: torch.Tensor | None = None  # every rank's rows (TP > 1, `replicate`)
 
     def replicate(self) -> None:
