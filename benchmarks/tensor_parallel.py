@@ -112,8 +112,8 @@ class Scale:
         self.profile_steps = 3 if tiny else 20
         self.profile_batches = (1, 4) if tiny else (1, 64)
         self.allreduce_bytes = ([8 << 10, 1 << 20] if tiny else
-                                [8 << 10, 32 << 10, 128 << 10, 512 << 10, 2 << 20, 8 << 20,
-                                 32 << 20, 256 << 20])
+                                [8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 2 << 20,
+                                 4 << 20, 8 << 20, 32 << 20, 256 << 20])
         # TP>1 without CUDA graphs: set when the all-reduce part finds a captured all-reduce
         # that does not replay right (the engines would then hang or compute garbage)
         self.eager_tp = False
@@ -563,7 +563,8 @@ def _allreduce_rank(rank: int, size: int, port: int, spec: dict, queue) -> None:
         queue.put(verdict)
 
 
-NORM_CHAIN_MAX_BYTES = 2 << 20
+# the fused one-shot kernel is timed up to this: against the fused two-shot where they overlap
+NORM_CHAIN_MAX_BYTES = 4 << 20
 # the messages the two-shot chain and the fused two-shot kernel are timed at: from one-shot's
 # limit to the peer limit (8 KiB a row: 64 to 1024 rows of 4096 bf16)
 TWO_SHOT_NORM_BYTES = [512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
