@@ -687,7 +687,7 @@ def _peer_all_reduce(size: int, max_bytes: int, device):
 
     from pagedserve.model.allreduce import AllReducePlan, PeerAllReduce
 
-    return PeerAllReduce(AllReducePlan(max_bytes, max_bytes), dist.group.WORLD, device)
+    return PeerAllReduce(AllReducePlan(max_bytes, max_bytes, max_bytes), dist.group.WORLD, device)
 
 
 def _time_calls(fn, iters: int, cuda: bool) -> float:

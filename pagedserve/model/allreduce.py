@@ -63,28 +63,38 @@ ALIGNMENT = 16  # bytes: the kernels move 16-byte vectors
 # up to this, one-shot (every rank reads every buffer); beyond, two-shot. Where the two cross
 # on NVLink at 2 and 4 ranks was measured (benchmarks/tensor_parallel.py --only allreduce;
 # docs/benchmarks.md, "All-reduce, 8 KiB-256 MiB"); 8 ranks is still a guess.
-ONE_SHOT_MAX_BYTES = {2: 512 << 10, 4: 512 << 10, 8: 128 << 10}
+ONE_SHOT_MAX_BYTES = {2: 1 << 20, 4: 512 << 10, 8: 128 << 10}
+# up to this, a sum that a norm follows takes the fused one-shot kernel rather than the fused
+# two-shot: at 2 ranks one barrier and a pull of the peer's rows beat two-shot's two barriers
+# up to 2 MiB (256 rows of 4096 bf16), where the unfused one-shot already lost; at 4 ranks the
+# pulled bytes grow with the ranks and two-shot wins past 512 KiB (the same benchmark, its
+# fused rows); 8 ranks as unfused
+FUSED_ONE_SHOT_MAX_BYTES = {2: 2 << 20, 4: 512 << 10, 8: 128 << 10}
 FUSED_CHECK_BYTES = 4 << 10  # the fused kernel's largest first message; smaller limits: unfused
 # the world sizes where the fused all-reduce + add + RMSNorm is taken (one-shot and two-shot
-# alike; the two-shot is not measured yet): where the one-shot beat the unfused chain in a
-# decode step (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md): at 2
-# ranks, and at 4 once a row's work was split over several programs (with one program per row
-# it lost there); 8 not measured
+# alike): where the one-shot beat the unfused chain in a decode step
+# (benchmarks/tensor_parallel.py --only tpot --unfused; docs/benchmarks.md): at 2 ranks, and at
+# 4 once a row's work was split over several programs (with one program per row it lost
+# there); 8 not measured
 FUSED_WORLD_SIZES = (2, 4)
 
 
 @dataclass(frozen=True)
 class AllReducePlan:
     """Which all-reduce a message takes: peer memory up to `max_bytes` (one-shot up to
-    `one_shot_max_bytes`), NCCL above."""
+    `one_shot_max_bytes`), NCCL above; a sum that a norm follows, the fused one-shot kernel
+    up to `fused_one_shot_max_bytes` (at most `max_bytes`)."""
 
     max_bytes: int
     one_shot_max_bytes: int
+    fused_one_shot_max_bytes: int
 
     def fuses_norm(self, nbytes: int, dtype: torch.dtype) -> bool:
         """Whether a contiguous message of `nbytes` whose sum a norm follows takes the fused
-        one-shot all-reduce + add + RMSNorm (`FusedAllReduceNorm`): where one-shot takes it."""
-        return self.algorithm(nbytes, dtype, True) == "one_shot"
+        one-shot all-reduce + add + RMSNorm (`FusedAllReduceNorm`): peer memory, up to the
+        fused one-shot's limit."""
+        return (self.algorithm(nbytes, dtype, True) != "nccl"
+                and nbytes <= self.fused_one_shot_max_bytes)
 
     def algorithm(self, nbytes: int, dtype: torch.dtype, contiguous: bool) -> str:
         """"one_shot", "two_shot" or "nccl" for a message of `nbytes` bytes."""
@@ -102,7 +112,8 @@ def plan(world_size: int, max_bytes: int, device_type: str, one_host: bool,
     if (max_bytes <= 0 or device_type != "cuda" or not one_host or not peer_access
             or world_size not in WORLD_SIZES):
         return None
-    return AllReducePlan(max_bytes, min(max_bytes, ONE_SHOT_MAX_BYTES[world_size]))
+    return AllReducePlan(max_bytes, min(max_bytes, ONE_SHOT_MAX_BYTES[world_size]),
+                         min(max_bytes, FUSED_ONE_SHOT_MAX_BYTES[world_size]))
 
 
 class PeerAllReduce:
@@ -276,19 +287,20 @@ def start(world_size: int, rank: int, group: dist.ProcessGroup, device: torch.de
 
 def start_fused(peer: PeerAllReduce | None, rank: int, group: dist.ProcessGroup,
                 device: torch.device, push: bool = False) -> FusedAllReduceNorm | None:
-    """Set up the fused all-reduce + add + RMSNorm beside `peer` for the messages one-shot
-    takes (a collective call: every rank makes it and all get the same answer); None where
-    there is no peer memory, at a world size where it was not the faster
-    (`FUSED_WORLD_SIZES`), or where its first results differ from NCCL's sum normalised.
-    `push` (the same on every rank): the variant that pushes each rank's partial product to
-    its peers (`FusedAllReduceNorm`); the same first results are checked, so a GPU where its
-    stores and flags do not order as they must falls back to the unfused path."""
+    """Set up the fused one-shot all-reduce + add + RMSNorm beside `peer` for the messages up
+    to the plan's `fused_one_shot_max_bytes` (a collective call: every rank makes it and all
+    get the same answer); None where there is no peer memory, at a world size where it was
+    not the faster (`FUSED_WORLD_SIZES`), or where its first results differ from NCCL's sum
+    normalised. `push` (the same on every rank): the variant that pushes each rank's partial
+    product to its peers (`FusedAllReduceNorm`); the same first results are checked, so a
+    GPU where its stores and flags do not order as they must falls back to the unfused
+    path."""
     # alike on every rank (`start` agreed on `peer`): no collective
-    if (peer is None or peer.plan.one_shot_max_bytes < FUSED_CHECK_BYTES
+    if (peer is None or peer.plan.fused_one_shot_max_bytes < FUSED_CHECK_BYTES
             or dist.get_world_size(group) not in FUSED_WORLD_SIZES):
         return None
     try:
-        fused = FusedAllReduceNorm(peer.plan.one_shot_max_bytes, group, device, push)
+        fused = FusedAllReduceNorm(peer.plan.fused_one_shot_max_bytes, group, device, push)
         ok = _fused_matches_nccl(fused, rank, group, device)
     except Exception:  # noqa: BLE001 - any failure here means the unfused path, on every rank
         logger.exception("fused all-reduce + RMSNorm unavailable; the norm runs on its own")

@@ -115,21 +115,26 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
 # -- collectives ----------------------------------------------------------------------------
 
 
-def _fused_two_shot(nbytes: int, dtype: torch.dtype) -> bool:
-    """Whether a message whose sum a norm follows takes the fused two-shot kernel."""
+def _fused_one_shot(nbytes: int, dtype: torch.dtype) -> bool:
+    """Whether a message whose sum a norm follows takes the fused one-shot kernel."""
     tp = _STATE
-    return (tp.fused_two_shot is not None
+    return tp.fused is not None and tp.peer.plan.fuses_norm(nbytes, dtype)
+
+
+def _fused_two_shot(nbytes: int, dtype: torch.dtype) -> bool:
+    """Whether a message whose sum a norm follows takes the fused two-shot kernel: a
+    two-shot message the fused one-shot does not take."""
+    tp = _STATE
+    return (tp.fused_two_shot is not None and not _fused_one_shot(nbytes, dtype)
             and tp.peer.plan.algorithm(nbytes, dtype, True) == "two_shot")
 
 
 def fuses_norm(shape: tuple[int, int], dtype: torch.dtype) -> bool:
     """Whether a row-parallel product of `shape` whose sum an RMSNorm follows is summed and
-    normalised in one kernel (`all_reduce_add_rms_norm_`): peer memory with the fused
-    kernel for the algorithm the message takes (one-shot or two-shot)."""
-    tp = _STATE
+    normalised in one kernel (`all_reduce_add_rms_norm_`): peer memory with a fused kernel,
+    one-shot up to the plan's fused limit, two-shot above."""
     nbytes = math.prod(shape) * dtype.itemsize
-    return ((tp.fused is not None and tp.peer.plan.fuses_norm(nbytes, dtype))
-            or _fused_two_shot(nbytes, dtype))
+    return _fused_one_shot(nbytes, dtype) or _fused_two_shot(nbytes, dtype)
 
 
 def partial_target(shape: tuple[int, int], dtype: torch.dtype,

@@ -38,7 +38,8 @@ def test_no_peer_memory_means_nccl_for_everything(device, one_host, peer, size, 
 
 
 def test_messages_the_kernels_cannot_take_go_to_nccl():
-    plan = AllReducePlan(max_bytes=8 * MiB, one_shot_max_bytes=512 << 10)
+    plan = AllReducePlan(max_bytes=8 * MiB, one_shot_max_bytes=512 << 10,
+                         fused_one_shot_max_bytes=2 * MiB)
     assert plan.algorithm(0, torch.bfloat16, True) == "nccl"
     assert plan.algorithm(8 << 10, torch.float16, True) == "nccl"  # no half kernel
     assert plan.algorithm(8 << 10, torch.bfloat16, False) == "nccl"  # a strided view
@@ -46,18 +47,30 @@ def test_messages_the_kernels_cannot_take_go_to_nccl():
     assert plan.algorithm(4 * MiB, torch.bfloat16, True) == "two_shot"
 
 
-def test_the_fused_all_reduce_norm_takes_what_one_shot_takes():
+def test_the_fused_one_shot_takes_sums_up_to_its_own_limit():
     """The fused sum + add + RMSNorm of `fuses_norm` is a one-shot: a decode token's message,
-    up to the one-shot limit; two-shot's sizes have a fused kernel of their own
-    (`parallel.fuses_norm`), NCCL's and the types the kernels lack are summed apart from
-    the norm."""
-    plan = AllReducePlan(max_bytes=8 * MiB, one_shot_max_bytes=512 << 10)
+    up to its own limit, which may pass the unfused one-shot's (two-shot's sizes above it have
+    a fused kernel of their own, `parallel.fuses_norm`); NCCL's and the types the kernels
+    lack are summed apart from the norm."""
+    plan = AllReducePlan(max_bytes=8 * MiB, one_shot_max_bytes=512 << 10,
+                         fused_one_shot_max_bytes=2 * MiB)
     assert plan.fuses_norm(8 << 10, torch.bfloat16)  # one token of a 4096-wide model
     assert plan.fuses_norm(512 << 10, torch.float32)
-    assert not plan.fuses_norm((512 << 10) + 16, torch.bfloat16)  # two-shot
+    assert plan.fuses_norm((512 << 10) + 16, torch.bfloat16)  # unfused: two-shot
+    assert plan.algorithm((512 << 10) + 16, torch.bfloat16, True) == "two_shot"
+    assert plan.fuses_norm(2 * MiB, torch.bfloat16)
+    assert not plan.fuses_norm(2 * MiB + 16, torch.bfloat16)  # the fused two-shot's
     assert not plan.fuses_norm(16 * MiB, torch.bfloat16)  # NCCL
     assert not plan.fuses_norm(8 << 10, torch.float16)
     assert not plan.fuses_norm(0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_the_fused_one_shot_limit_is_never_below_the_unfused_ones(size):
+    plan = allreduce.plan(size, 8 * MiB, "cuda", one_host=True, peer_access=True)
+    assert plan.one_shot_max_bytes <= plan.fused_one_shot_max_bytes <= plan.max_bytes
+    small = allreduce.plan(size, 64 << 10, "cuda", one_host=True, peer_access=True)
+    assert small.fused_one_shot_max_bytes == small.max_bytes == 64 << 10
 
 
 def gloo_fusion_and_target() -> tuple[bool, bool, bool, bool, bool]:

@@ -146,9 +146,11 @@ def test_peer_all_reduce_equals_nccl_eager_and_in_cuda_graphs():
 # batch (4 programs a row), one program per row, programs that loop over rows (all within
 # one-shot's 512 KiB at two and four ranks, in float32 too)
 FUSED_SHAPES = [(1, 4096), (3, 4096), (7, 1024), (64, 1024), (100, 1024)]
-# (rows, hidden) per dtype for the two-shot fused kernel: a decode batch of 128 and of 256
+# (rows, hidden) per dtype for the sizes past one-shot's: a decode batch of 128 and of 256
 # Llama-3-8B tokens (1 and 2 MiB in bf16), and the most rows of 4096 within the 8 MiB limit
-# (1000 in bf16, 500 in float32), which every rank shares evenly at two and four ranks
+# (1000 in bf16, 500 in float32), which every rank shares evenly at two and four ranks. At two
+# ranks the fused one-shot takes the sums up to 2 MiB (`FUSED_ONE_SHOT_MAX_BYTES`), so there
+# these check it at a decode batch's sizes, and the two-shot above
 TWO_SHOT_SHAPES = {torch.bfloat16: [(128, 4096), (256, 4096), (1000, 4096)],
                    torch.float32: [(128, 4096), (256, 4096), (500, 4096)]}
 LAYERS = 12
