@@ -424,7 +424,7 @@ class TierCosts(msgspec.Struct, frozen=True):
     (`block_copy_s`, over `copy_blocks` blocks), a prefill's cost per token (`token_s`)
     and per token per context token (`token_context_s`, the attention's growth; both fitted to
     prefills of `prefill_tokens` tokens at two sequence lengths), and the least a step costs
-    (`step_s`: a one-request decode step), which a recall waits at least."""
+    (`step_s`: a one-request decode step), the least compute a recall's copy overlaps."""
 
     block_copy_s: float
     token_s: float
