@@ -12,11 +12,12 @@ rows read (per context token) plus its prefill (per token, and per token per con
 a step with a prefill chunk runs eagerly, and its launch costs the host `--eager-host-ms`
 (the start-up's one-token eager pass, host-bound); a decode-only step replays a graph. The
 host launches step k while the device runs step k - 1 and then waits for it (async
-scheduling), a step's tier copies adding their host time to its launch; a turn due while a call runs is handed to the engine when the call returns
-(`noticed`). The copy stream runs a step's offloads, then its recall, after the step before
-has ended on the device, at `--block-copy-us` a block; a recall that lands for the next step
-holds that step's start, one that lands layer by layer holds the end of the step that
-queues it (its last layer computes after its copy)."""
+scheduling), a step's tier copies adding their host time to its launch; a turn due while a
+call runs is handed to the engine when the call returns (`noticed`). The copy stream runs a
+step's offloads, then its recall, after the step before has ended on the device, at
+`--block-copy-us` a block; a recall that lands for the next step holds that step's start,
+one that lands layer by layer holds the end of the step that queues it (its last layer
+computes after its copy)."""
 
 from __future__ import annotations
 
