@@ -84,7 +84,10 @@ class TierCopies:
         # each layer's K and V over the slots, for the CPU engine's copies
         self.host_caches = [(self._slot_view(n, k, 0), self._slot_view(n, v, self._k_widths[n]))
                             for n, (k, v) in enumerate(device_caches)]
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # high priority: a recall's scatter kernels run ahead of the compute stream's, which
+        # waits for them layer by layer
+        self._stream = (torch.cuda.Stream(device, priority=-1) if device.type == "cuda"
+                        else None)
         self._recalled: torch.cuda.Event | None = None  # this step's recall, whole
         self._layer_landed: list[torch.cuda.Event] = []  # and per layer, in layer order
         self._copied: torch.cuda.Event | None = None  # the copy stream's latest work
