@@ -188,11 +188,13 @@ def main() -> None:
     parser.add_argument("--step-floor-ms", type=float, default=5.7,
                         help="the recall rule's step_s")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layerwise", choices=("yes", "no", "both"), default="both")
+    parser.add_argument("--layerwise", choices=("yes", "no"), default="yes",
+                        help="how the tree on PYTHONPATH lands a recall: yes, layer by layer in "
+                        "the step that queues it (this tree); no, for the next step (trees "
+                        "before it, whose scheduler computes the request a step later)")
     args = parser.parse_args()
     print(json.dumps(simulate(args, tier=False, layerwise=False)), flush=True)
-    for layerwise in {"yes": (True,), "no": (False,), "both": (False, True)}[args.layerwise]:
-        print(json.dumps(simulate(args, tier=True, layerwise=layerwise)), flush=True)
+    print(json.dumps(simulate(args, tier=True, layerwise=args.layerwise == "yes")), flush=True)
 
 
 if __name__ == "__main__":
