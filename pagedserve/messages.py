@@ -259,8 +259,8 @@ class SchedulerOutput(Message, tag="execute"):
 
     @property
     def is_empty(self) -> bool:
-        """Nothing for the runner to do at all, not even to forget a finished request or to
-        learn of one admitted while its recall lands (no tokens this step)."""
+        """Nothing for the runner to do at all, not even to forget a finished request, to
+        learn of an admitted one or to copy blocks."""
         return not (self.req_ids or self.scheduled_new_reqs or self.scheduled_cached_reqs.req_ids
                     or self.finished_req_ids or self.preempted_req_ids
                     or self.blocks_to_swap_out or self.blocks_to_swap_in
@@ -424,7 +424,7 @@ class TierCosts(msgspec.Struct, frozen=True):
     (`block_copy_s`, over `copy_blocks` blocks), a prefill's cost per token (`token_s`)
     and per token per context token (`token_context_s`, the attention's growth; both fitted to
     prefills of `prefill_tokens` tokens at two sequence lengths), and the least a step costs
-    (`step_s`: a one-request decode step), which a recall waits at least."""
+    (`step_s`: a one-request decode step), the least compute a recall's copy overlaps."""
 
     block_copy_s: float
     token_s: float

@@ -173,18 +173,23 @@ class ForwardContext:
 
     meta: AttentionMetadata
     backend: AttentionBackend
+    # a recall this step lands layer by layer: layer n's attention first waits for its part
+    # (`device/tier_copies.TierCopies.await_layer`); None: nothing to wait for
+    kv_ready: Callable[[int], None] | None = None
 
 
 _forward_context: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(meta: AttentionMetadata,
-                        backend: AttentionBackend) -> Iterator[ForwardContext]:
-    """Make `meta` and `backend` visible to attention layers for one forward step."""
+def set_forward_context(meta: AttentionMetadata, backend: AttentionBackend,
+                        kv_ready: Callable[[int], None] | None = None
+                        ) -> Iterator[ForwardContext]:
+    """Make `meta`, `backend` (and a recall's per-layer wait) visible to attention layers
+    for one forward step."""
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(meta, backend)
+    _forward_context = ForwardContext(meta, backend, kv_ready)
     try:
         yield _forward_context
     finally:

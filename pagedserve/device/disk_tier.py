@@ -5,12 +5,13 @@ The disk tier sits below the host tier and is reached only through it: a block t
 tier drops is written from its host slot (a spill), and a block found on disk is read into
 a host slot (a load), from which the usual recall copies it to the device. So this is plain
 file I/O on CPU tensors, the same on the CPU engine and on CUDA (where the host slots are
-page-locked), and each rank keeps its own shard in a directory of its own. A slot is one
-contiguous row of bytes (every layer's K and V of the block), written and read whole.
+page-locked), and each rank keeps its own shard in a directory of its own. A slot is written and
+read whole, as one row of bytes (every layer's K and V of the block, in layer order).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,21 +26,24 @@ class DiskBlocks:
         self.digest = digest
         directory.mkdir(parents=True, exist_ok=True)
 
-    def spill(self, slots: Tensor, spills: list[tuple[int, int, BlockHash]]) -> None:
-        """Write each (host slot, disk slot, hash) block to its file: a slot's bytes, every
-        layer's K and V side by side (`tier_copies.TierCopies.slots`)."""
+    def spill(self, row_of: Callable[[int], Tensor],
+              spills: list[tuple[int, int, BlockHash]]) -> None:
+        """Write each (host slot, disk slot, hash) block to its file: the slot's bytes, every
+        layer's K and V in layer order (`tier_copies.TierCopies.slot_row`)."""
         for host_slot, disk_slot, block_hash in spills:
             write_block(slot_path(self.directory, disk_slot), block_hash, self.digest,
-                        memoryview(slots[host_slot].numpy()))
+                        memoryview(row_of(host_slot).numpy()))
 
-    def load(self, slots: Tensor, loads: list[tuple[int, int, BlockHash]]) -> list[bool]:
-        """Read each (disk slot, host slot, hash) block into its host slot; per load, whether
-        its file read back whole (a failed one leaves the slot's content undefined)."""
+    def load(self, fill: Callable[[int, Tensor], None], slot_bytes: int,
+             loads: list[tuple[int, int, BlockHash]]) -> list[bool]:
+        """Read each (disk slot, host slot, hash) block into its host slot (`fill`, from the
+        bytes `spill` wrote); per load, whether its file read back whole (a failed one
+        leaves the slot's content undefined)."""
         done = []
         for disk_slot, host_slot, block_hash in loads:
             payload = read_block(slot_path(self.directory, disk_slot), block_hash, self.digest,
-                                 slots.shape[1])
+                                 slot_bytes)
             done.append(payload is not None)
             if payload is not None:
-                slots[host_slot].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+                fill(host_slot, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         return done

@@ -737,10 +737,10 @@ class ModelRunner:
 
     def swap(self, output: SchedulerOutput) -> TierReport:
         """Block copies the scheduler asked for, before this step's forward pass: the
-        compute stream first waits for the step before's recalls; then host slots to disk
-        (they read slots that later copies overwrite), copies out to host memory (swap
-        space, host tier), disk to host slots, and copies in (a recall lands for the next
-        step: `tier_copies.py`)."""
+        compute stream first waits for a recall a step before queued and no forward pass
+        waited for; then host slots to disk (they read slots that later copies overwrite),
+        copies out to host memory (swap space, host tier), disk to host slots, and copies in
+        (a recall lands layer by layer during this step's forward pass: `tier_copies.py`)."""
         start = time.perf_counter()
         tiers = self.tiers
         if tiers is not None:
@@ -815,6 +815,8 @@ class ModelRunner:
             self._copy_last_sampled(inputs, previous)
         self.buffers.mark_uploaded()
         hidden, aux = self._forward(inputs)
+        if self.tiers is not None:  # this step's recall, whole, before a drafter or the next step
+            self.tiers.await_recalls()
         handle = self._handle(output, inputs, hidden, tiers)
         handle.started = started
         handle.graph_query_len = inputs.graphs.query_len if inputs.graphs is not None else 0
@@ -1034,12 +1036,17 @@ class ModelRunner:
         None)."""
         self._bind_kv_cache()
         capture = self.drafter.capture if self.drafter is not None else ()
+        # a recall queued for this step: its layers wait for it one by one, a graph at once
+        kv_ready = self.tiers.layer_waits() if self.tiers is not None else None
         if inputs.graphs is not None:
+            if kv_ready is not None:
+                self.tiers.await_recalls()
             out = inputs.graphs.replay(inputs.graph_size, inputs.lora is not None)
             # the streams outlive the step's launches (the drafter reads them once its
             # tokens are back, after the next step's replay under async scheduling)
             return (out[0], out[1].clone()) if capture else (out, None)
-        with set_forward_context(inputs.meta, self.backend), lora_context(inputs.lora):
+        with set_forward_context(inputs.meta, self.backend, kv_ready), \
+                lora_context(inputs.lora):
             if capture:
                 return self.model.forward_capturing(inputs.input_ids, inputs.positions,
                                                     capture)

@@ -29,10 +29,12 @@ device pool: the cached blocks this step's allocations evicted are copied to hos
 (`blocks_to_offload`), and a waiting request whose prefix misses on the device continues its
 hash chain in the host tier; the blocks found there count as computed, and they are copied
 back into the request's fresh device blocks (`blocks_to_recall`). The copies run on a
-stream of their own and land for the next step (`device/tier_copies.py`), so the request is
-admitted (it holds its blocks and is running) but gets no tokens in the step that queues
-its recall, and a request whose device hit includes blocks recalled in this step is passed
-over until the next: no step's forward pass, and so no other request, waits for a recall.
+stream of their own, layer by layer, and each layer's attention in the step that queues
+them waits for its part (`device/tier_copies.py`), so the request computes its new tokens
+in that very step, the copy of layer n overlapping the compute of the layers before it: a
+recall costs the step only the copy's excess over its compute, shared by the step's other
+requests as a recompute's prefill would be, never a step of the request's own. A request
+whose device hit includes blocks recalled in this step is passed over until the next.
 The decision is the scheduler's alone, so every tensor-parallel rank copies the same blocks
 of its own shard and waits for them in the same step. A hit is recalled only where the
 recall rule (`recall_rule.py`, from the costs the engine measured at start-up) says its copy
@@ -472,8 +474,8 @@ class Scheduler:
             # recalled blocks
             num_ready = (max(num_hit, swapped.num_computed_tokens) if swapped
                          else num_hit + len(slots) * self.block_size)
-            # a recall lands for the next step: this one computes nothing of the request
-            num_new = 0 if slots else min(request.num_tokens - num_ready, budget)
+            # a recall lands layer by layer in this step, before each layer's attention
+            num_new = min(request.num_tokens - num_ready, budget)
             ahead = self._lookahead(request, num_ready + num_new, 0) if num_new else 0
             if ahead and self.kv_cache_manager.allocate_slots(
                     request, num_ready - num_hit + num_new + ahead, blocks, num_hit) is not None:

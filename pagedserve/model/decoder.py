@@ -157,6 +157,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int, ops: Ops) -> None:
         super().__init__()
+        self.layer = layer  # its index among the caches the runner binds (a recall's waits)
         # this rank's heads (all of them without tensor parallelism): see `parallel`
         self.num_heads = len(parallel.local_q_heads(config))
         self.num_kv_heads = len(parallel.local_kv_heads(config))
@@ -200,6 +201,8 @@ class Attention(nn.Module):
         # the backend rotates q and k (in its K/V store where it can: `forward_qkv`)
         rotation = QKRotation(self.rotate_qk_, positions, cos, sin, *self._rotation_norm())
         ctx = get_forward_context()
+        if ctx.kv_ready is not None:  # blocks this step recalls land layer by layer
+            ctx.kv_ready(self.layer)
         out = ctx.backend.forward_qkv(qkv, hkv, rotation, self.k_cache, self.v_cache, ctx.meta,
                                       self.scale, window=self.window, softcap=self.softcap,
                                       kv_scales=self.kv_scales)

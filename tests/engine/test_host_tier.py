@@ -102,7 +102,7 @@ def costs_declining_early_hits():
 def costs_never_paying():
     from pagedserve.messages import TierCosts
 
-    return TierCosts(block_copy_s=1e-3, token_s=1e-6, token_context_s=0.0, step_s=1e-3,
+    return TierCosts(block_copy_s=1e-3, token_s=1e-6, token_context_s=0.0, step_s=1e-6,
                      copy_blocks=4, prefill_tokens=64)
 
 

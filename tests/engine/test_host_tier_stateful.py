@@ -28,11 +28,12 @@ from tests.kv_cache.conftest import check_manager_invariants
 SYSTEMS = [[], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 9, 9, 9, 9]]
 MAX_LEN = 64
 # the recall rule's costs (engine/recall_rule.py), per block of `bs` tokens: every hit
-# recalled; hits of 2 or 3 blocks and more (a step costs 1.5 or 2.5 blocks' prefill); hits
-# deep in a prompt only (a block's recompute grows with its position past its copy's)
+# recalled; hits of up to 1 or 2 blocks (a block copies in two blocks' prefill, a step
+# hides 1.5 or 2.5 of them); hits deep in a prompt only (a block's recompute grows with
+# its position past its copy's)
 RULES = {"all": None,
-         "from 2 blocks": lambda bs: TierCosts(0.0, 1.0 / bs, 0.0, 1.5, 1, bs),
-         "from 3 blocks": lambda bs: TierCosts(0.0, 1.0 / bs, 0.0, 2.5, 1, bs),
+         "up to 1 block": lambda bs: TierCosts(2.0, 1.0 / bs, 0.0, 1.5, 1, bs),
+         "up to 2 blocks": lambda bs: TierCosts(2.0, 1.0 / bs, 0.0, 2.5, 1, bs),
          "deep only": lambda bs: TierCosts(1.0, 0.5 / bs, 0.02 / bs**2, 0.0, 1, bs)}
 
 
@@ -58,7 +59,6 @@ class TierMachine(RuleBasedStateMachine):
         self.host: dict[int, tuple] = {}  # host slot * block size + offset -> label
         self.disk: dict[int, tuple] = {}  # disk slot * block size + offset -> label
         self.damaged: set[int] = set()  # disk slots whose file no longer reads back whole
-        self.landing: dict[int, tuple] = {}  # device slot -> label, recalled last step
         self.finished: list[Request] = []
         self.next_id = 0
 
@@ -131,13 +131,11 @@ class TierMachine(RuleBasedStateMachine):
         self.finished += [r for r in requests if r.is_finished and r.num_output_tokens]
 
     def copy(self, out: SchedulerOutput) -> list[int]:
-        """The runner's block copies, in its order: the recalls the step before queued land,
-        then spills, offloads, loads, and recalls, which read their host slots now and land
-        for the next step (until then their blocks hold no KV); the loads whose file was
+        """The runner's block copies, in its order: spills, offloads, loads, and recalls,
+        which read their host slots now and land before this step's forward pass reads
+        them (each layer's part before that layer's attention); the loads whose file was
         damaged (they leave garbage in their host slot)."""
         bs = self.block_size
-        self.device.update(self.landing)
-        self.landing = {}
         for slot, disk_slot, _ in out.blocks_to_spill:
             self.damaged.discard(disk_slot)  # the file is written anew
             for o in range(bs):
@@ -154,8 +152,7 @@ class TierMachine(RuleBasedStateMachine):
                                             else self.disk.get(disk_slot * bs + o))
         for slot, block_id in out.blocks_to_recall:
             for o in range(bs):
-                self.landing[block_id * bs + o] = self.host.get(slot * bs + o)
-                self.device[block_id * bs + o] = ("landing",)
+                self.device[block_id * bs + o] = self.host.get(slot * bs + o)
         return failed
 
     def slots(self, req_id: str, start: int, end: int) -> list[int]:
@@ -210,10 +207,10 @@ def run_to_end(scheduler: Scheduler, request: Request, failing: bool = False) ->
 @pytest.mark.parametrize("failing", [False, True])
 def test_a_request_waits_one_step_for_its_loads_and_a_failed_one_is_prefilled(failing):
     """A prompt pushed down to disk is loaded (the request is not scheduled in that step),
-    then recalled (admitted, but not scheduled while its recall lands), then prefilled;
-    when its files fail, it is admitted at once with the chain as far as the host tier held
-    it (prefilled from there) and the disk tier forgets the blocks (no second load of
-    them)."""
+    then recalled and prefilled past the recalled blocks in one step (the recall lands
+    layer by layer in it); when its files fail, it is admitted at once with the chain as
+    far as the host tier held it (prefilled from there) and the disk tier forgets the
+    blocks (no second load of them)."""
     config = EngineConfig(block_size=2, max_num_seqs=4, max_num_batched_tokens=64)
     manager = KVCacheManager(8, 2, record_evictions=True)
     host, disk = HostTier(6), HostTier(40, medium="DISK")
@@ -225,7 +222,9 @@ def test_a_request_waits_one_step_for_its_loads_and_a_failed_one_is_prefilled(fa
     outs = run_to_end(scheduler, again, failing)
     loading, admitted = outs[0], outs[1]
     assert loading.blocks_to_load and "again" not in loading.req_ids
-    assert "again" not in admitted.req_ids and "again" in outs[2].req_ids
+    assert "again" in admitted.req_ids and len(outs) == 2
+    [chunk] = [n for r, n in zip(admitted.req_ids, admitted.num_scheduled_tokens) if r == "again"]
+    assert chunk == 10 - again.num_cached_tokens  # the tokens past the recalled blocks
     if failing:
         assert again.num_cached_tokens == 2 * len(admitted.blocks_to_recall) < 8
         assert not run_to_end(scheduler, Request("third", list(range(10)), params, 1))[0] \
@@ -252,7 +251,8 @@ def test_a_request_whose_hit_is_landing_is_passed_over_one_step_and_counted():
     admitted = [new.req_id for new in recalling.scheduled_new_reqs]
     assert admitted == ["a"] and recalling.blocks_to_recall
     assert scheduler.num_recall_pass_overs == 1
-    scheduler.update_from_output(recalling, ModelRunnerOutput([], []))
+    assert recalling.req_ids == ["a"]  # computed in the step its recall lands in
+    scheduler.update_from_output(recalling, ModelRunnerOutput(["a"], [1]))
     landed = scheduler.schedule()
     assert [new.req_id for new in landed.scheduled_new_reqs] == ["b"]
     assert not landed.blocks_to_recall and second.num_cached_tokens == 8

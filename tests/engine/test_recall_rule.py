@@ -22,14 +22,14 @@ def test_a_copy_faster_than_the_prefill_is_recalled():
     fast_copy = rule(block_copy_s=BLOCK * 1e-6, token_s=2e-6)  # half the recompute's time
     assert fast_copy.pays(0, 1) and fast_copy.pays(320, 10)
     assert not fast_copy.never_pays
-    assert fast_copy.min_tokens == BLOCK
+    assert fast_copy.from_start == (BLOCK, 4096)
 
 
 def test_a_copy_slower_than_the_prefill_is_recomputed():
     slow_copy = rule(block_copy_s=BLOCK * 2e-6, token_s=1e-6)
     assert not slow_copy.pays(0, 1) and not slow_copy.pays(1024, 64)
     assert slow_copy.never_pays
-    assert slow_copy.min_tokens is None
+    assert slow_copy.from_start is None
     assert "never pay" in slow_copy.describe()
 
 
@@ -37,13 +37,16 @@ def test_equal_costs_are_recomputed():
     assert not rule(block_copy_s=BLOCK * 1e-6, token_s=1e-6).pays(0, 4)
 
 
-def test_a_recall_waits_a_step_however_fast_its_copy():
-    """The request computes in the step after the one that queues its recall: a hit whose
-    recompute is shorter than a step is recomputed, a longer one recalled."""
-    r = rule(block_copy_s=1e-7, token_s=1e-6, step_s=100e-6)  # a step: ~6 blocks' prefill
-    assert not r.pays(0, 6) and r.pays(0, 7)
-    assert r.min_tokens == 7 * BLOCK and not r.never_pays
-    assert r.recall_seconds(7) == pytest.approx(100e-6)
+def test_the_step_hides_a_short_copy_slower_than_the_prefill():
+    """The request computes in the step that queues its recall, whose compute overlaps the
+    copy: a copy slower than the prefill still pays while the step hides it, and a hit
+    whose copy outlasts the step by more than its recompute is recomputed."""
+    r = rule(block_copy_s=BLOCK * 2e-6, token_s=1e-6, step_s=100e-6)  # 32 us against 16 us
+    # 32n - 100 against 16n microseconds: up to 6 blocks the recall is the cheaper
+    assert r.pays(0, 1) and r.pays(0, 6) and not r.pays(0, 7)
+    assert r.from_start == (BLOCK, 6 * BLOCK) and not r.never_pays
+    assert r.recall_seconds(2) == 0.0
+    assert r.recall_seconds(7) == pytest.approx(124e-6)
 
 
 def test_the_attention_term_makes_long_or_late_hits_pay():
@@ -53,8 +56,9 @@ def test_the_attention_term_makes_long_or_late_hits_pay():
     assert not r.pays(0, 1)
     assert r.pays(1024, 1)
     assert not r.never_pays
-    assert 0 < r.min_tokens <= 1024
-    assert r.pays(0, r.min_tokens // BLOCK) and not r.pays(0, r.min_tokens // BLOCK - 1)
+    shortest, longest = r.from_start
+    assert 0 < shortest <= 1024 and longest == 4096
+    assert r.pays(0, shortest // BLOCK) and not r.pays(0, shortest // BLOCK - 1)
 
 
 def test_a_context_too_short_for_the_attention_term_never_pays():
@@ -69,11 +73,11 @@ def test_no_hit_is_weighed_on_nothing():
 def test_the_rule_logs_its_inputs_once(caplog):
     with caplog.at_level(logging.INFO, logger="pagedserve.engine.recall_rule"):
         assert recall_rule(None, BLOCK, 4096) is None
-        built = recall_rule(TierCosts(3e-5, 1e-6, 0.0, 1e-3, 8, 256), BLOCK, 4096)
+        built = recall_rule(TierCosts(3e-5, 1e-6, 0.0, 1e-5, 8, 256), BLOCK, 4096)
     assert built.never_pays
     [record] = caplog.records
     message = record.getMessage()
-    assert "30.0 us a block" in message and "1.00 ms" in message and "never pay" in message
+    assert "30.0 us a block" in message and "0.01 ms" in message and "never pay" in message
 
 
 @pytest.mark.parametrize("first", [0, 160, 2000])

@@ -167,6 +167,30 @@ def test_copies_in_descending_slot_order_put_each_block_in_place(loaded):
     assert torch.equal(host_v[4:8].flip(0), device_before[1].cpu())
 
 
+def test_each_layer_of_a_recall_has_landed_once_its_event_is_waited_for(loaded):
+    """A recall lands layer by layer in the step that queues it: once the compute stream has
+    waited for layer n's event (what layer n's attention does first), layer n's blocks
+    hold the host slots' bytes, read on the compute stream with no device-wide sync."""
+    from pagedserve.messages import SchedulerOutput
+
+    engine = make_engine(loaded, kv_cache_memory=1 << 30, kv_offload_memory=256 << 20)
+    runner = engine.model_runner
+    for host_k, host_v in runner.tiers.host_caches:
+        host_k[30:34].normal_()
+        host_v[30:34].normal_()
+    recalls = [(33, 40), (32, 41), (31, 42), (30, 43)]
+    runner.swap(SchedulerOutput(blocks_to_recall=recalls))
+    wait = runner.tiers.layer_waits()
+    assert wait is not None
+    for layer, ((k, v), (host_k, host_v)) in enumerate(zip(runner.kv_caches,
+                                                            runner.tiers.host_caches)):
+        wait(layer)
+        assert torch.equal(k[40:44].cpu(), host_k[30:34].flip(0))
+        assert torch.equal(v[40:44].cpu(), host_v[30:34].flip(0))
+    runner.tiers.await_recalls()
+    assert runner.tiers.layer_waits() is None
+
+
 @pytest.fixture(scope="module")
 def float32_loaded(tmp_path_factory):
     """A float32 random checkpoint (LM head x25): under load the batches differ between

@@ -8,6 +8,8 @@ every fed token so they can be compared position by position with transformers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagedserve.attention.backend import set_forward_context
@@ -42,8 +44,10 @@ class PagedDriver:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     @torch.no_grad()
-    def step(self, feeds: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """feeds: seq id -> new token ids. Returns seq id -> logits [n_new, vocab]."""
+    def step(self, feeds: dict[str, list[int]],
+             kv_ready: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+        """feeds: seq id -> new token ids. Returns seq id -> logits [n_new, vocab].
+        `kv_ready`: the forward context's per-layer wait of a recall (the runner's)."""
         order = sorted(feeds, key=lambda s: len(feeds[s]) != 1)  # decodes first
         ids, positions, slots, starts, seq_lens = [], [], [], [0], []
         for seq in order:
@@ -69,7 +73,7 @@ class PagedDriver:
             max_query_len=max(len(f) for f in feeds.values()),
             max_seq_len=max(seq_lens),
         )
-        with set_forward_context(meta, self.backend):
+        with set_forward_context(meta, self.backend, kv_ready):
             hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev))
         logits = self.model.compute_logits(hidden).float().cpu()
         return {seq: logits[starts[i]:starts[i + 1]] for i, seq in enumerate(order)}

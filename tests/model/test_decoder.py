@@ -111,3 +111,35 @@ def test_sharded_checkpoint_and_dtype(tmp_path):
         ref = hf(ids[None]).logits[0]
     # bf16 weights and activations: only a coarse agreement is expected.
     assert torch.nn.functional.cosine_similarity(out, ref, dim=-1).min() > 0.99
+
+
+def test_each_layer_takes_its_recalled_kv_before_it_reads_its_cache(tmp_path):
+    """A recall lands layer by layer in the step that reads it (`device/tier_copies.py`):
+    each attention layer asks for its own layer's blocks (the forward context's `kv_ready`)
+    before it stores into or reads its cache. Here a prefix's KV is withheld (NaN) and each
+    layer's is put back only when that layer asks: the logits are those of a run that never
+    lost it, and the layers ask in order, once each."""
+    make_checkpoint(LlamaConfig(**{**TINY, "num_hidden_layers": 3}), tmp_path)
+    model, _, _ = load_model(tmp_path, torch.float32, "cpu")
+    prompt = torch.randint(0, TINY["vocab_size"], (14,),
+                           generator=torch.Generator().manual_seed(2)).tolist()
+    kept = PagedDriver(model, block_size=4)  # the same seed: the same blocks
+    kept.step({"a": prompt[:9]})
+    want = kept.step({"a": prompt[9:]})["a"]
+    driver = PagedDriver(model, block_size=4)
+    driver.step({"a": prompt[:9]})
+    blocks = torch.tensor(driver.blocks["a"])
+    layers = model.attention_layers()
+    saved = [(a.k_cache[blocks].clone(), a.v_cache[blocks].clone()) for a in layers]
+    for attention in layers:
+        attention.k_cache[blocks] = float("nan")
+        attention.v_cache[blocks] = float("nan")
+    asked = []
+
+    def kv_ready(layer: int) -> None:
+        asked.append(layer)
+        layers[layer].k_cache[blocks], layers[layer].v_cache[blocks] = saved[layer]
+
+    got = driver.step({"a": prompt[9:]}, kv_ready)["a"]
+    assert asked == [0, 1, 2]
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
