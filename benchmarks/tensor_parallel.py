@@ -314,8 +314,9 @@ def summarize_trace(path: Path, steps: int, top: int = 25) -> dict:
     replays (each replay's first kernel start to its last's end) and outside them
     (outside_graph_ms: the eager part of the step and the gaps around it), the eager kernels'
     time and count; the `top` kernels by time (`where`: graph or eager; count per step, mean
-    µs) and the largest gaps by the kernel pair around them. On the CPU (no kernels) the
-    outermost profiled ops stand in for kernels."""
+    µs) and the largest gaps by the kernel pair around them; the launching thread's host
+    time (`summarize_host`) and how far ahead of the GPU it queued (`queue_leads`). On the
+    CPU (no kernels) the outermost profiled ops stand in for kernels."""
     import gzip
 
     with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
@@ -351,7 +352,37 @@ def summarize_trace(path: Path, steps: int, top: int = 25) -> dict:
             "eager_kernel_ms": round(sum(e["dur"] for e in eager) * per_step, 4),
             "eager_kernels": round(len(eager) / steps, 1),
             "top": top_kernels(kernels, where, steps, top),
-            "top_gaps": top_gaps(gaps, where, steps), **summarize_host(events)}
+            "top_gaps": top_gaps(gaps, where, steps), **summarize_host(events),
+            **queue_leads(events, kernels, graph_launches)}
+
+
+def queue_leads(events: list[dict], kernels: list[dict], graph_launches: set) -> dict:
+    """How far ahead of the GPU the host queued each step's work, medians in ms: a graph
+    replay's first kernel's start less its `cudaGraphLaunch` call's (graph_lead_ms), and an
+    input upload's (a host-to-device copy) start less its `cudaMemcpyAsync` call's
+    (upload_lead_ms). A few µs to tens: the GPU was idle until the host issued them (a loop
+    that prepares a step once the previous step's tokens are back); about the host's slack
+    (ms): queued behind the step before, as async scheduling means to. The gaps between
+    queued copies and before a queued replay are the device's own, which a GPU gap alone
+    does not tell from the host's. `kernels` sorted by start; {} without runtime calls."""
+    calls = {e["args"]["correlation"]: e["ts"] for e in events
+             if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    replays: dict = {}
+    uploads = []
+    for e in kernels:
+        call = calls.get(e.get("args", {}).get("correlation"))
+        if call is None:
+            continue
+        if e["args"]["correlation"] in graph_launches:
+            replays.setdefault(e["args"]["correlation"], e["ts"] - call)
+        elif "HtoD" in e["name"]:
+            uploads.append(e["ts"] - call)
+    leads = {}
+    if replays:
+        leads["graph_lead_ms"] = round(statistics.median(replays.values()) / 1e3, 4)
+    if uploads:
+        leads["upload_lead_ms"] = round(statistics.median(uploads) / 1e3, 4)
+    return leads
 
 
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
@@ -977,7 +1008,8 @@ def profile_table(tp: int, shape: str, p: dict) -> str:
                 "step_ms", "kernel_ms", "kernels", "busy_ms", "idle_ms", "span_ms", "gap_ms",
                 "graph_launches", "in_graph_ms", "outside_graph_ms", "eager_kernel_ms",
                 "eager_kernels", "host_interval_ms", "host_ops_ms", "host_sync_ms",
-                "host_comm_ms", "host_untraced_ms", "host_untraced_max_ms") if k in p))
+                "host_comm_ms", "host_untraced_ms", "host_untraced_max_ms", "graph_lead_ms",
+                "upload_lead_ms") if k in p))
     lines = [head, "", f"{'ms/step':>8} {'n/step':>7} {'mean us':>8}  where  kernel"]
     lines += [f"{k['ms_per_step']:8.4f} {k['per_step']:7.2f} {k['mean_us']:8.2f}  "
               f"{k['where']:<5}  {k['name']}" for k in p.get("top", [])]

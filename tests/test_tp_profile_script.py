@@ -96,3 +96,34 @@ def test_host_time_per_launch_interval_on_the_launching_thread(tmp_path):
     assert s["host_sync_ms"] == pytest.approx(0.1) and s["host_comm_ms"] == pytest.approx(0.05)
     assert s["host_untraced_ms"] == pytest.approx((50 + 100 + 500 + 150 + 700) / 2e3)
     assert s["host_untraced_max_ms"] == pytest.approx((500 + 700) / 2e3)
+
+
+def test_queue_leads_tell_a_queued_step_from_one_issued_on_an_idle_gpu(tmp_path):
+    """The same GPU timeline, two host timelines: the step's upload and replay issued 3 ms
+    before the GPU reached them (queued behind the step before: async scheduling as meant),
+    or 5 and 30 µs before (the host prepared the step once the previous tokens were back).
+    Only the leads tell them apart; the GPU's gaps are the same."""
+    def trace(lead_upload: float, lead_graph: float) -> dict:
+        events = []
+        for i, t in enumerate((10_000, 14_000)):
+            upload, graph = 100 * i + 1, 100 * i + 2
+            events += [
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync",
+                 "ts": t - lead_upload, "dur": 4, "pid": 1, "tid": 1,
+                 "args": {"correlation": upload}},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch",
+                 "ts": t + 40 - lead_graph, "dur": 10, "pid": 1, "tid": 1,
+                 "args": {"correlation": graph}},
+                kernel("Memcpy HtoD (Pinned -> Device)", t, t + 1, upload, cat="gpu_memcpy"),
+                kernel("A", t + 40, t + 3000, graph), kernel("B", t + 3001, t + 3900, graph),
+            ]
+        path = tmp_path / f"trace-{lead_upload}.json.gz"
+        write(path, events)
+        return summarize_trace(path, steps=2)
+
+    queued, serial = trace(3000, 3040), trace(5, 30)
+    assert queued["graph_lead_ms"] == pytest.approx(3.04)
+    assert queued["upload_lead_ms"] == pytest.approx(3.0)
+    assert serial["graph_lead_ms"] == pytest.approx(0.03)
+    assert serial["upload_lead_ms"] == pytest.approx(0.005)
+    assert queued["top_gaps"] == serial["top_gaps"]

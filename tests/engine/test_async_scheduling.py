@@ -364,3 +364,39 @@ def test_an_output_read_early_is_the_result_and_places_no_token(loaded):
     engine.abort_request(["r"])
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_batch_one_launches_each_step_before_reading_the_tokens_in_flight(loaded):
+    """The pipelined order at batch 1 through the executor's two verbs: each decode step is
+    launched (its host work, its input uploads and its forward pass queued) before the
+    tokens of the step in flight are read, so on a GPU the new step waits in the device's
+    queue while the host waits for those tokens. A loop that read them first would leave
+    the device idle through the engine's whole turnaround every step (docs/benchmarks.md,
+    "Is the batch-1 decode loop serialized?")."""
+    engine = make(loaded, async_scheduling=True)
+    executor = engine.engine_core.executor
+    execute, sample = executor.execute_model, executor.sample_tokens
+    events = []
+
+    def execute_model(scheduler_output, previous=None):
+        events.append(("launch", scheduler_output.num_computed_tokens[0]))
+        return execute(scheduler_output, previous)
+
+    def sample_tokens(step, grammar=None):
+        pending, position = sample(step, grammar), events[-1][1]
+        result = pending.result
+
+        def read():
+            events.append(("tokens", position))
+            return result()
+
+        pending.result = read
+        return pending
+
+    executor.execute_model, executor.sample_tokens = execute_model, sample_tokens
+    out = run(engine, [Arrival(0, "b1", prompts(7, [10])[0], greedy(6))])
+    assert len(out["b1"][0].token_ids) == 6
+    # the prompt (from position 0), then a decode at each of positions 10-14
+    assert events == [("launch", 0), ("launch", 10), ("tokens", 0), ("launch", 11),
+                      ("tokens", 10), ("launch", 12), ("tokens", 11), ("launch", 13),
+                      ("tokens", 12), ("launch", 14), ("tokens", 13), ("tokens", 14)]
