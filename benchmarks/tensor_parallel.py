@@ -362,7 +362,8 @@ def queue_leads(events: list[dict], kernels: list[dict], graph_launches: set) ->
     input upload's (a host-to-device copy) start less its `cudaMemcpyAsync` call's
     (upload_lead_ms). A few µs to tens: the GPU was idle until the host issued them (a loop
     that prepares a step once the previous step's tokens are back); about the host's slack
-    (ms): queued behind the step before, as async scheduling means to. The gaps between
+    (ms): queued behind the step before, as async scheduling means to; the least replay
+    lead (graph_lead_min_ms) shows a step the host was late for. The gaps between
     queued copies and before a queued replay are the device's own, which a GPU gap alone
     does not tell from the host's. `kernels` sorted by start; {} without runtime calls."""
     calls = {e["args"]["correlation"]: e["ts"] for e in events
@@ -380,6 +381,7 @@ def queue_leads(events: list[dict], kernels: list[dict], graph_launches: set) ->
     leads = {}
     if replays:
         leads["graph_lead_ms"] = round(statistics.median(replays.values()) / 1e3, 4)
+        leads["graph_lead_min_ms"] = round(min(replays.values()) / 1e3, 4)
     if uploads:
         leads["upload_lead_ms"] = round(statistics.median(uploads) / 1e3, 4)
     return leads
@@ -1009,7 +1011,7 @@ def profile_table(tp: int, shape: str, p: dict) -> str:
                 "graph_launches", "in_graph_ms", "outside_graph_ms", "eager_kernel_ms",
                 "eager_kernels", "host_interval_ms", "host_ops_ms", "host_sync_ms",
                 "host_comm_ms", "host_untraced_ms", "host_untraced_max_ms", "graph_lead_ms",
-                "upload_lead_ms") if k in p))
+                "graph_lead_min_ms", "upload_lead_ms") if k in p))
     lines = [head, "", f"{'ms/step':>8} {'n/step':>7} {'mean us':>8}  where  kernel"]
     lines += [f"{k['ms_per_step']:8.4f} {k['per_step']:7.2f} {k['mean_us']:8.2f}  "
               f"{k['where']:<5}  {k['name']}" for k in p.get("top", [])]

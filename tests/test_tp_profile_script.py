@@ -107,6 +107,7 @@ def test_queue_leads_tell_a_queued_step_from_one_issued_on_an_idle_gpu(tmp_path)
         events = []
         for i, t in enumerate((10_000, 14_000)):
             upload, graph = 100 * i + 1, 100 * i + 2
+            lead_graph -= 10 * i  # the second replay's lead 10 µs shorter
             events += [
                 {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync",
                  "ts": t - lead_upload, "dur": 4, "pid": 1, "tid": 1,
@@ -122,8 +123,10 @@ def test_queue_leads_tell_a_queued_step_from_one_issued_on_an_idle_gpu(tmp_path)
         return summarize_trace(path, steps=2)
 
     queued, serial = trace(3000, 3040), trace(5, 30)
-    assert queued["graph_lead_ms"] == pytest.approx(3.04)
+    assert queued["graph_lead_ms"] == pytest.approx(3.035)
+    assert queued["graph_lead_min_ms"] == pytest.approx(3.03)
     assert queued["upload_lead_ms"] == pytest.approx(3.0)
-    assert serial["graph_lead_ms"] == pytest.approx(0.03)
+    assert serial["graph_lead_ms"] == pytest.approx(0.025)
+    assert serial["graph_lead_min_ms"] == pytest.approx(0.02)
     assert serial["upload_lead_ms"] == pytest.approx(0.005)
     assert queued["top_gaps"] == serial["top_gaps"]
