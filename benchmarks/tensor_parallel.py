@@ -45,8 +45,10 @@ default, in this order):
   profile    (not in the default) Llama-3-8B decode steps at batch 1 and 64 at every TP
              size under torch.profiler on rank 0 (Executor.start_profile): per step the
              kernel time and count, the top kernels (in the CUDA graph or eager after it),
-             the GPU's idle time, the gaps between kernels and the time outside the graph;
-             the Chrome traces go to DIR/profile_tp{N}_b{B}.json.gz
+             the GPU's idle time, the gaps between kernels and the time outside the graph,
+             the launching thread's host time and how far ahead of the GPU it queued the
+             uploads and replays (graph_lead_ms: milliseconds when async scheduling
+             pipelines); the Chrome traces go to DIR/profile_tp{N}_b{B}.json.gz
 
 logits, tpot, workload and profile share one engine per TP size. Weights are random (load_format
 dummy: no checkpoint to write; the same weights at every TP size, see pagedserve/model/
