@@ -27,8 +27,10 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/pagedserve generate "$(PROMPT)" --max-tokens 64
 
+# two pytest workers, a test file each at a time (its module fixtures load once): the suite's
+# tests are mostly one-threaded interpreter kernels and engine steps, so the two cores run two
 test: setup
-	$(BIN)/python -m pytest -q -x
+	$(BIN)/python -m pytest -q -x -n 2 --dist loadfile --durations 30
 
 bench: setup
 	$(BIN)/pagedserve bench
