@@ -138,6 +138,11 @@ def pool_bytes(args: argparse.Namespace, loaded: LoadedModel, block_size: int) -
     return (usable + 1) * block_bytes  # + 1: block 0 is the null block, never handed out
 
 
+def p99(ordered: list[float]) -> float:
+    """The 99th percentile of sorted values (the nearest rank below)."""
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
 def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int,
         block_size: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=answer_tokens, ignore_eos=True)
@@ -202,11 +207,10 @@ def run(engine: LLMEngine, conversations: list[Conversation], answer_tokens: int
         "turns_measured": len(ttfts), "wall_s": round(wall, 3),
         "ttft_from": "due",
         "ttft_p50_s": round(statistics.median(ttfts), 4),
-        "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
+        "ttft_p99_s": round(p99(ttfts), 4),
         # the measure of the rows before 2026-11-28 (from the loop's hand-over)
         "ttft_noticed_p50_s": round(statistics.median(ttfts_noticed), 4),
-        "ttft_noticed_p99_s": round(
-            ttfts_noticed[min(len(ttfts_noticed) - 1, int(0.99 * len(ttfts_noticed)))], 4),
+        "ttft_noticed_p99_s": round(p99(ttfts_noticed), 4),
         "output_tok_per_s": round(num_output / wall, 2),
         "device_prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
         "host_tier_hit_rate": rate(host_hits),

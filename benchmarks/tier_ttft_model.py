@@ -44,9 +44,10 @@ from pagedserve.sampling_params import SamplingParams  # noqa: E402
 def step_ms(args, out, scheduler) -> tuple[float, float]:
     """(device ms, host launch ms) of a scheduled step."""
     device, eager = args.base_ms, False
+    new_ids = {new.req_id for new in out.scheduled_new_reqs}
     for req_id, start, n in zip(out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens):
         device += args.ctx_read_us * 1e-3 * (start + n)
-        if n > 1 or req_id in {new.req_id for new in out.scheduled_new_reqs}:
+        if n > 1 or req_id in new_ids:
             eager = True
             device += args.prefill_us * 1e-3 * n
             device += args.context_ns * 1e-6 * ((start + n) ** 2 - start ** 2)

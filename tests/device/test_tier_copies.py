@@ -10,21 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.tier_copies_host import HostEvent, HostStream, HostStreamContext
 from pagedserve.device.tier_copies import TierCopies
 
 LAYERS, BLOCKS, SLOTS = 3, 24, 16
 
 
-class Recorder:
+class Recorder(HostStream):
     """A stream and the events recorded on it; an event keeps what `snapshot` returned when
     it was recorded."""
 
     def __init__(self, snapshot) -> None:
         self.snapshot = snapshot
         self.waited: list = []
-
-    def wait_stream(self, *args) -> None:
-        pass
 
     def wait_event(self, event) -> None:
         self.waited.append(event)
@@ -37,31 +35,15 @@ def host_streams(monkeypatch):
     state = {"snapshot": lambda: None}
     compute = Recorder(None)
 
-    class Event:
+    class Event(HostEvent):
         def __init__(self, *args, **kwargs) -> None:
             self.seen = None
 
         def record(self, *args) -> None:
             self.seen = state["snapshot"]()
 
-        def query(self) -> bool:
-            return True
-
-        def elapsed_time(self, other) -> float:
-            return 0.0
-
-    class StreamContext:
-        def __init__(self, stream) -> None:
-            pass
-
-        def __enter__(self) -> None:
-            pass
-
-        def __exit__(self, *args) -> bool:
-            return False
-
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "stream", HostStreamContext)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: compute)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None, raising=False)
     return state, compute
